@@ -1,0 +1,22 @@
+# Compiler launcher, threads and system libraries shared by all components.
+set(ZEROPLUS_CCACHE_PROGRAM "off")
+if(ZEROPLUS_USE_CCACHE)
+  find_program(_ccache ccache)
+  if(_ccache)
+    set(CMAKE_C_COMPILER_LAUNCHER "${_ccache}")
+    set(CMAKE_CXX_COMPILER_LAUNCHER "${_ccache}")
+    set(CMAKE_CUDA_COMPILER_LAUNCHER "${_ccache}")
+    set(ZEROPLUS_CCACHE_PROGRAM "${_ccache}")
+  endif()
+endif()
+
+set(THREADS_PREFER_PTHREAD_FLAG ON)
+find_package(Threads REQUIRED)
+
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(LIBURING IMPORTED_TARGET liburing)
+if(LIBURING_FOUND)
+  set(ZEROPLUS_LIBURING_FOUND "yes (${LIBURING_VERSION})")
+else()
+  set(ZEROPLUS_LIBURING_FOUND "no")
+endif()

@@ -1,0 +1,45 @@
+# Finds torch from the active Python interpreter and records its version and C++ ABI.
+#
+# The Python used is ZEROPLUS_PYTHON (cache) or the first python3 on PATH. Torch's CMake
+# package is located with torch.utils.cmake_prefix_path so no CMAKE_PREFIX_PATH is needed.
+set(ZEROPLUS_PYTHON "" CACHE FILEPATH "Python interpreter whose torch is built against")
+if(NOT ZEROPLUS_PYTHON)
+  find_program(ZEROPLUS_PYTHON_FOUND NAMES python3 python REQUIRED)
+  set(ZEROPLUS_PYTHON "${ZEROPLUS_PYTHON_FOUND}" CACHE FILEPATH "" FORCE)
+endif()
+
+execute_process(
+  COMMAND "${ZEROPLUS_PYTHON}" -c
+    "import torch,os;print(torch.utils.cmake_prefix_path);print(torch.__version__);print(int(torch._C._GLIBCXX_USE_CXX11_ABI));print(os.path.dirname(torch.__file__));print(int(torch.version.cuda is not None))"
+  OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
+  RESULT_VARIABLE _torch_rc)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "zeroplus: '${ZEROPLUS_PYTHON}' cannot import torch. Run scripts/setup.sh, "
+                      "or pass -DZEROPLUS_PYTHON=<python with torch>, or -DZEROPLUS_WITH_TORCH=OFF.")
+endif()
+string(REPLACE "\n" ";" _torch_info "${_torch_info}")
+list(GET _torch_info 0 _torch_prefix)
+list(GET _torch_info 1 ZEROPLUS_TORCH_VERSION)
+list(GET _torch_info 2 ZEROPLUS_TORCH_CXX11_ABI)
+list(GET _torch_info 3 ZEROPLUS_TORCH_DIR)
+list(GET _torch_info 4 _torch_has_cuda)
+
+# ZEROPLUS_WITH_CUDA=AUTO compiles CUDA only when the torch in use was built with CUDA.
+set(ZEROPLUS_CUDA_ENABLED OFF)
+if(ZEROPLUS_WITH_CUDA STREQUAL "ON" OR (ZEROPLUS_WITH_CUDA STREQUAL "AUTO" AND _torch_has_cuda))
+  if(NOT _torch_has_cuda)
+    message(FATAL_ERROR "zeroplus: ZEROPLUS_WITH_CUDA=ON but torch ${ZEROPLUS_TORCH_VERSION} has no CUDA")
+  endif()
+  enable_language(CUDA)
+  set(ZEROPLUS_CUDA_ENABLED ON)
+endif()
+
+list(PREPEND CMAKE_PREFIX_PATH "${_torch_prefix}")
+# Torch's config warns about kineto and optional bits we do not use; keep configure quiet.
+find_package(Torch REQUIRED QUIET)
+string(REGEX MATCH "^([0-9]+)\\.([0-9]+)" _ "${ZEROPLUS_TORCH_VERSION}")
+set(ZEROPLUS_TORCH_VERSION_MAJOR "${CMAKE_MATCH_1}")
+set(ZEROPLUS_TORCH_VERSION_MINOR "${CMAKE_MATCH_2}")
+
+# Every translation unit, torch-free ones included, must agree with torch on the std::string ABI.
+add_compile_definitions(_GLIBCXX_USE_CXX11_ABI=${ZEROPLUS_TORCH_CXX11_ABI})

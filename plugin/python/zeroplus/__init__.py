@@ -1,0 +1,18 @@
+"""zeroplus: ZeRO memory savings for stock PyTorch, as a c10d backend and a drop-in optimizer.
+
+Importing this package loads ``libzeroplus.so`` into the running torch. Loading the library
+registers the ``"zeroplus"`` backend for ``torch.distributed.init_process_group`` (a bare
+``torch.ops.load_library(zeroplus.library_path())`` does the same, without this package).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._library import built_torch_version, library_path, load_library
+
+__version__ = "0.1.0"
+
+load_library()
+
+__all__ = ["__version__", "built_torch_version", "library_path", "load_library"]

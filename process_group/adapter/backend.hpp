@@ -1,0 +1,95 @@
+// ZeroPlusBackend: the c10d::Backend registered as "zeroplus".
+//
+// Shape (after ProcessGroupGloo): each collective is a short wrapper that validates its
+// arguments on the caller's thread (TORCH_CHECK, message "zeroplus <op>: ...") and hands one
+// closure to collective(), the funnel that owns sequence numbers, the worker queue, timeouts
+// and error conversion. The closure runs on the backend's single worker thread, in issue
+// order, against the torch-free Communicator (process_group/core).
+//
+// Rules callers must follow (the c10d contract): every rank of the group issues the same
+// collectives in the same order with matching shapes. Input and output tensors must not be
+// modified by the caller until the returned Work completes; the Work keeps them alive.
+//
+// Failure model: an op that times out or loses a peer fails its Work with
+// c10::DistBackendError (torch.distributed.DistBackendError in Python) naming op, rank, peer
+// and elapsed time. The backend is then broken: later ops fail at once with the first error,
+// as with NCCL. shutdown()/abort() (called by destroy_process_group) stop the worker and close
+// the connections; a new group can be created afterwards in the same process.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "process_group/adapter/work.hpp"
+#include "process_group/core/communicator.hpp"
+
+namespace zeroplus::pg {
+
+// Everything needed to build a backend; filled by registration/ from c10d's creator arguments.
+struct BackendConfig {
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};  // group default per-op timeout
+  std::string groupName;
+  std::vector<int64_t> globalRanks;  // empty: identity
+};
+
+class ZeroPlusBackend final : public c10d::Backend {
+ public:
+  // Connects to every peer of the group (blocking, bounded by config.timeout).
+  ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, BackendConfig config);
+  ~ZeroPlusBackend() override;
+
+  const std::string getBackendName() const override { return "zeroplus"; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return sequenceNumber_.load(); }
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+ private:
+  using Body = std::function<void(Deadline)>;
+  struct Task {
+    c10::intrusive_ptr<ZeroPlusWork> work;
+    Body body;
+    std::chrono::milliseconds timeout;
+    const char* opName;
+  };
+
+  // The funnel: assigns the sequence number, queues `body` for the worker and returns its Work.
+  c10::intrusive_ptr<c10d::Work> collective(c10d::OpType opType, const char* opName, std::vector<at::Tensor> outputs,
+                                            std::chrono::milliseconds opTimeout, Body body);
+  void workerLoop();
+  void runTask(Task& task);
+  void stopWorker();
+
+  BackendConfig config_;
+  std::unique_ptr<Communicator> comm_;
+  std::atomic<uint64_t> sequenceNumber_{0};
+
+  std::mutex mutex_;
+  std::condition_variable queueCv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::string brokenReason_;  // non-empty after a transport failure; guarded by mutex_
+  std::thread worker_;
+};
+
+}  // namespace zeroplus::pg

@@ -1,0 +1,72 @@
+#include "process_group/adapter/tensor_checks.hpp"
+
+namespace zeroplus::pg {
+
+DataType toDataType(const char* op, const char* arg, at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kByte: return DataType::kUInt8;
+    case at::kShort: return DataType::kInt16;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kBool: return DataType::kBool;
+    default:
+      TORCH_CHECK(false, "zeroplus ", op, ": ", arg, " has unsupported dtype ", type,
+                  "; supported: float32, float64, float16, bfloat16, int8, uint8, int16, int32, int64, bool");
+  }
+}
+
+ReduceOp toCoreReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType type) {
+  const bool floating = at::isFloatingType(type);
+  switch (reduceOp.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProduct;
+    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::AVG:
+      TORCH_CHECK(floating, "zeroplus ", op, ": ReduceOp.AVG needs a floating-point tensor, got ", type);
+      return ReduceOp::kSum;
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR: {
+      TORCH_CHECK(!floating, "zeroplus ", op, ": bitwise reduce op ", reduceOp.op_,
+                  " is not defined for floating-point dtype ", type);
+      if (reduceOp.op_ == c10d::ReduceOp::BAND) return ReduceOp::kBand;
+      if (reduceOp.op_ == c10d::ReduceOp::BOR) return ReduceOp::kBor;
+      return ReduceOp::kBxor;
+    }
+    default:
+      TORCH_CHECK(false, "zeroplus ", op, ": does not support reduce op ", reduceOp.op_);
+  }
+}
+
+void checkCpuDense(const char* op, const char* arg, const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.defined(), "zeroplus ", op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(tensor.device().is_cpu(), "zeroplus ", op, ": ", arg, " is on ", tensor.device(),
+              "; this build of zeroplus moves CPU tensors only");
+  TORCH_CHECK(tensor.layout() == at::kStrided, "zeroplus ", op, ": ", arg, " has layout ", tensor.layout(),
+              ", expected a dense (strided) tensor");
+  TORCH_CHECK(tensor.is_contiguous(), "zeroplus ", op, ": ", arg, " is not contiguous (sizes ", tensor.sizes(),
+              ", strides ", tensor.strides(), "); call .contiguous() first");
+}
+
+void checkSingleTensor(const char* op, const char* arg, size_t count) {
+  TORCH_CHECK(count == 1, "zeroplus ", op, ": ", arg, " must hold exactly one tensor per process, got ", count);
+}
+
+void checkRank(const char* op, const char* arg, int64_t rank, int size) {
+  TORCH_CHECK(rank >= 0 && rank < size, "zeroplus ", op, ": invalid ", arg, " ", rank, " for a group of size ", size);
+}
+
+void checkSameTypeAndNumel(const char* op, const char* arg, const at::Tensor& tensor, const at::Tensor& reference) {
+  TORCH_CHECK(tensor.scalar_type() == reference.scalar_type(), "zeroplus ", op, ": ", arg, " has dtype ",
+              tensor.scalar_type(), ", expected ", reference.scalar_type(), " (the input's dtype)");
+  TORCH_CHECK(tensor.numel() == reference.numel(), "zeroplus ", op, ": ", arg, " has ", tensor.numel(),
+              " elements, expected ", reference.numel(), " (the input's size)");
+}
+
+}  // namespace zeroplus::pg

@@ -1,0 +1,38 @@
+// ZeroPlusWork: the c10d::Work returned by every zeroplus collective.
+//
+// Lifetime: created on the caller's thread by ZeroPlusBackend::collective(), completed exactly
+// once on the backend's worker thread by markSucceeded()/markFailed(). The output tensors are
+// kept alive by the Work until it is destroyed (c10d callers rely on result() and futures).
+//
+// Blocking: wait() blocks the calling thread until the worker completes the op (CPU tensors:
+// completion means the data is in place). Errors raised on the worker are rethrown by wait()
+// and delivered through the future (DDP comm hooks call getFuture()).
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <vector>
+
+namespace zeroplus::pg {
+
+class ZeroPlusWork : public c10d::Work {
+ public:
+  ZeroPlusWork(int rank, c10d::OpType opType, const char* profilingTitle, uint64_t sequenceNumber,
+               std::vector<at::Tensor> outputs);
+
+  std::vector<at::Tensor> result() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  uint64_t getSequencenumber() const override { return sequenceNumber_; }
+
+  // Worker side. Exactly one of these is called, once.
+  void markSucceeded();
+  void markFailed(std::exception_ptr error);
+
+ private:
+  const uint64_t sequenceNumber_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+}  // namespace zeroplus::pg

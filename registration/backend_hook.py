@@ -1,0 +1,60 @@
+# Registers the "zeroplus" c10d backend with torch.distributed. This text is embedded into
+# libzeroplus.so and run by python_hook.cpp while the library is being loaded, so that
+# `torch.ops.load_library(path)` alone is enough for init_process_group(backend="zeroplus").
+# It runs in the interpreter's __main__ namespace, so it defines one function and deletes it.
+def __zeroplus_backend_hook():
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    built = "@ZEROPLUS_TORCH_VERSION@"
+
+    def minor(version):
+        return tuple(version.split("+")[0].split(".")[:2])
+
+    mismatch = None
+    if minor(built) != minor(torch.__version__):
+        mismatch = (
+            f"zeroplus: libzeroplus.so was built for torch {built} but this process runs torch "
+            f"{torch.__version__}; the c10d ABI changes between minor versions, so rebuild zeroplus "
+            f"against torch {torch.__version__}"
+        )
+
+    def create_zeroplus_backend(options, pg_options):
+        if mismatch:
+            raise RuntimeError(mismatch)
+        if pg_options is not None:
+            raise TypeError(
+                f"zeroplus: pg_options must be None, got {type(pg_options).__name__}; "
+                "configure zeroplus with ZEROPLUS_* environment variables (docs/backend.md)"
+            )
+        # A scratch ProcessGroup carries the C++ backend across the boundary: attach() builds it
+        # and sets it on the scratch group; _get_backend returns torch's own Backend wrapper,
+        # which c10d then registers on the real group. No pybind11 code lives in zeroplus.
+        scratch = dist.ProcessGroup(options.store, options.group_rank, options.group_size)
+        timeout_ms = int(options.timeout.total_seconds() * 1000)
+        torch.ops.zeroplus.attach(
+            scratch.boxed(), timeout_ms, str(options.group_id),
+            [int(r) for r in options.global_ranks_in_group],
+        )
+        return scratch._get_backend(torch.device("cpu"))
+
+    if "ZEROPLUS" not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            "zeroplus", create_zeroplus_backend, extended_api=True, devices=["cpu", "cuda"]
+        )
+    if mismatch:
+        warnings.warn(mismatch, RuntimeWarning, stacklevel=2)
+
+
+try:
+    __zeroplus_backend_hook()
+except Exception as __zeroplus_error:  # never let a load-time failure go unseen
+    import sys as __zeroplus_sys
+    print(f"zeroplus: could not register the backend: {__zeroplus_error!r}", file=__zeroplus_sys.stderr)
+    del __zeroplus_sys, __zeroplus_error
+finally:
+    del __zeroplus_backend_hook

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian 12 + Python 3.11 machine for building and testing zeroplus.
+# Installs the Debian packages the build needs and a virtual environment at $ZEROPLUS_VENV
+# (default: .venv in the repository) holding torch==2.13.0 (CPU), pytest and numpy.
+# A second run checks what is there and returns in about a second.
+set -euo pipefail
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${ZEROPLUS_VENV:-$repo_root/.venv}"
+torch_version="${ZEROPLUS_TORCH_VERSION:-2.13.0}"
+
+debian_packages=(cmake ninja-build ccache g++ liburing-dev libgtest-dev pkg-config fio python3-venv)
+
+missing=()
+for pkg in "${debian_packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "[setup] installing Debian packages: ${missing[*]}"
+  sudo_cmd=""
+  [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+python_bin="${ZEROPLUS_PYTHON:-python3}"
+if [[ ! -x "$venv/bin/python" ]]; then
+  echo "[setup] creating virtual environment $venv"
+  "$python_bin" -m venv "$venv"
+fi
+
+stamp="$venv/.zeroplus-setup-$torch_version"
+if [[ ! -f "$stamp" ]]; then
+  echo "[setup] installing torch==$torch_version, pytest, numpy into $venv"
+  "$venv/bin/python" -m pip install -q "torch==$torch_version" pytest numpy
+  touch "$stamp"
+fi
+echo "[setup] ok: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"

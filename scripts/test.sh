@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command: set up (idempotent), build, run the GoogleTest suite through ctest and the
+# pytest suite. Exits non-zero when anything fails. Used by README.md and .ci/run.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${ZEROPLUS_VENV:-$repo_root/.venv}"
+build_dir="${ZEROPLUS_BUILD_DIR:-$repo_root/build}"
+export ZEROPLUS_BUILD_DIR="$build_dir"
+
+bash "$repo_root/scripts/setup.sh"
+start=$(date +%s)
+bash "$repo_root/scripts/build.sh"
+echo "[test] build took $(( $(date +%s) - start )) s"
+
+echo "[test] GoogleTest suite (ctest)"
+ctest --test-dir "$build_dir" --output-on-failure -j 2 --timeout 300
+
+echo "[test] pytest suite"
+cd "$repo_root"
+"$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "$@"

@@ -1,0 +1,14 @@
+import os
+import pathlib
+import sys
+
+# Tests import the harness as a top-level module and zeroplus from the source tree.
+_HERE = pathlib.Path(__file__).resolve().parent
+_REPO = _HERE.parents[1]
+for path in (str(_HERE), str(_REPO / "plugin" / "python")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+# Spawned ranks inherit this, so they find the same modules.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(_HERE), str(_REPO / "plugin" / "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+)
