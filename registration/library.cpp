@@ -10,7 +10,7 @@ namespace zeroplus::registration {
 namespace {
 
 std::string buildInfo() {
-  return std::string("zeroplus ") + ZEROPLUS_VERSION + "; torch " + ZEROPLUS_BUILD_TORCH_VERSION;
+  return "zeroplus " ZEROPLUS_VERSION "; torch " ZEROPLUS_BUILD_TORCH_VERSION;
 }
 
 // Builds a ZeroPlusBackend for the group described by `pg` (store, rank, size) and sets it on

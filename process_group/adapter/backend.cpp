@@ -91,6 +91,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collective(c10d::OpType opType, 
     }
     TORCH_CHECK(!stopping_, "zeroplus ", opName, ": process group has been shut down");
     queue_.push_back(Task{work, std::move(body), opTimeout, opName});
+    if (coalescing_) coalescedWorks_.push_back(work);
   }
   queueCv_.notify_one();
   return work;

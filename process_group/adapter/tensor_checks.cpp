@@ -20,27 +20,64 @@ DataType toDataType(const char* op, const char* arg, at::ScalarType type) {
   }
 }
 
-ReduceOp toCoreReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType type) {
+Reduction toReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType type) {
   const bool floating = at::isFloatingType(type);
+  Reduction r;
   switch (reduceOp.op_) {
-    case c10d::ReduceOp::SUM: return ReduceOp::kSum;
-    case c10d::ReduceOp::PRODUCT: return ReduceOp::kProduct;
-    case c10d::ReduceOp::MIN: return ReduceOp::kMin;
-    case c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    case c10d::ReduceOp::SUM: r.op = ReduceOp::kSum; break;
+    case c10d::ReduceOp::PRODUCT: r.op = ReduceOp::kProduct; break;
+    case c10d::ReduceOp::MIN: r.op = ReduceOp::kMin; break;
+    case c10d::ReduceOp::MAX: r.op = ReduceOp::kMax; break;
     case c10d::ReduceOp::AVG:
       TORCH_CHECK(floating, "zeroplus ", op, ": ReduceOp.AVG needs a floating-point tensor, got ", type);
-      return ReduceOp::kSum;
+      r.average = true;
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      TORCH_CHECK(floating, "zeroplus ", op, ": ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", type);
+      auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(reduceOp.supplement_.get());
+      TORCH_CHECK(supplement != nullptr, "zeroplus ", op, ": ReduceOp.PREMUL_SUM carries no factor");
+      r.premultiply = true;
+      if (supplement->tensor_factor.defined()) {
+        TORCH_CHECK(supplement->tensor_factor.numel() == 1, "zeroplus ", op,
+                    ": PREMUL_SUM tensor factor must have one element, got ", supplement->tensor_factor.numel());
+        r.factorTensor = supplement->tensor_factor.to(at::kCPU);
+      } else {
+        r.factor = supplement->double_factor;
+      }
+      break;
+    }
     case c10d::ReduceOp::BAND:
     case c10d::ReduceOp::BOR:
-    case c10d::ReduceOp::BXOR: {
+    case c10d::ReduceOp::BXOR:
       TORCH_CHECK(!floating, "zeroplus ", op, ": bitwise reduce op ", reduceOp.op_,
                   " is not defined for floating-point dtype ", type);
-      if (reduceOp.op_ == c10d::ReduceOp::BAND) return ReduceOp::kBand;
-      if (reduceOp.op_ == c10d::ReduceOp::BOR) return ReduceOp::kBor;
-      return ReduceOp::kBxor;
-    }
+      r.op = reduceOp.op_ == c10d::ReduceOp::BAND ? ReduceOp::kBand
+             : reduceOp.op_ == c10d::ReduceOp::BOR ? ReduceOp::kBor
+                                                    : ReduceOp::kBxor;
+      break;
     default:
       TORCH_CHECK(false, "zeroplus ", op, ": does not support reduce op ", reduceOp.op_);
+  }
+  return r;
+}
+
+void applyPremultiply(const Reduction& reduction, at::Tensor& tensor) {
+  if (!reduction.premultiply) return;
+  if (reduction.factorTensor.defined()) {
+    tensor.mul_(reduction.factorTensor.to(tensor.scalar_type()));
+  } else {
+    tensor.mul_(reduction.factor);
+  }
+}
+
+void applyAverage(const Reduction& reduction, at::Tensor& tensor, int groupSize) {
+  if (reduction.average) tensor.div_(groupSize);
+}
+
+void checkSameDtype(const char* op, const char* arg, const std::vector<at::Tensor>& tensors, at::ScalarType reference) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].scalar_type() == reference, "zeroplus ", op, ": ", arg, "[", i, "] has dtype ",
+                tensors[i].scalar_type(), ", expected ", reference);
   }
 }
 

@@ -16,8 +16,27 @@ namespace zeroplus::pg {
 // at::ScalarType -> core DataType; raises for dtypes the backend does not move.
 DataType toDataType(const char* op, const char* arg, at::ScalarType type);
 
-// The reduction actually performed on the wire; AVG and PREMUL_SUM become SUM plus a scale.
-ReduceOp toCoreReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType type);
+// A c10d reduce op as the core performs it: AVG is SUM then a division by the group size,
+// PREMUL_SUM is a multiplication by the factor then SUM (as in NCCL).
+struct Reduction {
+  ReduceOp op = ReduceOp::kSum;
+  bool average = false;
+  bool premultiply = false;
+  double factor = 1.0;       // PREMUL_SUM with a scalar factor
+  at::Tensor factorTensor;   // PREMUL_SUM with a one-element tensor factor
+};
+
+// Validates `reduceOp` for `type` (bitwise ops need integers, AVG/PREMUL_SUM need floats).
+Reduction toReduction(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType type);
+
+// Applies the pre-scale of PREMUL_SUM in place (no-op for other ops). Worker thread.
+void applyPremultiply(const Reduction& reduction, at::Tensor& tensor);
+
+// Applies the post-division of AVG in place (no-op for other ops). Worker thread.
+void applyAverage(const Reduction& reduction, at::Tensor& tensor, int groupSize);
+
+// Every tensor in `tensors` has `reference`'s dtype (named `arg` in the error).
+void checkSameDtype(const char* op, const char* arg, const std::vector<at::Tensor>& tensors, at::ScalarType reference);
 
 // A dense CPU tensor in row-major order.
 void checkCpuDense(const char* op, const char* arg, const at::Tensor& tensor);

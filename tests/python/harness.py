@@ -65,12 +65,16 @@ def run_distributed(
     pg_timeout: float = 60.0,
     load: str = "zeroplus",
     env: dict[str, str] | None = None,
+    expected_exits: dict[int, int] | None = None,
 ) -> list[Any]:
     """Runs fn(rank, world_size, *args) on `world_size` spawned ranks; returns their results.
 
     backend: None to skip init_process_group (fn sets up its own group).
     load: "zeroplus" (import the package), "library" (torch.ops.load_library only), or "none".
+    expected_exits: {rank: exit code} for ranks that are meant to die (fault tests); their
+        result is None, and any other outcome for them is a failure.
     """
+    expected_exits = dict(expected_exits or {})
     if not callable(fn):
         raise TypeError(f"run_distributed: fn must be callable, got {type(fn).__name__}")
     if not 1 <= world_size <= 8:
@@ -97,7 +101,10 @@ def run_distributed(
         outcome: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         try:
-            while len(outcome) < world_size:
+            def waiting_for():
+                return [r for r in range(world_size) if r not in outcome and r not in expected_exits]
+
+            while waiting_for():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -108,7 +115,7 @@ def run_distributed(
                 except queue.Empty:
                     pass
                 # A rank that died without reporting will never report: stop waiting for it.
-                silent = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+                silent = [r for r in waiting_for() if procs[r].exitcode is not None]
                 if silent:
                     time.sleep(0.5)  # let a report still in the pipe arrive
                     while True:
@@ -128,11 +135,18 @@ def run_distributed(
                     p.join()
     failures = []
     for r, p in enumerate(procs):
-        if r not in outcome:
+        if r in expected_exits:
+            if r in outcome or p.exitcode != expected_exits[r]:
+                failures.append(f"--- rank {r}: expected to exit with {expected_exits[r]}, got exit code {p.exitcode}"
+                                + (f" and a {outcome[r][0]} report" if r in outcome else ""))
+        elif r not in outcome:
             why = f"exit code {p.exitcode}" if p.exitcode not in (None, -9) else f"no result within {timeout:.0f} s"
             failures.append(f"--- rank {r}: {why}")
         elif outcome[r][0] == "error":
             failures.append(f"--- rank {r} raised:\n{outcome[r][1]}")
     if failures:
         raise DistributedTestError(f"{fn.__name__} on {world_size} ranks failed:\n" + "\n".join(failures))
-    return [torch.load(io.BytesIO(outcome[r][1]), weights_only=False) for r in range(world_size)]
+    return [
+        None if r in expected_exits else torch.load(io.BytesIO(outcome[r][1]), weights_only=False)
+        for r in range(world_size)
+    ]

@@ -1,0 +1,58 @@
+// Registers the fused optimizer ops (zeroplus::adam_step, adamw_step, sgd_step, cpu_isa).
+// Schemas mark params and state as mutated (Tensor(a!)[]) so torch.compile / functionalization
+// and the dispatcher know they are updated in place; the CPU kernels are bound with
+// TORCH_LIBRARY_IMPL so a CUDA implementation can be added under its own dispatch key.
+#include <torch/library.h>
+
+#include "optimizers/adapter/fused_optimizer_ops.hpp"
+
+namespace zeroplus::registration {
+namespace {
+
+namespace oa = zeroplus::optim::adapter;
+
+template <bool kDecoupled>
+void adamStepOp(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
+                double lr, double beta1, double beta2, double weight_decay, double eps, bool amsgrad, bool maximize,
+                int64_t threads) {
+  oa::adamStep(kDecoupled ? "zeroplus.adamw_step" : "zeroplus.adam_step", kDecoupled, params, grads, exp_avgs,
+               exp_avg_sqs, max_exp_avg_sqs, state_steps,
+               oa::AdamArgs{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, threads});
+}
+
+void sgdStepOp(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& momentum_buffers, c10::List<bool> init_momentum, double lr,
+               double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+               int64_t threads) {
+  std::vector<bool> init(init_momentum.begin(), init_momentum.end());
+  oa::sgdStep("zeroplus.sgd_step", params, grads, momentum_buffers, init,
+              oa::SgdArgs{lr, momentum, dampening, weight_decay, nesterov, maximize, threads});
+}
+
+}  // namespace
+}  // namespace zeroplus::registration
+
+TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
+#define ZEROPLUS_ADAM_ARGS                                                                     \
+  "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "      \
+  "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, float lr, float beta1, float beta2, " \
+  "float weight_decay, float eps, bool amsgrad, bool maximize, int threads=0) -> ()"
+  m.def("adam_step" ZEROPLUS_ADAM_ARGS);
+  m.def("adamw_step" ZEROPLUS_ADAM_ARGS);
+#undef ZEROPLUS_ADAM_ARGS
+  m.def(
+      "sgd_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, bool[] init_momentum, "
+      "float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
+      "int threads=0) -> ()");
+  m.def("cpu_isa() -> str", &zeroplus::optim::adapter::activeIsaName);
+  m.def("partition_params(int[] numels, int[] group_sizes, int world_size) -> int[]",
+        &zeroplus::optim::adapter::partitionParams);
+}
+
+TORCH_LIBRARY_IMPL(zeroplus, CPU, m) {
+  m.impl("adam_step", &zeroplus::registration::adamStepOp<false>);
+  m.impl("adamw_step", &zeroplus::registration::adamStepOp<true>);
+  m.impl("sgd_step", &zeroplus::registration::sgdStepOp);
+}

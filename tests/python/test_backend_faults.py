@@ -1,0 +1,117 @@
+"""Failures never hang: a dead peer, a peer that never joins, and an op timeout all raise a
+clear DistBackendError within the timeout plus a few seconds; the process can then destroy
+the group and create a new one."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import run_distributed
+
+
+def _peer_dies(rank, world_size):
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)  # everyone is connected and healthy
+    if rank == world_size - 1:
+        os._exit(17)  # die without a word, sockets closed by the kernel
+    start = time.monotonic()
+    try:
+        for _ in range(100):
+            dist.all_reduce(t)
+        raise AssertionError("all_reduce kept working after a peer died")
+    except dist.DistBackendError as e:
+        elapsed = time.monotonic() - start
+        message = str(e)
+    # The group is broken for good: the next op fails at once with the same reason.
+    try:
+        dist.all_reduce(t)
+        raise AssertionError("a broken group accepted another op")
+    except dist.DistBackendError as e:
+        assert "unusable after an earlier failure" in str(e), str(e)
+    dist.destroy_process_group()
+    return elapsed, message
+
+
+def test_dead_peer_raises_promptly_on_every_survivor():
+    world = 3
+    results = run_distributed(_peer_dies, world, pg_timeout=20, timeout=90, expected_exits={world - 1: 17})
+    for elapsed, message in results[:-1]:
+        assert elapsed < 20 + 5, (elapsed, message)
+        assert "allreduce" in message and "rank" in message, message
+    print("time to error after a peer died:", [round(r[0], 3) for r in results[:-1]])
+
+
+def _peer_stalls(rank, world_size):
+    t = torch.ones(8)
+    if rank == 1:
+        time.sleep(6)  # alive but not participating: rank 0 must time out, not hang
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        raise AssertionError("all_reduce returned although the peer never joined it")
+    except dist.DistBackendError as e:
+        return time.monotonic() - start, str(e)
+
+
+def test_op_times_out_with_group_timeout():
+    results = run_distributed(_peer_stalls, 2, pg_timeout=2, timeout=60)
+    elapsed, message = results[0]
+    assert 1.5 <= elapsed < 2 + 3, (elapsed, message)
+    assert "timed out" in message or "timeout" in message.lower(), message
+    assert "peer 1" in message or "rank" in message, message
+
+
+def _never_joins(rank, world_size, store_dir):
+    store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
+    if rank == 1:
+        time.sleep(8)
+        return None
+    start = time.monotonic()
+    try:
+        dist.init_process_group("zeroplus", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=3))
+        raise AssertionError("init_process_group succeeded without rank 1")
+    except (dist.DistBackendError, dist.DistStoreError, RuntimeError) as e:
+        return time.monotonic() - start, f"{type(e).__name__}: {e}"
+
+
+def test_peer_that_never_joins_fails_init_within_timeout(tmp_path):
+    results = run_distributed(_never_joins, 2, str(tmp_path), backend=None, timeout=60)
+    elapsed, message = results[0]
+    assert elapsed < 3 + 5, (elapsed, message)
+    print("time to error when a peer never joins:", round(elapsed, 3), message.splitlines()[0])
+
+
+def _recreate_after_failure(rank, world_size, store_dir):
+    def init(name):
+        store = dist.FileStore(os.path.join(store_dir, name), world_size)
+        dist.init_process_group("zeroplus", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=2))
+
+    init("first")
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(4))  # rank 1 does not join: times out
+            raise AssertionError("expected a timeout")
+        except dist.DistBackendError:
+            pass
+    else:
+        time.sleep(3)
+    dist.destroy_process_group()
+    init("second")
+    t = torch.ones(4) * (rank + 1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t
+
+
+def test_new_group_works_after_a_failed_one(tmp_path):
+    results = run_distributed(_recreate_after_failure, 2, str(tmp_path), backend=None, timeout=60)
+    for t in results:
+        assert torch.equal(t, torch.full((4,), 3.0))
