@@ -34,7 +34,9 @@ namespace zeroplus::pg {
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
-// The one exception type of the torch-free process-group core.
+// The one exception type of the torch-free process-group core. what() reads
+// "zeroplus <op>: rank <rank> <what>", e.g. "zeroplus allreduce: rank 1 lost peer 0 after 2.3 s:
+// connection closed" or "zeroplus connect: rank 0 timed out after 5.0 s waiting for rank 2".
 class CommError : public std::runtime_error {
  public:
   CommError(std::string op, int rank, int peer, double elapsedSeconds, const std::string& what);
@@ -58,6 +60,10 @@ struct CommunicatorOptions {
   // Address peers use to reach this rank; empty picks the loopback address when every rank
   // reports the same host name, otherwise the host's resolved address.
   std::string bindAddress;
+  // SO_SNDBUF/SO_RCVBUF for the peer sockets; 0 keeps the kernel's autotuning, which on Linux
+  // already grows loopback/LAN buffers to tcp_{w,r}mem max (4 MiB / 32 MiB by default) while an
+  // explicit value is capped by net.core.{w,r}mem_max and switches autotuning off.
+  int socketBufferBytes = 0;
 };
 
 class Communicator {

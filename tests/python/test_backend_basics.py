@@ -126,7 +126,7 @@ def _argument_checks(rank, world_size):
     expect("bitwise on float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND), "bitwise reduce op .* floating")
     expect("avg on int", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG), "AVG needs a floating")
     expect("non contiguous", lambda: dist.all_reduce(torch.ones(4, 4).t()), "not contiguous")
-    expect("complex dtype", lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64)), "unsupported dtype")
+    expect("uint32 dtype", lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint32)), "unsupported dtype")
     expect("allgather list length", lambda: dist.all_gather([torch.empty(2)], torch.ones(2)), "expected one per rank")
     expect("allgather numel", lambda: dist.all_gather([torch.empty(3), torch.empty(3)], torch.ones(2)), "has 3 elements, expected 2")
     expect("allgather dtype", lambda: dist.all_gather([torch.empty(2, dtype=torch.int64)] * 2, torch.ones(2)), "dtype")

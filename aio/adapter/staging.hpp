@@ -1,0 +1,61 @@
+// Internal to the aio adapter: moves tensors that cannot go to the Engine directly (CUDA
+// tensors, CPU tensors at addresses unsuitable for O_DIRECT) through two page-locked staging
+// buffers, double-buffered so the copy of one chunk overlaps the file I/O of the other.
+//
+// Threading: one executor thread per AioHandle runs staged transfers in submission order, one
+// at a time; enqueue() may be called from any thread and never blocks on I/O. Buffers are
+// allocated on first use and registered with the Engine and (CUDA builds) cudaHostRegister'ed.
+// Ownership: a queued transfer holds the tensor and the File until its future is ready.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "aio/core/aligned_buffer.hpp"
+#include "aio/core/engine.hpp"
+
+namespace zeroplus::aio {
+
+// Page-locks host memory for CUDA DMA when this build has CUDA and a GPU is present; a no-op
+// returning false otherwise. Best effort: failures are logged once.
+bool cudaPinHost(void* ptr, size_t bytes);
+void cudaUnpinHost(void* ptr);
+
+class Copier;  // tensor <-> host bytes (memcpy, or cudaMemcpyAsync on a side stream)
+
+class StagingExecutor {
+ public:
+  StagingExecutor(std::shared_ptr<Engine> engine, size_t chunk_bytes);
+  ~StagingExecutor();  // finishes queued transfers, then stops
+
+  // The future becomes ready when the transfer is done; get() rethrows IoError/c10::Error.
+  std::shared_future<void> enqueue(OpKind op, at::Tensor tensor, std::shared_ptr<const File> file,
+                                   uint64_t offset);
+
+ private:
+  void loop();
+  void ensureBuffers(uint64_t align);
+  void writeStaged(Copier& copier, size_t total, const std::shared_ptr<const File>& f, uint64_t offset);
+  void readStaged(Copier& copier, size_t total, const std::shared_ptr<const File>& f, uint64_t offset);
+
+  std::shared_ptr<Engine> engine_;
+  size_t chunk_;
+  AlignedBuffer buffers_[2];
+  bool registered_[2] = {false, false};
+  bool cuda_pinned_[2] = {false, false};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace zeroplus::aio

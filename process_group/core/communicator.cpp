@@ -1,0 +1,81 @@
+// CommError, the connect() factory, and the small shared pieces of TcpCommunicator
+// (argument checks, scratch, rank-order reduction). The collective algorithms live in
+// collectives_*.cpp.
+#include "process_group/core/communicator.hpp"
+
+#include <cstring>
+
+#include "process_group/core/reduce.hpp"
+#include "process_group/core/tcp_communicator.hpp"
+
+namespace zeroplus::pg {
+
+CommError::CommError(std::string op, int rank, int peer, double elapsedSeconds, const std::string& what)
+    : std::runtime_error("zeroplus " + op + ": rank " + std::to_string(rank) + " " + what),
+      op_(std::move(op)),
+      rank_(rank),
+      peer_(peer),
+      elapsedSeconds_(elapsedSeconds) {}
+
+std::unique_ptr<Communicator> Communicator::connect(Rendezvous& rendezvous, const CommunicatorOptions& options) {
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    throw CommError("connect", options.rank, -1, 0.0,
+                    "invalid rank " + std::to_string(options.rank) + " for world size " + std::to_string(options.size));
+  }
+  return std::make_unique<detail::TcpCommunicator>(detail::TcpMesh::connect(rendezvous, options));
+}
+
+namespace detail {
+
+TcpCommunicator::TcpCommunicator(std::unique_ptr<TcpMesh> mesh)
+    : rank_(mesh->rank()), size_(mesh->size()), mesh_(std::move(mesh)), exchange_(*mesh_) {}
+
+void TcpCommunicator::require(WireOp op, bool ok, const std::string& what) const {
+  if (!ok) throw CommError(std::string(opName(op)), rank_, -1, 0.0, what);
+}
+
+void TcpCommunicator::checkRoot(WireOp op, int root) const {
+  require(op, root >= 0 && root < size_,
+          "invalid root " + std::to_string(root) + " for world size " + std::to_string(size_));
+}
+
+void TcpCommunicator::checkReduce(WireOp op, DataType type, ReduceOp reduceOp) const {
+  require(op, reduceSupported(type, reduceOp),
+          "does not support " + std::string(toString(reduceOp)) + " on " + std::string(toString(type)));
+}
+
+uint8_t* TcpCommunicator::scratch(size_t bytes) {
+  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  return scratch_.data();
+}
+
+void TcpCommunicator::reduceRankOrder(void* dst, const std::vector<const uint8_t*>& inputs, uint8_t* acc,
+                                      size_t count, DataType type, ReduceOp op) const {
+  const size_t n = inputs.size();
+  if (n == 2) {
+    reduceTo(dst, inputs[0], inputs[1], count, type, op);
+    return;
+  }
+  // ((x0 op x1) op x2) ... op x{n-1}: the partial result lives in acc so that dst (which may
+  // be one of the inputs) is written only by the last step.
+  reduceTo(acc, inputs[0], inputs[1], count, type, op);
+  for (size_t p = 2; p + 1 < n; ++p) reduceTo(acc, acc, inputs[p], count, type, op);
+  reduceTo(dst, acc, inputs[n - 1], count, type, op);
+}
+
+void TcpCommunicator::balancedBlocks(size_t count, size_t elementSize) {
+  off_.assign(static_cast<size_t>(size_), 0);
+  len_.assign(static_cast<size_t>(size_), 0);
+  const size_t n = static_cast<size_t>(size_);
+  const size_t base = count / n, rem = count % n;
+  size_t at = 0;
+  for (size_t b = 0; b < n; ++b) {
+    const size_t elems = base + (b < rem ? 1 : 0);
+    off_[b] = at * elementSize;
+    len_[b] = elems * elementSize;
+    at += elems;
+  }
+}
+
+}  // namespace detail
+}  // namespace zeroplus::pg

@@ -1,0 +1,52 @@
+// Internal: the full mesh of TCP connections of one communicator, plus its abort signal.
+//
+// Set-up (connect): every rank listens on an ephemeral port and publishes
+// "host=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". Rank r connects to
+// every lower rank and accepts every higher one, so each pair has exactly one connection and
+// nobody needs to agree on who goes first. A 24-byte hello in each direction carries a magic,
+// the protocol version, the rank, the world size and a session nonce chosen by rank 0, so a
+// stray or stale connection (another job, a previous group on a reused port) is refused rather
+// than mistaken for a peer.
+//
+// Ownership: the mesh owns its sockets and the eventfd; the destructor closes them. abort() is
+// the only member that may be called concurrently with anything else.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "process_group/core/communicator.hpp"
+
+namespace zeroplus::pg::detail {
+
+class TcpMesh {
+ public:
+  // Throws CommError("connect", ...) naming the missing ranks on timeout or failure.
+  static std::unique_ptr<TcpMesh> connect(Rendezvous& rendezvous, const CommunicatorOptions& options);
+
+  TcpMesh(const TcpMesh&) = delete;
+  TcpMesh& operator=(const TcpMesh&) = delete;
+  ~TcpMesh();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int fd(int peer) const { return fds_[static_cast<size_t>(peer)]; }
+  // Readable forever once abort() ran; every poll set of the communicator includes it.
+  int abortFd() const { return abortFd_; }
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  // Sets the flag, signals the eventfd and shuts the sockets down, so this rank's blocked call
+  // wakes at once and peers blocked on this rank see EOF instead of waiting for their deadline.
+  void abort();
+
+ private:
+  TcpMesh(int rank, int size);
+
+  int rank_;
+  int size_;
+  std::vector<int> fds_;  // fds_[rank_] == -1
+  int abortFd_ = -1;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace zeroplus::pg::detail

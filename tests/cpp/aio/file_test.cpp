@@ -1,0 +1,86 @@
+// Opening files: O_DIRECT detection, alignment from statx/sysfs, explicit buffered mode.
+#include <sys/statfs.h>
+
+#include "tests/cpp/aio/test_helpers.hpp"
+
+namespace zeroplus::aio {
+namespace {
+
+bool isPowerOfTwo(uint64_t v) { return v && (v & (v - 1)) == 0; }
+
+TEST(File, DirectAlignmentIsQueriedNotAssumed) {
+  test::TempDir dir;
+  auto f = File::open(dir.file("x"), test::writeOptions(DirectMode::Auto));
+  if (!f->direct()) GTEST_SKIP() << "no O_DIRECT under " << dir.path();
+  EXPECT_TRUE(isPowerOfTwo(f->offsetAlign()));
+  EXPECT_TRUE(isPowerOfTwo(f->memAlign()));
+  EXPECT_GE(f->offsetAlign(), 512u);
+  EXPECT_LE(f->offsetAlign(), 65536u);
+  uint64_t oa = 0, ma = 0;
+  bool ok = false;
+  ASSERT_EQ(queryDirectAlignment(f->fd(), &oa, &ma, &ok), 0);
+  EXPECT_TRUE(ok);
+  EXPECT_EQ(oa, f->offsetAlign());
+}
+
+TEST(File, BufferedModeHasNoAlignment) {
+  test::TempDir dir;
+  auto f = File::open(dir.file("x"), test::writeOptions(DirectMode::Off));
+  EXPECT_FALSE(f->direct());
+  EXPECT_EQ(f->offsetAlign(), 1u);
+  EXPECT_EQ(f->memAlign(), 1u);
+  EXPECT_EQ(f->fd(), f->bufferedFd());
+  EXPECT_TRUE(f->writable());
+}
+
+TEST(File, CreateAndTruncate) {
+  test::TempDir dir;
+  const std::string p = dir.file("t");
+  {
+    auto f = File::open(p, test::writeOptions(DirectMode::Off));
+    ASSERT_EQ(::pwrite(f->fd(), "hello", 5, 0), 5);
+  }
+  EXPECT_EQ(File::open(p, test::writeOptions(DirectMode::Off, /*truncate=*/false))->size(), 5u);
+  EXPECT_EQ(File::open(p, test::writeOptions(DirectMode::Off, /*truncate=*/true))->size(), 0u);
+}
+
+// O_DIRECT refused -> buffered under Auto, an error under On. Needs a file system that refuses
+// O_DIRECT; tmpfs did before Linux 6.6.
+TEST(File, DirectRefusedFallsBackToBuffered) {
+  const std::string shm = "/dev/shm";
+  struct statfs sfs {};
+  if (::statfs(shm.c_str(), &sfs) != 0) GTEST_SKIP() << "no /dev/shm";
+  char tmpl[] = "/dev/shm/zeroplus-aio-XXXXXX";
+  if (!::mkdtemp(tmpl)) GTEST_SKIP() << "cannot create under /dev/shm";
+  const std::string p = std::string(tmpl) + "/f";
+  auto f = File::open(p, test::writeOptions(DirectMode::Auto));
+  const bool refused = !f->direct();
+  std::string msg;
+  if (refused) {
+    EXPECT_THROW(File::open(p, test::writeOptions(DirectMode::On)), IoError);
+  }
+  f.reset();
+  std::filesystem::remove_all(tmpl);
+  if (!refused) GTEST_SKIP() << "/dev/shm accepts O_DIRECT on this kernel";
+}
+
+TEST(IoError, MessageCarriesEverything) {
+  IoError e("write", "/x/y", 4096, 100, ENOSPC, "extra");
+  const std::string m = e.what();
+  for (const char* part : {"write", "/x/y", "4096", "100", "No space left", "extra"}) {
+    EXPECT_NE(m.find(part), std::string::npos) << m;
+  }
+  EXPECT_EQ(checkErrno(5, "op", "p"), 5);
+  EXPECT_THROW(checkErrno(-EIO, "op", "p"), IoError);
+}
+
+TEST(AlignedBuffer, ExactSizePageAligned) {
+  for (size_t n : {0ul, 1ul, 4097ul, (3ul << 20) + 5}) {
+    AlignedBuffer b(n);
+    EXPECT_EQ(b.size(), n);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % kPageSize, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace zeroplus::aio
