@@ -1,7 +1,16 @@
-# Finds torch from the active Python interpreter and records its version and C++ ABI.
+# Finds torch and records its version and C++ ABI. Two modes:
+#  * default: ask the Python interpreter (ZEROPLUS_PYTHON) and use torch's CMake package;
+#  * ZEROPLUS_TORCH_DIR=<site-packages/torch>: read the unpacked wheel directly, without
+#    importing it (used by scripts/cuda_build_check.sh, where a CUDA torch cannot be imported
+#    on a machine without CUDA libraries). See cmake/ZeroplusTorchDir.cmake.
 #
 # The Python used is ZEROPLUS_PYTHON (cache) or the first python3 on PATH. Torch's CMake
 # package is located with torch.utils.cmake_prefix_path so no CMAKE_PREFIX_PATH is needed.
+set(ZEROPLUS_TORCH_DIR "" CACHE PATH "Unpacked torch package directory (skips the Python query)")
+if(ZEROPLUS_TORCH_DIR)
+  include(ZeroplusTorchDir)
+  return()
+endif()
 set(ZEROPLUS_PYTHON "" CACHE FILEPATH "Python interpreter whose torch is built against")
 if(NOT ZEROPLUS_PYTHON)
   find_program(ZEROPLUS_PYTHON_FOUND NAMES python3 python REQUIRED)

@@ -26,10 +26,13 @@ def __zeroplus_backend_hook():
     def create_zeroplus_backend(options, pg_options):
         if mismatch:
             raise RuntimeError(mismatch)
-        if pg_options is not None:
+        # zeroplus.BackendOptions is recognised by duck typing: this hook must not import the
+        # zeroplus package (a bare torch.ops.load_library is enough to register the backend).
+        forward = getattr(pg_options, "_zeroplus_options", None)
+        if pg_options is not None and not callable(forward):
             raise TypeError(
-                f"zeroplus: pg_options must be None, got {type(pg_options).__name__}; "
-                "configure zeroplus with ZEROPLUS_* environment variables (docs/backend.md)"
+                f"zeroplus: pg_options must be None or a zeroplus.BackendOptions, got "
+                f"{type(pg_options).__name__}; see docs/backend.md for the knobs"
             )
         # A scratch ProcessGroup carries the C++ backend across the boundary: attach() builds it
         # and sets it on the scratch group; _get_backend returns torch's own Backend wrapper,
@@ -39,6 +42,7 @@ def __zeroplus_backend_hook():
         torch.ops.zeroplus.attach(
             scratch.boxed(), timeout_ms, str(options.group_id),
             [int(r) for r in options.global_ranks_in_group],
+            forward() if pg_options is not None else [],
         )
         return scratch._get_backend(torch.device("cpu"))
 

@@ -1,10 +1,12 @@
-// Registers the fused optimizer ops (zeroplus::adam_step, adamw_step, sgd_step, cpu_isa).
+// Registers the fused optimizer ops (zeroplus::adam_step, adamw_step, sgd_step, cpu_isa,
+// partition_params) and the torchbind class zeroplus.ZeroParamSync (ZeRO's post-step broadcasts).
 // Schemas mark params and state as mutated (Tensor(a!)[]) so torch.compile / functionalization
 // and the dispatcher know they are updated in place; the CPU kernels are bound with
 // TORCH_LIBRARY_IMPL so a CUDA implementation can be added under its own dispatch key.
 #include <torch/library.h>
 
 #include "optimizers/adapter/fused_optimizer_ops.hpp"
+#include "optimizers/adapter/zero_param_sync.hpp"
 
 namespace zeroplus::registration {
 namespace {
@@ -49,6 +51,15 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
   m.def("cpu_isa() -> str", &zeroplus::optim::adapter::activeIsaName);
   m.def("partition_params(int[] numels, int[] group_sizes, int world_size) -> int[]",
         &zeroplus::optim::adapter::partitionParams);
+  using zeroplus::optim::adapter::ZeroParamSync;
+  m.class_<ZeroParamSync>("ZeroParamSync")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, c10::intrusive_ptr<c10d::ProcessGroup>, bool,
+                       int64_t>())
+      .def("run", &ZeroParamSync::run)
+      .def("buckets", &ZeroParamSync::buckets)
+      .def("num_devices", &ZeroParamSync::numDevices)
+      .def("num_broadcasts", &ZeroParamSync::numBroadcasts)
+      .def("owners", &ZeroParamSync::owners);
 }
 
 TORCH_LIBRARY_IMPL(zeroplus, CPU, m) {

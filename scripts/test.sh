@@ -18,3 +18,9 @@ ctest --test-dir "$build_dir" --output-on-failure -j 2 --timeout 300
 echo "[test] pytest suite"
 cd "$repo_root"
 "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "$@"
+
+# A separate step with its own build directory, so it never slows or dirties the CPU build.
+if [[ "${ZEROPLUS_SKIP_CUDA_CHECK:-0}" != "1" ]]; then
+  echo "[test] CUDA compile check (torch CUDA wheel + NCCL, nvcc; nothing runs without a GPU)"
+  bash "$repo_root/scripts/cuda_build_check.sh"
+fi

@@ -19,13 +19,17 @@ namespace zeroplus::aio {
 // Copies between a tensor's bytes and host staging memory. CPU: memcpy. CUDA: a side stream
 // that first waits for the work queued on the caller's stream before the call (the event), then
 // a synchronous-to-host copy, so a staging buffer is never reused while a copy still reads it.
+//
+// It holds the tensor's address, never an at::Tensor: dropping the last reference to a tensor
+// that has a Python object needs the GIL, and this thread must never wait for the GIL (the
+// Python thread may hold it while joining us). AioHandle keeps the tensor alive instead.
 class Copier {
  public:
-  explicit Copier(const at::Tensor& t) : t_(t), base_(static_cast<char*>(t.data_ptr())) {
+  Copier(char* base, c10::Device device) : base_(base) {
 #ifdef ZEROPLUS_WITH_CUDA
-    if (t.is_cuda()) {
-      guard_.emplace(t.device());
-      stream_.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, t.device().index()));
+    if (device.is_cuda()) {
+      guard_.emplace(device);
+      stream_.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index()));
     }
 #endif
   }
@@ -49,7 +53,6 @@ class Copier {
 #endif
     std::memcpy(dst, src, n);
   }
-  at::Tensor t_;
   char* base_;
 #ifdef ZEROPLUS_WITH_CUDA
   std::optional<c10::cuda::CUDAGuard> guard_;
@@ -110,9 +113,12 @@ StagingExecutor::~StagingExecutor() {
   }
 }
 
-std::shared_future<void> StagingExecutor::enqueue(OpKind op, at::Tensor tensor,
+std::shared_future<void> StagingExecutor::enqueue(OpKind op, const at::Tensor& tensor,
                                                   std::shared_ptr<const File> file, uint64_t offset) {
   auto task = std::make_shared<std::packaged_task<void()>>();
+  char* base = static_cast<char*>(tensor.data_ptr());
+  const c10::Device device = tensor.device();
+  const size_t nbytes = tensor.nbytes();
 #ifdef ZEROPLUS_WITH_CUDA
   std::shared_ptr<at::cuda::CUDAEvent> ready;
   if (tensor.is_cuda()) {
@@ -122,18 +128,18 @@ std::shared_future<void> StagingExecutor::enqueue(OpKind op, at::Tensor tensor,
     ready = std::make_shared<at::cuda::CUDAEvent>();
     ready->record(at::cuda::getCurrentCUDAStream(tensor.device().index()));
   }
-  *task = std::packaged_task<void()>([this, op, tensor, file, offset, ready] {
-    Copier copier(tensor);
+  *task = std::packaged_task<void()>([this, op, base, device, nbytes, file, offset, ready] {
+    Copier copier(base, device);
     copier.after(ready);
 #else
-  *task = std::packaged_task<void()>([this, op, tensor, file, offset] {
-    Copier copier(tensor);
+  *task = std::packaged_task<void()>([this, op, base, device, nbytes, file, offset] {
+    Copier copier(base, device);
 #endif
     ensureBuffers(file->offsetAlign());
     if (op == OpKind::Write) {
-      writeStaged(copier, tensor.nbytes(), file, offset);
+      writeStaged(copier, nbytes, file, offset);
     } else {
-      readStaged(copier, tensor.nbytes(), file, offset);
+      readStaged(copier, nbytes, file, offset);
     }
   });
   std::shared_future<void> fut = task->get_future().share();

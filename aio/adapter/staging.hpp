@@ -5,7 +5,9 @@
 // Threading: one executor thread per AioHandle runs staged transfers in submission order, one
 // at a time; enqueue() may be called from any thread and never blocks on I/O. Buffers are
 // allocated on first use and registered with the Engine and (CUDA builds) cudaHostRegister'ed.
-// Ownership: a queued transfer holds the tensor and the File until its future is ready.
+// Ownership: a queued transfer holds the File, but not the tensor: the caller (AioHandle) keeps
+// the tensor alive until the future is ready. The executor thread never owns an at::Tensor, so
+// it never needs the Python GIL (releasing a tensor with a Python object takes it).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -36,7 +38,7 @@ class StagingExecutor {
   ~StagingExecutor();  // finishes queued transfers, then stops
 
   // The future becomes ready when the transfer is done; get() rethrows IoError/c10::Error.
-  std::shared_future<void> enqueue(OpKind op, at::Tensor tensor, std::shared_ptr<const File> file,
+  std::shared_future<void> enqueue(OpKind op, const at::Tensor& tensor, std::shared_ptr<const File> file,
                                    uint64_t offset);
 
  private:

@@ -39,13 +39,11 @@ int planPartition(const std::vector<std::vector<int64_t>>& group_numels, int wor
   return 0;
 }
 
-int planBuckets(const PartitionPlan& plan, const std::vector<std::vector<ParamPlacement>>& placement,
-                int64_t align_elems, std::vector<Bucket>* out) {
-  if (out == nullptr || align_elems < 1 || placement.size() != plan.owner.size()) return -EINVAL;
-  for (size_t g = 0; g < placement.size(); ++g)
-    if (placement[g].size() != plan.owner[g].size()) return -EINVAL;
+namespace {
 
-  // Devices in first-appearance order over (rank, group, param): torch fills a dict that way.
+// Devices in first-appearance order over (rank, group, param): torch fills a dict that way.
+std::vector<int> devicesInPartitionOrder(const PartitionPlan& plan,
+                                         const std::vector<std::vector<ParamPlacement>>& placement) {
   std::vector<int> devices;
   for (const auto& groups : plan.params)
     for (const auto& refs : groups)
@@ -53,6 +51,22 @@ int planBuckets(const PartitionPlan& plan, const std::vector<std::vector<ParamPl
         const int d = placement[r.group][r.index].device;
         if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
       }
+  return devices;
+}
+
+bool placementMatches(const PartitionPlan& plan, const std::vector<std::vector<ParamPlacement>>& placement) {
+  if (placement.size() != plan.owner.size()) return false;
+  for (size_t g = 0; g < placement.size(); ++g)
+    if (placement[g].size() != plan.owner[g].size()) return false;
+  return true;
+}
+
+}  // namespace
+
+int planBuckets(const PartitionPlan& plan, const std::vector<std::vector<ParamPlacement>>& placement,
+                int64_t align_elems, std::vector<Bucket>* out) {
+  if (out == nullptr || align_elems < 1 || !placementMatches(plan, placement)) return -EINVAL;
+  const std::vector<int> devices = devicesInPartitionOrder(plan, placement);
 
   std::vector<Bucket> buckets;
   for (int device : devices) {
@@ -76,6 +90,37 @@ int planBuckets(const PartitionPlan& plan, const std::vector<std::vector<ParamPl
     }
   }
   *out = std::move(buckets);
+  return 0;
+}
+
+int planSyncChunks(const PartitionPlan& plan, const std::vector<std::vector<ParamPlacement>>& placement,
+                   int64_t cap_elems, std::vector<Bucket>* out) {
+  if (out == nullptr || cap_elems < 1 || !placementMatches(plan, placement)) return -EINVAL;
+  std::vector<Bucket> chunks;
+  for (int device : devicesInPartitionOrder(plan, placement)) {
+    for (int rank = 0; rank < plan.world_size; ++rank) {
+      Bucket cur;
+      cur.device = device;
+      cur.rank = rank;
+      for (const auto& refs : plan.params[rank]) {
+        for (const ParamRef& r : refs) {
+          const ParamPlacement& pp = placement[r.group][r.index];
+          if (pp.device != device) continue;
+          if (cur.numel > 0 && cur.numel + pp.numel > cap_elems) {
+            chunks.push_back(std::move(cur));
+            cur = Bucket{};
+            cur.device = device;
+            cur.rank = rank;
+          }
+          cur.entries.push_back(BucketEntry{r, cur.numel, pp.numel});
+          cur.numel += pp.numel;
+        }
+      }
+      // Zero-element parameters leave an empty chunk: nothing to move, so nothing is scheduled.
+      if (cur.numel > 0) chunks.push_back(std::move(cur));
+    }
+  }
+  *out = std::move(chunks);
   return 0;
 }
 

@@ -67,6 +67,17 @@ struct ParamPlacement {
 int planBuckets(const PartitionPlan& plan, const std::vector<std::vector<ParamPlacement>>& placement,
                 int64_t align_elems, std::vector<Bucket>* out);
 
+// planSyncChunks lays out the flat buffers zeroplus uses for parameters_as_bucket_view=False:
+// per (device, rank), ALL of that rank's parameters (frozen ones too, since torch broadcasts
+// them in this mode) in partition order, cut into chunks of at most cap_elems elements (a
+// parameter larger than the cap gets a chunk of its own; parameters are never split). A rank
+// with nothing on a device gets no chunk: every rank derives the same plan, so no dummy is
+// needed. Devices are ordered as in planBuckets. The chunks are staging buffers: the owner packs
+// its parameters in, one broadcast per chunk moves them, the receivers unpack. -EINVAL as above,
+// or for cap_elems < 1.
+int planSyncChunks(const PartitionPlan& plan, const std::vector<std::vector<ParamPlacement>>& placement,
+                   int64_t cap_elems, std::vector<Bucket>* out);
+
 struct BroadcastOp {
   int src_rank = 0;   // group rank that owns the data
   int bucket = -1;    // index into planBuckets' result, or -1 for a single parameter
@@ -74,7 +85,7 @@ struct BroadcastOp {
 };
 
 // Without buckets: for each rank, each of its params (all groups, frozen included).
-// With buckets: one op per bucket, in bucket order.
+// With buckets (from planBuckets or planSyncChunks): one op per bucket, in bucket order.
 std::vector<BroadcastOp> broadcastSchedule(const PartitionPlan& plan, const std::vector<Bucket>* buckets);
 
 }  // namespace zeroplus::optim

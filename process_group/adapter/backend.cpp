@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "process_group/adapter/store_rendezvous.hpp"
 
 namespace zeroplus::pg {
@@ -26,6 +28,23 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   options.rank = rank;
   options.size = size;
   options.connectTimeout = config_.timeout;
+  options.shm = config_.tuning.shm;
+  options.shmChunkBytes = config_.tuning.shmChunkBytes;
+  options.spinMicros = config_.tuning.spinMicros;
+  // Fusion and bucketing decide how ops map onto transfers, so every rank must use the same
+  // knobs; a mismatch would otherwise show up later as a hang or a size-mismatch error.
+  const auto& t = config_.tuning;
+  const std::string mine = std::to_string(t.bucketBytes) + "," + std::to_string(t.fuse) + "," +
+                           std::to_string(t.shmChunkBytes) + "," + std::string(toString(t.shm));
+  store->set("zeroplus/tuning/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    const std::string key = "zeroplus/tuning/" + std::to_string(r);
+    const auto theirs = rendezvous.get(key, config_.timeout);
+    TORCH_CHECK(std::string(theirs.begin(), theirs.end()) == mine, "zeroplus init: rank ", rank,
+                " has tuning (bucket_bytes,fuse,shm_chunk_bytes,shm) = (", mine, ") but rank ", r, " has (",
+                std::string(theirs.begin(), theirs.end()), "); set the same ZEROPLUS_* variables and options on every rank");
+  }
   try {
     comm_ = Communicator::connect(rendezvous, options);
   } catch (const CommError& e) {
@@ -77,38 +96,111 @@ void ZeroPlusBackend::stopWorker() {
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collective(c10d::OpType opType, const char* opName,
                                                            std::vector<at::Tensor> outputs,
-                                                           std::chrono::milliseconds opTimeout, Body body) {
+                                                           std::chrono::milliseconds opTimeout, Body body,
+                                                           bool asyncOp) {
   const uint64_t seq = ++sequenceNumber_;
   auto work = c10::make_intrusive<ZeroPlusWork>(rank_, opType, opName, seq, std::move(outputs));
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (opTimeout.count() <= 0) opTimeout = config_.timeout;  // kUnsetTimeout: group default
-    if (!brokenReason_.empty()) {
-      work->markFailed(std::make_exception_ptr(backendError(std::string("zeroplus ") + opName +
-                                                            ": process group is unusable after an earlier failure: " +
-                                                            brokenReason_)));
+  Task task;
+  task.work = work;
+  task.body = std::move(body);
+  task.timeout = opTimeout;
+  task.opName = opName;
+  if (!asyncOp && config_.tuning.inlineSync) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (queue_.empty() && !busy_ && !coalescing_ && !stopping_ && brokenReason_.empty()) {
+      // Inline sync: nothing is ahead of this op, so running it here keeps issue order and
+      // saves the hand-off to the worker and back. busy_ keeps the worker off meanwhile.
+      busy_ = true;
+      if (task.timeout.count() <= 0) task.timeout = config_.timeout;
+      lock.unlock();
+      runTask(task);
+      lock.lock();
+      busy_ = false;
+      const bool more = !queue_.empty();
+      lock.unlock();
+      if (more) queueCv_.notify_one();
       return work;
     }
-    TORCH_CHECK(!stopping_, "zeroplus ", opName, ": process group has been shut down");
-    queue_.push_back(Task{work, std::move(body), opTimeout, opName});
-    if (coalescing_) coalescedWorks_.push_back(work);
   }
-  queueCv_.notify_one();
+  enqueue(std::move(task));
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::fusibleAllreduce(const at::Tensor& tensor, DataType type,
+                                                                 const Reduction& reduction,
+                                                                 std::chrono::milliseconds opTimeout) {
+  const uint64_t seq = ++sequenceNumber_;
+  auto work = c10::make_intrusive<ZeroPlusWork>(rank_, c10d::OpType::ALLREDUCE, "allreduce", seq,
+                                                std::vector<at::Tensor>{tensor});
+  Task task;
+  task.work = work;
+  task.timeout = opTimeout;
+  task.opName = "allreduce";
+  task.fusible = true;
+  task.tensor = tensor;
+  task.type = type;
+  task.reduction = reduction;
+  enqueue(std::move(task));
+  return work;
+}
+
+void ZeroPlusBackend::enqueue(Task task) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (task.timeout.count() <= 0) task.timeout = config_.timeout;  // kUnsetTimeout: group default
+    if (!brokenReason_.empty()) {
+      task.work->markFailed(std::make_exception_ptr(backendError(std::string("zeroplus ") + task.opName +
+                                                                 ": process group is unusable after an earlier failure: " +
+                                                                 brokenReason_)));
+      return;
+    }
+    TORCH_CHECK(!stopping_, "zeroplus ", task.opName, ": process group has been shut down");
+    if (coalescing_) coalescedWorks_.push_back(task.work);
+    queue_.push_back(std::move(task));
+  }
+  queueCv_.notify_one();
+}
+
 void ZeroPlusBackend::workerLoop() {
+  std::vector<Task> batch;
   for (;;) {
-    Task task;
+    batch.clear();
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      queueCv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      queueCv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !busy_); });
       if (stopping_) return;
-      task = std::move(queue_.front());
+      busy_ = true;
+      batch.push_back(std::move(queue_.front()));
       queue_.pop_front();
+      // Take the compatible fusible ops queued right behind the first one (see "Fusion").
+      const Task& head = batch.front();
+      size_t bytes = head.fusible ? head.tensor.nbytes() : 0;
+      while (head.fusible && !queue_.empty()) {
+        const Task& next = queue_.front();
+        if (!next.fusible || next.type != head.type || next.reduction.op != head.reduction.op ||
+            next.reduction.average != head.reduction.average || next.timeout != head.timeout ||
+            bytes + next.tensor.nbytes() > config_.tuning.bucketBytes) {
+          break;
+        }
+        bytes += next.tensor.nbytes();
+        batch.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
     }
-    runTask(task);
+    if (batch.front().fusible) {
+      runFused(batch);
+    } else {
+      runTask(batch.front());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
+    }
   }
+}
+
+void ZeroPlusBackend::failTask(Task& task, std::exception_ptr error) {
+  task.work->markFailed(std::move(error));
 }
 
 void ZeroPlusBackend::runTask(Task& task) {
@@ -125,7 +217,11 @@ void ZeroPlusBackend::runTask(Task& task) {
   // The deadline starts when the op starts moving data, not when it was queued (as NCCL).
   const Deadline deadline = Clock::now() + task.timeout;
   try {
-    task.body(deadline);
+    if (task.fusible) {
+      bucketedAllreduce({task.tensor}, task.type, task.reduction, deadline);
+    } else {
+      task.body(deadline);
+    }
     task.work->markSucceeded();
   } catch (const CommError& e) {
     {
@@ -139,6 +235,75 @@ void ZeroPlusBackend::runTask(Task& task) {
     task.work->markFailed(
         std::make_exception_ptr(backendError(std::string("zeroplus ") + task.opName + ": " + e.what())));
   }
+}
+
+void ZeroPlusBackend::runFused(std::vector<Task>& batch) {
+  std::string broken;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    broken = brokenReason_;
+  }
+  if (!broken.empty()) {
+    for (auto& t : batch) runTask(t);  // each fails with the stored reason
+    return;
+  }
+  const Deadline deadline = Clock::now() + batch.front().timeout;
+  size_t agreed = 0;
+  try {
+    agreed = static_cast<size_t>(comm_->agreeMin(batch.size(), deadline));
+    if (agreed < batch.size()) {
+      // Ops some rank has not issued yet go back, in order, to the queue front.
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (size_t i = batch.size(); i-- > agreed;) queue_.push_front(std::move(batch[i]));
+      batch.resize(agreed);
+    }
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(batch.size());
+    for (const auto& t : batch) tensors.push_back(t.tensor);
+    bucketedAllreduce(tensors, batch.front().type, batch.front().reduction, deadline);
+  } catch (const CommError& e) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      brokenReason_ = e.what();
+    }
+    for (auto& t : batch) t.work->markFailed(std::make_exception_ptr(backendError(e.what())));
+    return;
+  } catch (const std::exception& e) {
+    for (auto& t : batch) {
+      t.work->markFailed(std::make_exception_ptr(backendError(std::string("zeroplus allreduce: ") + e.what())));
+    }
+    return;
+  }
+  for (auto& t : batch) t.work->markSucceeded();
+}
+
+void ZeroPlusBackend::bucketedAllreduce(const std::vector<at::Tensor>& tensors, DataType type,
+                                        const Reduction& reduction, Deadline deadline) {
+  const size_t cap = std::max<size_t>(config_.tuning.bucketBytes, 1);
+  std::vector<Span> spans;
+  size_t i = 0;
+  do {
+    // One bucket: tensors up to `cap` bytes (a larger tensor forms a bucket of its own).
+    spans.clear();
+    size_t bytes = 0;
+    const size_t first = i;
+    while (i < tensors.size() && (spans.empty() || bytes + tensors[i].nbytes() <= cap)) {
+      at::Tensor t = tensors[i];
+      applyPremultiply(reduction, t);
+      spans.push_back(Span{t.data_ptr(), static_cast<size_t>(t.numel())});
+      bytes += t.nbytes();
+      ++i;
+    }
+    comm_->allreducev(spans, type, reduction.op, deadline);
+    if (reduction.average) {
+      for (size_t k = first; k < i; ++k) {
+        if (!divideInPlace(spans[k - first].data, spans[k - first].count, type, size_)) {
+          at::Tensor t = tensors[k];
+          applyAverage(reduction, t, size_);
+        }
+      }
+    }
+  } while (i < tensors.size());
 }
 
 }  // namespace zeroplus::pg

@@ -6,6 +6,20 @@
 // and error conversion. The closure runs on the backend's single worker thread, in issue
 // order, against the torch-free Communicator (process_group/core).
 //
+// Fast paths (knobs in PgTuning, docs/backend.md):
+// * Inline sync: a synchronous op (opts.asyncOp == false, i.e. async_op=False in Python)
+//   issued while nothing is queued or running runs on the caller's thread: no hand-off.
+// * Fusion: async single-tensor allreduces no larger than bucketBytes are "fusible". When the
+//   worker takes a fusible op it also takes the compatible ops queued right behind it (same
+//   dtype, reduce op and timeout, up to bucketBytes), the ranks agree on the smallest such
+//   count (Communicator::agreeMin; a rank never waits for ops another rank has not issued),
+//   and the agreed ops move as one bucketed allreducev; the rest go back to the queue front.
+//   Whether an op is fusible depends only on its arguments, so every rank makes the same
+//   choice; per-group tuning is checked to be equal on all ranks at construction.
+// * allreduce_coalesced packs its tensors into buckets of bucketBytes (Communicator::
+//   allreducev: tensors already back to back in one buffer are not copied).
+// Issue order per group is kept: fused ops are consecutive in the queue, and complete together.
+//
 // Rules callers must follow (the c10d contract): every rank of the group issues the same
 // collectives in the same order with matching shapes. Input and output tensors must not be
 // modified by the caller until the returned Work completes; the Work keeps them alive.
@@ -29,8 +43,10 @@
 #include <string>
 #include <thread>
 
+#include "process_group/adapter/tensor_checks.hpp"
 #include "process_group/adapter/work.hpp"
 #include "process_group/core/communicator.hpp"
+#include "process_group/core/config.hpp"
 
 namespace zeroplus::pg {
 
@@ -39,6 +55,7 @@ struct BackendConfig {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};  // group default per-op timeout
   std::string groupName;
   std::vector<int64_t> globalRanks;  // empty: identity
+  PgTuning tuning;                   // registration fills it from ZEROPLUS_* and BackendOptions
 };
 
 class ZeroPlusBackend final : public c10d::Backend {
@@ -48,6 +65,11 @@ class ZeroPlusBackend final : public c10d::Backend {
   ~ZeroPlusBackend() override;
 
   const std::string getBackendName() const override { return "zeroplus"; }
+  // The group's default per-op timeout (changed by setTimeout).
+  std::chrono::milliseconds timeout() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return config_.timeout;
+  }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override { return sequenceNumber_.load(); }
@@ -95,20 +117,39 @@ class ZeroPlusBackend final : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
+  // "tcp" or "shm+tcp" (tests and benchmarks report it).
+  std::string transport() const { return comm_->transport(); }
+  const PgTuning& tuning() const { return config_.tuning; }
+
  private:
   using Body = std::function<void(Deadline)>;
   struct Task {
     c10::intrusive_ptr<ZeroPlusWork> work;
     Body body;
-    std::chrono::milliseconds timeout;
-    const char* opName;
+    std::chrono::milliseconds timeout{};
+    const char* opName = "";
+    // Fusible allreduce (body is empty): the tensor and how to reduce it.
+    bool fusible = false;
+    at::Tensor tensor;
+    DataType type = DataType::kFloat32;
+    Reduction reduction;
   };
 
-  // The funnel: assigns the sequence number, queues `body` for the worker and returns its Work.
+  // The funnel: assigns the sequence number, queues `body` for the worker (or runs it on the
+  // caller's thread, see "Inline sync") and returns its Work.
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType opType, const char* opName, std::vector<at::Tensor> outputs,
-                                            std::chrono::milliseconds opTimeout, Body body);
+                                            std::chrono::milliseconds opTimeout, Body body, bool asyncOp = true);
+  // Queues a fusible allreduce (see "Fusion").
+  c10::intrusive_ptr<c10d::Work> fusibleAllreduce(const at::Tensor& tensor, DataType type, const Reduction& reduction,
+                                                  std::chrono::milliseconds opTimeout);
+  // Moves `tensors` as buckets of at most tuning.bucketBytes through allreducev. Worker thread.
+  void bucketedAllreduce(const std::vector<at::Tensor>& tensors, DataType type, const Reduction& reduction,
+                         Deadline deadline);
+  void enqueue(Task task);
   void workerLoop();
   void runTask(Task& task);
+  void runFused(std::vector<Task>& batch);
+  void failTask(Task& task, std::exception_ptr error);
   void stopWorker();
 
   BackendConfig config_;
@@ -119,6 +160,7 @@ class ZeroPlusBackend final : public c10d::Backend {
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
   bool stopping_ = false;
+  bool busy_ = false;         // an op is running (worker or inline caller); guarded by mutex_
   std::string brokenReason_;  // non-empty after a transport failure; guarded by mutex_
   bool coalescing_ = false;   // inside startCoalescing()/endCoalescing(); guarded by mutex_
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedWorks_;  // guarded by mutex_

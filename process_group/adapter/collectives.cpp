@@ -2,8 +2,6 @@
 // allreduce_coalesced, reduce, barrier and the coalescing window. Each wrapper validates on the
 // caller's thread, then hands one closure to collective(). Closures capture tensors by value
 // (refcounted), never references to caller-owned vectors: they run later on the worker.
-#include <ATen/ops/cat.h>
-
 #include "process_group/adapter/backend.hpp"
 #include "process_group/adapter/tensor_checks.hpp"
 
@@ -19,9 +17,10 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::broadcast(std::vector<at::Tensor
   toDataType(kOp, "tensor", tensors[0].scalar_type());
   at::Tensor tensor = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
-  return collective(c10d::OpType::BROADCAST, kOp, {tensor}, opts.timeout, [this, tensor, root](Deadline deadline) {
-    comm_->broadcast(tensor.data_ptr(), tensor.nbytes(), root, deadline);
-  });
+  return collective(
+      c10d::OpType::BROADCAST, kOp, {tensor}, opts.timeout,
+      [this, tensor, root](Deadline deadline) { comm_->broadcast(tensor.data_ptr(), tensor.nbytes(), root, deadline); },
+      opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -33,12 +32,19 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allreduce(std::vector<at::Tensor
   checkCpuDense(kOp, "tensor", tensor);
   const DataType type = toDataType(kOp, "tensor", tensor.scalar_type());
   const Reduction reduction = toReduction(kOp, opts.reduceOp, tensor.scalar_type());
-  return collective(c10d::OpType::ALLREDUCE, kOp, {tensor}, opts.timeout,
-                    [this, tensor, type, reduction](Deadline deadline) mutable {
-                      applyPremultiply(reduction, tensor);
-                      comm_->allreduce(tensor.data_ptr(), tensor.numel(), type, reduction.op, deadline);
-                      applyAverage(reduction, tensor, size_);
-                    });
+  const PgTuning& tuning = config_.tuning;
+  if (opts.asyncOp && tuning.fuse && size_ > 1 && !reduction.premultiply && tuning.bucketBytes > 0 &&
+      tensor.nbytes() <= tuning.bucketBytes) {
+    return fusibleAllreduce(tensor, type, reduction, opts.timeout);
+  }
+  return collective(
+      c10d::OpType::ALLREDUCE, kOp, {tensor}, opts.timeout,
+      [this, tensor, type, reduction](Deadline deadline) mutable {
+        applyPremultiply(reduction, tensor);
+        comm_->allreduce(tensor.data_ptr(), tensor.numel(), type, reduction.op, deadline);
+        applyAverage(reduction, tensor, size_);
+      },
+      opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -50,21 +56,12 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allreduce_coalesced(std::vector<
   const DataType type = toDataType(kOp, "tensors", tensors[0].scalar_type());
   const Reduction reduction = toReduction(kOp, opts.reduceOp, tensors[0].scalar_type());
   std::vector<at::Tensor> outs = tensors;
-  return collective(c10d::OpType::ALLREDUCE_COALESCED, kOp, outs, opts.timeout,
-                    [this, outs, type, reduction](Deadline deadline) {
-                      std::vector<at::Tensor> flatViews;
-                      flatViews.reserve(outs.size());
-                      for (const auto& t : outs) flatViews.push_back(t.view(-1));
-                      at::Tensor flat = at::cat(flatViews);
-                      applyPremultiply(reduction, flat);
-                      comm_->allreduce(flat.data_ptr(), flat.numel(), type, reduction.op, deadline);
-                      applyAverage(reduction, flat, size_);
-                      int64_t offset = 0;
-                      for (const auto& t : outs) {
-                        t.view(-1).copy_(flat.narrow(0, offset, t.numel()));
-                        offset += t.numel();
-                      }
-                    });
+  // Buckets of tuning.bucketBytes; tensors that are consecutive views of one buffer move
+  // without a copy (allreducev), the shared-memory transport packs straight into its segment.
+  return collective(
+      c10d::OpType::ALLREDUCE_COALESCED, kOp, outs, opts.timeout,
+      [this, outs, type, reduction](Deadline deadline) { bucketedAllreduce(outs, type, reduction, deadline); },
+      opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -90,8 +87,9 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce(std::vector<at::Tensor>& 
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::barrier(const c10d::BarrierOptions& opts) {
-  return collective(c10d::OpType::BARRIER, "barrier", {}, opts.timeout,
-                    [this](Deadline deadline) { comm_->barrier(deadline); });
+  return collective(
+      c10d::OpType::BARRIER, "barrier", {}, opts.timeout, [this](Deadline deadline) { comm_->barrier(deadline); },
+      opts.asyncOp);
 }
 
 void ZeroPlusBackend::startCoalescing() {

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "process_group/core/reduce.hpp"
+#include "process_group/core/shm_communicator.hpp"
 #include "process_group/core/tcp_communicator.hpp"
 
 namespace zeroplus::pg {
@@ -22,7 +23,50 @@ std::unique_ptr<Communicator> Communicator::connect(Rendezvous& rendezvous, cons
     throw CommError("connect", options.rank, -1, 0.0,
                     "invalid rank " + std::to_string(options.rank) + " for world size " + std::to_string(options.size));
   }
-  return std::make_unique<detail::TcpCommunicator>(detail::TcpMesh::connect(rendezvous, options));
+  std::unique_ptr<Communicator> tcp =
+      std::make_unique<detail::TcpCommunicator>(detail::TcpMesh::connect(rendezvous, options));
+  if (options.size > 1 && options.shm != ShmMode::kOff) {
+    if (auto shm = detail::ShmCommunicator::maybeCreate(rendezvous, options, tcp)) return shm;
+  }
+  return tcp;
+}
+
+void Communicator::allreducev(const std::vector<Span>& spans, DataType type, ReduceOp op, Deadline deadline) {
+  const size_t es = elementSize(type);
+  size_t total = 0;
+  bool contiguous = true;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    total += spans[i].count;
+    if (i > 0 && static_cast<uint8_t*>(spans[i - 1].data) + spans[i - 1].count * es != spans[i].data) {
+      contiguous = false;
+    }
+  }
+  if (spans.empty()) {
+    allreduce(nullptr, 0, type, op, deadline);
+    return;
+  }
+  if (contiguous) {  // already one flat buffer (e.g. views of one bucket): no copy
+    allreduce(spans[0].data, total, type, op, deadline);
+    return;
+  }
+  if (packBuffer_.size() < total * es) packBuffer_.resize(total * es);
+  uint8_t* p = packBuffer_.data();
+  for (const Span& s : spans) {
+    std::memcpy(p, s.data, s.count * es);
+    p += s.count * es;
+  }
+  allreduce(packBuffer_.data(), total, type, op, deadline);
+  p = packBuffer_.data();
+  for (const Span& s : spans) {
+    std::memcpy(s.data, p, s.count * es);
+    p += s.count * es;
+  }
+}
+
+uint64_t Communicator::agreeMin(uint64_t value, Deadline deadline) {
+  int64_t v = static_cast<int64_t>(value < (1ull << 62) ? value : (1ull << 62));
+  allreduce(&v, 1, DataType::kInt64, ReduceOp::kMin, deadline);
+  return static_cast<uint64_t>(v);
 }
 
 namespace detail {

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "process_group/core/config.hpp"
 #include "process_group/core/datatype.hpp"
 #include "process_group/core/rendezvous.hpp"
 
@@ -64,6 +65,17 @@ struct CommunicatorOptions {
   // already grows loopback/LAN buffers to tcp_{w,r}mem max (4 MiB / 32 MiB by default) while an
   // explicit value is capped by net.core.{w,r}mem_max and switches autotuning off.
   int socketBufferBytes = 0;
+  // Same-host shared-memory transport (shm_communicator.hpp). Off by default in the core so
+  // that unit tests choose it explicitly; the adapter passes the group's PgTuning.
+  ShmMode shm = ShmMode::kOff;
+  size_t shmChunkBytes = 1u << 20;
+  uint32_t spinMicros = 50;
+};
+
+// One buffer of a vectored allreduce: `count` elements at `data`.
+struct Span {
+  void* data;
+  size_t count;
 };
 
 class Communicator {
@@ -87,6 +99,22 @@ class Communicator {
   // ends with the identical result (bitwise: one rank's order of operations is used for all).
   // Precondition: reduceSupported(type, op).
   virtual void allreduce(void* data, size_t count, DataType type, ReduceOp op, Deadline deadline) = 0;
+
+  // allreduce of the concatenation of `spans` (all of `type`), results written back in place.
+  // Every rank must pass the same total count (span boundaries may differ between ranks). The
+  // base version moves spans that sit back to back in memory as one buffer and packs the
+  // others into a scratch buffer; the shared-memory transport packs straight into its segment.
+  virtual void allreducev(const std::vector<Span>& spans, DataType type, ReduceOp op, Deadline deadline);
+
+  // Returns the minimum of `value` over all ranks (an allreduce MIN of one uint64). Used to
+  // agree on how many queued ops to fuse without waiting for ops a rank has not issued yet.
+  virtual uint64_t agreeMin(uint64_t value, Deadline deadline);
+
+  // "tcp" or "shm+tcp": for diagnostics and tests.
+  virtual std::string transport() const { return "tcp"; }
+
+  // False once a transport failure made the communicator unusable (argument errors do not).
+  virtual bool usable() const { return true; }
 
   // In place on root; other ranks' `data` is used as input and left unchanged.
   virtual void reduce(void* data, size_t count, DataType type, ReduceOp op, int root, Deadline deadline) = 0;
@@ -122,6 +150,9 @@ class Communicator {
   virtual void recv(void* data, size_t bytes, int peer, uint32_t tag, Deadline deadline) = 0;
 
   virtual void barrier(Deadline deadline) = 0;
+
+ protected:
+  std::vector<uint8_t> packBuffer_;  // allreducev's scratch; grows only
 };
 
 }  // namespace zeroplus::pg

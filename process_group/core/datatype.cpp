@@ -220,4 +220,34 @@ void reduceInto(void* dst, const void* src, size_t count, DataType type, ReduceO
   detail::reduceTo(dst, dst, src, count, type, op);
 }
 
+bool divideInPlace(void* data, size_t count, DataType type, double divisor) {
+  switch (type) {
+    case DataType::kFloat32: {
+      auto* p = static_cast<float*>(data);
+      const float d = static_cast<float>(divisor);
+      for (size_t i = 0; i < count; ++i) p[i] /= d;
+      return true;
+    }
+    case DataType::kFloat64: {
+      auto* p = static_cast<double*>(data);
+      for (size_t i = 0; i < count; ++i) p[i] /= divisor;
+      return true;
+    }
+    case DataType::kFloat16: {
+      auto* p = static_cast<uint16_t*>(data);
+      const float d = static_cast<float>(divisor);
+      for (size_t i = 0; i < count; ++i) p[i] = detail::floatToHalf(detail::halfToFloat(p[i]) / d);
+      return true;
+    }
+    case DataType::kBFloat16: {
+      auto* p = static_cast<uint16_t*>(data);
+      const float d = static_cast<float>(divisor);
+      for (size_t i = 0; i < count; ++i) p[i] = detail::floatToBf16(detail::bf16ToFloat(p[i]) / d);
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+
 }  // namespace zeroplus::pg

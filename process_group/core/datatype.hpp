@@ -27,4 +27,9 @@ bool reduceSupported(DataType type, ReduceOp op);
 // nearest-even once per element. Precondition: reduceSupported(type, op).
 void reduceInto(void* dst, const void* src, size_t count, DataType type, ReduceOp op);
 
+// data[i] = data[i] / divisor for floating types (half types computed in float and rounded
+// once, as ATen's div_ does). The AVG post-pass of bucketed allreduces. Returns false for
+// non-floating types (nothing is written).
+bool divideInPlace(void* data, size_t count, DataType type, double divisor);
+
 }  // namespace zeroplus::pg

@@ -44,6 +44,7 @@ class TcpCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void abort() override { mesh_->abort(); }
+  bool usable() const override { return !broken_; }
 
   void broadcast(void* data, size_t bytes, int root, Deadline deadline) override;
   void allreduce(void* data, size_t count, DataType type, ReduceOp op, Deadline deadline) override;

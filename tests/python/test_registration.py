@@ -82,5 +82,5 @@ def _direct_create():
 
 
 def test_pg_options_other_than_none_are_rejected():
-    with pytest.raises(TypeError, match="pg_options must be None, got object"):
+    with pytest.raises(TypeError, match="pg_options must be None or a zeroplus.BackendOptions, got object"):
         _direct_create()

@@ -19,11 +19,13 @@ __version__ = "0.1.0"
 load_library()
 
 from . import aio, optim  # noqa: E402  (need the library loaded)
+from .backend_options import BackendOptions  # noqa: E402
 from .optim import ZeroRedundancyOptimizer  # noqa: E402
 
 __all__ = [
     "__version__",
     "aio",
+    "BackendOptions",
     "built_torch_version",
     "library_path",
     "load_library",

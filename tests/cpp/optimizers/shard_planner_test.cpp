@@ -139,5 +139,38 @@ TEST(ShardPlanner, PerParameterScheduleIsRankMajorIncludingFrozen) {
   EXPECT_EQ(ops[2].param, (ParamRef{1, 0}));
 }
 
+TEST(ShardPlanner, SyncChunksKeepFrozenSplitAtCapAndSkipEmptyRanks) {
+  const PartitionPlan p = plan({{6, 5, 4, 3}, {2}}, 3);
+  // 3 ranks: 6 -> r0, 5 -> r1, 4 -> r2, 3 -> r2 (4 < 5 < 6), group 1: 2 -> r1 (5 < 6, 7).
+  std::vector<std::vector<ParamPlacement>> place{{{6, 0, true}, {5, 0, false}, {4, 0, true}, {3, 0, true}},
+                                                 {{2, 0, true}}};
+  std::vector<Bucket> chunks;
+  ASSERT_EQ(planSyncChunks(p, place, 100, &chunks), 0);
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[1].rank, 1);
+  EXPECT_EQ(chunks[1].numel, 7);  // frozen 5 is included, then group 1's 2
+  EXPECT_EQ(chunks[1].entries[1].param, (ParamRef{1, 0}));
+  EXPECT_EQ(chunks[1].entries[1].offset, 5);
+  EXPECT_EQ(chunks[2].numel, 7);
+
+  ASSERT_EQ(planSyncChunks(p, place, 5, &chunks), 0);  // rank 2: 4 | 3; rank 1: 5 | 2; rank 0: 6
+  ASSERT_EQ(chunks.size(), 5u);
+  for (const Bucket& c : chunks) {
+    EXPECT_EQ(c.entries.size(), 1u);
+    EXPECT_EQ(c.entries[0].offset, 0);
+  }
+  EXPECT_EQ(chunks[0].numel, 6);  // larger than the cap: a chunk of its own
+  const auto ops = broadcastSchedule(p, &chunks);
+  ASSERT_EQ(ops.size(), 5u);
+  EXPECT_EQ(ops[4].src_rank, 2);
+
+  const PartitionPlan q = plan({{1}}, 4);  // ranks 1..3 own nothing: no chunk for them
+  std::vector<std::vector<ParamPlacement>> one{{{1, 0, true}}};
+  ASSERT_EQ(planSyncChunks(q, one, 8, &chunks), 0);
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(planSyncChunks(q, one, 0, &chunks), -EINVAL);
+  EXPECT_EQ(planSyncChunks(q, {}, 8, &chunks), -EINVAL);
+}
+
 }  // namespace
 }  // namespace zeroplus::optim

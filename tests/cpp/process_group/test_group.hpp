@@ -108,13 +108,17 @@ inline void runRanks(int n, const std::function<void(int)>& fn) {
 struct Group {
   std::vector<std::unique_ptr<Communicator>> comms;
 
-  explicit Group(int n, std::chrono::milliseconds timeout = std::chrono::seconds(20)) : comms(static_cast<size_t>(n)) {
+  explicit Group(int n, std::chrono::milliseconds timeout = std::chrono::seconds(20), ShmMode shm = ShmMode::kOff,
+                 size_t shmChunkBytes = 1u << 20)
+      : comms(static_cast<size_t>(n)) {
     InMemoryRendezvous rdv;
     runRanks(n, [&](int r) {
       CommunicatorOptions o;
       o.rank = r;
       o.size = n;
       o.connectTimeout = timeout;
+      o.shm = shm;
+      o.shmChunkBytes = shmChunkBytes;
       comms[static_cast<size_t>(r)] = Communicator::connect(rdv, o);
     });
   }

@@ -12,6 +12,8 @@ state in the param dtype); loaded 16-bit state is widened on first use.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -27,23 +29,15 @@ def _as_float(x) -> float | None:
     return float(x)
 
 
-def _fusable(p: Tensor, g: Tensor) -> bool:
-    return (
-        p.device.type == "cpu"
-        and p.dtype in _SUPPORTED_DTYPES
-        and not g.is_sparse
-        and g.dtype == p.dtype
-        and p.is_contiguous()
-        and g.is_contiguous()
-    )
+def _param_fusable(p: Tensor) -> bool:
+    return (p.device.type == "cpu" and p.dtype in _SUPPORTED_DTYPES and p.layout is torch.strided
+            and p.is_contiguous())
 
 
-def _group_fusable(group) -> bool:
-    for p in group["params"]:
-        g = p.grad
-        if g is not None and (not _fusable(p, g) or p.is_complex()):
-            return False
-    return True
+def _grads_fusable(grads) -> bool:
+    # torch's .grad setter already guarantees grad dtype == param dtype, same device and shape;
+    # what it allows and the kernels do not is a sparse or non-contiguous gradient.
+    return all(g.layout is torch.strided and g.is_contiguous() for g in grads)
 
 
 def _fp32_state(state: dict, key: str, p: Tensor) -> Tensor:
@@ -57,10 +51,107 @@ def _fp32_state(state: dict, key: str, p: Tensor) -> Tensor:
     return t
 
 
-class _FusedAdamBase:
+class _GroupPlan:
+    """What one param group's fused step needs, built once and reused while valid.
+
+    Rebuilding the tensor lists every step costs several microseconds per parameter in Python
+    (state lookups, dtype checks), which at 1000 tensors is as long as the kernel. The plan is
+    keyed by the group's params list, which params have a gradient, and the options that change
+    the state layout (amsgrad / momentum on-off); it is revalidated each step by identity of the
+    per-parameter state dicts, which catches load_state_dict and ZeroRedundancyOptimizer's
+    direct writes into `optim.state`. Replacing a single tensor inside a state dict by hand is
+    not detected; call `_zp_invalidate()` after doing that.
+    """
+
+    __slots__ = ("key", "params", "live", "states", "batches")
+
+    def valid(self, key, params, state) -> bool:
+        return (self.key == key and self.params is params
+                and all(map(operator.is_, map(state.get, self.live), self.states)))
+
+
+class _FusedBase:
+    """Plan cache and the fall-back decision shared by the Adam family and SGD."""
+
+    def _zp_invalidate(self) -> None:
+        self.__dict__["_zp_plans"] = {}
+
+    def _zp_plan_for(self, index, group, grads):
+        """A valid _GroupPlan, or None when the group must take torch's generic path."""
+        params = group["params"]
+        key = ([g is not None for g in grads], self._zp_layout_key(group))
+        plans = self.__dict__.setdefault("_zp_plans", {})
+        plan = plans.get(index)
+        if plan is None or not plan.valid(key, params, self.state):
+            live = [p for p, g in zip(params, grads) if g is not None]
+            if not all(_param_fusable(p) and not p.is_complex() for p in live):
+                return None
+            plan = _GroupPlan()
+            plan.key, plan.params, plan.live = key, params, live
+            plan.batches = self._zp_build(group, live)  # creates missing state like torch's _init_group
+            plan.states = [self.state.get(p) for p in live]
+            plans[index] = plan
+        return plan
+
+    def _zp_prepare(self):
+        """Per group (plan, grads, hyperparameters), or None if any group needs the generic path.
+        Everything is checked before anything is written, so a fallback sees torch-shaped state."""
+        prepared = []
+        for index, group in enumerate(self.param_groups):
+            hp = self._zp_group_args(group)
+            if hp is None:
+                return None
+            grads = [p.grad for p in group["params"]]
+            plan = self._zp_plan_for(index, group, grads)
+            live_grads = [g for g in grads if g is not None]
+            if plan is None or not _grads_fusable(live_grads):
+                return None
+            prepared.append((plan, live_grads, hp))
+        return prepared
+
+    def load_state_dict(self, state_dict) -> None:
+        self._zp_invalidate()
+        super().load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        self._zp_invalidate()
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # torch runs the closure first: it usually produces the grads
+            with torch.enable_grad():
+                loss = closure()
+        prepared = self._zp_prepare()
+        if prepared is None:
+            super().step()
+            return loss
+        for plan, grads, hp in prepared:
+            for batch in plan.batches:
+                self._zp_run(batch, grads if batch[0] is None else [grads[i] for i in batch[0]], hp)
+        return loss
+
+
+def _split_by_dtype(live):
+    """[(indices or None when every tensor has the same dtype, tensors)] per dtype."""
+    dtypes = {p.dtype for p in live}
+    if len(dtypes) <= 1:
+        return [(None, live)] if live else []
+    out = []
+    for dt in dtypes:
+        idx = [i for i, p in enumerate(live) if p.dtype == dt]
+        out.append((idx, [live[i] for i in idx]))
+    return out
+
+
+class _FusedAdamBase(_FusedBase):
     """Shared step for Adam and AdamW (the op differs only in how weight decay is applied)."""
 
     _decoupled_default = False
+
+    def _zp_layout_key(self, group):
+        return bool(group["amsgrad"])
 
     def _zp_group_args(self, group):
         if group.get("capturable") or group.get("differentiable"):
@@ -74,50 +165,32 @@ class _FusedAdamBase:
         return op, (lr, b1, b2, float(group["weight_decay"]), float(group["eps"]),
                     bool(group["amsgrad"]), bool(group["maximize"]))
 
-    def _zp_collect(self, group):
-        """Per dtype: params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps (after
-        _group_fusable said yes); creates missing state like torch's _init_group."""
+    def _zp_build(self, group, live):
         amsgrad = group["amsgrad"]
-        lists: dict = {}
-        state_of = self.state
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            st = state_of[p]
-            if len(st) == 0:
-                # Same keys and step dtype as torch's _init_group, so state_dicts interchange.
-                st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            step = st["step"]
-            if step.device.type != "cpu" or step.dtype not in (torch.float32, torch.float64):
-                step = st["step"] = step.to("cpu", torch.float32)
-            ls = lists.get(p.dtype)
-            if ls is None:
-                ls = lists[p.dtype] = ([], [], [], [], [], [])
-            ls[0].append(p)
-            ls[1].append(g)
-            ls[2].append(_fp32_state(st, "exp_avg", p))
-            ls[3].append(_fp32_state(st, "exp_avg_sq", p))
-            if amsgrad:
-                ls[4].append(_fp32_state(st, "max_exp_avg_sq", p))
-            ls[5].append(step)
-        return lists
+        batches = []
+        for idx, params in _split_by_dtype(live):
+            m, v, vmax, steps = [], [], [], []
+            for p in params:
+                st = self.state[p]
+                if len(st) == 0:
+                    # Same keys and step dtype as torch's _init_group, so state_dicts interchange.
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                step = st["step"]
+                if step.device.type != "cpu" or step.dtype not in (torch.float32, torch.float64):
+                    step = st["step"] = step.to("cpu", torch.float32)
+                m.append(_fp32_state(st, "exp_avg", p))
+                v.append(_fp32_state(st, "exp_avg_sq", p))
+                if amsgrad:
+                    vmax.append(_fp32_state(st, "max_exp_avg_sq", p))
+                steps.append(step)
+            batches.append((idx, params, m, v, vmax, steps))
+        return batches
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:  # torch runs the closure first: it usually produces the grads
-            with torch.enable_grad():
-                loss = closure()
-        args = [self._zp_group_args(g) for g in self.param_groups]
-        # Check everything before touching state, so a fallback sees torch-shaped state only.
-        if any(a is None or not _group_fusable(g) for a, g in zip(args, self.param_groups)):
-            super().step()
-            return loss
-        for (op, hp), group in zip(args, self.param_groups):
-            for params, grads, m, v, vmax, steps in self._zp_collect(group).values():
-                op(params, grads, m, v, vmax, steps, *hp)
-        return loss
+    @staticmethod
+    def _zp_run(batch, grads, hp):
+        op, args = hp
+        _, params, m, v, vmax, steps = batch
+        op(params, grads, m, v, vmax, steps, *args)
 
 
 class Adam(_FusedAdamBase, torch.optim.Adam):
@@ -130,53 +203,46 @@ class AdamW(_FusedAdamBase, torch.optim.AdamW):
     _decoupled_default = True
 
 
-class SGD(torch.optim.SGD):
+class SGD(_FusedBase, torch.optim.SGD):
     """torch.optim.SGD with the fused zeroplus CPU step (momentum buffers are fp32)."""
 
-    def _zp_collect(self, group):
-        momentum = group["momentum"]
-        lists: dict = {}
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            ls = lists.get(p.dtype)
-            if ls is None:
-                ls = lists[p.dtype] = ([], [], [], [])
-            ls[0].append(p)
-            ls[1].append(g)
-            if momentum != 0:
-                st = self.state[p]
-                buf = st.get("momentum_buffer")
-                # torch creates the buffer on the first step as a copy of the gradient; the kernel
-                # does that copy itself when init is True.
-                init = buf is None
-                if init:
-                    buf = torch.empty(p.shape, dtype=torch.float32)
-                    st["momentum_buffer"] = buf
-                elif buf.dtype != torch.float32 or not buf.is_contiguous():
-                    buf = st["momentum_buffer"] = buf.to(torch.float32).contiguous()
-                ls[2].append(buf)
-                ls[3].append(init)
-        return lists
+    def _zp_layout_key(self, group):
+        return group["momentum"] != 0
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        lrs = [_as_float(g["lr"]) for g in self.param_groups]
-        if any(lr is None or g.get("differentiable") or not _group_fusable(g)
-               for lr, g in zip(lrs, self.param_groups)):
-            super().step()
-            return loss
-        for group, lr in zip(self.param_groups, lrs):
-            for params, grads, bufs, init in self._zp_collect(group).values():
-                torch.ops.zeroplus.sgd_step(
-                    params, grads, bufs, init, lr, float(group["momentum"]), float(group["dampening"]),
-                    float(group["weight_decay"]), bool(group["nesterov"]), bool(group["maximize"]))
-        return loss
+    def _zp_group_args(self, group):
+        lr = _as_float(group["lr"])
+        if lr is None or group.get("differentiable"):
+            return None
+        return (lr, float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                bool(group["nesterov"]), bool(group["maximize"]))
+
+    def _zp_build(self, group, live):
+        batches = []
+        for idx, params in _split_by_dtype(live):
+            bufs, init = [], []
+            if group["momentum"] != 0:
+                for p in params:
+                    st = self.state[p]
+                    buf = st.get("momentum_buffer")
+                    # torch creates the buffer on the first step as a copy of the gradient; the
+                    # kernel does that copy itself when init is True.
+                    if buf is None:
+                        buf = st["momentum_buffer"] = torch.empty(p.shape, dtype=torch.float32)
+                        init.append(True)
+                    else:
+                        if buf.dtype != torch.float32 or not buf.is_contiguous():
+                            buf = st["momentum_buffer"] = buf.to(torch.float32).contiguous()
+                        init.append(False)
+                    bufs.append(buf)
+            batches.append((idx, params, bufs, init))
+        return batches
+
+    @staticmethod
+    def _zp_run(batch, grads, hp):
+        _, params, bufs, init = batch
+        torch.ops.zeroplus.sgd_step(params, grads, bufs, init, *hp)
+        if any(init):  # the buffers are initialised now; later steps accumulate into them
+            init[:] = [False] * len(init)
 
 
 FUSED_CLASSES = {torch.optim.Adam: Adam, torch.optim.AdamW: AdamW, torch.optim.SGD: SGD}

@@ -1,0 +1,53 @@
+# Torch from an unpacked wheel directory (ZEROPLUS_TORCH_DIR), without importing it.
+# Defines the same things as the Python mode: an imported target `torch`,
+# ZEROPLUS_TORCH_VERSION(_MAJOR/_MINOR), ZEROPLUS_TORCH_CXX11_ABI, ZEROPLUS_CUDA_ENABLED.
+set(_dir "${ZEROPLUS_TORCH_DIR}")
+if(NOT EXISTS "${_dir}/version.py" OR NOT EXISTS "${_dir}/include/torch/library.h")
+  message(FATAL_ERROR "zeroplus: ZEROPLUS_TORCH_DIR=${_dir} is not a torch package directory")
+endif()
+file(STRINGS "${_dir}/version.py" _version_lines)
+set(_torch_cuda "")
+foreach(line IN LISTS _version_lines)
+  if(line MATCHES "^__version__ = '([^']+)'")
+    set(ZEROPLUS_TORCH_VERSION "${CMAKE_MATCH_1}")
+  elseif(line MATCHES "^cuda[:=].*'([0-9.]+)'")
+    set(_torch_cuda "${CMAKE_MATCH_1}")
+  endif()
+endforeach()
+set(ZEROPLUS_TORCH_CXX11_ABI 1 CACHE STRING "torch's _GLIBCXX_USE_CXX11_ABI (1 for manylinux_2_28 wheels)")
+set(ZEROPLUS_TORCH_DIR "${_dir}")
+
+add_library(torch INTERFACE IMPORTED GLOBAL)
+target_include_directories(torch INTERFACE "${_dir}/include" "${_dir}/include/torch/csrc/api/include")
+target_link_libraries(torch INTERFACE "${_dir}/lib/libtorch.so" "${_dir}/lib/libtorch_cpu.so" "${_dir}/lib/libc10.so")
+target_link_options(torch INTERFACE "-Wl,-rpath-link,${_dir}/lib")
+
+set(ZEROPLUS_CUDA_ENABLED OFF)
+if(ZEROPLUS_WITH_CUDA STREQUAL "ON" OR (ZEROPLUS_WITH_CUDA STREQUAL "AUTO" AND _torch_cuda))
+  if(NOT _torch_cuda)
+    message(FATAL_ERROR "zeroplus: ZEROPLUS_WITH_CUDA=ON but torch ${ZEROPLUS_TORCH_VERSION} has no CUDA")
+  endif()
+  if(NOT CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES 80 90)  # A100, H100/H200
+  endif()
+  enable_language(CUDA)
+  find_package(CUDAToolkit REQUIRED)
+  set(ZEROPLUS_NCCL_DIR "" CACHE PATH "NCCL install (include/nccl.h, lib/libnccl.so*), e.g. site-packages/nvidia/nccl")
+  if(NOT ZEROPLUS_NCCL_DIR OR NOT EXISTS "${ZEROPLUS_NCCL_DIR}/include/nccl.h")
+    message(FATAL_ERROR "zeroplus: CUDA build needs NCCL headers: set ZEROPLUS_NCCL_DIR (got '${ZEROPLUS_NCCL_DIR}')")
+  endif()
+  file(GLOB _nccl_lib "${ZEROPLUS_NCCL_DIR}/lib/libnccl.so*")
+  list(GET _nccl_lib 0 _nccl_lib)
+  # Headers of the nvidia-* wheels next to torch (cuBLAS, cuSPARSE, ... included by ATen/cuda).
+  file(GLOB _nvidia_includes LIST_DIRECTORIES true "${_dir}/../nvidia/*/include")
+  target_include_directories(torch INTERFACE "${ZEROPLUS_NCCL_DIR}/include" ${_nvidia_includes})
+  target_link_libraries(torch INTERFACE "${_dir}/lib/libtorch_cuda.so" "${_dir}/lib/libc10_cuda.so"
+                                        CUDA::cudart "${_nccl_lib}")
+  target_compile_definitions(torch INTERFACE USE_C10D_NCCL USE_CUDA)
+  set(ZEROPLUS_CUDA_ENABLED ON)
+endif()
+
+string(REGEX MATCH "^([0-9]+)\\.([0-9]+)" _ "${ZEROPLUS_TORCH_VERSION}")
+set(ZEROPLUS_TORCH_VERSION_MAJOR "${CMAKE_MATCH_1}")
+set(ZEROPLUS_TORCH_VERSION_MINOR "${CMAKE_MATCH_2}")
+add_compile_definitions(_GLIBCXX_USE_CXX11_ABI=${ZEROPLUS_TORCH_CXX11_ABI})

@@ -1,0 +1,111 @@
+// ZEROPLUS_* environment parsing for the process group (see config.hpp). Every environment
+// variable the process-group code reads is read here.
+#include "process_group/core/config.hpp"
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace zeroplus::pg {
+namespace {
+
+[[noreturn]] void bad(std::string_view name, std::string_view value, std::string_view expected) {
+  throw std::invalid_argument("zeroplus: " + std::string(name) + "='" + std::string(value) + "' is invalid, expected " +
+                              std::string(expected));
+}
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+}  // namespace
+
+size_t parseBytes(std::string_view name, std::string_view value) {
+  size_t i = 0;
+  unsigned long long n = 0;
+  while (i < value.size() && value[i] >= '0' && value[i] <= '9') {
+    n = n * 10 + static_cast<unsigned>(value[i] - '0');
+    if (n > (1ull << 40)) bad(name, value, "a size below 1 TiB");
+    ++i;
+  }
+  if (i == 0) bad(name, value, "a byte count such as 4194304, 4096K or 4M");
+  std::string_view suffix = value.substr(i);
+  if (suffix == "" || suffix == "B") return n;
+  if (suffix == "K" || suffix == "KiB" || suffix == "k") return n << 10;
+  if (suffix == "M" || suffix == "MiB") return n << 20;
+  if (suffix == "G" || suffix == "GiB") return n << 30;
+  bad(name, value, "a byte count with an optional K, M or G suffix");
+}
+
+bool parseBool(std::string_view name, std::string_view value) {
+  if (value == "1" || value == "on" || value == "true" || value == "yes") return true;
+  if (value == "0" || value == "off" || value == "false" || value == "no") return false;
+  bad(name, value, "one of 1/0, on/off, true/false");
+}
+
+ShmMode parseShmMode(std::string_view name, std::string_view value) {
+  if (value == "auto") return ShmMode::kAuto;
+  if (value == "on" || value == "1") return ShmMode::kOn;
+  if (value == "off" || value == "0") return ShmMode::kOff;
+  bad(name, value, "auto, on or off");
+}
+
+std::string_view toString(ShmMode mode) {
+  switch (mode) {
+    case ShmMode::kAuto: return "auto";
+    case ShmMode::kOn: return "on";
+    case ShmMode::kOff: return "off";
+  }
+  return "?";
+}
+
+namespace {
+
+// Every knob once: its BackendOptions field name and its environment variable.
+struct Knob {
+  const char* field;
+  const char* env;
+};
+constexpr Knob kKnobs[] = {
+    {"bucket_bytes", "ZEROPLUS_BUCKET_BYTES"},       {"fuse", "ZEROPLUS_FUSE"},
+    {"shm", "ZEROPLUS_SHM"},                         {"shm_chunk_bytes", "ZEROPLUS_SHM_CHUNK_BYTES"},
+    {"spin_us", "ZEROPLUS_SPIN_US"},                 {"inline_sync", "ZEROPLUS_INLINE_SYNC"},
+};
+
+void apply(PgTuning& t, std::string_view field, std::string_view value, std::string_view shownAs) {
+  if (field == "bucket_bytes") {
+    t.bucketBytes = parseBytes(shownAs, value);
+  } else if (field == "fuse") {
+    t.fuse = parseBool(shownAs, value);
+  } else if (field == "shm") {
+    t.shm = parseShmMode(shownAs, value);
+  } else if (field == "shm_chunk_bytes") {
+    t.shmChunkBytes = parseBytes(shownAs, value);
+    if (t.shmChunkBytes < 4096 || t.shmChunkBytes > (256u << 20)) bad(shownAs, value, "4K to 256M");
+  } else if (field == "spin_us") {
+    const size_t us = parseBytes(shownAs, value);
+    if (us > 1000000) bad(shownAs, value, "0 to 1000000 microseconds");
+    t.spinMicros = static_cast<uint32_t>(us);
+  } else if (field == "inline_sync") {
+    t.inlineSync = parseBool(shownAs, value);
+  } else {
+    throw std::invalid_argument("zeroplus: unknown backend option '" + std::string(field) +
+                                "'; known: bucket_bytes, fuse, shm, shm_chunk_bytes, spin_us, inline_sync");
+  }
+}
+
+}  // namespace
+
+PgTuning configFromEnvironment() {
+  PgTuning t;
+  for (const Knob& k : kKnobs) {
+    if (const char* v = env(k.env)) apply(t, k.field, v, k.env);
+  }
+  return t;
+}
+
+void applyOption(PgTuning& tuning, std::string_view field, std::string_view value) {
+  apply(tuning, field, value, "BackendOptions." + std::string(field));
+}
+
+}  // namespace zeroplus::pg

@@ -1,0 +1,58 @@
+// Tuning knobs of the "zeroplus" process group, and the one place that reads ZEROPLUS_*
+// environment variables for it (docs/backend.md, "Knobs", lists them all).
+//
+// Precedence: built-in default < environment variable < backend option
+// (zeroplus.BackendOptions, forwarded by registration/library.cpp). Torch-free.
+//
+// Contract: configFromEnvironment() is called once per group construction on the caller's
+// thread; it never caches, so a test may change the environment between groups. A malformed
+// value throws std::invalid_argument naming the variable, the value and what was expected.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace zeroplus::pg {
+
+enum class ShmMode : uint8_t {
+  kAuto,  // use shared memory when every rank of the group is on this host
+  kOn,    // same, but a group that cannot use it fails to initialise
+  kOff,   // TCP only
+};
+
+struct PgTuning {
+  // Largest flat bucket packed for fused/coalesced allreduces (bytes). 0 disables packing:
+  // every tensor moves as its own operation.
+  size_t bucketBytes = 4u << 20;
+  // Async allreduces that sit together in the queue are fused into one bucketed op.
+  bool fuse = true;
+  ShmMode shm = ShmMode::kAuto;
+  // Bytes per pipeline stage of the shared-memory transport (per rank, per slot).
+  size_t shmChunkBytes = 1u << 20;
+  // How long a shared-memory wait spins before it sleeps on a futex (microseconds). Spinning
+  // is what keeps small-op latency low; with 2 cores a long spin starves the peer rank.
+  uint32_t spinMicros = 50;
+  // Synchronous collectives (async_op=False) run on the caller's thread when nothing is queued,
+  // saving two thread hand-offs per op.
+  bool inlineSync = true;
+};
+
+// Defaults overridden by ZEROPLUS_BUCKET_BYTES, ZEROPLUS_FUSE, ZEROPLUS_SHM,
+// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US and ZEROPLUS_INLINE_SYNC.
+PgTuning configFromEnvironment();
+
+// Applies one BackendOptions field ("bucket_bytes", "fuse", "shm", "shm_chunk_bytes",
+// "spin_us", "inline_sync") given as text, with the same parsing and limits as its
+// environment variable. Throws std::invalid_argument.
+void applyOption(PgTuning& tuning, std::string_view field, std::string_view value);
+
+// Parsers shared with the backend-options path. Sizes accept a plain integer or a K/M/G
+// (KiB/MiB/GiB) suffix.
+size_t parseBytes(std::string_view name, std::string_view value);
+bool parseBool(std::string_view name, std::string_view value);
+ShmMode parseShmMode(std::string_view name, std::string_view value);
+std::string_view toString(ShmMode mode);
+
+}  // namespace zeroplus::pg

@@ -1,0 +1,511 @@
+// The same-host shared-memory transport: set-up and agreement, the wait/publish primitives and
+// the chunked algorithms. Protocol and safety argument: shm_communicator.hpp.
+#include "process_group/core/shm_communicator.hpp"
+
+#include <fcntl.h>
+#include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "process_group/core/reduce.hpp"
+
+namespace zeroplus::pg::detail {
+
+struct alignas(64) ShmCommunicator::Control {
+  uint64_t magic;
+  int32_t pid;
+  int32_t rank;
+  uint64_t chunkBytes;
+  alignas(64) std::atomic<uint32_t> phase;  // futex word: last phase this rank published
+  alignas(64) std::atomic<uint32_t> waiters;  // peers sleeping (or about to) on `phase`
+  std::atomic<uint32_t> failed;  // set once on abort or error; never cleared
+  std::atomic<uint64_t> proposal[2];  // agreeMin values, slot = call counter & 1
+  std::atomic<uint64_t> signature[2];  // (op, dtype, reduce op, root, size) of op k in slot k & 1
+};
+
+namespace {
+
+constexpr uint64_t kControlMagic = 0x5A50534D31ull;  // "ZPSM1"
+constexpr size_t kControlBytes = 4096;
+static_assert(sizeof(ShmCommunicator::Control) <= kControlBytes);
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory atomics must be lock-free to work across processes");
+
+// What every rank must agree on for one op; compared after the op's first sync, the shared-
+// memory counterpart of the TCP header check.
+uint64_t signature(uint64_t kind, uint64_t type, uint64_t op, uint64_t root, uint64_t bytes) {
+  uint64_t x = (kind << 56) ^ (type << 48) ^ (op << 40) ^ ((root & 0xff) << 32) ^ bytes;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  return x ^ (x >> 27);
+}
+
+size_t segmentBytes(size_t chunk) { return kControlBytes + 4 * chunk; }
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE: the word lives in memory shared between processes.
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+std::string readFirstLine(const char* path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+std::string linkTarget(const char* path) {
+  char buf[256];
+  const ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("?");
+}
+
+// Two ranks with equal host ids can map each other's /dev/shm segments and see each other's
+// pids: same kernel boot, same pid and ipc namespaces, same /dev/shm file system.
+std::string hostId() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  struct stat st {};
+  const bool shm = ::stat("/dev/shm", &st) == 0;
+  std::ostringstream os;
+  os << host << '/' << readFirstLine("/proc/sys/kernel/random/boot_id") << '/' << linkTarget("/proc/self/ns/pid")
+     << '/' << linkTarget("/proc/self/ns/ipc") << '/' << (shm ? st.st_dev : 0) << ':' << (shm ? st.st_ino : 0);
+  return os.str();
+}
+
+// kill(pid, 0) alone is not enough: a dead rank whose parent has not reaped it yet is a zombie
+// that still "exists". /proc/<pid>/stat's state field tells them apart.
+bool processGone(int pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return false;  // cannot tell: assume alive, the deadline still holds
+  const auto close = stat.rfind(") ");
+  if (close == std::string::npos || close + 2 >= stat.size()) return false;
+  const char state = stat[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
+std::string stringOf(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string fmtSeconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", s);
+  return buf;
+}
+
+// Block boundaries of a chunk of `count` elements split over n ranks, rounded to 64 bytes so
+// every rank's reduction runs on aligned, full vectors.
+size_t blockStart(size_t count, size_t es, int q, int n) {
+  if (q >= n) return count;
+  const size_t align = std::max<size_t>(1, 64 / es);
+  const size_t at = (count * static_cast<size_t>(q) / static_cast<size_t>(n)) / align * align;
+  return std::min(at, count);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Set-up
+
+std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvous, const CommunicatorOptions& options,
+                                                           std::unique_ptr<Communicator>& inner) {
+  const int rank = options.rank, size = options.size;
+  const auto start = Clock::now();
+  auto fail = [&](const std::string& what) -> CommError {
+    return CommError("connect", rank, -1, secondsSince(start), "shared-memory transport: " + what);
+  };
+  auto get = [&](const std::string& key) {
+    try {
+      return stringOf(rendezvous.get(key, options.connectTimeout));
+    } catch (const std::exception& e) {
+      throw fail(std::string("rendezvous failed: ") + e.what());
+    }
+  };
+
+  // 1. Agree on eligibility: everyone sees every record, so everyone decides alike.
+  const std::string me = std::string(toString(options.shm)) + "|" + std::to_string(options.shmChunkBytes) + "|" + hostId();
+  rendezvous.set("zeroplus/shm/host/" + std::to_string(rank), bytesOf(me));
+  bool off = false, on = false, sameHost = true, sameChunk = true;
+  std::string firstHost, firstChunk;
+  for (int r = 0; r < size; ++r) {
+    const std::string rec = r == rank ? me : get("zeroplus/shm/host/" + std::to_string(r));
+    const auto a = rec.find('|'), b = rec.find('|', a + 1);
+    const std::string mode = rec.substr(0, a), chunk = rec.substr(a + 1, b - a - 1), host = rec.substr(b + 1);
+    off |= mode == "off";
+    on |= mode == "on";
+    if (r == 0) {
+      firstHost = host;
+      firstChunk = chunk;
+    }
+    sameHost &= host == firstHost;
+    sameChunk &= chunk == firstChunk;
+  }
+  if (off) return nullptr;
+  if (!sameHost) {
+    if (on) throw fail("ZEROPLUS_SHM=on, but the ranks of this group are not all on one host");
+    return nullptr;
+  }
+  if (!sameChunk) throw fail("ranks disagree on ZEROPLUS_SHM_CHUNK_BYTES");
+
+  // 2. Create and publish this rank's segment; map every peer's.
+  const size_t bytes = segmentBytes(options.shmChunkBytes);
+  std::vector<ShmSegment> segments(static_cast<size_t>(size));
+  std::vector<int> pids(static_cast<size_t>(size), 0);
+  std::string problem;
+  ShmSegment::removeStaleSegments();
+  ShmSegment& own = segments[static_cast<size_t>(rank)];
+  if (int rc = own.create(rank, bytes); rc < 0) {
+    problem = "cannot create a " + std::to_string(bytes) + "-byte segment: " + std::strerror(-rc);
+  } else {
+    auto* c = new (own.data()) Control{};
+    c->pid = static_cast<int32_t>(::getpid());
+    c->rank = rank;
+    c->chunkBytes = options.shmChunkBytes;
+    c->magic = kControlMagic;
+  }
+  rendezvous.set("zeroplus/shm/seg/" + std::to_string(rank), bytesOf(problem.empty() ? own.name() : ""));
+  for (int r = 0; r < size && problem.empty(); ++r) {
+    if (r == rank) {
+      pids[static_cast<size_t>(r)] = static_cast<int>(::getpid());
+      continue;
+    }
+    const std::string name = get("zeroplus/shm/seg/" + std::to_string(r));
+    if (name.empty()) {
+      problem = "rank " + std::to_string(r) + " could not create its segment";
+      break;
+    }
+    if (int rc = segments[static_cast<size_t>(r)].open(name, bytes); rc < 0) {
+      problem = "cannot map rank " + std::to_string(r) + "'s segment " + name + ": " + std::strerror(-rc);
+      break;
+    }
+    const auto* c = reinterpret_cast<const Control*>(segments[static_cast<size_t>(r)].data());
+    if (c->magic != kControlMagic || c->rank != r) {
+      problem = "segment " + name + " does not belong to rank " + std::to_string(r);
+      break;
+    }
+    pids[static_cast<size_t>(r)] = c->pid;
+  }
+
+  // 3. Agree that everyone mapped everything; then no name is needed any more.
+  rendezvous.set("zeroplus/shm/ok/" + std::to_string(rank), bytesOf(problem.empty() ? "1" : "0" + problem));
+  for (int r = 0; r < size; ++r) {
+    const std::string ok = r == rank ? (problem.empty() ? "1" : "0" + problem) : get("zeroplus/shm/ok/" + std::to_string(r));
+    if (ok != "1" && problem.empty()) problem = "rank " + std::to_string(r) + ": " + ok.substr(1);
+  }
+  own.unlink();
+  if (!problem.empty()) {
+    if (on) throw fail(problem);
+    return nullptr;
+  }
+  return std::unique_ptr<Communicator>(
+      new ShmCommunicator(options, std::move(inner), std::move(segments), std::move(pids)));
+}
+
+ShmCommunicator::ShmCommunicator(const CommunicatorOptions& options, std::unique_ptr<Communicator> inner,
+                                 std::vector<ShmSegment> segments, std::vector<int> pids)
+    : rank_(options.rank),
+      size_(options.size),
+      chunkBytes_(options.shmChunkBytes),
+      spin_(options.spinMicros),
+      inner_(std::move(inner)),
+      segments_(std::move(segments)),
+      pids_(std::move(pids)) {}
+
+ShmCommunicator::~ShmCommunicator() = default;
+
+// ---------------------------------------------------------------------------------------------
+// Primitives
+
+ShmCommunicator::Control& ShmCommunicator::control(int r) const {
+  return *reinterpret_cast<Control*>(segments_[static_cast<size_t>(r)].data());
+}
+
+uint8_t* ShmCommunicator::inSlot(int r, unsigned slot) const {
+  return segments_[static_cast<size_t>(r)].data() + kControlBytes + 2 * chunkBytes_ * slot;
+}
+
+uint8_t* ShmCommunicator::outSlot(int r, unsigned slot) const { return inSlot(r, slot) + chunkBytes_; }
+
+void ShmCommunicator::fail(int peer, const std::string& what) const {
+  throw CommError(op_, rank_, peer, secondsSince(start_), what);
+}
+
+void ShmCommunicator::abort() {
+  if (aborted_.exchange(true)) return;
+  Control& me = control(rank_);
+  me.failed.store(1, std::memory_order_seq_cst);
+  futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);  // peers sleeping on us
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) futex(&control(r).phase, FUTEX_WAKE, INT_MAX, nullptr);  // our own sleeping worker
+  }
+  inner_->abort();
+}
+
+void ShmCommunicator::publish() {
+  Control& me = control(rank_);
+  if (signaturePending_) me.signature[ops_ & 1].store(signature_, std::memory_order_relaxed);
+  me.phase.store(++phase_, std::memory_order_seq_cst);
+  if (me.waiters.load(std::memory_order_seq_cst) != 0) futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+void ShmCommunicator::checkPeer(int peer, bool checkPid) {
+  if (aborted_.load(std::memory_order_acquire)) fail(-1, "aborted");
+  if (control(peer).failed.load(std::memory_order_acquire) != 0) {
+    fail(peer, "peer " + std::to_string(peer) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
+  }
+  if (Clock::now() >= deadline_) {
+    fail(peer, "timed out after " + fmtSeconds(secondsSince(start_)) + " waiting for peer " + std::to_string(peer));
+  }
+  if (checkPid && processGone(pids_[static_cast<size_t>(peer)])) {
+    fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(secondsSince(start_)) + ": process " +
+                   std::to_string(pids_[static_cast<size_t>(peer)]) + " exited");
+  }
+}
+
+void ShmCommunicator::waitPeer(int peer, uint32_t target) {
+  Control& c = control(peer);
+  auto reached = [&] { return static_cast<int32_t>(c.phase.load(std::memory_order_acquire) - target) >= 0; };
+  if (reached()) return;
+  const auto spinUntil = Clock::now() + spin_;
+  do {
+    for (int i = 0; i < 128; ++i) {
+      if (reached()) return;
+      _mm_pause();
+    }
+  } while (Clock::now() < spinUntil);
+  checkPeer(peer, true);
+  for (;;) {
+    c.waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = c.phase.load(std::memory_order_seq_cst);
+    if (static_cast<int32_t>(seen - target) < 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline_ - Clock::now()).count();
+      const long ns = std::clamp<long long>(left, 0, 10'000'000);
+      timespec ts{0, ns};
+      futex(&c.phase, FUTEX_WAIT, seen, &ts);
+    }
+    c.waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached()) return;
+    checkPeer(peer, true);
+  }
+}
+
+void ShmCommunicator::waitAll() {
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) waitPeer(r, phase_);
+  }
+  if (!signaturePending_) return;
+  signaturePending_ = false;
+  for (int r = 0; r < size_; ++r) {
+    if (control(r).signature[ops_ & 1].load(std::memory_order_relaxed) != signature_) {
+      fail(r, "ranks called different collectives (or the same with different sizes, dtypes, ops or roots): "
+              "rank " + std::to_string(r) + " disagrees with this rank");
+    }
+  }
+}
+
+template <typename Body>
+void ShmCommunicator::run(const char* op, uint64_t sig, Deadline deadline, Body&& body) {
+  op_ = op;
+  signature_ = sig;
+  signaturePending_ = true;
+  start_ = Clock::now();
+  deadline_ = deadline;
+  if (aborted_.load()) fail(-1, "aborted");
+  if (broken_) fail(-1, "cannot run: the communicator is unusable after an earlier error (" + brokenWhat_ + ")");
+  try {
+    body();
+    if (!signaturePending_) ++ops_;  // the op synchronised at least once
+    signaturePending_ = false;
+  } catch (const std::exception& e) {
+    // A half-done op leaves the phase counters out of step: nothing may run again. Peers learn
+    // it from our failed flag (shm) and from EOF on the TCP links.
+    broken_ = true;
+    brokenWhat_ = e.what();
+    Control& me = control(rank_);
+    me.failed.store(1, std::memory_order_seq_cst);
+    futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
+    inner_->abort();
+    throw;
+  }
+}
+
+template <typename Body>
+void ShmCommunicator::inner(Body&& body) {
+  try {
+    body();
+  } catch (const CommError&) {
+    // Argument errors leave the inner transport usable; a transport failure does not, and
+    // then peers that are (or will be) waiting in a shared-memory op must stop waiting too.
+    if (!inner_->usable()) {
+      Control& me = control(rank_);
+      me.failed.store(1, std::memory_order_seq_cst);
+      futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
+    }
+    throw;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Algorithms
+
+void ShmCommunicator::allreduce(void* data, size_t count, DataType type, ReduceOp op, Deadline deadline) {
+  Span span{data, count};
+  allreducev(std::vector<Span>{span}, type, op, deadline);
+}
+
+void ShmCommunicator::allreducev(const std::vector<Span>& spans, DataType type, ReduceOp op, Deadline deadline) {
+  if (!reduceSupported(type, op)) {
+    throw CommError("allreduce", rank_, -1, 0.0,
+                    "does not support " + std::string(toString(op)) + " on " + std::string(toString(type)));
+  }
+  prefix_.assign(1, 0);
+  for (const Span& s : spans) prefix_.push_back(prefix_.back() + s.count);
+  const size_t total = prefix_.back();
+  const uint64_t sig = signature(1, static_cast<uint64_t>(type), static_cast<uint64_t>(op), 0, total);
+  run("allreduce", sig, deadline, [&] {
+    const size_t es = elementSize(type);
+    // Calls fn(pointer into the spans, offset into [a, b), elements) for each piece of [a, b).
+    auto pieces = [&](size_t a, size_t b, auto&& fn) {
+      size_t i = static_cast<size_t>(std::upper_bound(prefix_.begin(), prefix_.end(), a) - prefix_.begin()) - 1;
+      for (size_t at = a; at < b; ++i) {
+        const size_t end = std::min(b, prefix_[i + 1]);
+        if (end > at) fn(static_cast<uint8_t*>(spans[i].data) + (at - prefix_[i]) * es, at - a, end - at);
+        at = std::max(at, end);
+      }
+    };
+    const size_t chunkElems = std::max<size_t>(1, chunkBytes_ / es);
+    for (size_t start = 0; start < total; start += chunkElems) {
+      const size_t c = std::min(chunkElems, total - start);
+      const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
+      uint8_t* mine = inSlot(rank_, slot);
+      pieces(start, start + c, [&](uint8_t* p, size_t off, size_t n) { std::memcpy(mine + off * es, p, n * es); });
+      publish();
+      waitAll();
+      if (c * es <= kShmSmallBytes) {
+        // Everyone reduces everything, in rank order, straight into its own buffers.
+        pieces(start, start + c, [&](uint8_t* p, size_t off, size_t n) {
+          reduceTo(p, inSlot(0, slot) + off * es, inSlot(1, slot) + off * es, n, type, op);
+          for (int q = 2; q < size_; ++q) reduceTo(p, p, inSlot(q, slot) + off * es, n, type, op);
+        });
+        continue;
+      }
+      const size_t b0 = blockStart(c, es, rank_, size_), b1 = blockStart(c, es, rank_ + 1, size_);
+      if (b1 > b0) {
+        uint8_t* dst = outSlot(rank_, slot) + b0 * es;
+        reduceTo(dst, inSlot(0, slot) + b0 * es, inSlot(1, slot) + b0 * es, b1 - b0, type, op);
+        for (int q = 2; q < size_; ++q) reduceTo(dst, dst, inSlot(q, slot) + b0 * es, b1 - b0, type, op);
+      }
+      publish();
+      waitAll();
+      for (int i = 0; i < size_; ++i) {
+        const int q = (rank_ + i) % size_;  // own block first: it is hot in this core's cache
+        const size_t q0 = blockStart(c, es, q, size_), q1 = blockStart(c, es, q + 1, size_);
+        if (q1 <= q0) continue;
+        const uint8_t* src = outSlot(q, slot);
+        pieces(start + q0, start + q1,
+               [&](uint8_t* p, size_t off, size_t n) { std::memcpy(p, src + (q0 + off) * es, n * es); });
+      }
+    }
+  });
+}
+
+uint64_t ShmCommunicator::agreeMin(uint64_t value, Deadline deadline) {
+  uint64_t result = value;
+  run("agree", signature(5, 0, 0, 0, 0), deadline, [&] {
+    const unsigned slot = static_cast<unsigned>(agree_++ & 1);
+    control(rank_).proposal[slot].store(value, std::memory_order_relaxed);
+    publish();
+    waitAll();
+    for (int r = 0; r < size_; ++r) result = std::min(result, control(r).proposal[slot].load(std::memory_order_relaxed));
+  });
+  return result;
+}
+
+void ShmCommunicator::broadcast(void* data, size_t bytes, int root, Deadline deadline) {
+  if (root < 0 || root >= size_) {
+    throw CommError("broadcast", rank_, -1, 0.0, "invalid root " + std::to_string(root) + " for world size " +
+                                                     std::to_string(size_));
+  }
+  run("broadcast", signature(2, 0, 0, static_cast<uint64_t>(root), bytes), deadline, [&] {
+    auto* d = static_cast<uint8_t*>(data);
+    for (size_t off = 0; off < bytes; off += chunkBytes_) {
+      const size_t c = std::min(chunkBytes_, bytes - off);
+      const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
+      if (rank_ == root) std::memcpy(inSlot(rank_, slot), d + off, c);
+      publish();
+      waitAll();
+      if (rank_ != root) std::memcpy(d + off, inSlot(root, slot), c);
+    }
+  });
+}
+
+void ShmCommunicator::allgather(const void* in, size_t bytes, void* out, Deadline deadline) {
+  run("allgather", signature(3, 0, 0, 0, bytes), deadline, [&] {
+    const auto* src = static_cast<const uint8_t*>(in);
+    auto* o = static_cast<uint8_t*>(out);
+    for (size_t off = 0; off < bytes; off += chunkBytes_) {
+      const size_t c = std::min(chunkBytes_, bytes - off);
+      const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
+      std::memcpy(inSlot(rank_, slot), src + off, c);
+      publish();
+      waitAll();
+      for (int q = 0; q < size_; ++q) std::memcpy(o + static_cast<size_t>(q) * bytes + off, inSlot(q, slot), c);
+    }
+  });
+}
+
+void ShmCommunicator::barrier(Deadline deadline) {
+  run("barrier", signature(4, 0, 0, 0, 0), deadline, [&] {
+    publish();
+    waitAll();
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Delegated to the inner (TCP) transport
+
+void ShmCommunicator::reduce(void* data, size_t count, DataType type, ReduceOp op, int root, Deadline deadline) {
+  inner([&] { inner_->reduce(data, count, type, op, root, deadline); });
+}
+void ShmCommunicator::allgatherv(const void* in, void* out, const std::vector<size_t>& counts,
+                                 const std::vector<size_t>& displs, Deadline deadline) {
+  inner([&] { inner_->allgatherv(in, out, counts, displs, deadline); });
+}
+void ShmCommunicator::gather(const void* in, size_t bytes, void* out, int root, Deadline deadline) {
+  inner([&] { inner_->gather(in, bytes, out, root, deadline); });
+}
+void ShmCommunicator::scatter(const void* in, size_t bytes, void* out, int root, Deadline deadline) {
+  inner([&] { inner_->scatter(in, bytes, out, root, deadline); });
+}
+void ShmCommunicator::reduceScatter(const void* in, void* out, size_t count, DataType type, ReduceOp op,
+                                    Deadline deadline) {
+  inner([&] { inner_->reduceScatter(in, out, count, type, op, deadline); });
+}
+void ShmCommunicator::alltoallv(const void* in, const std::vector<size_t>& sendCounts,
+                                const std::vector<size_t>& sendDispls, void* out,
+                                const std::vector<size_t>& recvCounts, const std::vector<size_t>& recvDispls,
+                                Deadline deadline) {
+  inner([&] { inner_->alltoallv(in, sendCounts, sendDispls, out, recvCounts, recvDispls, deadline); });
+}
+void ShmCommunicator::send(const void* data, size_t bytes, int peer, uint32_t tag, Deadline deadline) {
+  inner([&] { inner_->send(data, bytes, peer, tag, deadline); });
+}
+void ShmCommunicator::recv(void* data, size_t bytes, int peer, uint32_t tag, Deadline deadline) {
+  inner([&] { inner_->recv(data, bytes, peer, tag, deadline); });
+}
+
+}  // namespace zeroplus::pg::detail
