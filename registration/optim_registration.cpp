@@ -7,6 +7,9 @@
 
 #include "optimizers/adapter/fused_optimizer_ops.hpp"
 #include "optimizers/adapter/zero_param_sync.hpp"
+#ifdef ZEROPLUS_WITH_CUDA
+#include "optimizers/adapter/fused_optimizer_cuda_ops.hpp"
+#endif
 
 namespace zeroplus::registration {
 namespace {
@@ -22,6 +25,36 @@ void adamStepOp(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   oa::adamStep(kDecoupled ? "zeroplus.adamw_step" : "zeroplus.adam_step", kDecoupled, params, grads, exp_avgs,
                exp_avg_sqs, max_exp_avg_sqs, state_steps,
                oa::AdamArgs{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, threads});
+}
+
+#ifdef ZEROPLUS_WITH_CUDA
+template <bool kDecoupled>
+void adamStepCudaOp(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                    const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
+                    double lr, double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                    bool maximize, int64_t threads) {
+  oa::adamStepCuda(kDecoupled ? "zeroplus.adamw_step" : "zeroplus.adam_step", kDecoupled, params, grads, exp_avgs,
+                   exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                   oa::AdamArgs{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, threads});
+}
+
+void sgdStepCudaOp(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                   const std::vector<at::Tensor>& momentum_buffers, c10::List<bool> init_momentum, double lr,
+                   double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+                   int64_t threads) {
+  std::vector<bool> init(init_momentum.begin(), init_momentum.end());
+  oa::sgdStepCuda("zeroplus.sgd_step", params, grads, momentum_buffers, init,
+                  oa::SgdArgs{lr, momentum, dampening, weight_decay, nesterov, maximize, threads});
+}
+#endif
+
+bool hasCudaKernels() {
+#ifdef ZEROPLUS_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
 }
 
 void sgdStepOp(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -49,6 +82,8 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
       "float lr, float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, "
       "int threads=0) -> ()");
   m.def("cpu_isa() -> str", &zeroplus::optim::adapter::activeIsaName);
+  // True when this build has the CUDA kernels (the Python optimizers then fuse CUDA params too).
+  m.def("has_cuda_kernels() -> bool", &zeroplus::registration::hasCudaKernels);
   m.def("partition_params(int[] numels, int[] group_sizes, int world_size) -> int[]",
         &zeroplus::optim::adapter::partitionParams);
   using zeroplus::optim::adapter::ZeroParamSync;
@@ -67,3 +102,11 @@ TORCH_LIBRARY_IMPL(zeroplus, CPU, m) {
   m.impl("adamw_step", &zeroplus::registration::adamStepOp<true>);
   m.impl("sgd_step", &zeroplus::registration::sgdStepOp);
 }
+
+#ifdef ZEROPLUS_WITH_CUDA
+TORCH_LIBRARY_IMPL(zeroplus, CUDA, m) {
+  m.impl("adam_step", &zeroplus::registration::adamStepCudaOp<false>);
+  m.impl("adamw_step", &zeroplus::registration::adamStepCudaOp<true>);
+  m.impl("sgd_step", &zeroplus::registration::sgdStepCudaOp);
+}
+#endif

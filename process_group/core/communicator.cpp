@@ -3,6 +3,7 @@
 // collectives_*.cpp.
 #include "process_group/core/communicator.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "process_group/core/reduce.hpp"
@@ -61,6 +62,14 @@ void Communicator::allreducev(const std::vector<Span>& spans, DataType type, Red
     std::memcpy(s.data, p, s.count * es);
     p += s.count * es;
   }
+}
+
+size_t Communicator::allreduceFused(const std::vector<Span>& candidates, DataType type, ReduceOp op,
+                                    Deadline deadline) {
+  const size_t k = static_cast<size_t>(agreeMin(candidates.size(), deadline));
+  allreducev(std::vector<Span>(candidates.begin(), candidates.begin() + static_cast<long>(std::min(k, candidates.size()))),
+             type, op, deadline);
+  return k;
 }
 
 uint64_t Communicator::agreeMin(uint64_t value, Deadline deadline) {

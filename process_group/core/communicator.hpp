@@ -106,6 +106,14 @@ class Communicator {
   // others into a scratch buffer; the shared-memory transport packs straight into its segment.
   virtual void allreducev(const std::vector<Span>& spans, DataType type, ReduceOp op, Deadline deadline);
 
+  // Fused allreduce of a prefix of `candidates` (this rank's compatible queued ops, in issue
+  // order): the ranks agree on k = the smallest candidate count of any rank, allreduce the
+  // concatenation of the first k candidates and return k. Candidate i must have the same count
+  // on every rank (it is the same op). The base version is agreeMin + allreducev (two rounds);
+  // transports with fusesCheaply() fold the agreement into the data exchange.
+  virtual size_t allreduceFused(const std::vector<Span>& candidates, DataType type, ReduceOp op, Deadline deadline);
+  virtual bool fusesCheaply() const { return false; }
+
   // Returns the minimum of `value` over all ranks (an allreduce MIN of one uint64). Used to
   // agree on how many queued ops to fuse without waiting for ops a rank has not issued yet.
   virtual uint64_t agreeMin(uint64_t value, Deadline deadline);

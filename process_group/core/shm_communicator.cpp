@@ -311,7 +311,7 @@ void ShmCommunicator::waitAll() {
   signaturePending_ = false;
   for (int r = 0; r < size_; ++r) {
     if (control(r).signature[ops_ & 1].load(std::memory_order_relaxed) != signature_) {
-      fail(r, "ranks called different collectives (or the same with different sizes, dtypes, ops or roots): "
+      fail(r, "collective mismatch: ranks called different collectives (or the same with different sizes, dtypes, ops or roots): "
               "rank " + std::to_string(r) + " disagrees with this rank");
     }
   }
@@ -367,60 +367,118 @@ void ShmCommunicator::allreduce(void* data, size_t count, DataType type, ReduceO
   allreducev(std::vector<Span>{span}, type, op, deadline);
 }
 
+template <typename Fn>
+void ShmCommunicator::pieces(size_t a, size_t b, size_t es, Fn&& fn) const {
+  // fn(pointer into the spans, offset into [a, b), elements) for each piece of [a, b).
+  size_t i = static_cast<size_t>(std::upper_bound(prefix_.begin(), prefix_.end(), a) - prefix_.begin()) - 1;
+  for (size_t at = a; at < b; ++i) {
+    const size_t end = std::min(b, prefix_[i + 1]);
+    if (end > at) fn(static_cast<uint8_t*>((*spans_)[i].data) + (at - prefix_[i]) * es, at - a, end - at);
+    at = std::max(at, end);
+  }
+}
+
+void ShmCommunicator::copyIn(unsigned slot, size_t start, size_t count, size_t es) {
+  uint8_t* mine = inSlot(rank_, slot);
+  pieces(start, start + count, es, [&](uint8_t* p, size_t off, size_t n) { std::memcpy(mine + off * es, p, n * es); });
+}
+
+void ShmCommunicator::finishChunk(unsigned slot, size_t start, size_t c, DataType type, ReduceOp op) {
+  const size_t es = elementSize(type);
+  if (c * es <= kShmSmallBytes) {
+    // Everyone reduces everything, in rank order, straight into its own buffers.
+    pieces(start, start + c, es, [&](uint8_t* p, size_t off, size_t n) {
+      reduceTo(p, inSlot(0, slot) + off * es, inSlot(1, slot) + off * es, n, type, op);
+      for (int q = 2; q < size_; ++q) reduceTo(p, p, inSlot(q, slot) + off * es, n, type, op);
+    });
+    return;
+  }
+  const size_t b0 = blockStart(c, es, rank_, size_), b1 = blockStart(c, es, rank_ + 1, size_);
+  if (b1 > b0) {
+    uint8_t* dst = outSlot(rank_, slot) + b0 * es;
+    reduceTo(dst, inSlot(0, slot) + b0 * es, inSlot(1, slot) + b0 * es, b1 - b0, type, op);
+    for (int q = 2; q < size_; ++q) reduceTo(dst, dst, inSlot(q, slot) + b0 * es, b1 - b0, type, op);
+  }
+  publish();
+  waitAll();
+  for (int i = 0; i < size_; ++i) {
+    const int q = (rank_ + i) % size_;  // own block first: it is hot in this core's cache
+    const size_t q0 = blockStart(c, es, q, size_), q1 = blockStart(c, es, q + 1, size_);
+    if (q1 <= q0) continue;
+    const uint8_t* src = outSlot(q, slot);
+    pieces(start + q0, start + q1, es,
+           [&](uint8_t* p, size_t off, size_t n) { std::memcpy(p, src + (q0 + off) * es, n * es); });
+  }
+}
+
+void ShmCommunicator::setSpans(const std::vector<Span>& spans) {
+  spans_ = &spans;
+  prefix_.assign(1, 0);
+  for (const Span& s : spans) prefix_.push_back(prefix_.back() + s.count);
+}
+
 void ShmCommunicator::allreducev(const std::vector<Span>& spans, DataType type, ReduceOp op, Deadline deadline) {
   if (!reduceSupported(type, op)) {
     throw CommError("allreduce", rank_, -1, 0.0,
                     "does not support " + std::string(toString(op)) + " on " + std::string(toString(type)));
   }
-  prefix_.assign(1, 0);
-  for (const Span& s : spans) prefix_.push_back(prefix_.back() + s.count);
+  setSpans(spans);
   const size_t total = prefix_.back();
   const uint64_t sig = signature(1, static_cast<uint64_t>(type), static_cast<uint64_t>(op), 0, total);
   run("allreduce", sig, deadline, [&] {
     const size_t es = elementSize(type);
-    // Calls fn(pointer into the spans, offset into [a, b), elements) for each piece of [a, b).
-    auto pieces = [&](size_t a, size_t b, auto&& fn) {
-      size_t i = static_cast<size_t>(std::upper_bound(prefix_.begin(), prefix_.end(), a) - prefix_.begin()) - 1;
-      for (size_t at = a; at < b; ++i) {
-        const size_t end = std::min(b, prefix_[i + 1]);
-        if (end > at) fn(static_cast<uint8_t*>(spans[i].data) + (at - prefix_[i]) * es, at - a, end - at);
-        at = std::max(at, end);
-      }
-    };
     const size_t chunkElems = std::max<size_t>(1, chunkBytes_ / es);
     for (size_t start = 0; start < total; start += chunkElems) {
       const size_t c = std::min(chunkElems, total - start);
       const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
-      uint8_t* mine = inSlot(rank_, slot);
-      pieces(start, start + c, [&](uint8_t* p, size_t off, size_t n) { std::memcpy(mine + off * es, p, n * es); });
+      copyIn(slot, start, c, es);
       publish();
       waitAll();
-      if (c * es <= kShmSmallBytes) {
-        // Everyone reduces everything, in rank order, straight into its own buffers.
-        pieces(start, start + c, [&](uint8_t* p, size_t off, size_t n) {
-          reduceTo(p, inSlot(0, slot) + off * es, inSlot(1, slot) + off * es, n, type, op);
-          for (int q = 2; q < size_; ++q) reduceTo(p, p, inSlot(q, slot) + off * es, n, type, op);
-        });
-        continue;
-      }
-      const size_t b0 = blockStart(c, es, rank_, size_), b1 = blockStart(c, es, rank_ + 1, size_);
-      if (b1 > b0) {
-        uint8_t* dst = outSlot(rank_, slot) + b0 * es;
-        reduceTo(dst, inSlot(0, slot) + b0 * es, inSlot(1, slot) + b0 * es, b1 - b0, type, op);
-        for (int q = 2; q < size_; ++q) reduceTo(dst, dst, inSlot(q, slot) + b0 * es, b1 - b0, type, op);
-      }
-      publish();
-      waitAll();
-      for (int i = 0; i < size_; ++i) {
-        const int q = (rank_ + i) % size_;  // own block first: it is hot in this core's cache
-        const size_t q0 = blockStart(c, es, q, size_), q1 = blockStart(c, es, q + 1, size_);
-        if (q1 <= q0) continue;
-        const uint8_t* src = outSlot(q, slot);
-        pieces(start + q0, start + q1,
-               [&](uint8_t* p, size_t off, size_t n) { std::memcpy(p, src + (q0 + off) * es, n * es); });
-      }
+      finishChunk(slot, start, c, type, op);
     }
   });
+}
+
+size_t ShmCommunicator::allreduceFused(const std::vector<Span>& candidates, DataType type, ReduceOp op,
+                                       Deadline deadline) {
+  if (!reduceSupported(type, op)) {
+    throw CommError("allreduce", rank_, -1, 0.0,
+                    "does not support " + std::string(toString(op)) + " on " + std::string(toString(type)));
+  }
+  setSpans(candidates);
+  size_t agreed = 0;
+  // The total is not known before the agreement, so the signature leaves it out; ranks that
+  // agree on the count agree on the total (the c10d contract: same ops, same sizes).
+  const uint64_t sig = signature(6, static_cast<uint64_t>(type), static_cast<uint64_t>(op), 0, 0);
+  run("allreduce", sig, deadline, [&] {
+    const size_t es = elementSize(type);
+    const size_t chunkElems = std::max<size_t>(1, chunkBytes_ / es);
+    // Chunk 0 is speculative: every rank copies the start of all its candidates and publishes
+    // how many it has; everyone then reduces the first k = min(...) ops. The prefix of chunk 0
+    // that belongs to those k ops is laid out identically on every rank (same ops, same order).
+    const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
+    const unsigned aslot = static_cast<unsigned>(agree_++ & 1);
+    copyIn(slot, 0, std::min(chunkElems, prefix_.back()), es);
+    control(rank_).proposal[aslot].store(candidates.size(), std::memory_order_relaxed);
+    publish();
+    waitAll();
+    agreed = candidates.size();
+    for (int r = 0; r < size_; ++r) {
+      agreed = std::min<size_t>(agreed, control(r).proposal[aslot].load(std::memory_order_relaxed));
+    }
+    const size_t total = prefix_[agreed];
+    const size_t c0 = std::min(chunkElems, total);
+    finishChunk(slot, 0, c0, type, op);
+    for (size_t start = c0; start < total; start += chunkElems) {
+      const size_t c = std::min(chunkElems, total - start);
+      const unsigned s = static_cast<unsigned>(chunk_++ & 1);
+      copyIn(s, start, c, es);
+      publish();
+      waitAll();
+      finishChunk(s, start, c, type, op);
+    }
+  });
+  return agreed;
 }
 
 uint64_t ShmCommunicator::agreeMin(uint64_t value, Deadline deadline) {

@@ -31,6 +31,9 @@
 // flag and whether the peer's pid still exists (so a SIGKILLed peer is a CommError, not a
 // hang). Publishing wakes the futex only when a waiter registered (seq_cst Dekker pair).
 //
+// Fused allreduce (allreduceFused): chunk 0 also carries each rank's candidate count; all ranks
+// reduce the first min(count) candidates, so agreeing on the fusion costs no extra sync.
+//
 // Mismatch: each op's first sync also compares an (op, dtype, reduce op, root, size) signature
 // written next to the phase, so ranks that called different collectives fail with CommError
 // instead of reducing each other's unrelated bytes.
@@ -68,6 +71,8 @@ class ShmCommunicator final : public Communicator {
   void broadcast(void* data, size_t bytes, int root, Deadline deadline) override;
   void allreduce(void* data, size_t count, DataType type, ReduceOp op, Deadline deadline) override;
   void allreducev(const std::vector<Span>& spans, DataType type, ReduceOp op, Deadline deadline) override;
+  size_t allreduceFused(const std::vector<Span>& candidates, DataType type, ReduceOp op, Deadline deadline) override;
+  bool fusesCheaply() const override { return true; }
   uint64_t agreeMin(uint64_t value, Deadline deadline) override;
   void reduce(void* data, size_t count, DataType type, ReduceOp op, int root, Deadline deadline) override;
   void allgather(const void* in, size_t bytes, void* out, Deadline deadline) override;
@@ -104,6 +109,12 @@ class ShmCommunicator final : public Communicator {
   void waitAll();
   void waitPeer(int peer, uint32_t target);
   void checkPeer(int peer, bool checkPid);
+  void setSpans(const std::vector<Span>& spans);
+  template <typename Fn>
+  void pieces(size_t a, size_t b, size_t es, Fn&& fn) const;
+  void copyIn(unsigned slot, size_t start, size_t count, size_t es);
+  // Everything of one allreduce chunk after its first sync: reduce and copy out.
+  void finishChunk(unsigned slot, size_t start, size_t count, DataType type, ReduceOp op);
 
   int rank_;
   int size_;
@@ -125,7 +136,8 @@ class ShmCommunicator final : public Communicator {
   const char* op_ = "";
   Clock::time_point start_{};
   Deadline deadline_{};
-  std::vector<size_t> prefix_;
+  const std::vector<Span>* spans_ = nullptr;
+  std::vector<size_t> prefix_;  // element offsets of spans_
 };
 
 }  // namespace zeroplus::pg::detail

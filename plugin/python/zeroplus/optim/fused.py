@@ -1,10 +1,11 @@
-"""Drop-in subclasses of torch.optim.Adam, AdamW and SGD whose CPU step runs zeroplus's fused
-multi-tensor C++ kernels (one pass over p, g and state per element; AVX-512/AVX2/scalar chosen
-at run time, see docs/optimizers.md).
+"""Drop-in subclasses of torch.optim.Adam, AdamW and SGD whose step runs zeroplus's fused
+multi-tensor kernels (one pass over p, g and state per element): C++ on CPU (AVX-512/AVX2/scalar
+chosen at run time), and CUDA multi-tensor kernels in builds against a CUDA torch
+(torch.ops.zeroplus.has_cuda_kernels()). See docs/optimizers.md.
 
 They keep torch's constructor, param_groups, state_dict format and step semantics. A step falls
 back to torch's own implementation (the "generic path") whenever something is outside what the
-kernels support: non-CPU or sparse tensors, dtypes other than float32/bfloat16/float16,
+kernels support: tensors on other devices, sparse tensors, dtypes other than float32/bfloat16/float16,
 non-contiguous tensors, complex params, capturable/differentiable, or a tensor lr/betas that
 needs autograd. Deliberate difference: 16-bit parameters keep fp32 optimizer state (torch keeps
 state in the param dtype); loaded 16-bit state is widened on first use.
@@ -29,8 +30,16 @@ def _as_float(x) -> float | None:
     return float(x)
 
 
+def _fused_devices() -> tuple[str, ...]:
+    # CUDA kernels exist only in builds against a CUDA torch (CMake ZEROPLUS_CUDA_ENABLED).
+    return ("cpu", "cuda") if torch.ops.zeroplus.has_cuda_kernels() else ("cpu",)
+
+
+_FUSED_DEVICES = _fused_devices()
+
+
 def _param_fusable(p: Tensor) -> bool:
-    return (p.device.type == "cpu" and p.dtype in _SUPPORTED_DTYPES and p.layout is torch.strided
+    return (p.device.type in _FUSED_DEVICES and p.dtype in _SUPPORTED_DTYPES and p.layout is torch.strided
             and p.is_contiguous())
 
 
@@ -134,13 +143,14 @@ class _FusedBase:
 
 
 def _split_by_dtype(live):
-    """[(indices or None when every tensor has the same dtype, tensors)] per dtype."""
-    dtypes = {p.dtype for p in live}
-    if len(dtypes) <= 1:
+    """[(indices or None when all tensors share dtype and device, tensors)] per (dtype, device):
+    one kernel call handles one dtype on one device."""
+    kinds = {(p.dtype, p.device) for p in live}
+    if len(kinds) <= 1:
         return [(None, live)] if live else []
     out = []
-    for dt in dtypes:
-        idx = [i for i, p in enumerate(live) if p.dtype == dt]
+    for kind in kinds:
+        idx = [i for i, p in enumerate(live) if (p.dtype, p.device) == kind]
         out.append((idx, [live[i] for i in idx]))
     return out
 
@@ -227,7 +237,7 @@ class SGD(_FusedBase, torch.optim.SGD):
                     # torch creates the buffer on the first step as a copy of the gradient; the
                     # kernel does that copy itself when init is True.
                     if buf is None:
-                        buf = st["momentum_buffer"] = torch.empty(p.shape, dtype=torch.float32)
+                        buf = st["momentum_buffer"] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
                         init.append(True)
                     else:
                         if buf.dtype != torch.float32 or not buf.is_contiguous():
