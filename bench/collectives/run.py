@@ -181,7 +181,7 @@ def _overlap(dist, groups, rank, n, reps):
 
         comm()
         t_comm = statistics.median(_timed(dist, gl, comm, 1) for _ in range(5))
-        t_unit = statistics.median(_timed(dist, gl, lambda: compute(10), 1) for _ in range(3)) / 10
+        t_unit = statistics.median(_timed(dist, gl, lambda: compute(40), 1) for _ in range(5)) / 40
         iters = max(1, int(t_comm / t_unit))  # compute about as long as communication
 
         def both():

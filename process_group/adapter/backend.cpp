@@ -50,6 +50,7 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   } catch (const CommError& e) {
     throw backendError(std::string("zeroplus init: ") + e.what());
   }
+  fusion_ = config_.tuning.fuse && config_.tuning.bucketBytes > 0 && size > 1 && comm_->fusesCheaply();
   worker_ = std::thread([this] { workerLoop(); });
   init();
 }
@@ -99,21 +100,48 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collective(c10d::OpType opType, 
                                                            std::chrono::milliseconds opTimeout, Body body,
                                                            bool asyncOp) {
   const uint64_t seq = ++sequenceNumber_;
-  auto work = c10::make_intrusive<ZeroPlusWork>(rank_, opType, opName, seq, std::move(outputs));
   Task task;
-  task.work = work;
+  task.work = c10::make_intrusive<ZeroPlusWork>(rank_, opType, opName, seq, std::move(outputs));
   task.body = std::move(body);
   task.timeout = opTimeout;
   task.opName = opName;
+  return submit(std::move(task), asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::fusibleAllreduce(const at::Tensor& tensor, DataType type,
+                                                                 const Reduction& reduction,
+                                                                 std::chrono::milliseconds opTimeout, bool asyncOp) {
+  const uint64_t seq = ++sequenceNumber_;
+  Task task;
+  task.work = c10::make_intrusive<ZeroPlusWork>(rank_, c10d::OpType::ALLREDUCE, "allreduce", seq,
+                                                std::vector<at::Tensor>{tensor});
+  task.timeout = opTimeout;
+  task.opName = "allreduce";
+  task.fusible = true;
+  task.tensor = tensor;
+  task.type = type;
+  task.reduction = reduction;
+  return submit(std::move(task), asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) {
+  c10::intrusive_ptr<c10d::Work> work = task.work;
   if (!asyncOp && config_.tuning.inlineSync) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (queue_.empty() && !busy_ && !coalescing_ && !stopping_ && brokenReason_.empty()) {
       // Inline sync: nothing is ahead of this op, so running it here keeps issue order and
-      // saves the hand-off to the worker and back. busy_ keeps the worker off meanwhile.
+      // saves the hand-off to the worker and back. busy_ keeps the worker off meanwhile. A
+      // fusible op runs as a batch of one (its peers may fuse more; they agree on one).
       busy_ = true;
       if (task.timeout.count() <= 0) task.timeout = config_.timeout;
       lock.unlock();
-      runTask(task);
+      if (task.fusible) {
+        std::vector<Task> batch;
+        batch.push_back(std::move(task));
+        runFused(batch);
+      } else {
+        runTask(task);
+      }
       lock.lock();
       busy_ = false;
       const bool more = !queue_.empty();
@@ -122,24 +150,6 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collective(c10d::OpType opType, 
       return work;
     }
   }
-  enqueue(std::move(task));
-  return work;
-}
-
-c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::fusibleAllreduce(const at::Tensor& tensor, DataType type,
-                                                                 const Reduction& reduction,
-                                                                 std::chrono::milliseconds opTimeout) {
-  const uint64_t seq = ++sequenceNumber_;
-  auto work = c10::make_intrusive<ZeroPlusWork>(rank_, c10d::OpType::ALLREDUCE, "allreduce", seq,
-                                                std::vector<at::Tensor>{tensor});
-  Task task;
-  task.work = work;
-  task.timeout = opTimeout;
-  task.opName = "allreduce";
-  task.fusible = true;
-  task.tensor = tensor;
-  task.type = type;
-  task.reduction = reduction;
   enqueue(std::move(task));
   return work;
 }
@@ -188,7 +198,7 @@ void ZeroPlusBackend::workerLoop() {
       }
     }
     if (batch.front().fusible) {
-      runFused(batch);
+      runFused(batch);  // may push unagreed ops back to the queue front
     } else {
       runTask(batch.front());
     }
@@ -217,11 +227,7 @@ void ZeroPlusBackend::runTask(Task& task) {
   // The deadline starts when the op starts moving data, not when it was queued (as NCCL).
   const Deadline deadline = Clock::now() + task.timeout;
   try {
-    if (task.fusible) {
-      bucketedAllreduce({task.tensor}, task.type, task.reduction, deadline);
-    } else {
-      task.body(deadline);
-    }
+    task.body(deadline);
     task.work->markSucceeded();
   } catch (const CommError& e) {
     {
@@ -248,19 +254,25 @@ void ZeroPlusBackend::runFused(std::vector<Task>& batch) {
     return;
   }
   const Deadline deadline = Clock::now() + batch.front().timeout;
-  size_t agreed = 0;
+  const Reduction& reduction = batch.front().reduction;
   try {
-    agreed = static_cast<size_t>(comm_->agreeMin(batch.size(), deadline));
+    std::vector<Span> candidates;
+    candidates.reserve(batch.size());
+    for (const auto& t : batch) candidates.push_back(Span{t.tensor.data_ptr(), static_cast<size_t>(t.tensor.numel())});
+    const size_t agreed = comm_->allreduceFused(candidates, batch.front().type, reduction.op, deadline);
     if (agreed < batch.size()) {
       // Ops some rank has not issued yet go back, in order, to the queue front.
       std::lock_guard<std::mutex> lock(mutex_);
       for (size_t i = batch.size(); i-- > agreed;) queue_.push_front(std::move(batch[i]));
       batch.resize(agreed);
     }
-    std::vector<at::Tensor> tensors;
-    tensors.reserve(batch.size());
-    for (const auto& t : batch) tensors.push_back(t.tensor);
-    bucketedAllreduce(tensors, batch.front().type, batch.front().reduction, deadline);
+    if (reduction.average) {
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (!divideInPlace(candidates[i].data, candidates[i].count, batch[i].type, size_)) {
+          applyAverage(reduction, batch[i].tensor, size_);
+        }
+      }
+    }
   } catch (const CommError& e) {
     {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -9,13 +9,15 @@
 // Fast paths (knobs in PgTuning, docs/backend.md):
 // * Inline sync: a synchronous op (opts.asyncOp == false, i.e. async_op=False in Python)
 //   issued while nothing is queued or running runs on the caller's thread: no hand-off.
-// * Fusion: async single-tensor allreduces no larger than bucketBytes are "fusible". When the
-//   worker takes a fusible op it also takes the compatible ops queued right behind it (same
-//   dtype, reduce op and timeout, up to bucketBytes), the ranks agree on the smallest such
-//   count (Communicator::agreeMin; a rank never waits for ops another rank has not issued),
-//   and the agreed ops move as one bucketed allreducev; the rest go back to the queue front.
-//   Whether an op is fusible depends only on its arguments, so every rank makes the same
-//   choice; per-group tuning is checked to be equal on all ranks at construction.
+// * Fusion (transports with Communicator::fusesCheaply(), i.e. shared memory): single-tensor
+//   allreduces no larger than bucketBytes (not PREMUL_SUM) are "fusible". When the worker
+//   takes a fusible op it also takes the compatible ops queued right behind it (same dtype,
+//   reduce op and timeout, up to bucketBytes); Communicator::allreduceFused lets the ranks
+//   agree on the smallest such count inside the data exchange (a rank never waits for ops
+//   another rank has not issued) and moves them as one bucket; the rest go back to the queue
+//   front. Whether an op is fusible depends only on its arguments and the group's tuning, not
+//   on async_op (DDP's Join mixes sync and async calls of one collective across ranks), so
+//   every rank makes the same choice; tuning is checked to be equal on all ranks at creation.
 // * allreduce_coalesced packs its tensors into buckets of bucketBytes (Communicator::
 //   allreducev: tensors already back to back in one buffer are not copied).
 // Issue order per group is kept: fused ops are consecutive in the queue, and complete together.
@@ -141,7 +143,9 @@ class ZeroPlusBackend final : public c10d::Backend {
                                             std::chrono::milliseconds opTimeout, Body body, bool asyncOp = true);
   // Queues a fusible allreduce (see "Fusion").
   c10::intrusive_ptr<c10d::Work> fusibleAllreduce(const at::Tensor& tensor, DataType type, const Reduction& reduction,
-                                                  std::chrono::milliseconds opTimeout);
+                                                  std::chrono::milliseconds opTimeout, bool asyncOp);
+  // Runs `task` inline (see "Inline sync") or queues it.
+  c10::intrusive_ptr<c10d::Work> submit(Task task, bool asyncOp);
   // Moves `tensors` as buckets of at most tuning.bucketBytes through allreducev. Worker thread.
   void bucketedAllreduce(const std::vector<at::Tensor>& tensors, DataType type, const Reduction& reduction,
                          Deadline deadline);
@@ -160,6 +164,7 @@ class ZeroPlusBackend final : public c10d::Backend {
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
   bool stopping_ = false;
+  bool fusion_ = false;       // fusible allreduces exist in this group (set once at construction)
   bool busy_ = false;         // an op is running (worker or inline caller); guarded by mutex_
   std::string brokenReason_;  // non-empty after a transport failure; guarded by mutex_
   bool coalescing_ = false;   // inside startCoalescing()/endCoalescing(); guarded by mutex_

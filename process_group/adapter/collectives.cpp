@@ -32,10 +32,8 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allreduce(std::vector<at::Tensor
   checkCpuDense(kOp, "tensor", tensor);
   const DataType type = toDataType(kOp, "tensor", tensor.scalar_type());
   const Reduction reduction = toReduction(kOp, opts.reduceOp, tensor.scalar_type());
-  const PgTuning& tuning = config_.tuning;
-  if (opts.asyncOp && tuning.fuse && size_ > 1 && !reduction.premultiply && tuning.bucketBytes > 0 &&
-      tensor.nbytes() <= tuning.bucketBytes) {
-    return fusibleAllreduce(tensor, type, reduction, opts.timeout);
+  if (fusion_ && !reduction.premultiply && tensor.nbytes() <= config_.tuning.bucketBytes) {
+    return fusibleAllreduce(tensor, type, reduction, opts.timeout, opts.asyncOp);
   }
   return collective(
       c10d::OpType::ALLREDUCE, kOp, {tensor}, opts.timeout,

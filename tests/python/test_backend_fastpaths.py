@@ -23,7 +23,7 @@ SMALL = {"ZEROPLUS_SHM": "on", "ZEROPLUS_BUCKET_BYTES": "20K", "ZEROPLUS_SHM_CHU
 @pytest.mark.parametrize("env", [SHM_OFF, NO_FAST, SMALL], ids=["shm_off", "all_off", "tiny_buckets"])
 def test_every_collective_with_fast_paths_toggled(env):
     # test_backend_collectives runs the same matrix with the defaults (shared memory on).
-    for numel in [1, 1001, 70000]:
+    for numel in [1001, 70000]:
         results = run_distributed(_run_all, 2, numel, timeout=240, env=env)
         for out in results:
             for case, (mine, expected) in out.items():

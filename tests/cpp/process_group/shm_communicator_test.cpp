@@ -247,3 +247,40 @@ TEST(ShmFailure, MismatchedCollectivesAreDetected) {
 
 }  // namespace
 }  // namespace zeroplus::pg
+
+namespace zeroplus::pg {
+namespace {
+
+TEST(ShmFused, RanksAgreeOnTheShortestCandidateList) {
+  // Rank r offers 3 + 2r candidates (it has that many ops queued); everyone must reduce the
+  // first 3 only, and leave the rest untouched. Candidate sizes straddle the chunk size.
+  for (int n : {2, 3}) {
+    const std::vector<size_t> sizes = {5, kChunk / 4 + 9, 100, 7, 3};
+    std::vector<std::vector<std::vector<float>>> bufs(static_cast<size_t>(n));
+    std::vector<size_t> agreed(static_cast<size_t>(n));
+    group(n).run([&](Communicator& c, int r) {
+      auto& mine = bufs[static_cast<size_t>(r)];
+      std::vector<Span> cands;
+      for (size_t i = 0; i < std::min<size_t>(sizes.size(), 3 + 2 * static_cast<size_t>(r)); ++i) {
+        mine.emplace_back(sizes[i], static_cast<float>(r + 1));
+      }
+      for (auto& b : mine) cands.push_back(Span{b.data(), b.size()});
+      agreed[static_cast<size_t>(r)] = c.allreduceFused(cands, DataType::kFloat32, ReduceOp::kSum, testing::soon());
+      // A plain op right after must still line up (phase and slot counters in step).
+      std::vector<float> v(10, 1.0f);
+      c.allreduce(v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, testing::soon());
+      EXPECT_EQ(v[9], static_cast<float>(n));
+    });
+    const float sum = static_cast<float>(n * (n + 1) / 2);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(agreed[static_cast<size_t>(r)], 3u);
+      const auto& mine = bufs[static_cast<size_t>(r)];
+      for (size_t i = 0; i < mine.size(); ++i) {
+        for (float x : mine[i]) ASSERT_EQ(x, i < 3 ? sum : static_cast<float>(r + 1)) << "rank " << r << " op " << i;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace zeroplus::pg
