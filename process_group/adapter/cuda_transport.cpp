@@ -4,8 +4,6 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include <cstdlib>
-
 #include "process_group/adapter/host_staging_backend.hpp"
 
 #ifdef ZEROPLUS_WITH_CUDA
@@ -17,15 +15,13 @@
 
 namespace zeroplus::pg {
 
-std::string selectedCudaTransport() {
+std::string selectedCudaTransport(CudaTransport requested) {
 #ifdef ZEROPLUS_WITH_CUDA
   std::string choice = "nccl";
 #else
   std::string choice = "host";
 #endif
-  if (const char* env = std::getenv("ZEROPLUS_CUDA_TRANSPORT"); env != nullptr && *env != '\0') choice = env;
-  TORCH_CHECK(choice == "nccl" || choice == "host", "zeroplus: ZEROPLUS_CUDA_TRANSPORT must be 'nccl' or 'host', got '",
-              choice, "'");
+  if (requested != CudaTransport::kAuto) choice = std::string(toString(requested));
 #ifndef ZEROPLUS_WITH_CUDA
   TORCH_CHECK(choice == "host", "zeroplus: ZEROPLUS_CUDA_TRANSPORT=nccl but this build of zeroplus has no CUDA; ",
               "rebuild against a CUDA torch or use ZEROPLUS_CUDA_TRANSPORT=host");
@@ -35,7 +31,7 @@ std::string selectedCudaTransport() {
 
 c10::intrusive_ptr<c10d::Backend> createCudaTransport(const c10::intrusive_ptr<c10d::Store>& store,
                                                       const c10::intrusive_ptr<ZeroPlusBackend>& cpu) {
-  const std::string choice = selectedCudaTransport();
+  const std::string choice = selectedCudaTransport(cpu->tuning().cudaTransport);
 #ifdef ZEROPLUS_WITH_CUDA
   if (choice == "nccl") {
     auto options = c10d::ProcessGroupNCCL::Options::create();

@@ -7,12 +7,14 @@
 #include <string>
 
 #include "process_group/adapter/backend.hpp"
+#include "process_group/core/config.hpp"
 
 namespace zeroplus::pg {
 
-// "nccl" when this build has CUDA and NCCL, else "host"; ZEROPLUS_CUDA_TRANSPORT overrides.
-// Raises naming the variable when it holds anything else, or "nccl" in a build without CUDA.
-std::string selectedCudaTransport();
+// Resolves the group's cuda_transport knob (ZEROPLUS_CUDA_TRANSPORT / BackendOptions, parsed in
+// process_group/core/config.cpp): "auto" is "nccl" in builds with CUDA and "host" otherwise.
+// Raises for "nccl" in a build without CUDA.
+std::string selectedCudaTransport(CudaTransport requested);
 
 // Builds the transport named by selectedCudaTransport() for the group of `cpu`.
 // Collective: every rank of the group must call it (the first CUDA op does).

@@ -59,6 +59,22 @@ std::string_view toString(ShmMode mode) {
   return "?";
 }
 
+CudaTransport parseCudaTransport(std::string_view name, std::string_view value) {
+  if (value == "auto") return CudaTransport::kAuto;
+  if (value == "nccl") return CudaTransport::kNccl;
+  if (value == "host") return CudaTransport::kHost;
+  bad(name, value, "auto, nccl or host");
+}
+
+std::string_view toString(CudaTransport transport) {
+  switch (transport) {
+    case CudaTransport::kAuto: return "auto";
+    case CudaTransport::kNccl: return "nccl";
+    case CudaTransport::kHost: return "host";
+  }
+  return "?";
+}
+
 namespace {
 
 // Every knob once: its BackendOptions field name and its environment variable.
@@ -70,6 +86,7 @@ constexpr Knob kKnobs[] = {
     {"bucket_bytes", "ZEROPLUS_BUCKET_BYTES"},       {"fuse", "ZEROPLUS_FUSE"},
     {"shm", "ZEROPLUS_SHM"},                         {"shm_chunk_bytes", "ZEROPLUS_SHM_CHUNK_BYTES"},
     {"spin_us", "ZEROPLUS_SPIN_US"},                 {"inline_sync", "ZEROPLUS_INLINE_SYNC"},
+    {"cuda_transport", "ZEROPLUS_CUDA_TRANSPORT"},
 };
 
 void apply(PgTuning& t, std::string_view field, std::string_view value, std::string_view shownAs) {
@@ -88,9 +105,12 @@ void apply(PgTuning& t, std::string_view field, std::string_view value, std::str
     t.spinMicros = static_cast<uint32_t>(us);
   } else if (field == "inline_sync") {
     t.inlineSync = parseBool(shownAs, value);
+  } else if (field == "cuda_transport") {
+    t.cudaTransport = parseCudaTransport(shownAs, value);
   } else {
     throw std::invalid_argument("zeroplus: unknown backend option '" + std::string(field) +
-                                "'; known: bucket_bytes, fuse, shm, shm_chunk_bytes, spin_us, inline_sync");
+                                "'; known: bucket_bytes, fuse, shm, shm_chunk_bytes, spin_us, inline_sync, "
+                                "cuda_transport");
   }
 }
 

@@ -22,6 +22,13 @@ enum class ShmMode : uint8_t {
   kOff,   // TCP only
 };
 
+// Which transport serves CUDA tensors (process_group/adapter/cuda_transport.hpp).
+enum class CudaTransport : uint8_t {
+  kAuto,  // NCCL in builds with CUDA, host staging otherwise
+  kNccl,  // an inner ProcessGroupNCCL; an error in builds without CUDA
+  kHost,  // copy through host memory and use this group's CPU transport
+};
+
 struct PgTuning {
   // Largest flat bucket packed for fused/coalesced allreduces (bytes). 0 disables packing:
   // every tensor moves as its own operation.
@@ -37,14 +44,15 @@ struct PgTuning {
   // Synchronous collectives (async_op=False) run on the caller's thread when nothing is queued,
   // saving two thread hand-offs per op.
   bool inlineSync = true;
+  CudaTransport cudaTransport = CudaTransport::kAuto;
 };
 
 // Defaults overridden by ZEROPLUS_BUCKET_BYTES, ZEROPLUS_FUSE, ZEROPLUS_SHM,
-// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US and ZEROPLUS_INLINE_SYNC.
+// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US, ZEROPLUS_INLINE_SYNC and ZEROPLUS_CUDA_TRANSPORT.
 PgTuning configFromEnvironment();
 
 // Applies one BackendOptions field ("bucket_bytes", "fuse", "shm", "shm_chunk_bytes",
-// "spin_us", "inline_sync") given as text, with the same parsing and limits as its
+// "spin_us", "inline_sync", "cuda_transport") given as text, with the same parsing and limits as its
 // environment variable. Throws std::invalid_argument.
 void applyOption(PgTuning& tuning, std::string_view field, std::string_view value);
 
@@ -54,5 +62,7 @@ size_t parseBytes(std::string_view name, std::string_view value);
 bool parseBool(std::string_view name, std::string_view value);
 ShmMode parseShmMode(std::string_view name, std::string_view value);
 std::string_view toString(ShmMode mode);
+CudaTransport parseCudaTransport(std::string_view name, std::string_view value);
+std::string_view toString(CudaTransport transport);
 
 }  // namespace zeroplus::pg

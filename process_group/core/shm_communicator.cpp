@@ -383,7 +383,21 @@ void ShmCommunicator::copyIn(unsigned slot, size_t start, size_t count, size_t e
   pieces(start, start + count, es, [&](uint8_t* p, size_t off, size_t n) { std::memcpy(mine + off * es, p, n * es); });
 }
 
-void ShmCommunicator::finishChunk(unsigned slot, size_t start, size_t c, DataType type, ReduceOp op) {
+bool ShmCommunicator::copyInChunk(unsigned slot, size_t start, size_t c, size_t es) {
+  if (c * es <= kShmSmallBytes) {
+    copyIn(slot, start, c, es);  // every rank reads the whole chunk
+    return true;
+  }
+  // Large chunk: peers read only their own blocks of our input.
+  const size_t b0 = blockStart(c, es, rank_, size_), b1 = blockStart(c, es, rank_ + 1, size_);
+  uint8_t* mine = inSlot(rank_, slot);
+  pieces(start, start + b0, es, [&](uint8_t* p, size_t off, size_t n) { std::memcpy(mine + off * es, p, n * es); });
+  pieces(start + b1, start + c, es,
+         [&](uint8_t* p, size_t off, size_t n) { std::memcpy(mine + (b1 + off) * es, p, n * es); });
+  return false;
+}
+
+void ShmCommunicator::finishChunk(unsigned slot, size_t start, size_t c, DataType type, ReduceOp op, bool ownInSlot) {
   const size_t es = elementSize(type);
   if (c * es <= kShmSmallBytes) {
     // Everyone reduces everything, in rank order, straight into its own buffers.
@@ -394,11 +408,16 @@ void ShmCommunicator::finishChunk(unsigned slot, size_t start, size_t c, DataTyp
     return;
   }
   const size_t b0 = blockStart(c, es, rank_, size_), b1 = blockStart(c, es, rank_ + 1, size_);
-  if (b1 > b0) {
-    uint8_t* dst = outSlot(rank_, slot) + b0 * es;
-    reduceTo(dst, inSlot(0, slot) + b0 * es, inSlot(1, slot) + b0 * es, b1 - b0, type, op);
-    for (int q = 2; q < size_; ++q) reduceTo(dst, dst, inSlot(q, slot) + b0 * es, b1 - b0, type, op);
-  }
+  // This rank's own input for its block is read where it lies (the caller's buffers) unless
+  // the chunk was copied in whole; only the peers' blocks needed copying in (copyInPeers).
+  pieces(start + b0, start + b1, es, [&](uint8_t* p, size_t off, size_t n) {
+    uint8_t* dst = outSlot(rank_, slot) + (b0 + off) * es;
+    auto in = [&](int q) -> const uint8_t* {
+      return q == rank_ && !ownInSlot ? p : inSlot(q, slot) + (b0 + off) * es;
+    };
+    reduceTo(dst, in(0), in(1), n, type, op);
+    for (int q = 2; q < size_; ++q) reduceTo(dst, dst, in(q), n, type, op);
+  });
   publish();
   waitAll();
   for (int i = 0; i < size_; ++i) {
@@ -431,10 +450,10 @@ void ShmCommunicator::allreducev(const std::vector<Span>& spans, DataType type, 
     for (size_t start = 0; start < total; start += chunkElems) {
       const size_t c = std::min(chunkElems, total - start);
       const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
-      copyIn(slot, start, c, es);
+      const bool whole = copyInChunk(slot, start, c, es);
       publish();
       waitAll();
-      finishChunk(slot, start, c, type, op);
+      finishChunk(slot, start, c, type, op, whole);
     }
   });
 }
@@ -468,14 +487,14 @@ size_t ShmCommunicator::allreduceFused(const std::vector<Span>& candidates, Data
     }
     const size_t total = prefix_[agreed];
     const size_t c0 = std::min(chunkElems, total);
-    finishChunk(slot, 0, c0, type, op);
+    finishChunk(slot, 0, c0, type, op, true);
     for (size_t start = c0; start < total; start += chunkElems) {
       const size_t c = std::min(chunkElems, total - start);
       const unsigned s = static_cast<unsigned>(chunk_++ & 1);
-      copyIn(s, start, c, es);
+      const bool whole = copyInChunk(s, start, c, es);
       publish();
       waitAll();
-      finishChunk(s, start, c, type, op);
+      finishChunk(s, start, c, type, op, whole);
     }
   });
   return agreed;

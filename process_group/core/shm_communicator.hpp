@@ -114,7 +114,10 @@ class ShmCommunicator final : public Communicator {
   void pieces(size_t a, size_t b, size_t es, Fn&& fn) const;
   void copyIn(unsigned slot, size_t start, size_t count, size_t es);
   // Everything of one allreduce chunk after its first sync: reduce and copy out.
-  void finishChunk(unsigned slot, size_t start, size_t count, DataType type, ReduceOp op);
+  // ownInSlot: this rank's whole chunk is in its in-slot (else its own block is read from the
+  // caller's buffers). copyInChunk copies what peers will read and returns that flag.
+  void finishChunk(unsigned slot, size_t start, size_t count, DataType type, ReduceOp op, bool ownInSlot);
+  bool copyInChunk(unsigned slot, size_t start, size_t count, size_t es);
 
   int rank_;
   int size_;

@@ -22,6 +22,7 @@ class BackendOptions:
     shm_chunk_bytes: int | None = None  # ZEROPLUS_SHM_CHUNK_BYTES: shared-memory pipeline stage
     spin_us: int | None = None  # ZEROPLUS_SPIN_US: spin before sleeping in a shared-memory wait
     inline_sync: bool | None = None  # ZEROPLUS_INLINE_SYNC: run sync ops on the caller's thread
+    cuda_transport: str | None = None  # ZEROPLUS_CUDA_TRANSPORT: "auto", "nccl" or "host"
 
     def _zeroplus_options(self) -> list[str]:
         """The "field=value" list the backend hook forwards to torch.ops.zeroplus.attach."""

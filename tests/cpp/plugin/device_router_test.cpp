@@ -80,16 +80,22 @@ TEST(DeviceRouter, RoutesCpuAndRejectsUnknownDevices) {
 
 #ifndef ZEROPLUS_WITH_CUDA
 TEST(CudaTransport, SelectionWithoutCuda) {
-  unsetenv("ZEROPLUS_CUDA_TRANSPORT");
-  EXPECT_EQ(zeroplus::pg::selectedCudaTransport(), "host");
-  setenv("ZEROPLUS_CUDA_TRANSPORT", "nccl", 1);
-  EXPECT_THROW(zeroplus::pg::selectedCudaTransport(), c10::Error);
+  using zeroplus::pg::CudaTransport;
+  EXPECT_EQ(zeroplus::pg::selectedCudaTransport(CudaTransport::kAuto), "host");
+  EXPECT_EQ(zeroplus::pg::selectedCudaTransport(CudaTransport::kHost), "host");
+  try {
+    zeroplus::pg::selectedCudaTransport(CudaTransport::kNccl);
+    ADD_FAILURE() << "nccl accepted without CUDA";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no CUDA"), std::string::npos) << e.what();
+  }
   setenv("ZEROPLUS_CUDA_TRANSPORT", "carrier-pigeon", 1);
   try {
-    zeroplus::pg::selectedCudaTransport();
+    zeroplus::pg::configFromEnvironment();
     ADD_FAILURE() << "bad value accepted";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("ZEROPLUS_CUDA_TRANSPORT must be 'nccl' or 'host'"), std::string::npos);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("ZEROPLUS_CUDA_TRANSPORT='carrier-pigeon' is invalid"), std::string::npos)
+        << e.what();
   }
   unsetenv("ZEROPLUS_CUDA_TRANSPORT");
 }

@@ -26,7 +26,7 @@ using testing::Group;
 using testing::in;
 using testing::soon;
 
-constexpr size_t kChunk = 64 * 1024;  // small chunks so that modest counts span many chunks
+constexpr size_t kChunk = 128 * 1024;  // > kShmSmallBytes: both chunk paths; modest counts span many chunks
 
 Group& group(int n) {
   static std::map<int, std::unique_ptr<Group>> groups;
