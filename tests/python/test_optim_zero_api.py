@@ -106,13 +106,7 @@ def _join(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size,backend", [
-    (2, "gloo"), (3, "gloo"),
-    # DDP alone under Join currently trips the zeroplus backend's collective-mismatch check (the
-    # joined rank's shadow all-reduces); a process_group issue, not an optimizer one.
-    pytest.param(3, "zeroplus", marks=pytest.mark.xfail(reason="zeroplus backend: DDP Join shadow collectives "
-                                                               "flagged as mismatch", strict=False)),
-])
+@pytest.mark.parametrize("world_size,backend", [(2, "gloo"), (3, "gloo"), (3, "zeroplus")])
 def test_join_uneven_inputs_matches_torch(world_size, backend):
     reports = run_distributed(_join, world_size, backend=backend, timeout=120)
     for ours, theirs in reports:
