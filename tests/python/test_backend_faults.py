@@ -115,3 +115,23 @@ def test_new_group_works_after_a_failed_one(tmp_path):
     results = run_distributed(_recreate_after_failure, 2, str(tmp_path), backend=None, timeout=60)
     for t in results:
         assert torch.equal(t, torch.full((4,), 3.0))
+
+
+def _per_op_wait_timeout(rank, world_size):
+    if rank == 1:
+        time.sleep(4)  # never joins the op below; the group timeout (20 s) is far away
+        return None
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    start = time.monotonic()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=1))
+        raise AssertionError("wait() returned although the peer never joined")
+    except RuntimeError as e:  # torch's Work::wait: "Operation timed out!"
+        return time.monotonic() - start, str(e)
+
+
+def test_per_op_wait_timeout_is_honoured():
+    results = run_distributed(_per_op_wait_timeout, 2, pg_timeout=20, timeout=60)
+    elapsed, message = results[0]
+    assert 0.9 <= elapsed < 3, (elapsed, message)
+    assert "timed out" in message.lower(), message

@@ -104,7 +104,8 @@ class _FusedBase:
 
     def _zp_prepare(self):
         """Per group (plan, grads, hyperparameters), or None if any group needs the generic path.
-        Everything is checked before anything is written, so a fallback sees torch-shaped state."""
+        No parameter is updated before every group is known to be fusable; state a plan created
+        in the meantime has torch's keys and step dtype, so a fallback step accepts it."""
         prepared = []
         for index, group in enumerate(self.param_groups):
             hp = self._zp_group_args(group)
