@@ -37,10 +37,22 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   const std::string mine = std::to_string(t.bucketBytes) + "," + std::to_string(t.fuse) + "," +
                            std::to_string(t.shmChunkBytes) + "," + std::string(toString(t.shm));
   store->set("zeroplus/tuning/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  // One deadline for the whole exchange: a rank that never joins is reported once, by rank
+  // number, within the group timeout (not size x timeout, and not as the store's bare message).
+  const auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < size; ++r) {
     if (r == rank) continue;
     const std::string key = "zeroplus/tuning/" + std::to_string(r);
-    const auto theirs = rendezvous.get(key, config_.timeout);
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    std::vector<uint8_t> theirs;
+    try {
+      theirs = rendezvous.get(key, std::max(config_.timeout - spent, std::chrono::milliseconds(1)));
+    } catch (const std::exception& e) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      throw backendError("zeroplus init: rank " + std::to_string(rank) + " timed out after " +
+                         std::to_string(elapsed).substr(0, std::to_string(elapsed).find('.') + 2) +
+                         " s waiting for rank " + std::to_string(r) + " to join the group (" + e.what() + ")");
+    }
     TORCH_CHECK(std::string(theirs.begin(), theirs.end()) == mine, "zeroplus init: rank ", rank,
                 " has tuning (bucket_bytes,fuse,shm_chunk_bytes,shm) = (", mine, ") but rank ", r, " has (",
                 std::string(theirs.begin(), theirs.end()), "); set the same ZEROPLUS_* variables and options on every rank");
