@@ -92,16 +92,20 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+def _train(model, rank, steps=3):
+    """SGD on a rank-specific random regression task; the loop every client test shares."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
+        opt.step()
+
+
 def _ddp_join_uneven(rank, world):
     model = torch.nn.parallel.DistributedDataParallel(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = 3 + 2 * rank  # uneven inputs
-    g = torch.Generator().manual_seed(rank)
     with model.join():
-        for _ in range(steps):
-            opt.zero_grad()
-            F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
-            opt.step()
+        _train(model, rank, steps=3 + 2 * rank)  # uneven inputs
     return [p.detach() for p in model.parameters()]
 
 
@@ -157,12 +161,7 @@ def _ddp_hooks(rank, world, hook_name):
     model = torch.nn.parallel.DistributedDataParallel(_model())
     hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_hook, "custom": _custom_hook}[hook_name]
     model.register_comm_hook(None, hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        opt.zero_grad()
-        F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
-        opt.step()
+    _train(model, rank)
     return [p.detach() for p in model.parameters()]
 
 
@@ -199,23 +198,13 @@ def _fsdp2(rank, world):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        opt.zero_grad()
-        F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
-        opt.step()
+    _train(model, rank)
     return [p.full_tensor().detach() for p in model.parameters()]
 
 
 def _ddp_reference(rank, world):
     model = torch.nn.parallel.DistributedDataParallel(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        opt.zero_grad()
-        F.mse_loss(model(torch.randn(4, 8, generator=g)), torch.zeros(4, 4)).backward()
-        opt.step()
+    _train(model, rank)
     return [p.detach() for p in model.parameters()]
 
 
