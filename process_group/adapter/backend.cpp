@@ -78,6 +78,14 @@ void ZeroPlusBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void ZeroPlusBackend::shutdown() {
+  // destroy_process_group must not sit out an op's timeout: an op still running or queued (say,
+  // one a peer never joined) is aborted and fails its Work; an idle group closes gracefully.
+  bool inFlight = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inFlight = busy_ || !queue_.empty();
+  }
+  if (inFlight && comm_) comm_->abort();
   stopWorker();
 }
 

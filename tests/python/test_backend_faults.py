@@ -136,3 +136,26 @@ def test_per_op_wait_timeout_is_honoured():
     elapsed, message = results[0]
     assert 0.9 <= elapsed < 3, (elapsed, message)
     assert "timed out" in message.lower(), message
+
+
+def _destroy_with_op_in_flight(rank, world_size):
+    if rank == 1:
+        time.sleep(6)  # never joins rank 0's op
+        return None
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    time.sleep(0.5)
+    start = time.monotonic()
+    dist.destroy_process_group()  # group timeout is 30 s: this must not wait it out
+    elapsed = time.monotonic() - start
+    try:
+        work.wait()
+        raise AssertionError("an op aborted by destroy_process_group reported success")
+    except RuntimeError as e:
+        return elapsed, str(e)
+
+
+def test_destroy_aborts_an_op_in_flight_promptly():
+    results = run_distributed(_destroy_with_op_in_flight, 2, pg_timeout=30, timeout=60)
+    elapsed, message = results[0]
+    assert elapsed < 3, (elapsed, message)
+    assert "abort" in message.lower() or "shut down" in message, message
