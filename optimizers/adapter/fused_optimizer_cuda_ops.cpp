@@ -37,10 +37,6 @@ void checkOnDevice(const char* op, const char* arg, size_t i, const at::Tensor& 
   TORCH_CHECK(t.numel() == numel, op, ": ", arg, "[", i, "] has ", t.numel(), " elements, expected ", numel);
 }
 
-void checkLength(const char* op, const char* arg, size_t got, size_t want) {
-  TORCH_CHECK(got == want, op, ": ", arg, " has ", got, " tensors, expected ", want, " (one per param)");
-}
-
 void raiseOnError(const char* op, int rc) {
   TORCH_CHECK(rc != -EINVAL, op, ": kernel rejected the arguments (", std::strerror(-rc),
               "); check lr >= 0, eps >= 0, 0 <= betas < 1, weight_decay >= 0");
@@ -54,11 +50,8 @@ void adamStepCuda(const char* op, bool decoupled, const std::vector<at::Tensor>&
                   const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& max_exp_avg_sqs,
                   const std::vector<at::Tensor>& state_steps, const AdamArgs& a) {
   const size_t n = params.size();
-  checkLength(op, "grads", grads.size(), n);
-  checkLength(op, "exp_avgs", exp_avgs.size(), n);
-  checkLength(op, "exp_avg_sqs", exp_avg_sqs.size(), n);
-  checkLength(op, "state_steps", state_steps.size(), n);
-  if (a.amsgrad) checkLength(op, "max_exp_avg_sqs", max_exp_avg_sqs.size(), n);
+  checkAdamListLengths(op, n, grads.size(), exp_avgs.size(), exp_avg_sqs.size(), max_exp_avg_sqs.size(),
+                       state_steps.size(), a.amsgrad);
   if (n == 0) return;
   const c10::Device device = params[0].device();
   TORCH_CHECK(device.is_cuda(), op, ": params[0] is on ", device, ", expected a CUDA device");
@@ -101,11 +94,7 @@ void sgdStepCuda(const char* op, const std::vector<at::Tensor>& params, const st
                  const SgdArgs& a) {
   const size_t n = params.size();
   const bool has_momentum = a.momentum != 0.0;
-  checkLength(op, "grads", grads.size(), n);
-  if (has_momentum) {
-    checkLength(op, "momentum_buffers", momentum_buffers.size(), n);
-    checkLength(op, "init_momentum", init_momentum.size(), n);
-  }
+  checkSgdListLengths(op, n, grads.size(), momentum_buffers.size(), init_momentum.size(), has_momentum);
   TORCH_CHECK(!a.nesterov || (a.momentum > 0 && a.dampening == 0), op,
               ": nesterov requires a momentum and zero dampening");
   if (n == 0) return;

@@ -70,16 +70,31 @@ void raiseOnError(const char* op, int rc) {
 
 }  // namespace
 
+void checkAdamListLengths(const char* op, size_t params, size_t grads, size_t exp_avgs, size_t exp_avg_sqs,
+                          size_t max_exp_avg_sqs, size_t state_steps, bool amsgrad) {
+  checkLength(op, "grads", grads, params);
+  checkLength(op, "exp_avgs", exp_avgs, params);
+  checkLength(op, "exp_avg_sqs", exp_avg_sqs, params);
+  checkLength(op, "state_steps", state_steps, params);
+  if (amsgrad) checkLength(op, "max_exp_avg_sqs", max_exp_avg_sqs, params);
+}
+
+void checkSgdListLengths(const char* op, size_t params, size_t grads, size_t momentum_buffers, size_t init_momentum,
+                         bool has_momentum) {
+  checkLength(op, "grads", grads, params);
+  if (has_momentum) {
+    checkLength(op, "momentum_buffers", momentum_buffers, params);
+    checkLength(op, "init_momentum", init_momentum, params);
+  }
+}
+
 void adamStep(const char* op, bool decoupled, const std::vector<at::Tensor>& params,
               const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& exp_avgs,
               const std::vector<at::Tensor>& exp_avg_sqs, const std::vector<at::Tensor>& max_exp_avg_sqs,
               const std::vector<at::Tensor>& state_steps, const AdamArgs& a) {
   const size_t n = params.size();
-  checkLength(op, "grads", grads.size(), n);
-  checkLength(op, "exp_avgs", exp_avgs.size(), n);
-  checkLength(op, "exp_avg_sqs", exp_avg_sqs.size(), n);
-  checkLength(op, "state_steps", state_steps.size(), n);
-  if (a.amsgrad) checkLength(op, "max_exp_avg_sqs", max_exp_avg_sqs.size(), n);
+  checkAdamListLengths(op, n, grads.size(), exp_avgs.size(), exp_avg_sqs.size(), max_exp_avg_sqs.size(),
+                       state_steps.size(), a.amsgrad);
   if (n == 0) return;
 
   const DType dtype = paramDType(op, 0, params[0]);
@@ -132,11 +147,7 @@ void sgdStep(const char* op, const std::vector<at::Tensor>& params, const std::v
              const SgdArgs& a) {
   const size_t n = params.size();
   const bool has_momentum = a.momentum != 0.0;
-  checkLength(op, "grads", grads.size(), n);
-  if (has_momentum) {
-    checkLength(op, "momentum_buffers", momentum_buffers.size(), n);
-    checkLength(op, "init_momentum", init_momentum.size(), n);
-  }
+  checkSgdListLengths(op, n, grads.size(), momentum_buffers.size(), init_momentum.size(), has_momentum);
   TORCH_CHECK(!a.nesterov || (a.momentum > 0 && a.dampening == 0), op,
               ": nesterov requires a momentum and zero dampening");
   if (n == 0) return;

@@ -41,6 +41,13 @@ void sgdStep(const char* op, const std::vector<at::Tensor>& params, const std::v
              const std::vector<at::Tensor>& momentum_buffers, const std::vector<bool>& init_momentum,
              const SgdArgs& args);
 
+// List-length checks shared by the CPU and CUDA adapters: every list has one entry per param
+// (max_exp_avg_sqs only with amsgrad; momentum lists only with momentum). Raise c10::Error.
+void checkAdamListLengths(const char* op, size_t params, size_t grads, size_t exp_avgs, size_t exp_avg_sqs,
+                          size_t max_exp_avg_sqs, size_t state_steps, bool amsgrad);
+void checkSgdListLengths(const char* op, size_t params, size_t grads, size_t momentum_buffers, size_t init_momentum,
+                         bool has_momentum);
+
 // ZeroRedundancyOptimizer's sorted-greedy partition (core/shard_planner.hpp) for Python:
 // `numels` flattened over groups, `group_sizes[g]` params in group g. Returns (rank, flat index)
 // pairs, flattened, in assignment order (group by group, numel descending, stable), so the
