@@ -5,6 +5,7 @@
 // TORCH_LIBRARY_IMPL so a CUDA implementation can be added under its own dispatch key.
 #include <torch/library.h>
 
+#include "optimizers/adapter/flat_plan_op.hpp"
 #include "optimizers/adapter/fused_optimizer_ops.hpp"
 #include "optimizers/adapter/zero_param_sync.hpp"
 #ifdef ZEROPLUS_WITH_CUDA
@@ -86,6 +87,9 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
   m.def("has_cuda_kernels() -> bool", &zeroplus::registration::hasCudaKernels);
   m.def("partition_params(int[] numels, int[] group_sizes, int world_size) -> int[]",
         &zeroplus::optim::adapter::partitionParams);
+  // ZeRO stage 2/3 flat-bucket layout (see optimizers/adapter/flat_plan_op.hpp for the encoding).
+  m.def("plan_flat_buckets(int[] numels, int[] segments, int world_size, int cap_elems, int align_elems) -> int[]",
+        &zeroplus::optim::adapter::planFlatBucketsOp);
   using zeroplus::optim::adapter::ZeroParamSync;
   m.class_<ZeroParamSync>("ZeroParamSync")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, c10::intrusive_ptr<c10d::ProcessGroup>, bool,

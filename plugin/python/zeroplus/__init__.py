@@ -21,12 +21,16 @@ load_library()
 from . import aio, optim  # noqa: E402  (need the library loaded)
 from .backend_options import BackendOptions  # noqa: E402
 from .optim import ZeroRedundancyOptimizer  # noqa: E402
+from .zero import estimate_memory, initialize, memory_report  # noqa: E402
 
 __all__ = [
     "__version__",
     "aio",
     "BackendOptions",
     "built_torch_version",
+    "estimate_memory",
+    "initialize",
+    "memory_report",
     "library_path",
     "load_library",
     "optim",

@@ -39,6 +39,21 @@ SYNC_BUCKET_CAP_BYTES = 32 << 20
 
 
 class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
+    def __new__(cls, params, optimizer_class=None, process_group=None, parameters_as_bucket_view=False,
+                overlap_with_ddp=False, *, stage=1, **defaults):
+        """stage=1 (default) is torch's ZeroRedundancyOptimizer; stage=2 returns the zeroplus
+        ZeRO-2 engine (zeroplus.zero.Stage2Optimizer) over the same params, for models that are
+        NOT wrapped in DDP. Extra stage-2 keywords: mixed_precision, reduce_bucket_elems."""
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
+        if stage == 1:
+            return super().__new__(cls)
+        if overlap_with_ddp:
+            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True needs DDP and stage=1; stage 2 "
+                             "reduces gradients itself")
+        from ..zero.stage2 import Stage2Optimizer
+        return Stage2Optimizer(params, optimizer_class, process_group=process_group, **defaults)
+
     def __init__(
         self,
         params,
@@ -46,6 +61,8 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         process_group: Any | None = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
+        *,
+        stage: int = 1,
         **defaults: Any,
     ):
         self._zp_sync = None  # set before torch's __init__, which calls _build_param_buckets()

@@ -1,0 +1,220 @@
+"""zeroplus.initialize's settings: keyword arguments merged with a DeepSpeed-style config.
+
+The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names and meanings):
+
+    optimizer.type / optimizer.params          optimizer class ("Adam", "AdamW", "SGD", or any
+                                               torch.optim class name) and its hyperparameters
+    zero_optimization.stage                    1, 2 (3 comes with the stage-3 engine)
+    zero_optimization.reduce_bucket_size       gradient bucket, in elements
+    zero_optimization.allgather_bucket_size    accepted for compatibility (buckets are shared)
+    zero_optimization.overlap_comm, .contiguous_gradients, .reduce_scatter
+                                               accepted; zeroplus always overlaps, packs and
+                                               reduce-scatters (false is refused: not built)
+    bf16.enabled / fp16.enabled                mixed precision
+    fp16.loss_scale (0 = dynamic), .initial_scale_power, .loss_scale_window, .hysteresis,
+         .min_loss_scale, .consecutive_hysteresis
+    gradient_clipping                          > 0: step() clips to this global norm unless
+                                               clip_grad_norm_ was called for the step
+    data_types.grad_accum_dtype                "fp32", "bf16", "fp16": gradient shard dtype
+
+Keys DeepSpeed uses for its own engine's loop (train_batch_size, train_micro_batch_size_per_gpu,
+gradient_accumulation_steps, steps_per_print, wall_clock_breakdown, ...) have no meaning when the
+user owns the loop; they are accepted and ignored. Any other key raises ValueError, so a typo
+never silently changes nothing. A value given both as an argument and in the config must agree,
+else ValueError names both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .loss_scaler import LossScalerOptions
+
+DEFAULT_REDUCE_BUCKET_ELEMS = 1 << 22  # 16 MiB of fp32: large enough to be bandwidth-bound
+
+_IGNORED_TOP_LEVEL = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "wall_clock_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "tensorboard",
+    "wandb", "csv_monitor", "comms_logger", "flops_profiler", "scheduler", "communication_data_type",
+    "seq_parallel_communication_data_type",
+}
+_KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types"}
+_ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+              "reduce_scatter", "allgather_partitions", "round_robin_gradients", "elastic_checkpoint",
+              "load_from_fp32_weights", "ignore_unused_parameters", "sub_group_size"}
+_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+_PRECISIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class ZeroSettings:
+    stage: int
+    optimizer_class: type
+    optimizer_defaults: dict[str, Any]
+    mixed_precision: str | None  # None | "bf16" | "fp16"
+    reduce_bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS
+    loss_scaler: LossScalerOptions | None = None  # fp16 with dynamic scaling
+    static_loss_scale: float | None = None        # fp16 with a fixed scale
+    gradient_clipping: float = 0.0
+    grad_accum_dtype: torch.dtype | None = None   # None: the compute dtype
+    ignored_keys: list[str] = field(default_factory=list)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return _PRECISIONS[self.mixed_precision]
+
+
+def load_config(config) -> dict:
+    """The config as a dict: a dict is used as is, a str/PathLike is read as JSON."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            with open(config, encoding="utf-8") as f:
+                loaded = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"zeroplus.initialize: config file {os.fspath(config)!r} is not valid JSON: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ValueError(f"zeroplus.initialize: config file {os.fspath(config)!r} must hold a JSON object")
+        return loaded
+    raise TypeError(f"zeroplus.initialize: config must be a dict, a JSON file path or None, got {type(config).__name__}")
+
+
+def _section(cfg: dict, key: str, known: set[str] | None = None) -> dict:
+    value = cfg.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"zeroplus.initialize: config[{key!r}] must be an object, got {value!r}")
+    if known is not None:
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"zeroplus.initialize: config[{key!r}] has unknown keys {unknown}; known: {sorted(known)}")
+    return value
+
+
+def _merge(name: str, arg_value, cfg_value, cfg_path: str):
+    """The argument or the config value; both given and different is an error naming both."""
+    if arg_value is None:
+        return cfg_value
+    if cfg_value is not None and cfg_value != arg_value:
+        raise ValueError(f"zeroplus.initialize: {name}={arg_value!r} conflicts with config{cfg_path}={cfg_value!r}")
+    return arg_value
+
+
+def _optimizer_class_from_name(name) -> type:
+    if not isinstance(name, str):
+        raise ValueError(f"zeroplus.initialize: config['optimizer']['type'] must be a string, got {name!r}")
+    lowered = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
+               if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
+    cls = lowered.get(name.lower())
+    if cls is None:
+        raise ValueError(f"zeroplus.initialize: config['optimizer']['type']={name!r} is not a torch.optim optimizer")
+    return cls
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults) -> ZeroSettings:
+    cfg = load_config(config)
+    unknown = sorted(set(cfg) - _KNOWN_TOP_LEVEL - _IGNORED_TOP_LEVEL)
+    if unknown:
+        raise ValueError(f"zeroplus.initialize: config has unknown keys {unknown}")
+
+    # Optimizer: class and hyperparameters.
+    opt_cfg = _section(cfg, "optimizer", {"type", "params"})
+    cfg_class = _optimizer_class_from_name(opt_cfg["type"]) if "type" in opt_cfg else None
+    if optimizer_class is not None and not (isinstance(optimizer_class, type)
+                                            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"zeroplus.initialize: optimizer_class must be a torch.optim.Optimizer subclass, "
+                        f"got {optimizer_class!r}")
+    if optimizer_class is not None and cfg_class is not None and cfg_class is not optimizer_class:
+        raise ValueError(f"zeroplus.initialize: optimizer_class={optimizer_class.__name__} conflicts with "
+                         f"config['optimizer']['type']={opt_cfg['type']!r}")
+    opt_class = optimizer_class or cfg_class
+    if opt_class is None:
+        raise ValueError("zeroplus.initialize: no optimizer: pass optimizer_class or config['optimizer']['type']")
+    cfg_params = opt_cfg.get("params", {})
+    if not isinstance(cfg_params, dict):
+        raise ValueError(f"zeroplus.initialize: config['optimizer']['params'] must be an object, got {cfg_params!r}")
+    defaults = dict(cfg_params)
+    if "betas" in defaults and isinstance(defaults["betas"], list):
+        defaults["betas"] = tuple(defaults["betas"])
+    for key, value in optimizer_defaults.items():
+        defaults[key] = _merge(key, value, defaults.get(key), f"['optimizer']['params'][{key!r}]")
+
+    # Stage.
+    zero_cfg = _section(cfg, "zero_optimization", _ZERO_KEYS)
+    stage = _merge("stage", stage, zero_cfg.get("stage"), "['zero_optimization']['stage']")
+    if stage is None:
+        raise ValueError("zeroplus.initialize: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2):
+        hint = " (stage 3 is not built yet)" if stage == 3 else ""
+        raise ValueError(f"zeroplus.initialize: stage must be 1 or 2, got {stage!r}{hint}")
+    for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
+        if zero_cfg.get(key) is False:
+            raise ValueError(f"zeroplus.initialize: config['zero_optimization'][{key!r}]=false is not supported: "
+                             f"zeroplus always overlaps, packs and reduce-scatters gradients")
+    bucket = zero_cfg.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_ELEMS)
+    if not _is_number(bucket) or bucket < 1:
+        raise ValueError(f"zeroplus.initialize: config['zero_optimization']['reduce_bucket_size'] must be a "
+                         f"positive number of elements, got {bucket!r}")
+
+    # Precision.
+    bf16 = _section(cfg, "bf16", {"enabled", "immediate_grad_update", "check_grad_overflow"}).get("enabled", False)
+    fp16_cfg = _section(cfg, "fp16", _FP16_KEYS)
+    fp16 = fp16_cfg.get("enabled", False)
+    if bf16 and fp16:
+        raise ValueError("zeroplus.initialize: config enables both bf16 and fp16")
+    cfg_precision = "bf16" if bf16 else "fp16" if fp16 else None
+    if mixed_precision not in _PRECISIONS:
+        raise ValueError(f"zeroplus.initialize: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
+    if mixed_precision is not None and cfg_precision is not None and mixed_precision != cfg_precision:
+        raise ValueError(f"zeroplus.initialize: mixed_precision={mixed_precision!r} conflicts with config "
+                         f"[{cfg_precision!r}]['enabled']=true")
+    precision = mixed_precision or cfg_precision
+
+    settings = ZeroSettings(stage=stage, optimizer_class=opt_class, optimizer_defaults=defaults,
+                            mixed_precision=precision, reduce_bucket_elems=int(bucket))
+    if precision == "fp16":
+        loss_scale = fp16_cfg.get("loss_scale", 0)
+        if not _is_number(loss_scale) or loss_scale < 0:
+            raise ValueError(f"zeroplus.initialize: config['fp16']['loss_scale'] must be >= 0, got {loss_scale!r}")
+        if loss_scale > 0:
+            settings.static_loss_scale = float(loss_scale)
+        else:
+            power = fp16_cfg.get("initial_scale_power", 16)
+            if not _is_number(power) or not 0 <= power <= 64:
+                raise ValueError(f"zeroplus.initialize: config['fp16']['initial_scale_power'] must be in [0, 64], "
+                                 f"got {power!r}")
+            settings.loss_scaler = LossScalerOptions(
+                init_scale=2.0 ** power, scale_window=fp16_cfg.get("loss_scale_window", 1000),
+                hysteresis=fp16_cfg.get("hysteresis", 2), min_scale=fp16_cfg.get("min_loss_scale", 1),
+                consecutive_hysteresis=fp16_cfg.get("consecutive_hysteresis", False))
+            settings.loss_scaler.validate()
+
+    clip = cfg.get("gradient_clipping", 0.0)
+    if not _is_number(clip) or clip < 0:
+        raise ValueError(f"zeroplus.initialize: config['gradient_clipping'] must be >= 0, got {clip!r}")
+    settings.gradient_clipping = float(clip)
+
+    accum = _section(cfg, "data_types", {"grad_accum_dtype"}).get("grad_accum_dtype")
+    if accum is not None:
+        if accum not in _DTYPE_NAMES:
+            raise ValueError(f"zeroplus.initialize: config['data_types']['grad_accum_dtype'] must be one of "
+                             f"{sorted(_DTYPE_NAMES)}, got {accum!r}")
+        settings.grad_accum_dtype = _DTYPE_NAMES[accum]
+    settings.ignored_keys = sorted(set(cfg) & _IGNORED_TOP_LEVEL)
+    return settings

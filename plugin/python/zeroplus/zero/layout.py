@@ -1,0 +1,72 @@
+"""Flat sharded buffers for ZeRO stages 2 and 3: which parameter lives where.
+
+The bucket cuts come from the C++ planner (op zeroplus::plan_flat_buckets, torch-free code in
+optimizers/core/flat_bucket_planner.hpp). This module only turns that plan into tensors:
+
+  * one flat parameter buffer per bucket, in the compute dtype; every managed parameter's .data
+    becomes a view into it, so the post-step all-gather writes the model's parameters directly;
+  * rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of every bucket.
+
+Parameters are ordered for the planner in reverse registration order, group by group from the
+last group: gradients become ready roughly in that order during backward (DDP's heuristic), and a
+bucket is reduced as soon as all its gradients are in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Shard starts are multiples of this many elements: 64 bytes of fp32, the SIMD kernels' width.
+ALIGN_ELEMS = 16
+
+
+@dataclass
+class Entry:
+    param: torch.nn.Parameter
+    offset: int  # inside the bucket
+    numel: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    group: int              # param group index
+    dtype: torch.dtype      # compute dtype of its parameters and gradients
+    device: torch.device
+    numel: int              # padded
+    shard_numel: int
+    used: int
+    entries: list[Entry] = field(default_factory=list)
+    flat: torch.Tensor | None = None  # the parameters' storage (numel elements)
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+def plan_buckets(groups: list[list[torch.nn.Parameter]], world_size: int, cap_elems: int,
+                 dtype_of) -> list[Bucket]:
+    """Buckets for the trainable parameters of `groups` (lists of parameters, frozen ones
+    excluded by the caller). dtype_of(p) is the compute dtype p will have."""
+    ordered, segments, keys = [], [], {}
+    for g in reversed(range(len(groups))):
+        for p in reversed(groups[g]):
+            key = (g, dtype_of(p), p.device)
+            segments.append(keys.setdefault(key, len(keys)))
+            ordered.append((g, p))
+    numels = [p.numel() for _, p in ordered]
+    raw = torch.ops.zeroplus.plan_flat_buckets(numels, segments, world_size, cap_elems, ALIGN_ELEMS)
+    buckets, pos = [], 1
+    for index in range(raw[0]):
+        _segment, numel, shard, used, count = raw[pos:pos + 5]
+        pos += 5
+        entries = []
+        for _ in range(count):
+            i, offset, n = raw[pos:pos + 3]
+            pos += 3
+            entries.append(Entry(ordered[i][1], offset, n))
+        first = entries[0].param
+        buckets.append(Bucket(index=index, group=ordered[raw[pos - 3 * count]][0], dtype=dtype_of(first),
+                              device=first.device, numel=numel, shard_numel=shard, used=used, entries=entries))
+    return buckets

@@ -1,0 +1,99 @@
+"""Model-state memory: what this rank holds (memory_report) and what the ZeRO formulas predict
+(estimate_memory).
+
+Categories (bytes on this rank):
+  parameters             the model's parameters (flat buffers included, padding included)
+  gradients              gradient storage that persists between backward and step
+  master_parameters      fp32 master copies separate from the parameters (mixed precision)
+  optimizer_state        the optimizer's state tensors (only the owned shard at stages 1-3)
+  communication_buffers  bucket buffers alive right now (transient: empty at rest)
+  model_state            parameters + gradients + master_parameters + optimizer_state
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BYTES = {None: 4, "fp32": 4, "bf16": 2, "fp16": 2}
+_STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "sgd_nomomentum": 0, "adagrad": 4}
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        s = t.untyped_storage()
+        key = (s.data_ptr(), t.device)
+        if key not in seen:
+            seen.add(key)
+            total += s.nbytes()
+    return total
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    return [v for st in state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
+    """This rank's model-state bytes. `optimizer` is what zeroplus.initialize returned (or a
+    zeroplus/torch ZeroRedundancyOptimizer, or any torch optimizer for comparison)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"memory_report: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"memory_report: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    params = list(model.parameters())
+    report = {"parameters": _storage_bytes(params), "gradients": _storage_bytes([p.grad for p in params]),
+              "master_parameters": 0, "optimizer_state": 0, "communication_buffers": 0}
+    from .stage2 import Stage2Optimizer
+    if isinstance(optimizer, Stage2Optimizer):
+        ours = optimizer.memory_bytes()
+        report["gradients"] += ours["gradients"]
+        report["master_parameters"] = ours["master_parameters"]
+        report["optimizer_state"] = ours["optimizer_state"]
+        report["communication_buffers"] = ours["communication_buffers"]
+    else:
+        local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
+        report["optimizer_state"] = _tensor_bytes(_state_tensors(local.state))
+    report["model_state"] = sum(report[k] for k in ("parameters", "gradients", "master_parameters", "optimizer_state"))
+    return report
+
+
+def optimizer_bytes(opt) -> dict[str, int]:
+    param_ptrs = {b.flat.untyped_storage().data_ptr() for b in opt.buckets}
+    masters = [m for m in opt.masters if m.untyped_storage().data_ptr() not in param_ptrs]
+    return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
+            "optimizer_state": _tensor_bytes(_state_tensors(opt.inner.state)),
+            "communication_buffers": opt.reducer.communication_bytes()}
+
+
+def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,
+                    optimizer: str = "adam") -> dict[str, float]:
+    """Model-state bytes per rank by the ZeRO paper's accounting: parameters and gradients in the
+    compute dtype (2 bytes with mixed precision, else 4), an fp32 master copy only with mixed
+    precision (4), optimizer state (Adam: 8). Stage 1 shards master + state, stage 2 also
+    gradients, stage 3 also parameters. Mixed-precision Adam gives 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
+    if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
+        raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"estimate_memory: world_size must be an int >= 1, got {world_size!r}")
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"estimate_memory: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if mixed_precision not in _BYTES:
+        raise ValueError(f"estimate_memory: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
+    if optimizer not in _STATE_BYTES:
+        raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}")
+    n, psi = world_size, float(num_params)
+    p = g = _BYTES[mixed_precision]
+    m = 4 if mixed_precision in ("bf16", "fp16") else 0
+    k = _STATE_BYTES[optimizer]
+    shard = {"parameters": stage >= 3, "gradients": stage >= 2, "master_parameters": stage >= 1,
+             "optimizer_state": stage >= 1}
+    per = {"parameters": p, "gradients": g, "master_parameters": m, "optimizer_state": k}
+    out = {key: psi * per[key] / (n if shard[key] else 1) for key in per}
+    out["model_state"] = sum(out.values())
+    return out

@@ -1,0 +1,346 @@
+"""ZeRO stage 2: sharded gradients and optimizer state behind a torch.optim.Optimizer.
+
+Stage2Optimizer is what zeroplus.initialize(..., stage=2) and
+ZeroRedundancyOptimizer(..., stage=2) return. Units (one job each):
+
+    layout.py        flat buckets: every trainable parameter becomes a view into a flat buffer
+    grad_reducer.py  hooks + overlapped reduce-scatter; persistent gradient shards
+    loss_scaler.py   fp16 dynamic loss scaling (DeepSpeed rules)
+    clipping.py      global norm across shards
+    state.py         sharded and consolidated (plain torch.optim) state dicts
+    this file        construction, step (unscale, clip, inner step, write back, all-gather)
+
+The user's param_groups stay the user's (LR schedulers and hyperparameter edits work); the inner
+optimizer (the user's class, or zeroplus's fused twin for Adam/AdamW/SGD) steps one flat fp32
+master tensor per bucket: this rank's shard only. Hyperparameters are copied from the user's
+groups into the inner groups before every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..optim.fused import fused_class_for
+from . import clipping, comm, precision, state
+from .config import DEFAULT_REDUCE_BUCKET_ELEMS
+from .grad_reducer import GradientReducer
+from .layout import plan_buckets
+from .loss_scaler import DynamicLossScaler, LossScalerOptions, StaticLossScaler
+
+_PRECISIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNSUPPORTED_OPTIONS = ("differentiable",)  # masters are not part of an autograd graph
+
+
+class Stage2Optimizer(torch.optim.Optimizer):
+    stage = 2
+
+    def __init__(self, params, optimizer_class, *, process_group=None, mixed_precision=None, module=None,
+                 reduce_bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS, loss_scaler: LossScalerOptions | None = None,
+                 static_loss_scale: float | None = None, gradient_clipping: float = 0.0,
+                 grad_accum_dtype: torch.dtype | None = None, **defaults):
+        name = type(self).__name__
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"{name}: optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if mixed_precision not in _PRECISIONS:
+            raise ValueError(f"{name}: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
+        for key in _UNSUPPORTED_OPTIONS:
+            if defaults.get(key):
+                raise ValueError(f"{name}: optimizer option {key}=True is not supported by ZeRO stage {self.stage}")
+        if isinstance(reduce_bucket_elems, bool) or not isinstance(reduce_bucket_elems, int) or reduce_bucket_elems < 1:
+            raise ValueError(f"{name}: reduce_bucket_elems must be a positive int, got {reduce_bucket_elems!r}")
+        if not dist.is_initialized():
+            raise RuntimeError(f"{name}: torch.distributed is not initialized; call init_process_group first")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{name}: module must be a torch.nn.Module, got {type(module).__name__}")
+
+        self._constructing = True
+        super().__init__(params, defaults)
+        self._constructing = False
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.mixed_precision = mixed_precision
+        self.compute_dtype = _PRECISIONS[mixed_precision]
+        self.module = module
+        self.gradient_clipping = float(gradient_clipping)
+        self._check_params(name)
+
+        trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        if not any(trainable):
+            raise ValueError(f"{name}: params has no parameter with requires_grad=True")
+        if self.compute_dtype is not None and module is not None:
+            precision.cast_buffers(module, self.compute_dtype)
+        self.buckets = plan_buckets(trainable, self.world_size, reduce_bucket_elems, self._dtype_of)
+        self.masters = self._build_flat_buffers()
+        self._sync_unmanaged(trainable)
+        self._build_inner(optimizer_class)
+        self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank, grad_accum_dtype,
+                                       shard_gradients=self.stage >= 2)
+        if mixed_precision == "fp16":
+            self.scaler = (StaticLossScaler() if static_loss_scale is not None
+                           else DynamicLossScaler(loss_scaler or LossScalerOptions()))
+            if static_loss_scale is not None:
+                self.scaler.scale = float(static_loss_scale)
+        else:
+            self.scaler = StaticLossScaler()
+        self._clipped_this_step = False
+        self.skipped_steps = 0
+        self._consolidated = None
+        self._input_cast = None
+        if module is not None:
+            if self.compute_dtype is not None:
+                self._input_cast = precision.install_input_cast(module, self.compute_dtype)
+            module.no_sync = self.no_sync  # DDP's accumulation context, on the user's own module
+
+    # -- construction --------------------------------------------------------------------------
+
+    def _check_params(self, name: str) -> None:
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"{name}: params are on several devices {sorted(map(str, devices))}; ZeRO stage "
+                             f"{self.stage} needs every parameter on one device")
+        for g in self.param_groups:
+            for p in g["params"]:
+                if getattr(p, "_zeroplus_managed", False):
+                    raise ValueError(f"{name}: a parameter of shape {tuple(p.shape)} is already managed by another "
+                                     f"zeroplus ZeRO optimizer")
+                if p.requires_grad and not p.is_floating_point():
+                    raise TypeError(f"{name}: trainable parameter of dtype {p.dtype} is not floating point")
+                if p.requires_grad and (p.is_sparse or p.layout is not torch.strided):
+                    raise ValueError(f"{name}: parameter layout {p.layout} is not supported (dense tensors only)")
+
+    def _dtype_of(self, p: torch.Tensor) -> torch.dtype:
+        return self.compute_dtype or p.dtype
+
+    def _build_flat_buffers(self) -> list[torch.Tensor]:
+        """Flat buffers for the parameters (rank 0's values, broadcast) and this rank's fp32 masters.
+        With mixed precision the master starts from the full-precision value, not the rounded one."""
+        src = comm.group_src_rank(self.process_group, 0)
+        masters = []
+        for b in self.buckets:
+            staging_dtype = torch.float32 if self.compute_dtype is not None else b.dtype
+            flat = torch.zeros(b.numel, dtype=staging_dtype, device=b.device)
+            for e in b.entries:
+                flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            dist.broadcast(flat, src=src, group=self.process_group)
+            lo, hi = b.shard_range(self.rank)
+            if self.compute_dtype is not None or b.dtype != torch.float32:
+                master = flat[lo:hi].to(torch.float32, copy=True)
+                flat = flat.to(b.dtype)
+            else:
+                master = flat[lo:hi]  # fp32 training: the master IS this rank's slice of the parameters
+            b.flat = flat
+            for e in b.entries:
+                e.param.data = flat[e.offset:e.offset + e.numel].view(e.param.shape)
+                e.param._zeroplus_managed = True
+            masters.append(master)
+        return masters
+
+    def _sync_unmanaged(self, trainable) -> None:
+        """Frozen parameters and (with a module) buffers: cast, then take rank 0's values, as DDP does."""
+        seen = {id(p) for grp in trainable for p in grp}
+        frozen = []
+        candidates = [p for g in self.param_groups for p in g["params"]]
+        if self.module is not None:
+            candidates += list(self.module.parameters())
+        for p in candidates:
+            if id(p) not in seen:
+                seen.add(id(p))
+                frozen.append(p)
+        src = comm.group_src_rank(self.process_group, 0)
+        for p in frozen:
+            if self.compute_dtype is not None and p.is_floating_point():
+                p.data = p.data.to(self.compute_dtype)
+            dist.broadcast(p.data, src=src, group=self.process_group)
+        if self.module is not None:
+            for buf in self.module.buffers():
+                dist.broadcast(buf, src=src, group=self.process_group)
+
+    def _build_inner(self, optimizer_class) -> None:
+        inner_class = fused_class_for(optimizer_class) or optimizer_class
+        self.inner_groups = [[] for _ in self.param_groups]  # master indices per outer group
+        for i, b in enumerate(self.buckets):
+            self.inner_groups[b.group].append(i)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [self.masters[i] for i in idx]}
+                  for g, idx in zip(self.param_groups, self.inner_groups)]
+        groups = [g for g in groups if g["params"]]
+        self._inner_group_of = [gi for gi, idx in enumerate(self.inner_groups) if idx]
+        self.inner = inner_class(groups)
+        # The user's groups show every hyperparameter the optimizer filled in, as torch's do.
+        for gi, inner_group in zip(self._inner_group_of, self.inner.param_groups):
+            for k, v in inner_group.items():
+                if k != "params":
+                    self.param_groups[gi].setdefault(k, v)
+        self.defaults = {**self.inner.defaults, **self.defaults}
+
+    def add_param_group(self, param_group) -> None:
+        if getattr(self, "_constructing", False):
+            return super().add_param_group(param_group)
+        raise NotImplementedError(f"{type(self).__name__}: add_param_group after construction is not supported at "
+                                  f"ZeRO stage {self.stage} (the flat layout is fixed); pass every group up front")
+
+    # -- accumulation and backward -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) until the first backward after the
+        block, like DistributedDataParallel.no_sync."""
+        old = self.reducer.no_sync
+        self.reducer.no_sync = True
+        try:
+            yield
+        finally:
+            self.reducer.no_sync = old
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.scale)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), scaled by the loss scale for fp16."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.backward: loss must be a tensor, got {type(loss).__name__}")
+        if loss.numel() != 1:
+            raise ValueError(f"{type(self).__name__}.backward: loss must have one element, got shape {tuple(loss.shape)}")
+        if self.mixed_precision == "fp16":
+            (loss.float() * self.scaler.scale).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16)."""
+        self.reducer.flush()
+        return self.reducer.shards
+
+    # -- clipping and step ---------------------------------------------------------------------
+
+    def _overflow(self) -> bool:
+        """Inf/NaN in any rank's gradient shard, agreed across ranks (one allreduce)."""
+        device = self.buckets[0].device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in self.reducer.shards:
+            if g.numel() and not torch.isfinite(g).all():
+                local.fill_(1.0)
+                break
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(local.item())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the global gradient norm across all shards; returns the norm before clipping
+        (what torch.nn.utils.clip_grad_norm_ returns on the unsharded model). Collective."""
+        max_norm = clipping.check_norm_args(max_norm, norm_type)
+        shards = self.gradient_shards()
+        total = clipping.global_norm(shards, float(norm_type), self.process_group, self.buckets[0].device)
+        if self.mixed_precision == "fp16":
+            total = total / self.scaler.scale
+        if not torch.isfinite(total):
+            if error_if_nonfinite:
+                raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                                   f"non-finite, so it cannot be clipped. To disable this error and scale the "
+                                   f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            if self.mixed_precision == "fp16":  # an overflow: step() skips, nothing to clip
+                self._clipped_this_step = True
+                return total
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in shards:
+            g.mul_(coef.to(g.dtype))
+        self._clipped_this_step = True
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.reducer.flush()
+        self._consolidated = None
+        if not self.reducer.has_grads:
+            return loss  # no backward since zero_grad: like torch with every grad None
+        if self.mixed_precision == "fp16" and self._overflow():
+            self.scaler.update(True)
+            self.skipped_steps += 1
+            self.reducer.zero()
+            self._clipped_this_step = False
+            return loss
+        if self.gradient_clipping > 0 and not self._clipped_this_step:
+            self.clip_grad_norm_(self.gradient_clipping)
+        inv_scale = 1.0 / self.scaler.scale
+        for gi, inner_group in zip(self._inner_group_of, self.inner.param_groups):
+            for k, v in self.param_groups[gi].items():
+                if k != "params":
+                    inner_group[k] = v
+        for master, g in zip(self.masters, self.reducer.shards):
+            grad = g if g.dtype == master.dtype else g.to(master.dtype)
+            if inv_scale != 1.0:
+                grad = grad.mul(inv_scale) if grad is g else grad.mul_(inv_scale)
+            master.grad = grad
+        try:
+            self.inner.step()
+        finally:
+            for master in self.masters:
+                master.grad = None
+        self.scaler.update(False)
+        self._clipped_this_step = False
+        self._gather_parameters()
+        return loss
+
+    def _gather_parameters(self) -> None:
+        works = []
+        for b, master in zip(self.buckets, self.masters):
+            lo, hi = b.shard_range(self.rank)
+            shard = b.flat[lo:hi]
+            if master.data_ptr() != shard.data_ptr():
+                shard.copy_(master)
+            # A separate input: backends differ on whether an all-gather input may alias its output.
+            works.append((comm.all_gather(b.flat, shard.clone(), self.process_group, async_op=True)))
+        for w in works:
+            w.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.reducer.zero()
+        self._clipped_this_step = False
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.zero_()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self):
+        if self._consolidated is not None:
+            return self._consolidated
+        return state.sharded_state_dict(self)
+
+    def load_state_dict(self, state_dict) -> None:
+        state.load_state_dict(self, state_dict)
+        self._consolidated = None
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state in plain torch.optim format on group rank `to`; its
+        next state_dict() returns it (until the next step). Collective."""
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.world_size:
+            raise ValueError(f"consolidate_state_dict: to must be a rank in [0, {self.world_size}), got {to!r}")
+        full = state.consolidated_state_dict(self)
+        self._consolidated = full if self.rank == to else None
+
+    def memory_bytes(self) -> dict[str, int]:
+        from .memory import optimizer_bytes
+        return optimizer_bytes(self)
+
+
+class Stage1Optimizer(Stage2Optimizer):
+    """ZeRO stage 1 on the same engine: gradients are all-reduced and kept whole, the fp32 master
+    and optimizer state are sharded. zeroplus.initialize uses it for stage 1 with mixed precision
+    (torch's ZeroRedundancyOptimizer has no master weights); fp32 stage 1 is DDP +
+    ZeroRedundancyOptimizer."""
+
+    stage = 1
