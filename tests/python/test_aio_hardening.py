@@ -280,3 +280,18 @@ def test_atomic_write_argument_checks(tmp_path):
     with pytest.raises(FileNotFoundError):
         h.atomic_write(torch.zeros(1), tmp_path / "no-such-dir" / "x")
     assert os.listdir(tmp_path) == []
+
+
+def test_atomic_write_keeps_mode_and_refuses_special_files_checks(tmp_path):
+    h = aio.AioHandle()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"old")
+    secret.chmod(0o600)
+    h.atomic_write(torch.ones(10, dtype=torch.uint8), secret)
+    assert secret.stat().st_mode & 0o7777 == 0o600
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="regular files only") as ei:
+        h.atomic_write(torch.ones(10, dtype=torch.uint8), fifo)
+    assert ei.value.errno == errno.EINVAL and ei.value.filename == str(fifo)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "secret"]
