@@ -1,6 +1,8 @@
 #include "aio/core/file.hpp"
 
 #include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -147,6 +149,11 @@ File::~File() {
 uint64_t File::size() const {
   struct stat st {};
   if (fstat(buffered_fd_, &st) != 0) throw IoError("fstat", path_, 0, 0, errno);
+  if (S_ISBLK(st.st_mode)) {  // st_size is 0 for a block device; ask the device
+    uint64_t bytes = 0;
+    if (::ioctl(buffered_fd_, BLKGETSIZE64, &bytes) != 0) throw IoError("ioctl(BLKGETSIZE64)", path_, 0, 0, errno);
+    return bytes;
+  }
   return static_cast<uint64_t>(st.st_size);
 }
 

@@ -55,7 +55,7 @@ class File {
   // (1 when not direct).
   uint64_t offsetAlign() const noexcept { return direct_ ? offset_align_ : 1; }
   uint64_t memAlign() const noexcept { return direct_ ? mem_align_ : 1; }
-  // Current size (fstat). Throws IoError.
+  // Current size (fstat; BLKGETSIZE64 for a block device). Throws IoError.
   uint64_t size() const;
 
  private:

@@ -133,6 +133,31 @@ TEST(File, CharacterDeviceAndDirectoryAreRefused) {
   }
 }
 
+// Block devices stay allowed (raw NVMe). Their st_size is 0, so size() must ask the device.
+// A loop device stands in; skipped where one cannot be attached (not root, no loop driver).
+TEST(File, BlockDeviceSizeComesFromTheDevice) {
+  test::TempDir dir;
+  const std::string backing = dir.file("backing");
+  { auto f = File::open(backing, test::writeOptions(DirectMode::Off)); ASSERT_EQ(::ftruncate(f->fd(), 3 << 20), 0); }
+  FILE* p = ::popen(("losetup -f --show " + backing + " 2>/dev/null").c_str(), "r");
+  char dev[256] = {0};
+  bool attached = false;
+  if (p) {
+    attached = std::fgets(dev, sizeof dev, p) != nullptr;
+    attached = ::pclose(p) == 0 && attached;
+  }
+  if (!attached) GTEST_SKIP() << "cannot attach a loop device";
+  std::string device(dev);
+  device.erase(device.find_last_not_of("\n") + 1);
+  try {
+    auto f = File::open(device, test::readOptions(DirectMode::Auto));
+    EXPECT_EQ(f->size(), 3u << 20);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  std::system(("losetup -d " + device).c_str());
+}
+
 TEST(File, RefusedOpenDoesNotTruncate) {
   // A refused special file must not be touched; for a regular file truncate still works.
   test::TempDir dir;
