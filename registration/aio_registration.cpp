@@ -37,6 +37,9 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
       .def("sync_pwrite", [](const Self& s, const at::Tensor& t, const std::string& path, int64_t offset) {
         return s->handle.syncPwrite(t, path, offset);
       })
+      .def("atomic_write", [](const Self& s, const at::Tensor& t, const std::string& path) {
+        return s->handle.atomicWrite(t, path);
+      })
       .def("wait", [](const Self& s) { return s->handle.wait(); })
       .def("pending", [](const Self& s) { return s->handle.pending(); })
       .def("new_cpu_locked_tensor", [](const Self& s, int64_t numel, at::ScalarType dtype) {

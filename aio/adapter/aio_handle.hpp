@@ -23,6 +23,12 @@
 //     All operations are waited for before an error is thrown.
 //   * Thread-safe: all methods may be called concurrently. The destructor waits for outstanding
 //     operations and drops their errors.
+//   * Files: one open File per (path, read/write, O_DIRECT mode) is shared by all queued
+//     operations (FileCache) and closed once wait() has released the last of them. Only regular
+//     files and block devices are accepted (File::open), refused at the call.
+//   * staging_bytes larger than half of physical memory is refused at construction; if the
+//     staging buffers still cannot be allocated, the staged operation fails with IoError
+//     (ENOMEM) naming staging_bytes.
 //   * newCpuLockedTensor memory is freed when the last tensor sharing its storage dies, which
 //     may be after the handle is gone.
 #pragma once
@@ -37,6 +43,7 @@
 #include <vector>
 
 #include "aio/core/engine.hpp"
+#include "aio/core/file_cache.hpp"
 
 namespace zeroplus::aio {
 
@@ -66,6 +73,14 @@ class AioHandle {
   int64_t wait();
   int64_t pending() const;
 
+  // Replaces `path` with exactly the tensor's bytes, all or nothing: writes a temporary file in
+  // the same directory (preallocated, so ENOSPC shows before any write), fsyncs it, renames it
+  // over `path` and fsyncs the directory. Blocks until done; waits only for this operation.
+  // On any failure the temporary file is removed and `path` keeps its old contents (or stays
+  // absent). Returns 1. Unlike asyncPwrite, which overwrites in place, a failure part-way
+  // cannot destroy the old file.
+  int64_t atomicWrite(const at::Tensor& tensor, const std::string& path);
+
   // A 1-D CPU tensor of `numel` elements of `dtype` in page-aligned, mlocked memory of exactly
   // that size (rounded up to a page only), registered with the engine (io_uring fixed buffers)
   // and, when built with CUDA and a GPU is present, with cudaHostRegister.
@@ -75,14 +90,22 @@ class AioHandle {
   std::string engineName() const { return toString(engine_->kind()); }
 
  private:
-  struct Pending {
-    Ticket ticket;                  // direct path
+  struct Started {
+    Ticket ticket;                    // direct path
     std::shared_future<void> staged;  // staged path
+    void wait() const;                // throws the operation's error
+  };
+  struct Pending {
+    Started op;
     at::Tensor keep;
   };
   int64_t submit(OpKind op, const at::Tensor& tensor, const std::string& path, int64_t offset);
+  std::shared_ptr<const File> openFor(const std::string& path, const OpenOptions& oo, uint64_t offset,
+                                      uint64_t length);
+  Started start(OpKind op, const at::Tensor& t, const std::shared_ptr<const File>& file, uint64_t offset);
 
   AioHandleOptions options_;
+  FileCache files_;  // one open File per (path, mode) while operations use it
   std::shared_ptr<Engine> engine_;
   std::unique_ptr<StagingExecutor> staging_;
   mutable std::mutex mu_;

@@ -2,7 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <cerrno>
 #include <cstring>
+#include <new>
+#include <string>
 
 #include "aio/core/io_error.hpp"
 
@@ -98,7 +101,7 @@ void cudaUnpinHost(void* ptr) {
 }
 
 StagingExecutor::StagingExecutor(std::shared_ptr<Engine> engine, size_t chunk_bytes)
-    : engine_(std::move(engine)), chunk_(chunk_bytes), thread_([this] { loop(); }) {}
+    : engine_(std::move(engine)), staging_bytes_(chunk_bytes), chunk_(chunk_bytes), thread_([this] { loop(); }) {}
 
 StagingExecutor::~StagingExecutor() {
   {
@@ -135,7 +138,7 @@ std::shared_future<void> StagingExecutor::enqueue(OpKind op, const at::Tensor& t
   *task = std::packaged_task<void()>([this, op, base, device, nbytes, file, offset] {
     Copier copier(base, device);
 #endif
-    ensureBuffers(file->offsetAlign());
+    ensureBuffers(op, *file, offset, nbytes);
     if (op == OpKind::Write) {
       writeStaged(copier, nbytes, file, offset);
     } else {
@@ -165,15 +168,26 @@ void StagingExecutor::loop() {
   }
 }
 
-void StagingExecutor::ensureBuffers(uint64_t align) {
+void StagingExecutor::ensureBuffers(OpKind op, const File& file, uint64_t offset, uint64_t length) {
   // Chunks must keep every file offset aligned: round the chunk up to the file's alignment.
-  const size_t a = std::max<uint64_t>(align, kPageSize);
+  const size_t a = std::max<uint64_t>(file.offsetAlign(), kPageSize);
   const size_t want = (chunk_ + a - 1) / a * a;
-  if (buffers_[0].data() && buffers_[0].size() >= want) return;
+  if (buffers_[0].data() && buffers_[1].data() && buffers_[0].size() >= want) return;
+  // Both new buffers are allocated before the old ones are touched: a failure leaves the
+  // executor as it was (never one buffer new and the other missing), and names the knob.
+  AlignedBuffer fresh[2];
+  try {
+    fresh[0] = AlignedBuffer(want);
+    fresh[1] = AlignedBuffer(want);
+  } catch (const std::bad_alloc&) {
+    throw IoError(op == OpKind::Write ? "write" : "read", file.path(), offset, length, ENOMEM,
+                  "cannot allocate two staging buffers of " + std::to_string(want) +
+                      " bytes each (staging_bytes=" + std::to_string(staging_bytes_) + "); lower staging_bytes");
+  }
   for (int i = 0; i < 2; ++i) {
     if (registered_[i]) engine_->unregisterBuffer(buffers_[i].data());
     if (cuda_pinned_[i]) cudaUnpinHost(buffers_[i].data());
-    buffers_[i] = AlignedBuffer(want);
+    buffers_[i] = std::move(fresh[i]);
     registered_[i] = engine_->registerBuffer(buffers_[i].data(), want);
     cuda_pinned_[i] = cudaPinHost(buffers_[i].data(), want);
   }

@@ -43,12 +43,15 @@ class StagingExecutor {
 
  private:
   void loop();
-  void ensureBuffers(uint64_t align);
+  // Allocates both buffers for `file` (first use, or a larger alignment); throws IoError
+  // (ENOMEM, naming staging_bytes and the operation's range) when they cannot be allocated.
+  void ensureBuffers(OpKind op, const File& file, uint64_t offset, uint64_t length);
   void writeStaged(Copier& copier, size_t total, const std::shared_ptr<const File>& f, uint64_t offset);
   void readStaged(Copier& copier, size_t total, const std::shared_ptr<const File>& f, uint64_t offset);
 
   std::shared_ptr<Engine> engine_;
-  size_t chunk_;
+  const size_t staging_bytes_;  // as configured, for error messages
+  size_t chunk_;                // staging_bytes_ rounded up to the file alignment
   AlignedBuffer buffers_[2];
   bool registered_[2] = {false, false};
   bool cuda_pinned_[2] = {false, false};

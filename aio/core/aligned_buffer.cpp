@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -18,6 +19,8 @@ size_t roundUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 void* allocateAligned(size_t bytes, size_t align, bool lock, bool* locked) {
   *locked = false;
   if (align < kPageSize) align = kPageSize;
+  // Rounding up to a page must not wrap around to a tiny allocation.
+  if (bytes > SIZE_MAX - kPageSize) return nullptr;
   const size_t total = roundUp(bytes == 0 ? 1 : bytes, kPageSize);
   void* p = nullptr;
   if (::posix_memalign(&p, align, total) != 0) return nullptr;

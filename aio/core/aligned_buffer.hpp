@@ -16,7 +16,8 @@ namespace zeroplus::aio {
 
 constexpr size_t kPageSize = 4096;
 
-// Returns nullptr on allocation failure (or when bytes == 0 it returns a valid 1-page buffer).
+// Returns nullptr on allocation failure, including sizes that cannot be rounded up to a page
+// without overflow (when bytes == 0 it returns a valid 1-page buffer).
 void* allocateAligned(size_t bytes, size_t align, bool lock, bool* locked);
 void freeAligned(void* ptr, size_t bytes, bool locked) noexcept;
 

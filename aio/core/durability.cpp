@@ -1,6 +1,7 @@
 #include "aio/core/durability.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -52,6 +53,14 @@ void syncDirectory(const std::string& dir) {
 
 AtomicFile::AtomicFile(const std::string& path, DirectMode direct) : path_(path) {
   static std::atomic<uint64_t> counter{0};
+  // rename() would replace a FIFO, device node or directory entry with a regular file (an
+  // atomic write to /dev/nvme0n1 would swap the device node for a file in /dev): refuse.
+  struct stat target {};
+  const bool exists = ::stat(path.c_str(), &target) == 0;
+  if (exists && !S_ISREG(target.st_mode)) {
+    throw IoError("open", path, 0, 0, S_ISDIR(target.st_mode) ? EISDIR : EINVAL,
+                  "an atomic write replaces regular files only");
+  }
   const std::string dir = parentDir(path);
   const std::string name = path.substr(path.find_last_of('/') + 1);
   // Same directory as the target: rename() is atomic only within one file system.
@@ -62,6 +71,13 @@ AtomicFile::AtomicFile(const std::string& path, DirectMode direct) : path_(path)
   o.direct = direct;
   o.mode = 0644;
   file_ = File::open(temp_, o);
+  // The replacement keeps the permissions of the file it replaces (a 0600 secret must not
+  // become world-readable by being rewritten).
+  if (exists && ::fchmod(file_->bufferedFd(), target.st_mode & 07777) != 0) {
+    const int err = errno;
+    ::unlink(temp_.c_str());
+    throw IoError("fchmod", temp_, 0, 0, err);
+  }
 }
 
 AtomicFile::~AtomicFile() {

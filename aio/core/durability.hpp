@@ -28,7 +28,10 @@ void syncDirectory(const std::string& dir);
 
 class AtomicFile {
  public:
-  // Creates "<dir>/.<name>.tmp-<pid>-<n>" next to `path`, opened for writing (truncated).
+  // Creates "<dir>/.<name>.tmp-<pid>-<n>" next to `path`, opened for writing (truncated), with
+  // the permission bits of an existing `path`. Throws IoError (EINVAL, EISDIR) when `path`
+  // exists and is not a regular file. A process killed before commit() or the destructor
+  // leaves the temporary file behind (its name says which pid made it).
   AtomicFile(const std::string& path, DirectMode direct = DirectMode::Auto);
   // Unlinks the temporary file unless commit() succeeded.
   ~AtomicFile();

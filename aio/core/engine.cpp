@@ -1,6 +1,7 @@
 #include "aio/core/engine.hpp"
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -56,6 +57,13 @@ Ticket Engine::submit(const Transfer& t) {
   const char* op = t.op == OpKind::Read ? "read" : "write";
   if (t.length > 0 && t.buf == nullptr) {
     throw IoError(op, t.file->path(), t.offset, t.length, EFAULT, "null buffer");
+  }
+  // File offsets are off_t (signed 64-bit): a range ending past INT64_MAX would reach the
+  // kernel as a negative offset, or wrap around in offset + length.
+  constexpr uint64_t kMaxOff = static_cast<uint64_t>(INT64_MAX);
+  if (t.offset > kMaxOff || t.length > kMaxOff - t.offset) {
+    throw IoError(op, t.file->path(), t.offset, t.length, EOVERFLOW,
+                  "offset + length exceeds the largest file offset (2^63 - 1)");
   }
   if (t.op == OpKind::Write && !t.file->writable()) {
     throw IoError(op, t.file->path(), t.offset, t.length, EBADF, "file was opened read-only");

@@ -17,6 +17,9 @@
 // failure of a transfer is stored and rethrown by Ticket::wait() as IoError; its remaining
 // requests are not issued.
 //
+// A range that ends past the largest file offset (2^63 - 1) is refused by submit() with
+// IoError(EOVERFLOW). Requests are at most 1 GiB whatever block_size says.
+//
 // Alignment (O_DIRECT files only) is validated in submit(), before anything is queued: the
 // file offset must be a multiple of File::offsetAlign() and the buffer address of
 // File::memAlign(), otherwise IoError(EINVAL) is thrown at once. Lengths are free: the

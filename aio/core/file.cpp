@@ -1,6 +1,8 @@
 #include "aio/core/file.hpp"
 
 #include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
@@ -53,24 +55,71 @@ int queryDirectAlignment(int fd, uint64_t* offset_align, uint64_t* mem_align, bo
   return 0;
 }
 
+namespace {
+
+const char* fileTypeName(mode_t m) {
+  if (S_ISFIFO(m)) return "FIFO";
+  if (S_ISSOCK(m)) return "socket";
+  if (S_ISCHR(m)) return "character device";
+  return "special file";
+}
+
+// Opens without blocking (O_NONBLOCK: a FIFO with no writer would block open() forever) and
+// refuses anything but a regular file or a block device before any byte moves: pread/pwrite on
+// a FIFO, socket or character device either blocks, fails with ESPIPE, or (io_uring ignores
+// the offset of stream files) "succeeds" into a pipe buffer that is discarded on close.
+// O_NONBLOCK is then cleared: io_uring would otherwise return EAGAIN instead of waiting.
+int openChecked(const std::string& path, int flags, mode_t mode, const char* op, const struct stat* same_as) {
+  const int fd = ::open(path.c_str(), flags | O_NONBLOCK, mode);
+  if (fd < 0) throw IoError(op, path, 0, 0, errno);
+  struct stat st {};
+  int err = 0;
+  std::string detail;
+  if (::fstat(fd, &st) != 0) {
+    err = errno;
+  } else if (S_ISDIR(st.st_mode)) {
+    err = EISDIR;
+  } else if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
+    err = EINVAL;
+    detail = std::string("not a regular file or block device (it is a ") + fileTypeName(st.st_mode) + ")";
+  } else if (same_as && (st.st_dev != same_as->st_dev || st.st_ino != same_as->st_ino)) {
+    err = ESTALE;
+    detail = "the path was replaced between the buffered and the O_DIRECT open";
+  } else if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {
+    err = errno;
+  }
+  if (err != 0) {
+    ::close(fd);
+    throw IoError(op, path, 0, 0, err, detail);
+  }
+  return fd;
+}
+
+}  // namespace
+
 std::shared_ptr<File> File::open(const std::string& path, const OpenOptions& o) {
   std::shared_ptr<File> f(new File());
   f->path_ = path;
   f->writable_ = o.write;
   int flags = O_CLOEXEC | (o.write ? O_RDWR : O_RDONLY);
   if (o.write && o.create) flags |= O_CREAT;
-  if (o.write && o.truncate) flags |= O_TRUNC;
-  f->buffered_fd_ = ::open(path.c_str(), flags, o.mode);
-  if (f->buffered_fd_ < 0) throw IoError("open", path, 0, 0, errno);
+  // O_TRUNC is applied only after the type check: truncating is a side effect that must not
+  // happen to a file the open then refuses.
+  f->buffered_fd_ = openChecked(path, flags, o.mode, "open", nullptr);
+  struct stat st {};
+  if (::fstat(f->buffered_fd_, &st) != 0) throw IoError("fstat", path, 0, 0, errno);
+  if (o.write && o.truncate && S_ISREG(st.st_mode) && ::ftruncate(f->buffered_fd_, 0) != 0) {
+    throw IoError("ftruncate", path, 0, 0, errno);
+  }
   if (o.direct == DirectMode::Off) return f;
 
   // The buffered open above already created/truncated; the direct open must not repeat that.
-  int dfd = ::open(path.c_str(), (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT);
-  if (dfd < 0) {
-    int err = errno;
-    if (err != EINVAL || o.direct == DirectMode::On) {
-      throw IoError("open(O_DIRECT)", path, 0, 0, err);
-    }
+  int dfd = -1;
+  try {
+    dfd = openChecked(path, (flags & ~O_CREAT) | O_DIRECT, 0, "open(O_DIRECT)", &st);
+  } catch (const IoError& e) {
+    // The type was checked by the buffered open, so EINVAL here is the refusal of O_DIRECT.
+    if (e.error() != EINVAL || o.direct == DirectMode::On) throw;
     logOnce("no-odirect", "O_DIRECT refused (EINVAL) for '" + path +
                               "'; using buffered I/O for files on this file system");
     return f;
@@ -100,6 +149,11 @@ File::~File() {
 uint64_t File::size() const {
   struct stat st {};
   if (fstat(buffered_fd_, &st) != 0) throw IoError("fstat", path_, 0, 0, errno);
+  if (S_ISBLK(st.st_mode)) {  // st_size is 0 for a block device; ask the device
+    uint64_t bytes = 0;
+    if (::ioctl(buffered_fd_, BLKGETSIZE64, &bytes) != 0) throw IoError("ioctl(BLKGETSIZE64)", path_, 0, 0, errno);
+    return bytes;
+  }
   return static_cast<uint64_t>(st.st_size);
 }
 

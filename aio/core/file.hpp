@@ -10,6 +10,11 @@
 // Fallback: DirectMode::Auto opens buffered when O_DIRECT is refused (EINVAL, e.g. tmpfs before
 // Linux 6.6, FUSE, overlayfs) and logs that once; DirectMode::On turns the refusal into IoError.
 //
+// File types: only regular files and block devices (raw NVMe namespaces, as DeepSpeed's swap
+// may use) are accepted. Directories fail with EISDIR; FIFOs, sockets and character devices
+// with EINVAL, at open() and without blocking (a FIFO's open would otherwise wait for a
+// writer, and its pread/pwrite either blocks or silently discards data).
+//
 // Ownership and threading: a File is immutable after open() and shared (shared_ptr) by every
 // transfer that uses it, so it stays open until the last in-flight transfer completes. All
 // methods are safe to call from any thread. Errors: open() throws IoError.
@@ -50,7 +55,7 @@ class File {
   // (1 when not direct).
   uint64_t offsetAlign() const noexcept { return direct_ ? offset_align_ : 1; }
   uint64_t memAlign() const noexcept { return direct_ ? mem_align_ : 1; }
-  // Current size (fstat). Throws IoError.
+  // Current size (fstat; BLKGETSIZE64 for a block device). Throws IoError.
   uint64_t size() const;
 
  private:

@@ -26,7 +26,8 @@ IoError::IoError(std::string op, std::string path, uint64_t offset, uint64_t len
       path_(std::move(path)),
       offset_(offset),
       length_(length),
-      err_(err) {}
+      err_(err),
+      detail_(std::move(detail)) {}
 
 int64_t checkErrno(int64_t ret, std::string_view op, std::string_view path, uint64_t offset,
                    uint64_t length) {

@@ -27,6 +27,12 @@ class IoError : public std::runtime_error {
   uint64_t offset() const noexcept { return offset_; }
   uint64_t length() const noexcept { return length_; }
   int error() const noexcept { return err_; }  // positive errno
+  const std::string& detail() const noexcept { return detail_; }
+  // The same error attributed to the file range of the operation that caused it (an open
+  // knows no range; the operation that needed the open does).
+  IoError withRange(uint64_t offset, uint64_t length) const {
+    return IoError(op_, path_, offset, length, err_, detail_);
+  }
 
  private:
   std::string op_;
@@ -34,6 +40,7 @@ class IoError : public std::runtime_error {
   uint64_t offset_;
   uint64_t length_;
   int err_;
+  std::string detail_;
 };
 
 // Throws IoError when `ret` < 0 (a negative errno); returns `ret` otherwise.

@@ -40,7 +40,10 @@ Job::Job(const Transfer& t, uint64_t block_size)
   const uint64_t align = file_->offsetAlign();
   bulk_ = length_ / align * align;
   // Requests must stay aligned, so the block size is rounded down to the file's alignment.
-  chunk_ = std::max<uint64_t>(align, block_size / align * align);
+  // Capped at 1 GiB: an io_uring request length is 32 bits (4 GiB would become 0) and Linux
+  // moves at most 0x7ffff000 bytes per read/write call anyway.
+  const uint64_t block = std::min<uint64_t>(block_size, kMaxRequestBytes);
+  chunk_ = std::max<uint64_t>(align, block / align * align);
   n_requests_ = (bulk_ + chunk_ - 1) / chunk_;
   if (n_requests_ == 0) finish();  // empty or tail-only: done right here, synchronously
 }

@@ -26,6 +26,9 @@ namespace zeroplus::aio::detail {
 
 class Job;
 
+// Largest request handed to the kernel, whatever block_size says (see Job::Job).
+constexpr uint64_t kMaxRequestBytes = uint64_t{1} << 30;
+
 // One in-flight request: the part of a chunk that is still to be transferred.
 struct Request {
   std::shared_ptr<Job> job;

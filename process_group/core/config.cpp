@@ -21,20 +21,27 @@ const char* env(const char* name) {
 }  // namespace
 
 size_t parseBytes(std::string_view name, std::string_view value) {
+  // Every size must stay below 1 TiB after the suffix is applied. Both the digits and the
+  // multiplication are checked: "17179869184G" would otherwise shift to 2^64 = 0, and
+  // "17179869185G" wrap around to 1 GiB.
+  constexpr unsigned long long kLimit = 1ull << 40;
   size_t i = 0;
   unsigned long long n = 0;
   while (i < value.size() && value[i] >= '0' && value[i] <= '9') {
     n = n * 10 + static_cast<unsigned>(value[i] - '0');
-    if (n > (1ull << 40)) bad(name, value, "a size below 1 TiB");
+    if (n >= kLimit) bad(name, value, "a size below 1 TiB");
     ++i;
   }
   if (i == 0) bad(name, value, "a byte count such as 4194304, 4096K or 4M");
   std::string_view suffix = value.substr(i);
-  if (suffix == "" || suffix == "B") return n;
-  if (suffix == "K" || suffix == "KiB" || suffix == "k") return n << 10;
-  if (suffix == "M" || suffix == "MiB") return n << 20;
-  if (suffix == "G" || suffix == "GiB") return n << 30;
-  bad(name, value, "a byte count with an optional K, M or G suffix");
+  unsigned shift = 0;
+  if (suffix == "" || suffix == "B") shift = 0;
+  else if (suffix == "K" || suffix == "KiB" || suffix == "k") shift = 10;
+  else if (suffix == "M" || suffix == "MiB") shift = 20;
+  else if (suffix == "G" || suffix == "GiB") shift = 30;
+  else bad(name, value, "a byte count with an optional K, M or G suffix");
+  if (n >= (kLimit >> shift)) bad(name, value, "a size below 1 TiB");
+  return static_cast<size_t>(n << shift);
 }
 
 bool parseBool(std::string_view name, std::string_view value) {

@@ -7,6 +7,10 @@
     h.async_pwrite(buf, "/nvme/x.swp")                 # returns 0 at once
     h.wait()                                           # -> 1 (ops completed); raises OSError
 
+``h.atomic_write(buf, path)`` replaces a whole file atomically (temp + fsync + rename), so an
+error never destroys the old contents; ``async_pwrite`` writes in place. Only regular files and
+block devices are accepted (FIFOs, sockets and character devices raise at the call).
+
 Argument and open errors (missing file, permission denied) raise at the call; I/O errors
 (read past end of file, EFBIG, ENOSPC, EIO) raise at ``wait()`` / ``sync_*``. Either way the
 error is an ``OSError`` subclass chosen by errno (``FileNotFoundError``, ``PermissionError``,
@@ -32,11 +36,16 @@ _ERRNO = re.compile(r"\(errno (\d+)\)")
 _PATH = re.compile(r"failed on '([^']*)'")
 
 
-def _int_arg(name: str, value, minimum: int) -> int:
+_INT64_MAX = (1 << 63) - 1
+
+
+def _int_arg(name: str, value, minimum: int, maximum: int = _INT64_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
@@ -133,6 +142,18 @@ class AioHandle:
         """``async_pwrite`` + ``wait()``; returns wait()'s count."""
         return _call(self._h.sync_pwrite, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
                      _int_arg("file_offset", file_offset, 0))
+
+    def atomic_write(self, tensor: torch.Tensor, filename: PathLike) -> int:
+        """Replaces ``filename`` with exactly ``tensor``'s bytes, all or nothing; returns 1.
+
+        Writes a temporary file next to ``filename`` (space reserved first, so a full disk fails
+        before any write), fsyncs it, renames it over ``filename`` and fsyncs the directory.
+        Blocks until done and waits only for this write. On any error (``ENOSPC``, ``EFBIG``,
+        ``EIO``...) the temporary file is removed and ``filename`` keeps its old contents.
+        Use it instead of ``async_pwrite`` whenever an existing file must survive a failure:
+        ``async_pwrite`` overwrites in place.
+        """
+        return _call(self._h.atomic_write, _tensor_arg("tensor", tensor), _path_arg("filename", filename))
 
     def wait(self) -> int:
         """Blocks until every queued operation finished; returns how many did.

@@ -63,6 +63,41 @@ TEST(Durability, AbandonedAtomicFileLeavesNoTrace) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), {}), 1);
 }
 
+TEST(Durability, AtomicFileKeepsTheTargetsPermissions) {
+  test::TempDir dir;
+  const std::string target = dir.file("secret");
+  { std::ofstream(target) << "old"; }
+  ASSERT_EQ(::chmod(target.c_str(), 0600), 0);
+  {
+    AtomicFile af(target);
+    ASSERT_EQ(::pwrite(af.file()->bufferedFd(), "new", 3, 0), 3);
+    af.commit();
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0600u);  // was 0644: rewriting made it world-readable
+  EXPECT_EQ(slurp(target), "new");
+}
+
+TEST(Durability, AtomicFileRefusesToReplaceSpecialFiles) {
+  test::TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& target : {fifo, dir.path()}) {
+    try {
+      AtomicFile af(target);
+      af.commit();
+      ADD_FAILURE() << "replaced " << target;
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.path(), target);
+    }
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));  // still the FIFO, not a regular file renamed over it
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()), {}), 1);
+}
+
 TEST(Durability, ErrorsNameThePath) {
   try {
     syncDirectory("/nonexistent/zeroplus");

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 
+#include "aio/core/io_job.hpp"
 #include "tests/cpp/aio/test_helpers.hpp"
 
 namespace zeroplus::aio {
@@ -162,6 +163,41 @@ int denyIoUringSetup() {
   sock_fprog prog{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
   if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
   return ::prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
+}
+
+// A range ending past the largest off_t would reach the kernel as a negative offset (or wrap
+// in offset + length): refused at submit, before anything is queued.
+TEST_P(ErrorPaths, RangePastLargestFileOffsetIsRefusedAtSubmit) {
+  ZP_CREATE_ENGINE_OR_SKIP(engine, options());
+  auto f = File::open(dir_.file("o"), test::writeOptions(DirectMode::Off));
+  AlignedBuffer buf(8192);
+  const uint64_t max = static_cast<uint64_t>(INT64_MAX);
+  for (auto [offset, length] : {std::pair<uint64_t, uint64_t>{max - 100, 4096}, {max + 1, 1},
+                                {~0ull - 10, 8192}}) {
+    for (OpKind op : {OpKind::Read, OpKind::Write}) {
+      try {
+        engine->submit({op, f, buf.data(), offset, length}).wait();
+        ADD_FAILURE() << "accepted offset " << offset << " length " << length;
+      } catch (const IoError& e) {
+        EXPECT_EQ(e.error(), EOVERFLOW) << e.what();
+        EXPECT_EQ(e.offset(), offset);
+        EXPECT_EQ(e.length(), length);
+      }
+    }
+  }
+  EXPECT_EQ(f->size(), 0u);
+}
+
+// io_uring request lengths are 32-bit: a block_size of 4 GiB or more used to be truncated
+// (exactly 4 GiB became a 0-byte request, "write made no progress"). Requests are capped.
+TEST(Job, RequestsAreAtMostOneGiBWhateverTheBlockSize) {
+  test::TempDir dir;
+  auto f = File::open(dir.file("j"), test::writeOptions(DirectMode::Off));
+  for (uint64_t block : {1ull << 30, 4ull << 30, (4ull << 30) + 4096, ~0ull}) {
+    // Never run: constructing a Job only plans its requests (the buffer is not touched).
+    detail::Job job({OpKind::Write, f, reinterpret_cast<void*>(4096), 0, 8ull << 30}, block);
+    EXPECT_EQ(job.requestCount(), 8u) << "block_size " << block;
+  }
 }
 
 TEST(Fallback, IoUringBlockedBySeccompFallsBackToThreadPool) {

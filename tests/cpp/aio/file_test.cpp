@@ -1,4 +1,6 @@
 // Opening files: O_DIRECT detection, alignment from statx/sysfs, explicit buffered mode.
+#include <signal.h>
+#include <sys/stat.h>
 #include <sys/statfs.h>
 
 #include "tests/cpp/aio/test_helpers.hpp"
@@ -80,6 +82,89 @@ TEST(AlignedBuffer, ExactSizePageAligned) {
     EXPECT_EQ(b.size(), n);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(b.data()) % kPageSize, 0u);
   }
+}
+
+TEST(AlignedBuffer, SizesThatCannotBeRoundedUpFailCleanly) {
+  // Rounding SIZE_MAX up to a page used to wrap around to a zero-byte allocation that was
+  // returned as if it had the requested size.
+  bool locked = true;
+  EXPECT_EQ(allocateAligned(SIZE_MAX, kPageSize, false, &locked), nullptr);
+  EXPECT_EQ(allocateAligned(SIZE_MAX - 100, kPageSize, false, &locked), nullptr);
+  EXPECT_THROW(AlignedBuffer(SIZE_MAX - 1), std::bad_alloc);
+}
+
+// FIFOs and other special files are refused at open, without blocking. Run in a child with
+// an alarm: before the check, opening a FIFO that has no writer blocked forever.
+TEST(File, FifoIsRefusedWithoutBlocking) {
+  test::TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const int rc = test::runInChild([&] {
+    ::alarm(10);
+    for (const OpenOptions& o : {test::readOptions(DirectMode::Auto), test::readOptions(DirectMode::Off),
+                                 test::writeOptions(DirectMode::Auto, /*truncate=*/false)}) {
+      try {
+        File::open(fifo, o);
+        return 1;  // accepted: a write would vanish into the pipe, a read would block
+      } catch (const IoError& e) {
+        if (e.error() != EINVAL || e.path() != fifo) return 2;
+        if (std::string(e.what()).find("FIFO") == std::string::npos) return 3;
+      }
+    }
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << "1: accepted, 2: wrong errno/path, 3: message, -14: blocked (SIGALRM)";
+}
+
+TEST(File, CharacterDeviceAndDirectoryAreRefused) {
+  try {
+    File::open("/dev/null", test::writeOptions(DirectMode::Off, /*truncate=*/false));
+    ADD_FAILURE() << "/dev/null accepted: writes would report success and discard the data";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error(), EINVAL);
+    EXPECT_NE(std::string(e.what()).find("character device"), std::string::npos) << e.what();
+  }
+  test::TempDir dir;
+  try {
+    File::open(dir.path(), test::readOptions(DirectMode::Auto));
+    ADD_FAILURE() << "a directory was accepted for reading";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.error(), EISDIR);
+  }
+}
+
+// Block devices stay allowed (raw NVMe). Their st_size is 0, so size() must ask the device.
+// A loop device stands in; skipped where one cannot be attached (not root, no loop driver).
+TEST(File, BlockDeviceSizeComesFromTheDevice) {
+  test::TempDir dir;
+  const std::string backing = dir.file("backing");
+  { auto f = File::open(backing, test::writeOptions(DirectMode::Off)); ASSERT_EQ(::ftruncate(f->fd(), 3 << 20), 0); }
+  FILE* p = ::popen(("losetup -f --show " + backing + " 2>/dev/null").c_str(), "r");
+  char dev[256] = {0};
+  bool attached = false;
+  if (p) {
+    attached = std::fgets(dev, sizeof dev, p) != nullptr;
+    attached = ::pclose(p) == 0 && attached;
+  }
+  if (!attached) GTEST_SKIP() << "cannot attach a loop device";
+  std::string device(dev);
+  device.erase(device.find_last_not_of("\n") + 1);
+  try {
+    auto f = File::open(device, test::readOptions(DirectMode::Auto));
+    EXPECT_EQ(f->size(), 3u << 20);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  std::system(("losetup -d " + device).c_str());
+}
+
+TEST(File, RefusedOpenDoesNotTruncate) {
+  // A refused special file must not be touched; for a regular file truncate still works.
+  test::TempDir dir;
+  const std::string p = dir.file("r");
+  { auto f = File::open(p, test::writeOptions(DirectMode::Off)); ::pwrite(f->fd(), "abc", 3, 0); }
+  auto f = File::open(p, test::writeOptions(DirectMode::Auto, /*truncate=*/true));
+  EXPECT_EQ(f->size(), 0u);
 }
 
 }  // namespace
