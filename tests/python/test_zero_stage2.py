@@ -145,3 +145,54 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(hysteresis, expecte
         assert changed == [True, False, False, True]
         assert scales == expected_scales
         assert skipped == 2
+
+
+def _grad_scaler(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zeroplus
+    import zero_models as zm
+
+    model = zm.make_model()
+    ref = DDP(copy.deepcopy(model))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ref_scaler = torch.amp.GradScaler("cpu")
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=LR, mixed_precision="fp16")
+    scaler = zeroplus.GradScaler()
+    poison = model.blocks.layers[0].linear1.weight
+    scales, norms = [], []
+    for step in range(STEPS):
+        x, y = zm.batch(step, rank)
+        poisoned = rank == 0 and step == 5  # both sides see the same overflow and skip the same step
+        ref_handle = ref.module.blocks.layers[0].linear1.weight.register_hook(
+            lambda g: g * float("inf")) if poisoned else None
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = zm.loss_fn(ref, x, y)
+        ref_scaler.scale(ref_loss).backward()
+        if ref_handle is not None:
+            ref_handle.remove()
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        handle = poison.register_hook(lambda g: g * float("inf")) if poisoned else None
+        loss = zm.loss_fn(model, x, y)
+        scaler.scale(loss).backward()  # plain backward: the hooks reduce the scaled gradients
+        scaler.unscale_(opt)
+        norms.append(opt.clip_grad_norm_(1.0).item())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        scales.append(scaler.get_scale())
+    return loss.item(), ref_loss.item(), scales, opt.skipped_steps, norms
+
+
+def test_zeroplus_grad_scaler_agrees_on_overflow_and_tracks_ddp():
+    for loss, ref_loss, scales, skipped, norms in run_distributed(_grad_scaler, 2, timeout=420):
+        assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
+        assert scales[4] == 65536.0 and scales[5] == 32768.0  # rank 0's inf halved the scale on every rank
+        assert skipped == 1
+        assert all(n == n for n in norms[:5])  # finite norms before the overflow (NaN != NaN)

@@ -23,6 +23,7 @@ class TiedGPT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)  # GPT-2's init: a sane first loss (~log vocab)
         mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
         self.register_buffer("causal_mask", mask, persistent=False)
 

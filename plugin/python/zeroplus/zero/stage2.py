@@ -88,6 +88,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
         else:
             self.scaler = StaticLossScaler()
         self._clipped_this_step = False
+        self._externally_unscaled = False  # zeroplus.GradScaler.unscale_ ran for this step
         self.skipped_steps = 0
         self._consolidated = None
         self._input_cast = None
@@ -218,6 +219,24 @@ class Stage2Optimizer(torch.optim.Optimizer):
 
     # -- clipping and step ---------------------------------------------------------------------
 
+    def _grad_scale(self) -> float:
+        """What the gradient shards are multiplied by right now."""
+        return 1.0 if self._externally_unscaled else float(self.scaler.scale)
+
+    @torch.no_grad()
+    def _unscale_external(self, inv_scale: float) -> bool:
+        """zeroplus.GradScaler's unscale_: multiply the shards, agree on inf/NaN. Collective."""
+        for g in self.gradient_shards():
+            g.mul_(inv_scale)
+        self._externally_unscaled = True
+        return self._overflow()
+
+    def _skip_step(self) -> None:
+        """zeroplus.GradScaler found an overflow: no update; gradients stay until zero_grad."""
+        self.skipped_steps += 1
+        self._externally_unscaled = False
+        self._clipped_this_step = False
+
     def _overflow(self) -> bool:
         """Inf/NaN in any rank's gradient shard, agreed across ranks (one allreduce)."""
         device = self.buckets[0].device
@@ -236,14 +255,13 @@ class Stage2Optimizer(torch.optim.Optimizer):
         max_norm = clipping.check_norm_args(max_norm, norm_type)
         shards = self.gradient_shards()
         total = clipping.global_norm(shards, float(norm_type), self.process_group, self.buckets[0].device)
-        if self.mixed_precision == "fp16":
-            total = total / self.scaler.scale
+        total = total / self._grad_scale()
         if not torch.isfinite(total):
             if error_if_nonfinite:
                 raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                                    f"non-finite, so it cannot be clipped. To disable this error and scale the "
                                    f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-            if self.mixed_precision == "fp16":  # an overflow: step() skips, nothing to clip
+            if self.mixed_precision == "fp16" or self._externally_unscaled:  # an overflow: the step is skipped
                 self._clipped_this_step = True
                 return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -262,7 +280,8 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._consolidated = None
         if not self.reducer.has_grads:
             return loss  # no backward since zero_grad: like torch with every grad None
-        if self.mixed_precision == "fp16" and self._overflow():
+        external = self._externally_unscaled
+        if self.mixed_precision == "fp16" and not external and self._overflow():
             self.scaler.update(True)
             self.skipped_steps += 1
             self.reducer.zero()
@@ -270,7 +289,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
             return loss
         if self.gradient_clipping > 0 and not self._clipped_this_step:
             self.clip_grad_norm_(self.gradient_clipping)
-        inv_scale = 1.0 / self.scaler.scale
+        inv_scale = 1.0 / self._grad_scale()
         for gi, inner_group in zip(self._inner_group_of, self.inner.param_groups):
             for k, v in self.param_groups[gi].items():
                 if k != "params":
@@ -285,8 +304,10 @@ class Stage2Optimizer(torch.optim.Optimizer):
         finally:
             for master in self.masters:
                 master.grad = None
-        self.scaler.update(False)
+        if not external:
+            self.scaler.update(False)
         self._clipped_this_step = False
+        self._externally_unscaled = False
         self._gather_parameters()
         return loss
 
@@ -305,6 +326,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero()
         self._clipped_this_step = False
+        self._externally_unscaled = False
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
