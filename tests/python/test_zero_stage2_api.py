@@ -258,3 +258,58 @@ def test_estimate_cli_prints_all_stages():
     assert total[1] == pytest.approx((4 + 12 / 8) * gib, rel=1e-3)
     assert total[2] == pytest.approx((2 + 14 / 8) * gib, rel=1e-3)
     assert total[3] == pytest.approx(16 / 8 * gib, rel=1e-3)
+
+
+def _stage1(rank, world, precision):
+    import zeroplus
+    import zero_models as zm
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = zm.make_model()
+    keys = list(model.state_dict().keys())
+    names = [n for n, _ in model.named_parameters()]
+    ref = DDP(copy.deepcopy(model))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=1, lr=LR, mixed_precision=precision)
+    same_module = (type(model) is zm.TiedGPT and list(model.state_dict().keys()) == keys
+                   and [n for n, _ in model.named_parameters()] == names)
+    for step in range(6):
+        x, y = zm.batch(step, rank)
+        with ref.no_sync() if step % 2 == 0 else torch.enable_grad():
+            zm.loss_fn(ref, x, y).backward()
+        with model.no_sync() if step % 2 == 0 else torch.enable_grad():
+            opt.backward(zm.loss_fn(model, x, y))
+        if step % 2 == 1:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            norm = opt.clip_grad_norm_(0.5)
+            assert abs(norm.item() - ref_norm.item()) <= 1e-3 * ref_norm.item()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+    diff = max((a.float() - b).abs().max().item() for a, b in zip(model.parameters(), ref.module.parameters()))
+    return same_module, diff
+
+
+@pytest.mark.parametrize("precision,tolerance", [(None, 1e-6), ("bf16", 2e-2)])
+def test_stage1_keeps_the_module_and_matches_ddp(precision, tolerance):
+    for same_module, diff in run_distributed(_stage1, 2, precision, timeout=240):
+        assert same_module
+        assert diff < tolerance
+
+
+def _module_identity(rank, world):
+    import zeroplus
+    import zero_models as zm
+
+    model = zm.make_model()
+    keys = list(model.state_dict().keys())
+    returned, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=LR, mixed_precision="bf16")
+    return (returned is model, list(model.state_dict().keys()) == keys, hasattr(model, "no_sync"),
+            isinstance(opt, torch.optim.Optimizer), sorted(opt.param_groups[0]) == sorted(
+                torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]).param_groups[0]))
+
+
+def test_stage2_returns_the_users_module_and_a_torch_optimizer():
+    for flags in run_distributed(_module_identity, 2, timeout=120):
+        assert all(flags), flags
