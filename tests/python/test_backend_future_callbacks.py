@@ -9,6 +9,8 @@ regression shows as a failure, not a hung suite.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,8 +43,13 @@ def _nested_from_then(rank, world_size):
         inner = dist.all_reduce(x, async_op=True).get_future().then(lambda f: wait_work(f) + f.value()[0].sum())
         return inner.wait()
 
-    for name, callback in [("wait_work", wait_work), ("sync_op", sync_op), ("future_wait", future_wait),
-                           ("depth_two", depth_two)]:
+    cases = [("wait_work", wait_work), ("sync_op", sync_op), ("future_wait", future_wait), ("depth_two", depth_two)]
+    for i, (name, callback) in enumerate(cases):
+        # One rank comes late, so the other attaches its callback before the op completes and
+        # runs it on the completing thread (a callback attached after completion runs at once on
+        # the caller's thread, which never deadlocked); which rank alternates.
+        if rank == i % 2:
+            time.sleep(0.3)
         out[name] = dist.all_reduce(t.clone(), async_op=True).get_future().then(callback).wait()
     return out
 
@@ -86,3 +93,28 @@ def test_callbacks_keep_one_op_order_on_every_rank(transport):
         for i, (reduced, broadcast) in enumerate(per_rank):
             assert torch.equal(reduced, torch.full((64 + i,), float(2 * i + 1)))
             assert torch.equal(broadcast, torch.full((16,), float(100 * i + i % 2)))
+
+
+def _peer_dies_under_a_nested_op(rank, world_size):
+    import os
+
+    t = torch.ones(1000)
+    if rank == 1:
+        time.sleep(1)  # so rank 0 attaches its callback before the op completes (the phase path)
+        dist.all_reduce(t)
+        os._exit(7)  # gone before the op rank 0's callback issues
+
+    def nested(fut):
+        dist.all_reduce(torch.ones(1000), async_op=True).wait()
+
+    try:
+        dist.all_reduce(t, async_op=True).get_future().then(nested).wait()
+    except Exception as e:  # the nested op's DistBackendError, through the callback's future
+        return str(e)
+    return None
+
+
+def test_peer_lost_while_a_callback_waits_is_an_error_not_a_hang():
+    message, _ = run_distributed(_peer_dies_under_a_nested_op, 2, env={"ZEROPLUS_SHM": "off"}, timeout=40,
+                                 pg_timeout=10, expected_exits={1: 7})
+    assert message is not None and "allreduce" in message, message
