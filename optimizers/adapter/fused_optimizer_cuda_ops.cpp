@@ -38,8 +38,7 @@ void checkOnDevice(const char* op, const char* arg, size_t i, const at::Tensor& 
 }
 
 void raiseOnError(const char* op, int rc) {
-  TORCH_CHECK(rc != -EINVAL, op, ": kernel rejected the arguments (", std::strerror(-rc),
-              "); check lr >= 0, eps >= 0, 0 <= betas < 1, weight_decay >= 0");
+  TORCH_CHECK(rc != -EINVAL, op, ": kernel rejected the arguments (", std::strerror(-rc), ")");
   TORCH_CHECK(rc == 0, op, ": CUDA launch failed: ", zp_cuda_last_error());
 }
 
@@ -52,6 +51,7 @@ void adamStepCuda(const char* op, bool decoupled, const std::vector<at::Tensor>&
   const size_t n = params.size();
   checkAdamListLengths(op, n, grads.size(), exp_avgs.size(), exp_avg_sqs.size(), max_exp_avg_sqs.size(),
                        state_steps.size(), a.amsgrad);
+  checkAdamArgs(op, a);  // before the step counters move
   if (n == 0) return;
   const c10::Device device = params[0].device();
   TORCH_CHECK(device.is_cuda(), op, ": params[0] is on ", device, ", expected a CUDA device");
@@ -95,8 +95,7 @@ void sgdStepCuda(const char* op, const std::vector<at::Tensor>& params, const st
   const size_t n = params.size();
   const bool has_momentum = a.momentum != 0.0;
   checkSgdListLengths(op, n, grads.size(), momentum_buffers.size(), init_momentum.size(), has_momentum);
-  TORCH_CHECK(!a.nesterov || (a.momentum > 0 && a.dampening == 0), op,
-              ": nesterov requires a momentum and zero dampening");
+  checkSgdArgs(op, a);
   if (n == 0) return;
   const c10::Device device = params[0].device();
   TORCH_CHECK(device.is_cuda(), op, ": params[0] is on ", device, ", expected a CUDA device");

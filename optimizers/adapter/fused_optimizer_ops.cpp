@@ -64,8 +64,8 @@ KernelConfig configFor(int64_t threads) {
 }
 
 void raiseOnError(const char* op, int rc) {
-  TORCH_CHECK(rc == 0, op, ": kernel rejected the arguments (", std::strerror(-rc),
-              "); check lr >= 0, eps >= 0, 0 <= betas < 1, weight_decay >= 0");
+  // The hyperparameters were checked above with their names; what is left is a broken span.
+  TORCH_CHECK(rc == 0, op, ": kernel rejected the arguments (", std::strerror(-rc), ")");
 }
 
 }  // namespace
@@ -77,6 +77,30 @@ void checkAdamListLengths(const char* op, size_t params, size_t grads, size_t ex
   checkLength(op, "exp_avg_sqs", exp_avg_sqs, params);
   checkLength(op, "state_steps", state_steps, params);
   if (amsgrad) checkLength(op, "max_exp_avg_sqs", max_exp_avg_sqs, params);
+}
+
+// Written as !(x >= 0) so NaN fails too. ValueError, like torch's constructor checks of the same
+// ranges; raised before any step counter moves.
+void checkAdamArgs(const char* op, const AdamArgs& a) {
+  TORCH_CHECK_VALUE(a.lr >= 0.0, op, ": lr is ", a.lr, ", expected >= 0; nothing was updated");
+  TORCH_CHECK_VALUE(a.beta1 >= 0.0 && a.beta1 < 1.0, op, ": beta1 is ", a.beta1,
+                    ", expected in [0, 1); nothing was updated");
+  TORCH_CHECK_VALUE(a.beta2 >= 0.0 && a.beta2 < 1.0, op, ": beta2 is ", a.beta2,
+                    ", expected in [0, 1); nothing was updated");
+  TORCH_CHECK_VALUE(a.eps >= 0.0, op, ": eps is ", a.eps, ", expected >= 0; nothing was updated");
+  TORCH_CHECK_VALUE(a.weight_decay >= 0.0, op, ": weight_decay is ", a.weight_decay,
+                    ", expected >= 0; nothing was updated");
+}
+
+void checkSgdArgs(const char* op, const SgdArgs& a) {
+  TORCH_CHECK_VALUE(a.lr >= 0.0, op, ": lr is ", a.lr, ", expected >= 0; nothing was updated");
+  TORCH_CHECK_VALUE(a.momentum >= 0.0, op, ": momentum is ", a.momentum, ", expected >= 0; nothing was updated");
+  TORCH_CHECK_VALUE(a.dampening == a.dampening, op, ": dampening is ", a.dampening,
+                    ", expected a number; nothing was updated");
+  TORCH_CHECK_VALUE(a.weight_decay >= 0.0, op, ": weight_decay is ", a.weight_decay,
+                    ", expected >= 0; nothing was updated");
+  TORCH_CHECK(!a.nesterov || (a.momentum > 0 && a.dampening == 0), op,
+              ": nesterov requires a momentum and zero dampening");
 }
 
 void checkSgdListLengths(const char* op, size_t params, size_t grads, size_t momentum_buffers, size_t init_momentum,
@@ -95,6 +119,7 @@ void adamStep(const char* op, bool decoupled, const std::vector<at::Tensor>& par
   const size_t n = params.size();
   checkAdamListLengths(op, n, grads.size(), exp_avgs.size(), exp_avg_sqs.size(), max_exp_avg_sqs.size(),
                        state_steps.size(), a.amsgrad);
+  checkAdamArgs(op, a);
   if (n == 0) return;
 
   const DType dtype = paramDType(op, 0, params[0]);
@@ -148,8 +173,7 @@ void sgdStep(const char* op, const std::vector<at::Tensor>& params, const std::v
   const size_t n = params.size();
   const bool has_momentum = a.momentum != 0.0;
   checkSgdListLengths(op, n, grads.size(), momentum_buffers.size(), init_momentum.size(), has_momentum);
-  TORCH_CHECK(!a.nesterov || (a.momentum > 0 && a.dampening == 0), op,
-              ": nesterov requires a momentum and zero dampening");
+  checkSgdArgs(op, a);
   if (n == 0) return;
 
   const DType dtype = paramDType(op, 0, params[0]);

@@ -48,6 +48,12 @@ void checkAdamListLengths(const char* op, size_t params, size_t grads, size_t ex
 void checkSgdListLengths(const char* op, size_t params, size_t grads, size_t momentum_buffers, size_t init_momentum,
                          bool has_momentum);
 
+// Hyperparameter ranges the kernels accept (torch's constructor ranges; NaN fails): raise
+// c10::ValueError naming the field and its value, e.g. "zeroplus.adam_step: lr is nan, expected
+// >= 0". Called before any step counter is bumped, so a rejected call changes nothing.
+void checkAdamArgs(const char* op, const AdamArgs& args);
+void checkSgdArgs(const char* op, const SgdArgs& args);
+
 // ZeroRedundancyOptimizer's sorted-greedy partition (core/shard_planner.hpp) for Python:
 // `numels` flattened over groups, `group_sizes[g]` params in group g. Returns (rank, flat index)
 // pairs, flattened, in assignment order (group by group, numel descending, stable), so the

@@ -146,6 +146,8 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::fusibleAllreduce(const at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) {
   c10::intrusive_ptr<c10d::Work> work = task.work;
+  // Issued from a future callback of this group (callback_phase.cpp): runs before the queue.
+  if (submitToCallbackPhase(task)) return work;
   if (!asyncOp && config_.tuning.inlineSync) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (queue_.empty() && !busy_ && !coalescing_ && !stopping_ && brokenReason_.empty()) {
@@ -155,13 +157,15 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) 
       busy_ = true;
       if (task.timeout.count() <= 0) task.timeout = config_.timeout;
       lock.unlock();
-      if (task.fusible) {
-        std::vector<Task> batch;
-        batch.push_back(std::move(task));
-        runFused(batch);
-      } else {
-        runTask(task);
-      }
+      withCallbackPhase([&] {
+        if (task.fusible) {
+          std::vector<Task> batch;
+          batch.push_back(std::move(task));
+          runFused(batch);
+        } else {
+          runTask(task);
+        }
+      });
       lock.lock();
       busy_ = false;
       const bool more = !queue_.empty();
@@ -175,18 +179,21 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) 
 }
 
 void ZeroPlusBackend::enqueue(Task task) {
+  std::string broken;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (task.timeout.count() <= 0) task.timeout = config_.timeout;  // kUnsetTimeout: group default
-    if (!brokenReason_.empty()) {
-      task.work->markFailed(std::make_exception_ptr(backendError(std::string("zeroplus ") + task.opName +
-                                                                 ": process group is unusable after an earlier failure: " +
-                                                                 brokenReason_)));
-      return;
+    broken = brokenReason_;
+    if (broken.empty()) {
+      TORCH_CHECK(!stopping_, "zeroplus ", task.opName, ": process group has been shut down");
+      if (coalescing_) coalescedWorks_.push_back(task.work);
+      queue_.push_back(std::move(task));
     }
-    TORCH_CHECK(!stopping_, "zeroplus ", task.opName, ": process group has been shut down");
-    if (coalescing_) coalescedWorks_.push_back(task.work);
-    queue_.push_back(std::move(task));
+  }
+  if (!broken.empty()) {  // outside mutex_: failing runs the Work's callbacks, which may submit
+    task.work->markFailed(std::make_exception_ptr(backendError(
+        std::string("zeroplus ") + task.opName + ": process group is unusable after an earlier failure: " + broken)));
+    return;
   }
   queueCv_.notify_one();
 }
@@ -217,11 +224,13 @@ void ZeroPlusBackend::workerLoop() {
         queue_.pop_front();
       }
     }
-    if (batch.front().fusible) {
-      runFused(batch);  // may push unagreed ops back to the queue front
-    } else {
-      runTask(batch.front());
-    }
+    withCallbackPhase([&] {
+      if (batch.front().fusible) {
+        runFused(batch);  // may push unagreed ops back to the queue front
+      } else {
+        runTask(batch.front());
+      }
+    });
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;

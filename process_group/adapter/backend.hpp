@@ -150,6 +150,15 @@ class ZeroPlusBackend final : public c10d::Backend {
   void bucketedAllreduce(const std::vector<at::Tensor>& tensors, DataType type, const Reduction& reduction,
                          Deadline deadline);
   void enqueue(Task task);
+  // Completion of `task`'s Work (markSucceeded/markFailed) runs its future's callbacks on the
+  // calling thread. Runs `body` (which completes Works) as a callback phase: collectives the
+  // callbacks issue on this group run, in their issue order, on a relief thread while the
+  // callbacks may wait for them, and before anything else queued (callback_phase.cpp).
+  struct CallbackPhase;
+  void withCallbackPhase(const std::function<void()>& body);
+  bool submitToCallbackPhase(Task& task);  // queues into this thread's phase; false if none
+  void runPhase(CallbackPhase& phase);      // relief thread body
+  static CallbackPhase*& threadPhase();     // innermost phase of the calling thread, or nullptr
   void workerLoop();
   void runTask(Task& task);
   void runFused(std::vector<Task>& batch);

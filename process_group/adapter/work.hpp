@@ -1,8 +1,10 @@
 // ZeroPlusWork: the c10d::Work returned by every zeroplus collective.
 //
 // Lifetime: created on the caller's thread by ZeroPlusBackend::collective(), completed exactly
-// once on the backend's worker thread by markSucceeded()/markFailed(). The output tensors are
-// kept alive by the Work until it is destroyed (c10d callers rely on result() and futures).
+// once by markSucceeded()/markFailed() on the thread that ran the op (the backend's worker, the
+// caller of an inline sync op, or the relief thread of a callback phase, callback_phase.cpp);
+// the future's callbacks run there. The output tensors are kept alive by the Work until it is
+// destroyed (c10d callers rely on result() and futures).
 //
 // Blocking: wait() blocks the calling thread until the worker completes the op (CPU tensors:
 // completion means the data is in place). Errors raised on the worker are rethrown by wait()
