@@ -170,6 +170,13 @@ std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvou
   ShmSegment& own = segments[static_cast<size_t>(rank)];
   if (int rc = own.create(rank, bytes); rc < 0) {
     problem = "cannot create a " + std::to_string(bytes) + "-byte segment: " + std::strerror(-rc);
+    uint64_t free = 0;
+    if (ShmSegment::freeBytes(&free) == 0) {
+      problem += " (/dev/shm has " + std::to_string(free) + " bytes free; this group needs " +
+                 std::to_string(bytes) + " bytes per rank, " + std::to_string(bytes * static_cast<size_t>(size)) +
+                 " in all; enlarge /dev/shm, e.g. docker --shm-size, lower ZEROPLUS_SHM_CHUNK_BYTES, or set "
+                 "ZEROPLUS_SHM=off)";
+    }
   } else {
     auto* c = new (own.data()) Control{};
     c->pid = static_cast<int32_t>(::getpid());
@@ -177,15 +184,16 @@ std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvou
     c->chunkBytes = options.shmChunkBytes;
     c->magic = kControlMagic;
   }
-  rendezvous.set("zeroplus/shm/seg/" + std::to_string(rank), bytesOf(problem.empty() ? own.name() : ""));
+  // The segment's name, or "!" and why there is none, so every peer can name the cause.
+  rendezvous.set("zeroplus/shm/seg/" + std::to_string(rank), bytesOf(problem.empty() ? own.name() : "!" + problem));
   for (int r = 0; r < size && problem.empty(); ++r) {
     if (r == rank) {
       pids[static_cast<size_t>(r)] = static_cast<int>(::getpid());
       continue;
     }
     const std::string name = get("zeroplus/shm/seg/" + std::to_string(r));
-    if (name.empty()) {
-      problem = "rank " + std::to_string(r) + " could not create its segment";
+    if (name.empty() || name[0] == '!') {
+      problem = "rank " + std::to_string(r) + " " + (name.empty() ? std::string("failed") : name.substr(1));
       break;
     }
     if (int rc = segments[static_cast<size_t>(r)].open(name, bytes); rc < 0) {
