@@ -119,11 +119,20 @@ void Exchange::checkHeader(int peer, const Transfer& t) const {
     fail(peer, "collective mismatch: this rank runs " + std::string(opName(static_cast<WireOp>(want.op))) +
                    " but peer " + std::to_string(peer) + " runs " + std::string(opName(static_cast<WireOp>(got.op))));
   }
-  if (got.bytes != want.bytes || got.tag != want.tag) {
-    fail(peer, "size mismatch with peer " + std::to_string(peer) + ": this rank expects " +
-                   std::to_string(want.bytes) + " bytes (tag " + std::to_string(want.tag) + "), peer sends " +
-                   std::to_string(got.bytes) + " bytes (tag " + std::to_string(got.tag) + ")");
+  // Collectives compared their op descriptors before any data (op_descriptor.hpp), so this is
+  // mostly the point-to-point check; name each field that differs, not a raw tag.
+  std::string what;
+  if (got.bytes != want.bytes) {
+    what = "size mismatch with peer " + std::to_string(peer) + ": this rank expects " + std::to_string(want.bytes) +
+           " bytes, peer sends " + std::to_string(got.bytes) + " bytes";
   }
+  if (got.tag != want.tag) {
+    const bool p2p = static_cast<WireOp>(want.op) == WireOp::kSend;
+    what += std::string(what.empty() ? "" : "; ") + (p2p ? "tag" : "dtype/reduce op/root (tag)") +
+            " mismatch with peer " + std::to_string(peer) + ": this rank uses " + std::to_string(want.tag) +
+            ", peer uses " + std::to_string(got.tag);
+  }
+  if (!what.empty()) fail(peer, what);
 }
 
 void Exchange::progressSend(int peer) {
