@@ -31,6 +31,7 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   options.shm = config_.tuning.shm;
   options.shmChunkBytes = config_.tuning.shmChunkBytes;
   options.spinMicros = config_.tuning.spinMicros;
+  options.socketIfname = config_.tuning.socketIfname;
   // Fusion and bucketing decide how ops map onto transfers, so every rank must use the same
   // knobs; a mismatch would otherwise show up later as a hang or a size-mismatch error.
   const auto& t = config_.tuning;

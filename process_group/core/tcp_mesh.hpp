@@ -1,12 +1,19 @@
 // Internal: the full mesh of TCP connections of one communicator, plus its abort signal.
 //
-// Set-up (connect): every rank listens on an ephemeral port and publishes
-// "host=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". Rank r connects to
+// Set-up (connect): every rank listens on an ephemeral port of one address and publishes
+// "host=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". The address is
+// options.bindAddress, else ZEROPLUS_SOCKET_IFNAME's IPv4 address, else 127.0.0.1 when every
+// rank published the same host name under "zeroplus/hostname/<rank>", else the host's resolved
+// address (every interface, any=1, only if that address is not local). Rank r connects to
 // every lower rank and accepts every higher one, so each pair has exactly one connection and
 // nobody needs to agree on who goes first. A 24-byte hello in each direction carries a magic,
 // the protocol version, the rank, the world size and a session nonce chosen by rank 0, so a
 // stray or stale connection (another job, a previous group on a reused port) is refused rather
 // than mistaken for a peer.
+//
+// Trust model (as Gloo's): whoever can write to the store can join the group; the listener is
+// open only during connect(), an inbound connection without a valid hello is closed after
+// options.helloTimeout, and at most max(16, 2 x size) of them are held at once.
 //
 // Ownership: the mesh owns its sockets and the eventfd; the destructor closes them. abort() is
 // the only member that may be called concurrently with anything else.
