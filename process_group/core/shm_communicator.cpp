@@ -273,8 +273,12 @@ void ShmCommunicator::publish() {
 
 void ShmCommunicator::checkPeer(int peer, bool checkPid) {
   if (aborted_.load(std::memory_order_acquire)) fail(-1, "aborted");
-  if (control(peer).failed.load(std::memory_order_acquire) != 0) {
-    fail(peer, "peer " + std::to_string(peer) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
+  // Every peer's flag, not only the awaited one's: a rank waiting for a slow peer must still
+  // learn at once that another peer gave up (failed, or was interrupted by Ctrl-C).
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_ && control(r).failed.load(std::memory_order_acquire) != 0) {
+      fail(r, "peer " + std::to_string(r) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
+    }
   }
   if (Clock::now() >= deadline_) {
     fail(peer, "timed out after " + fmtSeconds(secondsSince(start_)) + " waiting for peer " + std::to_string(peer));

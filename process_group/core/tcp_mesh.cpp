@@ -114,9 +114,14 @@ void TcpMesh::abort() {
   // The eventfd stays readable (nobody reads it), so every later poll returns at once too.
   [[maybe_unused]] ssize_t rc = ::write(abortFd_, &one, sizeof(one));
   // shutdown() (not close()) is safe while the worker thread still uses the descriptors; it
-  // makes peers see EOF now instead of at their own deadline.
+  // makes peers see EOF now instead of at their own deadline. The urgent byte first tells
+  // peers that are not reading from us right now (waiting on another peer) that we aborted: a
+  // graceful close sends none, so a peer that simply finished is not mistaken for a failure.
   for (int fd : fds_) {
-    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    if (fd < 0) continue;
+    const char alert = '!';
+    [[maybe_unused]] ssize_t rc = ::send(fd, &alert, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL);
+    ::shutdown(fd, SHUT_RDWR);
   }
 }
 

@@ -42,8 +42,9 @@ class TcpMesh {
   // Readable forever once abort() ran; every poll set of the communicator includes it.
   int abortFd() const { return abortFd_; }
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
-  // Sets the flag, signals the eventfd and shuts the sockets down, so this rank's blocked call
-  // wakes at once and peers blocked on this rank see EOF instead of waiting for their deadline.
+  // Sets the flag, signals the eventfd, sends every peer one urgent (MSG_OOB) byte and shuts the
+  // sockets down, so this rank's blocked call wakes at once and peers learn of it at once, even
+  // those blocked on another peer (Exchange polls every link for POLLPRI).
   void abort();
 
  private:
