@@ -356,7 +356,8 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
       const auto now = Clock::now();
       for (Pending& c : pending) {
         if (!c.outbound && c.phase == Pending::kAwaitingHello && now >= c.helloBy) {
-          refusals.assign(1, "no valid hello within " + fmtSeconds(std::chrono::duration<double>(options.helloTimeout).count()));
+          const double limit = std::chrono::duration<double>(options.helloTimeout).count();
+          refusals.assign(1, "no valid hello within " + fmtSeconds(limit));
           c.phase = Pending::kDead;
           closeFd(c.fd);
         }
