@@ -37,6 +37,15 @@ def __zeroplus_backend_hook():
         # A scratch ProcessGroup carries the C++ backend across the boundary: attach() builds it
         # and sets it on the scratch group; _get_backend returns torch's own Backend wrapper,
         # which c10d then registers on the real group. No pybind11 code lives in zeroplus.
+        # Ctrl-C must reach a rank blocked in a collective (process_group/adapter/
+        # interrupt_watch.hpp); only while KeyboardInterrupt is the SIGINT behaviour, so a
+        # program's own SIGINT handler keeps its ops running.
+        import signal
+        import threading
+
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            torch.ops.zeroplus.watch_interrupts()
         scratch = dist.ProcessGroup(options.store, options.group_rank, options.group_size)
         timeout_ms = int(options.timeout.total_seconds() * 1000)
         torch.ops.zeroplus.attach(

@@ -1,11 +1,13 @@
 // TORCH_LIBRARY(zeroplus): the operator namespace every zeroplus registration file extends with
-// TORCH_LIBRARY_FRAGMENT. This file owns the process-group glue: build_info() and attach().
+// TORCH_LIBRARY_FRAGMENT. This file owns the process-group glue: build_info(), attach() and
+// watch_interrupts().
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 #include <torch/version.h>
 
 #include "process_group/adapter/backend.hpp"
 #include "process_group/adapter/device_router.hpp"
+#include "process_group/adapter/interrupt_watch.hpp"
 
 namespace zeroplus::registration {
 namespace {
@@ -51,4 +53,6 @@ TORCH_LIBRARY(zeroplus, m) {
       "attach(__torch__.torch.classes.c10d.ProcessGroup pg, int timeout_ms, str group_name, int[] global_ranks, "
       "str[] options) -> ()",
       &zeroplus::registration::attach);
+  // Called by backend_hook.py while Python's default SIGINT handler is set (interrupt_watch.hpp).
+  m.def("watch_interrupts() -> bool", [] { return zeroplus::pg::installInterruptChain(); });
 }

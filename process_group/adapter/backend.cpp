@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "process_group/adapter/interrupt_watch.hpp"
 #include "process_group/adapter/store_rendezvous.hpp"
 
 namespace zeroplus::pg {
@@ -31,6 +32,7 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   options.shm = config_.tuning.shm;
   options.shmChunkBytes = config_.tuning.shmChunkBytes;
   options.spinMicros = config_.tuning.spinMicros;
+  options.socketIfname = config_.tuning.socketIfname;
   // Fusion and bucketing decide how ops map onto transfers, so every rank must use the same
   // knobs; a mismatch would otherwise show up later as a hang or a size-mismatch error.
   const auto& t = config_.tuning;
@@ -64,11 +66,26 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   }
   fusion_ = config_.tuning.fuse && config_.tuning.bucketBytes > 0 && size > 1 && comm_->fusesCheaply();
   worker_ = std::thread([this] { workerLoop(); });
+  interruptListener_ = addInterruptListener([this] { onInterrupt(); });
   init();
 }
 
 ZeroPlusBackend::~ZeroPlusBackend() {
+  removeInterruptListener(interruptListener_);  // waits for a running onInterrupt()
   stopWorker();
+}
+
+void ZeroPlusBackend::onInterrupt() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_ || (!busy_ && queue_.empty())) return;  // nothing blocked on this group
+    interrupted_ = true;
+  }
+  comm_->abort();
+}
+
+std::string ZeroPlusBackend::failureText(const CommError& e) const {
+  return interrupted_ ? std::string(e.what()) + " (interrupted by SIGINT)" : std::string(e.what());
 }
 
 void ZeroPlusBackend::setTimeout(std::chrono::milliseconds timeout) {
@@ -259,11 +276,12 @@ void ZeroPlusBackend::runTask(Task& task) {
     task.body(deadline);
     task.work->markSucceeded();
   } catch (const CommError& e) {
+    const std::string what = failureText(e);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      brokenReason_ = e.what();
+      brokenReason_ = what;
     }
-    task.work->markFailed(std::make_exception_ptr(backendError(e.what())));
+    task.work->markFailed(std::make_exception_ptr(backendError(what)));
   } catch (const c10::Error&) {
     task.work->markFailed(std::current_exception());
   } catch (const std::exception& e) {
@@ -303,11 +321,12 @@ void ZeroPlusBackend::runFused(std::vector<Task>& batch) {
       }
     }
   } catch (const CommError& e) {
+    const std::string what = failureText(e);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      brokenReason_ = e.what();
+      brokenReason_ = what;
     }
-    for (auto& t : batch) t.work->markFailed(std::make_exception_ptr(backendError(e.what())));
+    for (auto& t : batch) t.work->markFailed(std::make_exception_ptr(backendError(what)));
     return;
   } catch (const std::exception& e) {
     for (auto& t : batch) {

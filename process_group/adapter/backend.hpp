@@ -26,6 +26,11 @@
 // collectives in the same order with matching shapes. Input and output tensors must not be
 // modified by the caller until the returned Work completes; the Work keeps them alive.
 //
+// Interrupts: when the backend hook installed the SIGINT chain (interrupt_watch.hpp), Ctrl-C
+// aborts the op in flight (running or queued), so a rank blocked in a collective raises
+// KeyboardInterrupt at once instead of at the op timeout; the group is then broken as after any
+// failure, and its peers fail promptly.
+//
 // Failure model: an op that times out or loses a peer fails its Work with
 // c10::DistBackendError (torch.distributed.DistBackendError in Python) naming op, rank, peer
 // and elapsed time. The backend is then broken: later ops fail at once with the first error,
@@ -163,6 +168,10 @@ class ZeroPlusBackend final : public c10d::Backend {
   void runTask(Task& task);
   void runFused(std::vector<Task>& batch);
   void failTask(Task& task, std::exception_ptr error);
+  // The listener of interrupt_watch.hpp: aborts the op in flight, if any. Watcher thread.
+  void onInterrupt();
+  // e.what(), saying so when the failure is the abort of onInterrupt().
+  std::string failureText(const CommError& e) const;
   void stopWorker();
 
   BackendConfig config_;
@@ -179,6 +188,8 @@ class ZeroPlusBackend final : public c10d::Backend {
   bool coalescing_ = false;   // inside startCoalescing()/endCoalescing(); guarded by mutex_
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedWorks_;  // guarded by mutex_
   std::thread worker_;
+  uint64_t interruptListener_ = 0;
+  std::atomic<bool> interrupted_{false};
 };
 
 }  // namespace zeroplus::pg

@@ -23,7 +23,7 @@ void copyIfDistinct(void* dst, const void* src, size_t bytes) {
 
 void TcpCommunicator::broadcast(void* data, size_t bytes, int root, Deadline deadline) {
   checkRoot(WireOp::kBroadcast, root);
-  run(WireOp::kBroadcast, deadline, [&] {
+  run(describe(WireOp::kBroadcast, bytes, root), deadline, [&] {
     if (size_ == 1) return;
     const WireHeader h = makeHeader(WireOp::kBroadcast, bytes, rootTag(root));
     auto* d = static_cast<uint8_t*>(data);
@@ -89,7 +89,10 @@ void TcpCommunicator::allgatherImpl(WireOp op, const void* in, void* out, const 
   require(op, counts.size() == n && displs.size() == n,
           "counts and displs need " + std::to_string(n) + " entries, got " + std::to_string(counts.size()) +
               " and " + std::to_string(displs.size()));
-  run(op, deadline, [&] {
+  // allgather: every rank's block size; allgatherv: the total (all ranks pass the same counts).
+  const uint64_t described = op == WireOp::kAllgather ? counts[static_cast<size_t>(rank_)]
+                                                      : std::accumulate(counts.begin(), counts.end(), uint64_t{0});
+  run(describe(op, described), deadline, [&] {
     auto* o = static_cast<uint8_t*>(out);
     const size_t me = static_cast<size_t>(rank_);
     copyIfDistinct(o + displs[me], in, counts[me]);
@@ -121,7 +124,7 @@ void TcpCommunicator::allgatherImpl(WireOp op, const void* in, void* out, const 
 
 void TcpCommunicator::gather(const void* in, size_t bytes, void* out, int root, Deadline deadline) {
   checkRoot(WireOp::kGather, root);
-  run(WireOp::kGather, deadline, [&] {
+  run(describe(WireOp::kGather, bytes, root), deadline, [&] {
     auto* o = static_cast<uint8_t*>(out);
     if (rank_ == root) copyIfDistinct(o + static_cast<size_t>(root) * bytes, in, bytes);
     if (size_ == 1) return;
@@ -139,7 +142,7 @@ void TcpCommunicator::gather(const void* in, size_t bytes, void* out, int root, 
 
 void TcpCommunicator::scatter(const void* in, size_t bytes, void* out, int root, Deadline deadline) {
   checkRoot(WireOp::kScatter, root);
-  run(WireOp::kScatter, deadline, [&] {
+  run(describe(WireOp::kScatter, bytes, root), deadline, [&] {
     const auto* i = static_cast<const uint8_t*>(in);
     if (rank_ == root) copyIfDistinct(out, i + static_cast<size_t>(root) * bytes, bytes);
     if (size_ == 1) return;
@@ -167,7 +170,9 @@ void TcpCommunicator::alltoallv(const void* in, const std::vector<size_t>& sendC
   require(WireOp::kAlltoallv, sendCounts[me] == recvCounts[me],
           "sends " + std::to_string(sendCounts[me]) + " bytes to itself but expects " +
               std::to_string(recvCounts[me]));
-  run(WireOp::kAlltoallv, deadline, [&] {
+  // Per-pair sizes legitimately differ: the descriptor checks the collective, the per-link
+  // headers check each pair's sizes.
+  run(describe(WireOp::kAlltoallv, 0), deadline, [&] {
     const auto* i = static_cast<const uint8_t*>(in);
     auto* o = static_cast<uint8_t*>(out);
     // Every pair exchanges concurrently: all sends and receives sit in one poll loop, so the

@@ -8,7 +8,7 @@ namespace zeroplus::pg::detail {
 void TcpCommunicator::send(const void* data, size_t bytes, int peer, uint32_t tag, Deadline deadline) {
   require(WireOp::kSend, peer >= 0 && peer < size_ && peer != rank_,
           "does not support send to peer " + std::to_string(peer) + " (world size " + std::to_string(size_) + ")");
-  run(WireOp::kSend, deadline, [&] {
+  run(describe(WireOp::kSend, bytes), deadline, [&] {
     const WireHeader h = makeHeader(WireOp::kSend, bytes, tag);
     exchange_.postSend(peer, data, bytes, 0, &h);
     exchange_.drain();
@@ -18,7 +18,7 @@ void TcpCommunicator::send(const void* data, size_t bytes, int peer, uint32_t ta
 void TcpCommunicator::recv(void* data, size_t bytes, int peer, uint32_t tag, Deadline deadline) {
   require(WireOp::kRecv, peer >= 0 && peer < size_ && peer != rank_,
           "does not support recv from peer " + std::to_string(peer) + " (world size " + std::to_string(size_) + ")");
-  run(WireOp::kRecv, deadline, [&] {
+  run(describe(WireOp::kRecv, bytes), deadline, [&] {
     auto sizeError = [&](size_t sent) {
       exchange_.fail(peer, "posted a receive of " + std::to_string(bytes) + " bytes with tag " + std::to_string(tag) +
                                " but peer " + std::to_string(peer) + " sent " + std::to_string(sent) + " bytes");
@@ -59,17 +59,9 @@ void TcpCommunicator::recv(void* data, size_t bytes, int peer, uint32_t tag, Dea
 }
 
 void TcpCommunicator::barrier(Deadline deadline) {
-  run(WireOp::kBarrier, deadline, [&] {
-    // Dissemination: in round k each rank signals rank+2^k and waits for rank-2^k; after
-    // ceil(log2 n) rounds every rank has transitively heard from every other.
-    uint32_t round = 0;
-    for (int k = 1; k < size_; k <<= 1, ++round) {
-      const WireHeader h = makeHeader(WireOp::kBarrier, 0, round);
-      exchange_.postSend((rank_ + k) % size_, nullptr, 0, 0, &h);
-      exchange_.postRecv((rank_ - k + size_) % size_, nullptr, 0, 0, &h);
-      exchange_.drain();
-    }
-  });
+  // The descriptor exchange run() does first is already a barrier: each rank sends its
+  // descriptor on entry and leaves only after it has received every peer's.
+  run(describe(WireOp::kBarrier, 0), deadline, [] {});
 }
 
 }  // namespace zeroplus::pg::detail

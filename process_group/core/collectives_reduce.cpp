@@ -20,7 +20,7 @@ size_t mod(long a, long n) { return static_cast<size_t>(((a % n) + n) % n); }
 
 void TcpCommunicator::allreduce(void* data, size_t count, DataType type, ReduceOp op, Deadline deadline) {
   checkReduce(WireOp::kAllreduce, type, op);
-  run(WireOp::kAllreduce, deadline, [&] {
+  run(describe(WireOp::kAllreduce, count, type, op), deadline, [&] {
     if (size_ == 1) return;
     const size_t es = elementSize(type);
     const size_t bytes = count * es;
@@ -83,7 +83,7 @@ void TcpCommunicator::ringReduceScatter(const uint8_t* in, const std::vector<siz
 void TcpCommunicator::reduce(void* data, size_t count, DataType type, ReduceOp op, int root, Deadline deadline) {
   checkReduce(WireOp::kReduce, type, op);
   checkRoot(WireOp::kReduce, root);
-  run(WireOp::kReduce, deadline, [&] {
+  run(describe(WireOp::kReduce, count, type, op, root), deadline, [&] {
     if (size_ == 1) return;
     const size_t es = elementSize(type);
     const size_t bytes = count * es;
@@ -131,7 +131,7 @@ void TcpCommunicator::reduce(void* data, size_t count, DataType type, ReduceOp o
 void TcpCommunicator::reduceScatter(const void* in, void* out, size_t count, DataType type, ReduceOp op,
                                     Deadline deadline) {
   checkReduce(WireOp::kReduceScatter, type, op);
-  run(WireOp::kReduceScatter, deadline, [&] {
+  run(describe(WireOp::kReduceScatter, count, type, op), deadline, [&] {
     const size_t es = elementSize(type);
     const size_t bytes = count * es;
     const size_t n = static_cast<size_t>(size_);

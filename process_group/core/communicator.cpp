@@ -83,6 +83,26 @@ namespace detail {
 TcpCommunicator::TcpCommunicator(std::unique_ptr<TcpMesh> mesh)
     : rank_(mesh->rank()), size_(mesh->size()), mesh_(std::move(mesh)), exchange_(*mesh_) {}
 
+void TcpCommunicator::checkDescriptors(OpDescriptor desc) {
+  desc.seq = seq_++;
+  if (size_ == 1) return;
+  // One 32-byte all-to-all: every rank learns every peer's descriptor before any data moves,
+  // so all ranks reach the same verdict and each names the difference it saw. Nothing is
+  // written to the caller's buffers before this returns.
+  peerDescs_.assign(static_cast<size_t>(size_), OpDescriptor{});
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    exchange_.postSend(p, &desc, sizeof(desc), 0);
+    exchange_.postRecv(p, &peerDescs_[static_cast<size_t>(p)], sizeof(OpDescriptor), 0);
+  }
+  exchange_.drain();
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    const std::string what = describeMismatch(desc, peerDescs_[static_cast<size_t>(p)], p);
+    if (!what.empty()) exchange_.fail(p, what);
+  }
+}
+
 void TcpCommunicator::require(WireOp op, bool ok, const std::string& what) const {
   if (!ok) throw CommError(std::string(opName(op)), rank_, -1, 0.0, what);
 }

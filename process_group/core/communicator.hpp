@@ -58,9 +58,15 @@ struct CommunicatorOptions {
   int size = 1;
   // Bounds the rendezvous and connection set-up in connect().
   std::chrono::milliseconds connectTimeout{std::chrono::minutes(30)};
-  // Address peers use to reach this rank; empty picks the loopback address when every rank
-  // reports the same host name, otherwise the host's resolved address.
+  // Address the set-up listener binds and peers use to reach this rank; empty: the IPv4
+  // address of socketIfname if set, else loopback when every rank reports the same host name
+  // (agreed through the rendezvous), else the host's resolved address (every interface if
+  // that address is not local). The listener exists only during connect().
   std::string bindAddress;
+  std::string socketIfname;
+  // Longest a connection to the listener may stay unauthenticated (no valid hello); at most
+  // max(16, 2 x size) such connections are held at once, later ones are closed on arrival.
+  std::chrono::milliseconds helloTimeout{std::chrono::seconds(10)};
   // SO_SNDBUF/SO_RCVBUF for the peer sockets; 0 keeps the kernel's autotuning, which on Linux
   // already grows loopback/LAN buffers to tcp_{w,r}mem max (4 MiB / 32 MiB by default) while an
   // explicit value is capped by net.core.{w,r}mem_max and switches autotuning off.

@@ -93,7 +93,7 @@ constexpr Knob kKnobs[] = {
     {"bucket_bytes", "ZEROPLUS_BUCKET_BYTES"},       {"fuse", "ZEROPLUS_FUSE"},
     {"shm", "ZEROPLUS_SHM"},                         {"shm_chunk_bytes", "ZEROPLUS_SHM_CHUNK_BYTES"},
     {"spin_us", "ZEROPLUS_SPIN_US"},                 {"inline_sync", "ZEROPLUS_INLINE_SYNC"},
-    {"cuda_transport", "ZEROPLUS_CUDA_TRANSPORT"},
+    {"cuda_transport", "ZEROPLUS_CUDA_TRANSPORT"},   {"socket_ifname", "ZEROPLUS_SOCKET_IFNAME"},
 };
 
 void apply(PgTuning& t, std::string_view field, std::string_view value, std::string_view shownAs) {
@@ -114,10 +114,16 @@ void apply(PgTuning& t, std::string_view field, std::string_view value, std::str
     t.inlineSync = parseBool(shownAs, value);
   } else if (field == "cuda_transport") {
     t.cudaTransport = parseCudaTransport(shownAs, value);
+  } else if (field == "socket_ifname") {
+    // Linux interface names: 1 to 15 bytes (IFNAMSIZ - 1), no '/', ':' or whitespace.
+    const bool ok = !value.empty() && value.size() < 16 &&
+                    value.find_first_of("/: \t\n") == std::string_view::npos;
+    if (!ok) bad(shownAs, value, "a network interface name such as eth0 (1 to 15 characters)");
+    t.socketIfname = std::string(value);
   } else {
     throw std::invalid_argument("zeroplus: unknown backend option '" + std::string(field) +
                                 "'; known: bucket_bytes, fuse, shm, shm_chunk_bytes, spin_us, inline_sync, "
-                                "cuda_transport");
+                                "cuda_transport, socket_ifname");
   }
 }
 

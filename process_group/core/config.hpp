@@ -45,14 +45,19 @@ struct PgTuning {
   // saving two thread hand-offs per op.
   bool inlineSync = true;
   CudaTransport cudaTransport = CudaTransport::kAuto;
+  // Network interface whose IPv4 address the set-up listener binds and publishes (as
+  // GLOO_SOCKET_IFNAME). Empty: loopback when every rank is on this host, else the host's
+  // resolved address. May differ between ranks (interface names are per host).
+  std::string socketIfname;
 };
 
 // Defaults overridden by ZEROPLUS_BUCKET_BYTES, ZEROPLUS_FUSE, ZEROPLUS_SHM,
-// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US, ZEROPLUS_INLINE_SYNC and ZEROPLUS_CUDA_TRANSPORT.
+// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US, ZEROPLUS_INLINE_SYNC, ZEROPLUS_CUDA_TRANSPORT and
+// ZEROPLUS_SOCKET_IFNAME.
 PgTuning configFromEnvironment();
 
 // Applies one BackendOptions field ("bucket_bytes", "fuse", "shm", "shm_chunk_bytes",
-// "spin_us", "inline_sync", "cuda_transport") given as text, with the same parsing and limits as its
+// "spin_us", "inline_sync", "cuda_transport", "socket_ifname") given as text, with the same parsing and limits as its
 // environment variable. Throws std::invalid_argument.
 void applyOption(PgTuning& tuning, std::string_view field, std::string_view value);
 

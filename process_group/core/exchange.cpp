@@ -1,6 +1,8 @@
 // Progress engine; see exchange.hpp for the contract.
 #include "process_group/core/exchange.hpp"
 
+#include <sys/socket.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -21,7 +23,8 @@ std::string fmtSeconds(double s) {
 
 }  // namespace
 
-Exchange::Exchange(TcpMesh& mesh) : mesh_(mesh), peers_(static_cast<size_t>(mesh.size())) {
+Exchange::Exchange(TcpMesh& mesh)
+    : mesh_(mesh), peers_(static_cast<size_t>(mesh.size())), peerAborted_(static_cast<size_t>(mesh.size()), false) {
   iov_.resize(kMaxIov);
 }
 
@@ -119,11 +122,20 @@ void Exchange::checkHeader(int peer, const Transfer& t) const {
     fail(peer, "collective mismatch: this rank runs " + std::string(opName(static_cast<WireOp>(want.op))) +
                    " but peer " + std::to_string(peer) + " runs " + std::string(opName(static_cast<WireOp>(got.op))));
   }
-  if (got.bytes != want.bytes || got.tag != want.tag) {
-    fail(peer, "size mismatch with peer " + std::to_string(peer) + ": this rank expects " +
-                   std::to_string(want.bytes) + " bytes (tag " + std::to_string(want.tag) + "), peer sends " +
-                   std::to_string(got.bytes) + " bytes (tag " + std::to_string(got.tag) + ")");
+  // Collectives compared their op descriptors before any data (op_descriptor.hpp), so this is
+  // mostly the point-to-point check; name each field that differs, not a raw tag.
+  std::string what;
+  if (got.bytes != want.bytes) {
+    what = "size mismatch with peer " + std::to_string(peer) + ": this rank expects " + std::to_string(want.bytes) +
+           " bytes, peer sends " + std::to_string(got.bytes) + " bytes";
   }
+  if (got.tag != want.tag) {
+    const bool p2p = static_cast<WireOp>(want.op) == WireOp::kSend;
+    what += std::string(what.empty() ? "" : "; ") + (p2p ? "tag" : "dtype/reduce op/root (tag)") +
+            " mismatch with peer " + std::to_string(peer) + ": this rank uses " + std::to_string(want.tag) +
+            ", peer uses " + std::to_string(got.tag);
+  }
+  if (!what.empty()) fail(peer, what);
 }
 
 void Exchange::progressSend(int peer) {
@@ -167,6 +179,10 @@ void Exchange::progressRecv(int peer) {
     return;
   }
   if (n <= 0) {
+    if (peerAborted_[static_cast<size_t>(peer)]) {
+      fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) +
+                     ": it aborted (failed or was interrupted)");
+    }
     fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) + ": " +
                    (n == 0 ? std::string("connection closed") : errnoString(static_cast<int>(n))));
   }
@@ -198,7 +214,7 @@ void Exchange::pollOnce() {
   int firstRecv = -1, firstSend = -1;
   for (int p : active_) {
     Peer& pe = peers_[static_cast<size_t>(p)];
-    short ev = 0;
+    short ev = POLLPRI;
     if (pe.recv.pending()) {
       ev |= POLLIN;
       if (firstRecv < 0) firstRecv = p;
@@ -207,10 +223,14 @@ void Exchange::pollOnce() {
       ev |= POLLOUT;
       if (firstSend < 0) firstSend = p;
     }
-    if (ev) {
-      pfds_.push_back({mesh_.fd(p), ev, 0});
-      pollPeers_.push_back(p);
-    }
+    pfds_.push_back({mesh_.fd(p), ev, 0});
+    pollPeers_.push_back(p);
+  }
+  // Links this op does not use are watched for a peer's abort alert only.
+  for (int p = 0; p < mesh_.size(); ++p) {
+    if (p == mesh_.rank() || peers_[static_cast<size_t>(p)].active) continue;
+    pfds_.push_back({mesh_.fd(p), POLLPRI, 0});
+    pollPeers_.push_back(p);
   }
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ - Clock::now()).count();
   if (left <= 0) {
@@ -229,10 +249,24 @@ void Exchange::pollOnce() {
   for (size_t i = 1; i < pfds_.size(); ++i) {
     const short re = pfds_[i].revents;
     if (!re) continue;
-    Peer& pe = peers_[static_cast<size_t>(pollPeers_[i])];
+    const int p = pollPeers_[i];
+    if (re & POLLPRI) {
+      char alert;
+      [[maybe_unused]] long got = ::recv(pfds_[i].fd, &alert, 1, MSG_OOB | MSG_DONTWAIT);  // clears POLLPRI
+      peerAborted_[static_cast<size_t>(p)] = true;
+    }
+    Peer& pe = peers_[static_cast<size_t>(p)];
+    if (!pe.active) continue;
     // Errors and hang-ups are reported by the next read/write, which yields the errno.
     if (re & (POLLIN | POLLHUP | POLLERR)) pe.canRead = true;
     if (re & (POLLOUT | POLLHUP | POLLERR)) pe.canWrite = true;
+  }
+  // A peer that aborted fails the op, once nothing it sent before remains to be read.
+  for (int p = 0; p < mesh_.size(); ++p) {
+    if (peerAborted_[static_cast<size_t>(p)] && !peers_[static_cast<size_t>(p)].recv.pending()) {
+      fail(p, "lost peer " + std::to_string(p) + " after " + fmtSeconds(elapsedSeconds()) +
+                  ": it aborted (failed or was interrupted)");
+    }
   }
 }
 

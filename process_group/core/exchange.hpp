@@ -9,8 +9,11 @@
 // peer go out in a single sendmsg()/recvmsg() (header + payload, consecutive segments).
 //
 // Blocking: next() sleeps in poll() (never spins) with the time left until the deadline; the
-// communicator's abort eventfd is in every poll set. Any failure (deadline, EOF, reset, header
-// mismatch, abort) throws CommError naming the op, this rank, the peer and the elapsed time.
+// communicator's abort eventfd is in every poll set, and so is every link for POLLPRI: the
+// urgent byte a peer's TcpMesh::abort() sends fails the op at once, unless this rank still has
+// data to read from that peer (it is read first, so a mismatch it reveals is reported as such).
+// Any failure (deadline, EOF, reset, header mismatch, abort) throws CommError naming the op,
+// this rank, the peer and the elapsed time.
 //
 // Threading and lifetime: one Exchange per communicator, used by its one worker thread; begin()
 // starts an operation and resets the queues, keeping their capacity. Posted buffers must stay
@@ -96,6 +99,7 @@ class Exchange {
   std::vector<iovec> iov_;
   std::vector<pollfd> pfds_;
   std::vector<int> pollPeers_;
+  std::vector<bool> peerAborted_;  // the peer sent its abort alert; sticky
 };
 
 }  // namespace zeroplus::pg::detail

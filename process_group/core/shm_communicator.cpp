@@ -31,7 +31,10 @@ struct alignas(64) ShmCommunicator::Control {
   alignas(64) std::atomic<uint32_t> waiters;  // peers sleeping (or about to) on `phase`
   std::atomic<uint32_t> failed;  // set once on abort or error; never cleared
   std::atomic<uint64_t> proposal[2];  // agreeMin values, slot = call counter & 1
-  std::atomic<uint64_t> signature[2];  // (op, dtype, reduce op, root, size) of op k in slot k & 1
+  // The op descriptor (op_descriptor.hpp: packHead, count, seq) of op k in slot k & 1, and the
+  // element counts of a fused batch's candidates (fused[slot][0] is desc[slot][1]).
+  std::atomic<uint64_t> desc[2][3];
+  std::atomic<uint64_t> fused[2][kShmMaxFusedOps];
 };
 
 namespace {
@@ -41,14 +44,6 @@ constexpr size_t kControlBytes = 4096;
 static_assert(sizeof(ShmCommunicator::Control) <= kControlBytes);
 static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free to work across processes");
-
-// What every rank must agree on for one op; compared after the op's first sync, the shared-
-// memory counterpart of the TCP header check.
-uint64_t signature(uint64_t kind, uint64_t type, uint64_t op, uint64_t root, uint64_t bytes) {
-  uint64_t x = (kind << 56) ^ (type << 48) ^ (op << 40) ^ ((root & 0xff) << 32) ^ bytes;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  return x ^ (x >> 27);
-}
 
 size_t segmentBytes(size_t chunk) { return kControlBytes + 4 * chunk; }
 
@@ -170,6 +165,13 @@ std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvou
   ShmSegment& own = segments[static_cast<size_t>(rank)];
   if (int rc = own.create(rank, bytes); rc < 0) {
     problem = "cannot create a " + std::to_string(bytes) + "-byte segment: " + std::strerror(-rc);
+    uint64_t free = 0;
+    if (ShmSegment::freeBytes(&free) == 0) {
+      problem += " (/dev/shm has " + std::to_string(free) + " bytes free; this group needs " +
+                 std::to_string(bytes) + " bytes per rank, " + std::to_string(bytes * static_cast<size_t>(size)) +
+                 " in all; enlarge /dev/shm, e.g. docker --shm-size, lower ZEROPLUS_SHM_CHUNK_BYTES, or set "
+                 "ZEROPLUS_SHM=off)";
+    }
   } else {
     auto* c = new (own.data()) Control{};
     c->pid = static_cast<int32_t>(::getpid());
@@ -177,15 +179,16 @@ std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvou
     c->chunkBytes = options.shmChunkBytes;
     c->magic = kControlMagic;
   }
-  rendezvous.set("zeroplus/shm/seg/" + std::to_string(rank), bytesOf(problem.empty() ? own.name() : ""));
+  // The segment's name, or "!" and why there is none, so every peer can name the cause.
+  rendezvous.set("zeroplus/shm/seg/" + std::to_string(rank), bytesOf(problem.empty() ? own.name() : "!" + problem));
   for (int r = 0; r < size && problem.empty(); ++r) {
     if (r == rank) {
       pids[static_cast<size_t>(r)] = static_cast<int>(::getpid());
       continue;
     }
     const std::string name = get("zeroplus/shm/seg/" + std::to_string(r));
-    if (name.empty()) {
-      problem = "rank " + std::to_string(r) + " could not create its segment";
+    if (name.empty() || name[0] == '!') {
+      problem = "rank " + std::to_string(r) + " " + (name.empty() ? std::string("failed") : name.substr(1));
       break;
     }
     if (int rc = segments[static_cast<size_t>(r)].open(name, bytes); rc < 0) {
@@ -257,15 +260,25 @@ void ShmCommunicator::abort() {
 
 void ShmCommunicator::publish() {
   Control& me = control(rank_);
-  if (signaturePending_) me.signature[ops_ & 1].store(signature_, std::memory_order_relaxed);
+  if (signaturePending_) {
+    // Relaxed stores ordered before the phase by its seq_cst store (release) below.
+    auto& d = me.desc[ops_ & 1];
+    d[0].store(packHead(desc_), std::memory_order_relaxed);
+    d[1].store(desc_.count, std::memory_order_relaxed);
+    d[2].store(desc_.seq, std::memory_order_relaxed);
+  }
   me.phase.store(++phase_, std::memory_order_seq_cst);
   if (me.waiters.load(std::memory_order_seq_cst) != 0) futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
 void ShmCommunicator::checkPeer(int peer, bool checkPid) {
   if (aborted_.load(std::memory_order_acquire)) fail(-1, "aborted");
-  if (control(peer).failed.load(std::memory_order_acquire) != 0) {
-    fail(peer, "peer " + std::to_string(peer) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
+  // Every peer's flag, not only the awaited one's: a rank waiting for a slow peer must still
+  // learn at once that another peer gave up (failed, or was interrupted by Ctrl-C).
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_ && control(r).failed.load(std::memory_order_acquire) != 0) {
+      fail(r, "peer " + std::to_string(r) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
+    }
   }
   if (Clock::now() >= deadline_) {
     fail(peer, "timed out after " + fmtSeconds(secondsSince(start_)) + " waiting for peer " + std::to_string(peer));
@@ -309,18 +322,23 @@ void ShmCommunicator::waitAll() {
   }
   if (!signaturePending_) return;
   signaturePending_ = false;
+  // Every rank compares every peer with itself after the same sync, so if any two differ,
+  // every rank fails here, before reading a peer's data (see op_descriptor.hpp).
   for (int r = 0; r < size_; ++r) {
-    if (control(r).signature[ops_ & 1].load(std::memory_order_relaxed) != signature_) {
-      fail(r, "collective mismatch: ranks called different collectives (or the same with different sizes, dtypes, ops or roots): "
-              "rank " + std::to_string(r) + " disagrees with this rank");
-    }
+    if (r == rank_) continue;
+    const auto& d = control(r).desc[ops_ & 1];
+    const OpDescriptor theirs = unpack(d[0].load(std::memory_order_relaxed), d[1].load(std::memory_order_relaxed),
+                                       d[2].load(std::memory_order_relaxed));
+    const std::string what = describeMismatch(desc_, theirs, r);
+    if (!what.empty()) fail(r, what);
   }
 }
 
 template <typename Body>
-void ShmCommunicator::run(const char* op, uint64_t sig, Deadline deadline, Body&& body) {
+void ShmCommunicator::run(const char* op, OpDescriptor desc, Deadline deadline, Body&& body) {
   op_ = op;
-  signature_ = sig;
+  desc_ = desc;
+  desc_.seq = ops_;
   signaturePending_ = true;
   start_ = Clock::now();
   deadline_ = deadline;
@@ -328,8 +346,13 @@ void ShmCommunicator::run(const char* op, uint64_t sig, Deadline deadline, Body&
   if (broken_) fail(-1, "cannot run: the communicator is unusable after an earlier error (" + brokenWhat_ + ")");
   try {
     body();
-    if (!signaturePending_) ++ops_;  // the op synchronised at least once
-    signaturePending_ = false;
+    // An op with nothing to move (0 bytes) still compares descriptors: otherwise a rank that
+    // broadcasts 0 bytes returns while its peer waits for 100 bytes until the deadline.
+    if (signaturePending_) {
+      publish();
+      waitAll();
+    }
+    ++ops_;
   } catch (const std::exception& e) {
     // A half-done op leaves the phase counters out of step: nothing may run again. Peers learn
     // it from our failed flag (shm) and from EOF on the TCP links.
@@ -443,8 +466,7 @@ void ShmCommunicator::allreducev(const std::vector<Span>& spans, DataType type, 
   }
   setSpans(spans);
   const size_t total = prefix_.back();
-  const uint64_t sig = signature(1, static_cast<uint64_t>(type), static_cast<uint64_t>(op), 0, total);
-  run("allreduce", sig, deadline, [&] {
+  run("allreduce", describe(WireOp::kAllreduce, total, type, op), deadline, [&] {
     const size_t es = elementSize(type);
     const size_t chunkElems = std::max<size_t>(1, chunkBytes_ / es);
     for (size_t start = 0; start < total; start += chunkElems) {
@@ -466,10 +488,12 @@ size_t ShmCommunicator::allreduceFused(const std::vector<Span>& candidates, Data
   }
   setSpans(candidates);
   size_t agreed = 0;
-  // The total is not known before the agreement, so the signature leaves it out; ranks that
-  // agree on the count agree on the total (the c10d contract: same ops, same sizes).
-  const uint64_t sig = signature(6, static_cast<uint64_t>(type), static_cast<uint64_t>(op), 0, 0);
-  run("allreduce", sig, deadline, [&] {
+  // The descriptor carries the first candidate's count (always part of the agreed prefix);
+  // the others' counts go to the fused[] slots and are compared once the prefix is agreed.
+  const size_t offered = std::min(candidates.size(), kShmMaxFusedOps);
+  OpDescriptor desc = describe(WireOp::kAllreduce, candidates.empty() ? 0 : candidates[0].count, type, op);
+  desc.flags = OpDescriptor::kFused;
+  run("allreduce", desc, deadline, [&] {
     const size_t es = elementSize(type);
     const size_t chunkElems = std::max<size_t>(1, chunkBytes_ / es);
     // Chunk 0 is speculative: every rank copies the start of all its candidates and publishes
@@ -478,12 +502,28 @@ size_t ShmCommunicator::allreduceFused(const std::vector<Span>& candidates, Data
     const unsigned slot = static_cast<unsigned>(chunk_++ & 1);
     const unsigned aslot = static_cast<unsigned>(agree_++ & 1);
     copyIn(slot, 0, std::min(chunkElems, prefix_.back()), es);
-    control(rank_).proposal[aslot].store(candidates.size(), std::memory_order_relaxed);
+    const unsigned dslot = static_cast<unsigned>(ops_ & 1);  // as the descriptor's slot
+    for (size_t i = 1; i < offered; ++i) {
+      control(rank_).fused[dslot][i].store(candidates[i].count, std::memory_order_relaxed);
+    }
+    control(rank_).proposal[aslot].store(offered, std::memory_order_relaxed);
     publish();
     waitAll();
-    agreed = candidates.size();
+    agreed = offered;
     for (int r = 0; r < size_; ++r) {
       agreed = std::min<size_t>(agreed, control(r).proposal[aslot].load(std::memory_order_relaxed));
+    }
+    // Candidate i is the same op on every rank, so its count must match everywhere; checked on
+    // every rank against every peer before anyone reduces (all see the same slots: same verdict).
+    for (size_t i = 1; i < agreed; ++i) {
+      for (int r = 0; r < size_; ++r) {
+        const uint64_t theirs = control(r).fused[dslot][i].load(std::memory_order_relaxed);
+        if (r == rank_ || theirs == candidates[i].count) continue;
+        fail(r, "collective mismatch with rank " + std::to_string(r) + " at collective #" + std::to_string(desc_.seq) +
+                    " of this group: size differs in allreduce " + std::to_string(i) +
+                    " of a fused batch of queued allreduces: this rank passes " + std::to_string(candidates[i].count) +
+                    " elements, rank " + std::to_string(r) + " passes " + std::to_string(theirs) + " elements");
+      }
     }
     const size_t total = prefix_[agreed];
     const size_t c0 = std::min(chunkElems, total);
@@ -502,7 +542,7 @@ size_t ShmCommunicator::allreduceFused(const std::vector<Span>& candidates, Data
 
 uint64_t ShmCommunicator::agreeMin(uint64_t value, Deadline deadline) {
   uint64_t result = value;
-  run("agree", signature(5, 0, 0, 0, 0), deadline, [&] {
+  run("agree", describe(WireOp::kAgree, 0), deadline, [&] {
     const unsigned slot = static_cast<unsigned>(agree_++ & 1);
     control(rank_).proposal[slot].store(value, std::memory_order_relaxed);
     publish();
@@ -517,7 +557,7 @@ void ShmCommunicator::broadcast(void* data, size_t bytes, int root, Deadline dea
     throw CommError("broadcast", rank_, -1, 0.0, "invalid root " + std::to_string(root) + " for world size " +
                                                      std::to_string(size_));
   }
-  run("broadcast", signature(2, 0, 0, static_cast<uint64_t>(root), bytes), deadline, [&] {
+  run("broadcast", describe(WireOp::kBroadcast, bytes, root), deadline, [&] {
     auto* d = static_cast<uint8_t*>(data);
     for (size_t off = 0; off < bytes; off += chunkBytes_) {
       const size_t c = std::min(chunkBytes_, bytes - off);
@@ -531,7 +571,7 @@ void ShmCommunicator::broadcast(void* data, size_t bytes, int root, Deadline dea
 }
 
 void ShmCommunicator::allgather(const void* in, size_t bytes, void* out, Deadline deadline) {
-  run("allgather", signature(3, 0, 0, 0, bytes), deadline, [&] {
+  run("allgather", describe(WireOp::kAllgather, bytes), deadline, [&] {
     const auto* src = static_cast<const uint8_t*>(in);
     auto* o = static_cast<uint8_t*>(out);
     for (size_t off = 0; off < bytes; off += chunkBytes_) {
@@ -546,7 +586,7 @@ void ShmCommunicator::allgather(const void* in, size_t bytes, void* out, Deadlin
 }
 
 void ShmCommunicator::barrier(Deadline deadline) {
-  run("barrier", signature(4, 0, 0, 0, 0), deadline, [&] {
+  run("barrier", describe(WireOp::kBarrier, 0), deadline, [&] {
     publish();
     waitAll();
   });

@@ -34,9 +34,11 @@
 // Fused allreduce (allreduceFused): chunk 0 also carries each rank's candidate count; all ranks
 // reduce the first min(count) candidates, so agreeing on the fusion costs no extra sync.
 //
-// Mismatch: each op's first sync also compares an (op, dtype, reduce op, root, size) signature
-// written next to the phase, so ranks that called different collectives fail with CommError
-// instead of reducing each other's unrelated bytes.
+// Mismatch: each op's first sync also compares the op descriptor (op_descriptor.hpp: collective,
+// dtype, reduce op, root, count) written next to the phase, and a fused batch compares every
+// agreed candidate's count, so ranks that called different collectives or sizes all fail with a
+// CommError naming both values instead of reducing each other's unrelated bytes. An op that
+// moves no bytes still synchronises once for this check.
 //
 // Errors and threading: as Communicator. Any failure sets this rank's failed flag (peers stop
 // waiting at once), aborts the inner TCP mesh and makes the communicator unusable.
@@ -48,11 +50,14 @@
 #include <vector>
 
 #include "process_group/core/communicator.hpp"
+#include "process_group/core/op_descriptor.hpp"
 #include "process_group/core/shm_segment.hpp"
 
 namespace zeroplus::pg::detail {
 
 inline constexpr size_t kShmSmallBytes = 64 * 1024;
+// Most queued allreduces one fused transfer takes (their counts live in the control block).
+inline constexpr size_t kShmMaxFusedOps = 192;
 
 class ShmCommunicator final : public Communicator {
  public:
@@ -97,7 +102,7 @@ class ShmCommunicator final : public Communicator {
   // The funnel of shared-memory ops (see Errors above); `inner` variants delegate with the
   // same failure bookkeeping.
   template <typename Body>
-  void run(const char* op, uint64_t signature, Deadline deadline, Body&& body);
+  void run(const char* op, OpDescriptor desc, Deadline deadline, Body&& body);
   template <typename Body>
   void inner(Body&& body);
   [[noreturn]] void fail(int peer, const std::string& what) const;
@@ -129,9 +134,9 @@ class ShmCommunicator final : public Communicator {
   uint32_t phase_ = 0;   // last phase this rank published
   uint64_t chunk_ = 0;   // chunks started (slot = chunk_ & 1)
   uint64_t agree_ = 0;   // agreeMin calls (proposal slot = agree_ & 1)
-  uint64_t ops_ = 0;     // ops that synchronised (signature slot = ops_ & 1)
-  uint64_t signature_ = 0;
-  bool signaturePending_ = false;  // the current op has not yet checked its signature
+  uint64_t ops_ = 0;     // ops run (descriptor slot = ops_ & 1)
+  OpDescriptor desc_{};  // the current op's
+  bool signaturePending_ = false;  // the current op has not yet compared descriptors
   std::atomic<bool> aborted_{false};
   bool broken_ = false;
   std::string brokenWhat_;

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -69,6 +70,12 @@ int ShmSegment::create(int rank, size_t bytes) {
   int err = 0;
   // The umask can only clear bits of 0600, but be explicit: nobody else may read gradients.
   if (::fchmod(fd, 0600) != 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) err = -errno;
+  // ftruncate only sets the size: on a small tmpfs the missing pages surface as SIGBUS at first
+  // touch, in this rank or a peer. posix_fallocate reserves them now, so a full /dev/shm is
+  // -ENOSPC here (it returns the error number instead of setting errno).
+  if (err == 0 && bytes > 0) {
+    if (const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); rc != 0) err = -rc;
+  }
   uint8_t* p = err == 0 ? mapFd(fd, bytes, &err) : nullptr;
   ::close(fd);
   if (p == nullptr) {
@@ -107,6 +114,13 @@ int ShmSegment::unlink() {
   if (!owner_) return 0;
   owner_ = false;
   return ::shm_unlink(name_.c_str()) == 0 ? 0 : -errno;
+}
+
+int ShmSegment::freeBytes(uint64_t* bytes) {
+  struct statvfs st {};
+  if (::statvfs("/dev/shm", &st) != 0) return -errno;
+  *bytes = static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
+  return 0;
 }
 
 int ShmSegment::removeStaleSegments() {

@@ -27,7 +27,9 @@ class ShmSegment {
   ShmSegment& operator=(ShmSegment&& other) noexcept;
   ~ShmSegment();
 
-  // Creates and maps a new zero-filled segment of `bytes`. Returns 0 or -errno.
+  // Creates and maps a new zero-filled segment of `bytes`, its pages reserved up front
+  // (posix_fallocate), so a /dev/shm too small for it is -ENOSPC here and never a SIGBUS on
+  // first touch. Returns 0 or -errno.
   int create(int rank, size_t bytes);
   // Maps an existing segment created by a peer. Returns 0 or -errno (-EINVAL: size mismatch).
   int open(const std::string& name, size_t bytes);
@@ -38,6 +40,8 @@ class ShmSegment {
   size_t size() const { return bytes_; }
   const std::string& name() const { return name_; }
 
+  // Space left in /dev/shm for this user (statvfs f_bavail), for error messages. 0 or -errno.
+  static int freeBytes(uint64_t* bytes);
   // Unlinks /dev/shm/zeroplus-<pid>-* entries of this user whose pid no longer exists.
   // Returns how many were removed.
   static int removeStaleSegments();

@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -203,6 +204,27 @@ std::string resolveHostAddress(const std::string& host) {
                         : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&addr)->sin6_addr);
   if (::inet_ntop(addr.ss_family, src, text, sizeof(text)) == nullptr) return host;
   return text;
+}
+
+int interfaceAddress(const std::string& ifname, std::string* out) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return -errno;
+  std::string others;
+  int rc = -ENODEV;
+  for (const ifaddrs* it = list; it != nullptr; it = it->ifa_next) {
+    if (it->ifa_addr == nullptr || it->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(it->ifa_addr)->sin_addr, text, sizeof(text));
+    if (ifname == it->ifa_name) {
+      *out = text;
+      rc = 0;
+      break;
+    }
+    others += (others.empty() ? "" : ", ") + std::string(it->ifa_name) + " (" + text + ")";
+  }
+  ::freeifaddrs(list);
+  if (rc < 0) *out = others;
+  return rc;
 }
 
 std::string errnoString(int negErrno) { return std::strerror(negErrno < 0 ? -negErrno : negErrno); }

@@ -48,6 +48,10 @@ int readAll(int fd, void* data, size_t n, int timeoutMs);
 std::string hostName();
 std::string resolveHostAddress(const std::string& host);
 
+// The first IPv4 address of network interface `ifname` in *out: 0, or -ENODEV (no such
+// interface with an IPv4 address; *out then lists the interfaces that have one).
+int interfaceAddress(const std::string& ifname, std::string* out);
+
 // "Connection refused" etc. for a -errno value.
 std::string errnoString(int negErrno);
 

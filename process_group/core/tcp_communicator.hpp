@@ -12,7 +12,7 @@
 //   allgather(v)   small total: direct exchange; large: pipelined ring, zero-copy receives.
 //   gather/scatter direct to/from root, all peers concurrently.
 //   alltoallv      every pair exchanges concurrently in one poll loop.
-//   barrier        dissemination (ceil(log2 n) rounds of header-only messages).
+//   barrier        the op-descriptor all-to-all every collective starts with (op_descriptor.hpp).
 //   send/recv      header (tag, bytes) + payload on the pair's stream; a recv that meets a
 //                  message with another tag stashes it for a later recv with that tag.
 // Every path stays correct for count 0 and sizes not divisible by n (balanced blocks).
@@ -30,6 +30,7 @@
 
 #include "process_group/core/communicator.hpp"
 #include "process_group/core/exchange.hpp"
+#include "process_group/core/op_descriptor.hpp"
 #include "process_group/core/ring.hpp"
 #include "process_group/core/tcp_mesh.hpp"
 
@@ -66,8 +67,11 @@ class TcpCommunicator final : public Communicator {
   // The funnel: refuses to run on a broken/aborted communicator, begins the exchange, runs
   // `body`, and on CommError marks the communicator broken and shuts the links down so peers
   // fail fast instead of waiting for their own deadline.
+  // Collectives first exchange `desc` with every peer (op_descriptor.hpp) and fail on any
+  // difference before a data byte moves; send/recv skip that (their headers carry tag and size).
   template <typename Body>
-  void run(WireOp op, Deadline deadline, Body&& body);
+  void run(OpDescriptor desc, Deadline deadline, Body&& body);
+  void checkDescriptors(OpDescriptor desc);
   // Argument errors are the caller's bug, detected before any byte moves: they throw
   // CommError without breaking the communicator.
   void require(WireOp op, bool ok, const std::string& what) const;
@@ -98,17 +102,21 @@ class TcpCommunicator final : public Communicator {
   std::vector<RingStep> steps_;
   std::vector<size_t> off_, len_;
   std::vector<const uint8_t*> inputs_;
+  std::vector<OpDescriptor> peerDescs_;
+  uint64_t seq_ = 0;  // collectives run (descriptor seq)
   std::map<std::pair<int, uint32_t>, std::deque<std::vector<uint8_t>>> stash_;
 };
 
 template <typename Body>
-void TcpCommunicator::run(WireOp op, Deadline deadline, Body&& body) {
+void TcpCommunicator::run(OpDescriptor desc, Deadline deadline, Body&& body) {
+  const auto op = static_cast<WireOp>(desc.op);
   if (broken_) {
     throw CommError(std::string(opName(op)), rank_, -1, 0.0,
                     "cannot run: the communicator is unusable after an earlier error (" + brokenWhat_ + ")");
   }
   try {
     exchange_.begin(op, deadline);
+    if (op != WireOp::kSend && op != WireOp::kRecv) checkDescriptors(desc);
     body();
   } catch (const std::exception& e) {
     // The pair streams may now be out of step (a transfer stopped half-way), so nothing may

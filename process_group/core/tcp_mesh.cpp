@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -95,6 +96,7 @@ struct Pending {
   size_t got = 0;
   PeerAddress target;
   Clock::time_point retryAt{};
+  Clock::time_point helloBy{};  // inbound: closed unless a valid hello arrived by then
 };
 
 }  // namespace
@@ -112,9 +114,14 @@ void TcpMesh::abort() {
   // The eventfd stays readable (nobody reads it), so every later poll returns at once too.
   [[maybe_unused]] ssize_t rc = ::write(abortFd_, &one, sizeof(one));
   // shutdown() (not close()) is safe while the worker thread still uses the descriptors; it
-  // makes peers see EOF now instead of at their own deadline.
+  // makes peers see EOF now instead of at their own deadline. The urgent byte first tells
+  // peers that are not reading from us right now (waiting on another peer) that we aborted: a
+  // graceful close sends none, so a peer that simply finished is not mistaken for a failure.
   for (int fd : fds_) {
-    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    if (fd < 0) continue;
+    const char alert = '!';
+    [[maybe_unused]] ssize_t rc = ::send(fd, &alert, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL);
+    ::shutdown(fd, SHUT_RDWR);
   }
 }
 
@@ -132,18 +139,50 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
   if (mesh->abortFd_ < 0) fail(-1, "eventfd failed: " + errnoString(-errno));
   if (size == 1) return mesh;
 
+  PeerAddress self;
+  self.host = hostName();
+  self.addr = options.bindAddress;
+  if (self.addr.empty() && !options.socketIfname.empty()) {
+    std::string addr;
+    if (interfaceAddress(options.socketIfname, &addr) < 0) {
+      fail(-1, "ZEROPLUS_SOCKET_IFNAME=" + options.socketIfname + ": no such interface with an IPv4 address (have: " +
+                   addr + ")");
+    }
+    self.addr = addr;
+  }
+  if (self.addr.empty()) {
+    // Bind the address peers will use, not every interface: loopback when the whole group is
+    // on this host (nothing off the host can then reach the listener), else the host's address.
+    const std::string hostKey = "zeroplus/hostname/";
+    rendezvous.set(hostKey + std::to_string(rank), std::vector<uint8_t>(self.host.begin(), self.host.end()));
+    bool oneHost = true;
+    for (int p = 0; p < size && oneHost; ++p) {
+      if (p == rank) continue;
+      try {
+        const int ms = remainingMs(deadline);
+        if (ms == 0) throw std::runtime_error("deadline passed");
+        const auto h = rendezvous.get(hostKey + std::to_string(p), std::chrono::milliseconds(ms));
+        oneHost = std::string(h.begin(), h.end()) == self.host;
+      } catch (const std::exception& e) {
+        fail(p, "timed out after " + fmtSeconds(secondsSince(start)) + " waiting for rank " + std::to_string(p) +
+                    " to publish its address (its host name: " + e.what() + ")");
+      }
+    }
+    self.addr = oneHost ? "127.0.0.1" : resolveHostAddress(self.host);
+  }
   uint16_t port = 0;
-  int listenFd = listenTcp(options.bindAddress, size + 16, &port);
-  if (listenFd < 0) fail(-1, "cannot listen on '" + options.bindAddress + "': " + errnoString(listenFd));
+  int listenFd = listenTcp(self.addr, size + 16, &port);
+  if (listenFd == -EADDRNOTAVAIL && options.bindAddress.empty() && options.socketIfname.empty()) {
+    // The name resolves to an address that is not on a local interface (NAT, a stale
+    // /etc/hosts): listen everywhere and let peers try that address, as before.
+    self.any = true;
+    listenFd = listenTcp("", size + 16, &port);
+  }
+  if (listenFd < 0) fail(-1, "cannot listen on '" + self.addr + "': " + errnoString(listenFd));
   struct ListenGuard {
     int& fd;
     ~ListenGuard() { closeFd(fd); }
   } listenGuard{listenFd};
-
-  PeerAddress self;
-  self.host = hostName();
-  self.any = options.bindAddress.empty();
-  self.addr = self.any ? resolveHostAddress(self.host) : options.bindAddress;
   self.port = port;
   if (rank == 0) {
     std::random_device rd;
@@ -181,7 +220,7 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
   }
 
   const Hello myHello{kHelloMagic, kProtocolVersion, rank, size, nonce};
-  std::vector<std::string> refusals;  // why inbound connections were rejected, for the message
+  std::vector<std::string> refusals;  // why the last inbound connection was rejected (kept to one)
   auto connected = [&](int peer) { return mesh->fds_[static_cast<size_t>(peer)] >= 0; };
   auto missing = [&]() {
     std::vector<int> m;
@@ -259,7 +298,7 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
       std::string why;
       if (!validHello(c.in, &why)) {
         if (c.outbound) fail(c.peer, "rank " + std::to_string(c.peer) + " answered with an invalid hello: " + why);
-        refusals.push_back(why);
+        refusals.assign(1, why);
         c.phase = Pending::kDead;
         return;
       }
@@ -270,7 +309,7 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
       if (!c.outbound) {
         const int p = c.in.rank;
         if (p <= rank || p >= size || connected(p)) {
-          refusals.push_back("unexpected or duplicate rank " + std::to_string(p));
+          refusals.assign(1, "unexpected or duplicate rank " + std::to_string(p));
           c.phase = Pending::kDead;
           return;
         }
@@ -298,6 +337,7 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
     }
   };
 
+  const long maxUnauthenticated = std::max(16, 2 * size);
   std::vector<pollfd> pfds;
   std::vector<Pending*> owners;
   try {
@@ -311,12 +351,27 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
         if (!refusals.empty()) what += " (refused a connection: " + refusals.back() + ")";
         fail(m.size() == 1 ? m[0] : -1, what);
       }
+      // Unauthenticated inbound connections are bounded in time and number (anyone who can
+      // reach the port can connect; only a valid hello makes a peer).
+      const auto now = Clock::now();
+      for (Pending& c : pending) {
+        if (!c.outbound && c.phase == Pending::kAwaitingHello && now >= c.helloBy) {
+          const double limit = std::chrono::duration<double>(options.helloTimeout).count();
+          refusals.assign(1, "no valid hello within " + fmtSeconds(limit));
+          c.phase = Pending::kDead;
+          closeFd(c.fd);
+        }
+      }
+      pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                   [](const Pending& c) { return !c.outbound && c.phase == Pending::kDead; }),
+                    pending.end());
       pfds.clear();
       owners.clear();
       pfds.push_back({listenFd, POLLIN, 0});
       owners.push_back(nullptr);
       int waitMs = remainingMs(deadline);
       for (Pending& c : pending) {
+        if (!c.outbound && c.phase == Pending::kAwaitingHello) waitMs = std::min(waitMs, remainingMs(c.helloBy));
         if (c.phase == Pending::kDead && c.outbound) {
           // The acceptor dropped us (e.g. it restarted): start over.
           closeFd(c.fd);
@@ -344,11 +399,20 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
       }
       if (pfds[0].revents & POLLIN) {
         for (;;) {
-          const int fd = acceptTcp(listenFd);
+          int fd = acceptTcp(listenFd);
           if (fd < 0) break;
+          const auto unauthenticated = std::count_if(pending.begin(), pending.end(), [](const Pending& c) {
+            return !c.outbound && c.phase == Pending::kAwaitingHello;
+          });
+          if (unauthenticated >= maxUnauthenticated) {
+            refusals.assign(1, "too many unauthenticated connections");
+            closeFd(fd);
+            continue;
+          }
           Pending c;
           c.fd = fd;
           c.phase = Pending::kAwaitingHello;
+          c.helloBy = Clock::now() + options.helloTimeout;
           pending.push_back(c);  // owners[] is rebuilt before the next use, so growth is fine
           step(pending.back());
         }

@@ -1,12 +1,19 @@
 // Internal: the full mesh of TCP connections of one communicator, plus its abort signal.
 //
-// Set-up (connect): every rank listens on an ephemeral port and publishes
-// "host=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". Rank r connects to
+// Set-up (connect): every rank listens on an ephemeral port of one address and publishes
+// "host=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". The address is
+// options.bindAddress, else ZEROPLUS_SOCKET_IFNAME's IPv4 address, else 127.0.0.1 when every
+// rank published the same host name under "zeroplus/hostname/<rank>", else the host's resolved
+// address (every interface, any=1, only if that address is not local). Rank r connects to
 // every lower rank and accepts every higher one, so each pair has exactly one connection and
 // nobody needs to agree on who goes first. A 24-byte hello in each direction carries a magic,
 // the protocol version, the rank, the world size and a session nonce chosen by rank 0, so a
 // stray or stale connection (another job, a previous group on a reused port) is refused rather
 // than mistaken for a peer.
+//
+// Trust model (as Gloo's): whoever can write to the store can join the group; the listener is
+// open only during connect(), an inbound connection without a valid hello is closed after
+// options.helloTimeout, and at most max(16, 2 x size) of them are held at once.
 //
 // Ownership: the mesh owns its sockets and the eventfd; the destructor closes them. abort() is
 // the only member that may be called concurrently with anything else.
@@ -35,8 +42,9 @@ class TcpMesh {
   // Readable forever once abort() ran; every poll set of the communicator includes it.
   int abortFd() const { return abortFd_; }
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
-  // Sets the flag, signals the eventfd and shuts the sockets down, so this rank's blocked call
-  // wakes at once and peers blocked on this rank see EOF instead of waiting for their deadline.
+  // Sets the flag, signals the eventfd, sends every peer one urgent (MSG_OOB) byte and shuts the
+  // sockets down, so this rank's blocked call wakes at once and peers learn of it at once, even
+  // those blocked on another peer (Exchange polls every link for POLLPRI).
   void abort();
 
  private:

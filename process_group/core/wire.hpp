@@ -17,7 +17,7 @@ namespace zeroplus::pg::detail {
 
 enum class WireOp : uint8_t {
   kConnect, kBroadcast, kAllreduce, kReduce, kAllgather, kAllgatherv, kGather, kScatter,
-  kReduceScatter, kAlltoallv, kSend, kRecv, kBarrier,
+  kReduceScatter, kAlltoallv, kSend, kRecv, kBarrier, kAgree,
 };
 
 inline std::string_view opName(WireOp op) {
@@ -35,6 +35,7 @@ inline std::string_view opName(WireOp op) {
     case WireOp::kSend: return "send";
     case WireOp::kRecv: return "recv";
     case WireOp::kBarrier: return "barrier";
+    case WireOp::kAgree: return "fusion agreement";
   }
   return "unknown";
 }

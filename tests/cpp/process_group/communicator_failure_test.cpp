@@ -205,6 +205,30 @@ TEST(AbortTest, AbortFromAnotherThreadUnblocksRecvAndFailsThePeer) {
   EXPECT_THROW(g[0].barrier(soon()), CommError);
 }
 
+TEST(AbortTest, AbortReachesPeersWaitingOnAnotherPeer) {
+  // Rank 2 never joins; rank 0 aborts (Ctrl-C) while rank 1 waits for rank 2: rank 1 must
+  // learn at once that rank 0 gave up, not at its deadline (shm: any peer's failed flag; TCP:
+  // the urgent-byte alert on the link rank 1 is not reading).
+  for (ShmMode mode : {ShmMode::kOff, ShmMode::kOn}) {
+    Group g(3, 20s, mode, 128 * 1024);
+    std::vector<std::string> messages(2);
+    const auto start = Clock::now();
+    std::thread aborter([&] {
+      std::this_thread::sleep_for(200ms);
+      g[0].abort();
+    });
+    runRanks(2, [&](int r) {
+      std::vector<float> v(1000, 1.0f);
+      messages[static_cast<size_t>(r)] = expectCommError([&] {
+        g[r].allreduce(v.data(), v.size(), DataType::kFloat32, ReduceOp::kSum, in(20s));
+      }).what();
+    });
+    aborter.join();
+    EXPECT_LT(secondsSince(start), 10.0) << messages[1];  // hang guard: the deadline is 20 s
+    EXPECT_NE(messages[1].find("peer 0"), std::string::npos) << messages[1];
+  }
+}
+
 TEST(MismatchTest, RecvSizeDifferentFromSendNamesBothSizes) {
   Group g(2);
   std::string what;
@@ -229,14 +253,17 @@ TEST(MismatchTest, BroadcastSizeMismatchIsAnErrorNotCorruption) {
   runRanks(2, [&](int r) {
     std::vector<uint8_t> buf(128, static_cast<uint8_t>(r));
     const size_t bytes = r == 0 ? 64 : 128;
-    // The root only sends, so it may finish before the receiver notices; the receiver must fail.
+    // Descriptors are compared before data moves, so the root (which only sends) fails too.
     try {
       g[r].broadcast(buf.data(), bytes, 0, in(5s));
     } catch (const CommError& e) {
       what[static_cast<size_t>(r)] = e.what();
     }
   });
-  EXPECT_NE(what[1].find("size mismatch with peer 0"), std::string::npos) << what[1];
+  EXPECT_NE(what[0].find("size differs: this rank passes 64 bytes, rank 1 passes 128 bytes"), std::string::npos)
+      << what[0];
+  EXPECT_NE(what[1].find("size differs: this rank passes 128 bytes, rank 0 passes 64 bytes"), std::string::npos)
+      << what[1];
 }
 
 TEST(MismatchTest, DifferentCollectivesAreDetected) {
