@@ -260,7 +260,7 @@ def test_estimate_cli_prints_all_stages():
     assert total[3] == pytest.approx(16 / 8 * gib, rel=1e-3)
 
 
-def _stage1(rank, world, precision):
+def _stage1(rank, world, precision, tolerance):
     import zeroplus
     import zero_models as zm
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -282,7 +282,7 @@ def _stage1(rank, world, precision):
         if step % 2 == 1:
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             norm = opt.clip_grad_norm_(0.5)
-            assert abs(norm.item() - ref_norm.item()) <= 1e-3 * ref_norm.item()
+            assert abs(norm.item() - ref_norm.item()) <= max(tolerance, 1e-5) * ref_norm.item()
             ref_opt.step()
             ref_opt.zero_grad()
             opt.step()
@@ -293,7 +293,7 @@ def _stage1(rank, world, precision):
 
 @pytest.mark.parametrize("precision,tolerance", [(None, 1e-6), ("bf16", 2e-2)])
 def test_stage1_keeps_the_module_and_matches_ddp(precision, tolerance):
-    for same_module, diff in run_distributed(_stage1, 2, precision, timeout=240):
+    for same_module, diff in run_distributed(_stage1, 2, precision, tolerance, timeout=240):
         assert same_module
         assert diff < tolerance
 
