@@ -97,10 +97,15 @@ void ZeroPlusBackend::setTimeout(std::chrono::milliseconds timeout) {
 void ZeroPlusBackend::shutdown() {
   // destroy_process_group must not sit out an op's timeout: an op still running or queued (say,
   // one a peer never joined) is aborted and fails its Work; an idle group closes gracefully.
+  // A Work completes (and its waiter returns) before the worker clears busy_: a rank that
+  // waited on its last op and destroys the group at once must not abort, or peers still
+  // finishing that op would take the abort alert for a failure. So "in flight" means an
+  // incomplete Work, not busy_.
   bool inFlight = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    inFlight = busy_ || !queue_.empty();
+    inFlight = !queue_.empty();
+    for (const auto& w : running_) inFlight = inFlight || !w->isCompleted();
   }
   if (inFlight && comm_) comm_->abort();
   stopWorker();
@@ -172,6 +177,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) 
       // saves the hand-off to the worker and back. busy_ keeps the worker off meanwhile. A
       // fusible op runs as a batch of one (its peers may fuse more; they agree on one).
       busy_ = true;
+      running_.assign(1, task.work);
       if (task.timeout.count() <= 0) task.timeout = config_.timeout;
       lock.unlock();
       withCallbackPhase([&] {
@@ -185,6 +191,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) 
       });
       lock.lock();
       busy_ = false;
+      running_.clear();
       const bool more = !queue_.empty();
       lock.unlock();
       if (more) queueCv_.notify_one();
@@ -240,6 +247,8 @@ void ZeroPlusBackend::workerLoop() {
         batch.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
+      running_.clear();
+      for (const Task& t : batch) running_.push_back(t.work);
     }
     withCallbackPhase([&] {
       if (batch.front().fusible) {
@@ -251,6 +260,7 @@ void ZeroPlusBackend::workerLoop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;
+      running_.clear();
     }
   }
 }

@@ -184,6 +184,9 @@ class ZeroPlusBackend final : public c10d::Backend {
   bool stopping_ = false;
   bool fusion_ = false;       // fusible allreduces exist in this group (set once at construction)
   bool busy_ = false;         // an op is running (worker or inline caller); guarded by mutex_
+  // The Works of the op(s) busy_ refers to; guarded by mutex_. A Work completes (and wakes its
+  // waiter) before busy_ is cleared, so shutdown() asks these whether data is still moving.
+  std::vector<c10::intrusive_ptr<c10d::Work>> running_;
   std::string brokenReason_;  // non-empty after a transport failure; guarded by mutex_
   bool coalescing_ = false;   // inside startCoalescing()/endCoalescing(); guarded by mutex_
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedWorks_;  // guarded by mutex_
