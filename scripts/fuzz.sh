@@ -11,7 +11,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${ZEROPLUS_FUZZ_BUILD_DIR:-$repo_root/build-fuzz}"
 jobs="${ZEROPLUS_JOBS:-2}"
 seconds="${ZEROPLUS_FUZZ_SECONDS:-60}"
-all_targets=(config_fuzz peer_address_fuzz tcp_wire_fuzz)
+all_targets=(config_fuzz peer_address_fuzz tcp_wire_fuzz shm_setup_fuzz)
 targets=("$@")
 ((${#targets[@]})) || targets=("${all_targets[@]}")
 
