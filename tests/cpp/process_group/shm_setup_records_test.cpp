@@ -1,6 +1,6 @@
 // Set-up records of the shared-memory transport come from the store, i.e. from outside this
 // process: a malformed one is a CommError naming it, not an exception from inside std::string
-// (found by tests/fuzz/shm_setup_fuzz, input corpus/shm_setup_fuzz/regress-empty-agreement).
+// (reproduced by tests/fuzz/shm_setup_fuzz with corpus/shm_setup_fuzz/regress-empty-agreement).
 #include <gtest/gtest.h>
 
 #include "process_group/core/communicator.hpp"
