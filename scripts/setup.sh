@@ -9,7 +9,10 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${ZEROPLUS_VENV:-$repo_root/.venv}"
 torch_version="${ZEROPLUS_TORCH_VERSION:-2.13.0}"
 
-debian_packages=(cmake ninja-build ccache g++ liburing-dev libgtest-dev pkg-config fio python3-venv)
+# clang + libclang-rt-14-dev: libFuzzer and its sanitizer runtimes for scripts/fuzz.sh (the
+# sanitizer builds of scripts/sanitizers.sh use g++ and its libasan/libubsan/libtsan).
+debian_packages=(cmake ninja-build ccache g++ liburing-dev libgtest-dev pkg-config fio python3-venv
+                 clang libclang-rt-14-dev)
 
 missing=()
 for pkg in "${debian_packages[@]}"; do

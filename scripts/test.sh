@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The test command: set up (idempotent), build, run the GoogleTest suite through ctest and the
-# pytest suite. Exits non-zero when anything fails. Used by README.md and .ci/run.
+# pytest suite, then the CI guards (sanitizer and fuzz stages, docs/build.md) and the CUDA
+# compile check. Exits non-zero when anything fails. Used by README.md and .ci/run.
+# Local runs may skip stages: ZEROPLUS_SKIP_SANITIZERS=1, ZEROPLUS_SKIP_FUZZ=1,
+# ZEROPLUS_SKIP_CUDA_CHECK=1 (CI runs them all).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${ZEROPLUS_VENV:-$repo_root/.venv}"
@@ -18,6 +21,20 @@ ctest --test-dir "$build_dir" --output-on-failure -j 2 --timeout 300
 echo "[test] pytest suite"
 cd "$repo_root"
 "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider "$@"
+
+# CI guards, each in its own build directories of the torch-free cores (docs/build.md).
+if [[ "${ZEROPLUS_SKIP_SANITIZERS:-0}" != "1" ]]; then
+  echo "[test] sanitizer stage (ASan+UBSan and TSan GoogleTests; ZEROPLUS_SKIP_SANITIZERS=1 skips)"
+  start=$(date +%s)
+  bash "$repo_root/scripts/sanitizers.sh"
+  echo "[test] sanitizer stage took $(( $(date +%s) - start )) s"
+fi
+if [[ "${ZEROPLUS_SKIP_FUZZ:-0}" != "1" ]]; then
+  echo "[test] fuzz stage (libFuzzer, ${ZEROPLUS_FUZZ_SECONDS:-60} s per target; ZEROPLUS_SKIP_FUZZ=1 skips)"
+  start=$(date +%s)
+  bash "$repo_root/scripts/fuzz.sh"
+  echo "[test] fuzz stage took $(( $(date +%s) - start )) s"
+fi
 
 # A separate step with its own build directory, so it never slows or dirties the CPU build.
 if [[ "${ZEROPLUS_SKIP_CUDA_CHECK:-0}" != "1" ]]; then

@@ -2,6 +2,10 @@
 
 #include <cstdlib>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace zeroplus::optim {
 
 const char* isaName(Isa isa) {
@@ -20,14 +24,24 @@ std::optional<Isa> parseIsa(std::string_view name) {
   return std::nullopt;
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+namespace {
+// F16C from cpuid directly: clang before 16 rejects __builtin_cpu_supports("f16c") (the fuzz
+// and sanitizer builds use clang 14).
+bool hasF16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+}
+}  // namespace
+#endif
+
 bool cpuSupports(Isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
   switch (isa) {
     case Isa::kScalar: return true;
     // The AVX2 translation unit also uses FMA (fused multiply-add) and F16C (fp16 loads).
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && hasF16c();
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && cpuSupports(Isa::kAvx2);

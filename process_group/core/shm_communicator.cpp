@@ -207,7 +207,11 @@ std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvou
   rendezvous.set("zeroplus/shm/ok/" + std::to_string(rank), bytesOf(problem.empty() ? "1" : "0" + problem));
   for (int r = 0; r < size; ++r) {
     const std::string ok = r == rank ? (problem.empty() ? "1" : "0" + problem) : get("zeroplus/shm/ok/" + std::to_string(r));
-    if (ok != "1" && problem.empty()) problem = "rank " + std::to_string(r) + ": " + ok.substr(1);
+    if (ok != "1" && problem.empty()) {
+      // A peer writes "1" or "0<why>"; anything else in the store is reported, never substr'd blindly.
+      problem = "rank " + std::to_string(r) + ": " +
+                (ok.size() > 1 && ok[0] == '0' ? ok.substr(1) : "malformed agreement record '" + ok + "'");
+    }
   }
   own.unlink();
   if (!problem.empty()) {

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "process_group/core/peer_address.hpp"
 #include "process_group/core/socket.hpp"
 
 namespace zeroplus::pg::detail {
@@ -32,41 +33,11 @@ struct Hello {
 };
 static_assert(sizeof(Hello) == 24);
 
-struct PeerAddress {
-  std::string host;
-  std::string addr;
-  uint16_t port = 0;
-  bool any = false;  // listening on every interface, so loopback reaches it from the same host
-  uint64_t nonce = 0;
-};
-
+// Rendezvous entries (peer_address.hpp): the strict decoder returns false on a malformed entry
+// instead of throwing from std::stoul, and refuses ports past 65535 instead of truncating them.
 std::string addressKey(int rank) { return "zeroplus/addr/" + std::to_string(rank); }
-
-std::vector<uint8_t> encode(const PeerAddress& a) {
-  std::ostringstream os;
-  os << "host=" << a.host << ";addr=" << a.addr << ";port=" << a.port << ";any=" << (a.any ? 1 : 0)
-     << ";nonce=" << a.nonce;
-  const std::string s = os.str();
-  return {s.begin(), s.end()};
-}
-
-bool decode(const std::vector<uint8_t>& bytes, PeerAddress* out) {
-  std::string s(bytes.begin(), bytes.end());
-  std::map<std::string, std::string> kv;
-  std::istringstream is(s);
-  std::string item;
-  while (std::getline(is, item, ';')) {
-    const auto eq = item.find('=');
-    if (eq != std::string::npos) kv[item.substr(0, eq)] = item.substr(eq + 1);
-  }
-  if (!kv.count("addr") || !kv.count("port") || !kv.count("nonce")) return false;
-  out->host = kv["host"];
-  out->addr = kv["addr"];
-  out->port = static_cast<uint16_t>(std::stoul(kv["port"]));
-  out->any = kv["any"] == "1";
-  out->nonce = std::stoull(kv["nonce"]);
-  return true;
-}
+std::vector<uint8_t> encode(const PeerAddress& a) { return encodePeerAddress(a); }
+bool decode(const std::vector<uint8_t>& bytes, PeerAddress* out) { return decodePeerAddress(bytes, out); }
 
 double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
