@@ -102,13 +102,13 @@ def _issue(i, op, rank, world, async_op):
     if kind == "allgather":
         out = torch.empty(world * numel, dtype=dtype)
         want = torch.cat([_fill(i, r, numel, dtype) for r in range(world)])
-        work = dist.all_gather_into_tensor(out, _fill(i, rank, numel, dtype), async_op=async_op)
+        work = dist.all_gather_single(out, _fill(i, rank, numel, dtype), async_op=async_op)
         return [work], lambda: _expect(i, op, out, want)
     if kind == "reduce_scatter":
         out = torch.empty(numel, dtype=dtype)
         inp = _fill(i, rank, world * numel, dtype)
         want = _reduced(i, world, numel, dtype, op["reduce"])
-        work = dist.reduce_scatter_tensor(out, inp, op=red, async_op=async_op)
+        work = dist.reduce_scatter_single(out, inp, op=red, async_op=async_op)
         return [work], lambda: _expect(i, op, out, want)
     if kind == "barrier":
         return [dist.barrier(async_op=async_op)], lambda: None
@@ -191,6 +191,7 @@ def _check_survivors(results, fault_rank, fault_time, label):
         assert "zeroplus" in message and ("rank" in message or "peer" in message), (label, r, message)
         delay = failed_at - fault_time
         assert delay < GUARD_S, f"{label}: rank {r} raised {delay:.1f} s after the fault (> {GUARD_S} s): {message}"
+        print(f"{label}: rank {r} raised at op {done}, {delay:.3f} s after the fault: {message.splitlines()[0][:160]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,10 +242,10 @@ def test_sigkill_random_rank_at_random_point(trial, tmp_path):
     world, victim = trial["world"], trial["victim"]
     results = run_distributed(
         _sigkill_rank, world, trial, str(tmp_path), env=TRANSPORTS[trial["transport"]],
-        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S, expected_exits={victim: -signal.SIGKILL},
+        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S, start_method="forkserver", expected_exits={victim: -signal.SIGKILL},
     )
     killed_at = float(_read(tmp_path / "killed_at"))
-    _check_survivors(results, victim, killed_at, f"trial {trial}")
+    _check_survivors(results, victim, killed_at, f"trial {trial['trial']}")
     leftovers = _leftover_segments(_pids(tmp_path, world))
     assert not leftovers, f"trial {trial}: /dev/shm leftovers {leftovers}"
 
@@ -265,14 +266,15 @@ def _sigstop_rank(rank, world, seed, victim, stop_s, flag_dir):
         if rank == controller:
             _wait_for_files([os.path.join(flag_dir, f"pid.{r}") for r in range(world)], 30)
             victim_pid = int(_read(os.path.join(flag_dir, f"pid.{victim}")))
+        if stop_s is None and rank not in (victim, controller):
+            return _run_until_failure(ops, rank, world)
         for i in range(N_OPS):
             if rank == controller and i == at:
                 os.kill(victim_pid, signal.SIGSTOP)
                 _write(os.path.join(flag_dir, "stopped_at"), repr(time.time()))
-                if stop_s is not None:
-                    threading.Timer(stop_s, os.kill, (victim_pid, signal.SIGCONT)).start()
-            if stop_s is None and rank != victim:
-                return _run_until_failure(ops, rank, world, first=i)
+                if stop_s is None:
+                    return _run_until_failure(ops, rank, world, first=i)
+                threading.Timer(stop_s, os.kill, (victim_pid, signal.SIGCONT)).start()
             _run_op(i, ops[i], rank, world)
         return "completed"
     finally:
@@ -293,7 +295,7 @@ STOP_CASES = [  # (transport, world, victim, seed)
 def test_sigstop_shorter_than_timeout_then_sigcont_completes(transport, world, victim, seed, tmp_path):
     results = run_distributed(
         _sigstop_rank, world, seed, victim, 1.5, str(tmp_path), env=TRANSPORTS[transport],
-        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S,
+        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S, start_method="forkserver",
     )
     assert results == ["completed"] * world, results  # every op's result was checked on every rank
     assert os.path.exists(tmp_path / "stopped_at")
@@ -304,7 +306,7 @@ def test_sigstop_shorter_than_timeout_then_sigcont_completes(transport, world, v
 def test_sigstop_longer_than_timeout_fails_every_other_rank(transport, world, victim, seed, tmp_path):
     results = run_distributed(
         _sigstop_rank, world, seed, victim, None, str(tmp_path), env=TRANSPORTS[transport],
-        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S, expected_exits={victim: -signal.SIGKILL},
+        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S, start_method="forkserver", expected_exits={victim: -signal.SIGKILL},
     )
     stopped_at = float(_read(tmp_path / "stopped_at"))
     _check_survivors(results, victim, stopped_at, f"stop {transport} world {world} victim {victim}")
@@ -363,7 +365,7 @@ SIGINT_CASES = [  # (transport, world, victim, mode, seed)
 def test_sigint_at_random_point_of_workload(transport, world, victim, mode, seed, tmp_path):
     results = run_distributed(
         _sigint_rank, world, seed, victim, mode, str(tmp_path), env=TRANSPORTS[transport],
-        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S,
+        pg_timeout=PG_TIMEOUT_S, timeout=RUN_TIMEOUT_S, start_method="forkserver",
     )
     assert results[victim] in (["KeyboardInterrupt"], ["DistBackendError", "KeyboardInterrupt"]), results[victim]
     interrupted_at = float(_read(tmp_path / "interrupted_at"))
