@@ -370,4 +370,8 @@ def test_sigint_at_random_point_of_workload(transport, world, victim, mode, seed
     assert results[victim] in (["KeyboardInterrupt"], ["DistBackendError", "KeyboardInterrupt"]), results[victim]
     interrupted_at = float(_read(tmp_path / "interrupted_at"))
     _check_survivors(results, victim, interrupted_at, f"sigint {transport} {mode} world {world} rank {victim}")
+    # Told of the abort, not left to wait out the op timeout (30 min by default), also when the
+    # SIGINT lands between two ops (the "timer" cases; before the fix they timed out).
+    for r, res in enumerate(results):
+        assert r == victim or "timed out" not in res[2], (r, res)
     assert not _leftover_segments(_pids(tmp_path, world))
