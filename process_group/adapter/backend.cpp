@@ -76,9 +76,13 @@ ZeroPlusBackend::~ZeroPlusBackend() {
 }
 
 void ZeroPlusBackend::onInterrupt() {
+  // Abort even when this rank has nothing in flight: its peers may be blocked in a collective
+  // this rank will now never issue (Ctrl-C landed between two ops, and the process lives on in
+  // a notebook, a cleanup handler or a debugger); only the abort tells them before the op
+  // timeout. Whether an op happened to be in flight at that microsecond must not decide it.
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_ || (!busy_ && queue_.empty())) return;  // nothing blocked on this group
+    if (stopping_) return;
     interrupted_ = true;
   }
   comm_->abort();

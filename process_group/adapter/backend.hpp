@@ -168,7 +168,8 @@ class ZeroPlusBackend final : public c10d::Backend {
   void runTask(Task& task);
   void runFused(std::vector<Task>& batch);
   void failTask(Task& task, std::exception_ptr error);
-  // The listener of interrupt_watch.hpp: aborts the op in flight, if any. Watcher thread.
+  // The listener of interrupt_watch.hpp: aborts the group (the op in flight, if any, and the
+  // peers' ops waiting for this rank). Watcher thread.
   void onInterrupt();
   // e.what(), saying so when the failure is the abort of onInterrupt().
   std::string failureText(const CommError& e) const;

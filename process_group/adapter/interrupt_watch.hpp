@@ -10,8 +10,9 @@
 //     eventfd (async-signal-safe) and then calls the saved handler, so Python still records the
 //     signal and raises KeyboardInterrupt as soon as control returns to it.
 //   * a watcher thread, started by the first install, wakes on the eventfd and runs every
-//     listener; ZeroPlusBackend aborts its op in flight, which fails the blocked call within
-//     milliseconds (and tells the peers through the transport's abort).
+//     listener; ZeroPlusBackend aborts its group, which fails a blocked call within
+//     milliseconds and tells the peers through the transport's abort (also when nothing was in
+//     flight here: the peers may be waiting for an op this rank will not issue).
 // The backend hook calls it only while Python's default KeyboardInterrupt handler is set: a
 // program with its own SIGINT handler (graceful shutdown) keeps its ops. signal.signal() later
 // replaces the chain, and with it this behaviour. In a forked child the handler only forwards.
