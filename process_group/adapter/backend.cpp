@@ -184,15 +184,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::submit(Task task, bool asyncOp) 
       running_.assign(1, task.work);
       if (task.timeout.count() <= 0) task.timeout = config_.timeout;
       lock.unlock();
-      withCallbackPhase([&] {
-        if (task.fusible) {
-          std::vector<Task> batch;
-          batch.push_back(std::move(task));
-          runFused(batch);
-        } else {
-          runTask(task);
-        }
-      });
+      withCallbackPhase([&] { runSingle(task); });
       lock.lock();
       busy_ = false;
       running_.clear();
@@ -266,6 +258,16 @@ void ZeroPlusBackend::workerLoop() {
       busy_ = false;
       running_.clear();
     }
+  }
+}
+
+void ZeroPlusBackend::runSingle(Task& task) {
+  if (task.fusible) {
+    std::vector<Task> batch;
+    batch.push_back(std::move(task));
+    runFused(batch);
+  } else {
+    runTask(task);
   }
 }
 

@@ -166,6 +166,8 @@ class ZeroPlusBackend final : public c10d::Backend {
   static CallbackPhase*& threadPhase();     // innermost phase of the calling thread, or nullptr
   void workerLoop();
   void runTask(Task& task);
+  // One op on its own: a fusible one runs as a batch of one (its peers may fuse more; they agree on one).
+  void runSingle(Task& task);
   void runFused(std::vector<Task>& batch);
   void failTask(Task& task, std::exception_ptr error);
   // The listener of interrupt_watch.hpp: aborts the group (the op in flight, if any, and the

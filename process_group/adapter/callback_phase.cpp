@@ -106,15 +106,7 @@ void ZeroPlusBackend::runPhase(CallbackPhase& phase) {
       task = std::move(phase.tasks.front());
       phase.tasks.pop_front();
     }
-    withCallbackPhase([&] {
-      if (task.fusible) {
-        std::vector<Task> batch;
-        batch.push_back(std::move(task));
-        runFused(batch);
-      } else {
-        runTask(task);
-      }
-    });
+    withCallbackPhase([&] { runSingle(task); });
   }
 }
 

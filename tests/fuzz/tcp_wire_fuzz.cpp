@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "fuzz_rendezvous.hpp"
+#include "tests/cpp/process_group/memory_rendezvous.hpp"
 #include "process_group/core/exchange.hpp"
 #include "process_group/core/tcp_mesh.hpp"
 
@@ -37,7 +37,7 @@ struct Pair {
 Pair& meshes() {
   static Pair* pair = [] {
     auto* p = new Pair;
-    fuzzing::MemoryRendezvous rendezvous;
+    testing::InMemoryRendezvous rendezvous;
     auto options = [](int rank) {
       CommunicatorOptions o;
       o.rank = rank;

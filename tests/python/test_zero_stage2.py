@@ -23,7 +23,6 @@ def _max_param_diff(model, ref):
 
 
 def _parity(rank, world, accumulate, clip, lr=LR):
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import zeroplus

@@ -19,7 +19,6 @@ groups into the inner groups before every step.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist

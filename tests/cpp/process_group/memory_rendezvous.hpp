@@ -1,8 +1,10 @@
-// An in-process rendezvous for fuzz targets whose ranks are threads (the GoogleTest helpers'
-// InMemoryRendezvous without the GoogleTest dependency).
+// An in-process rendezvous for ranks that are threads of one process. No GoogleTest dependency,
+// so the fuzz targets (tests/fuzz) share it with the GoogleTest helpers (test_group.hpp).
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -11,9 +13,9 @@
 
 #include "process_group/core/rendezvous.hpp"
 
-namespace zeroplus::pg::fuzzing {
+namespace zeroplus::pg::testing {
 
-class MemoryRendezvous : public Rendezvous {
+class InMemoryRendezvous : public Rendezvous {
  public:
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
     {
@@ -36,4 +38,4 @@ class MemoryRendezvous : public Rendezvous {
   std::map<std::string, std::vector<uint8_t>> kv_;
 };
 
-}  // namespace zeroplus::pg::fuzzing
+}  // namespace zeroplus::pg::testing
