@@ -144,6 +144,11 @@ def _bad_input(rank, world):
     expect("optimizer_class", TypeError, lambda: zeroplus.initialize(model, "AdamW", stage=2))
     expect("differentiable", ValueError, lambda: zeroplus.initialize(
         model, torch.optim.AdamW, stage=2, mixed_precision="bf16", differentiable=True))
+    expect("bad_hyperparameter", TypeError, lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=2,
+                                                                         mixed_precision="bf16", momentum=0.9))
+    expect("negative_lr", ValueError, lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=-1.0))
+    expect("offload", ValueError, lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=2,
+                                                              offload_optimizer={"device": "cpu"}))
     mixed = zm.make_model()
     mixed.head = torch.nn.Linear(32, 64, bias=False).to("meta")
     expect("devices", ValueError, lambda: zeroplus.initialize(mixed, torch.optim.AdamW, stage=2))
@@ -172,6 +177,9 @@ def test_bad_input_is_rejected_naming_the_argument_and_changes_nothing():
     assert "optimizer_class" in errors["optimizer_class"]
     assert "differentiable" in errors["differentiable"]
     assert "devices" in errors["devices"]
+    assert "momentum" in errors["bad_hyperparameter"] and "AdamW" in errors["bad_hyperparameter"]
+    assert "learning rate" in errors["negative_lr"]
+    assert "offload_optimizer" in errors["offload"]
     assert "max_norm" in errors["max_norm"] and "max_norm" in errors["max_norm_neg"]
     assert "already" in errors["twice"]
     assert unchanged

@@ -133,6 +133,10 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     if unknown:
         raise ValueError(f"zeroplus.initialize: config has unknown keys {unknown}")
 
+    for key in ("offload_optimizer", "offload_param"):
+        if key in optimizer_defaults:
+            raise ValueError(f"zeroplus.initialize: {key}= is not built yet (CPU/NVMe offload comes with the offload "
+                             f"work); nothing was changed")
     # Optimizer: class and hyperparameters.
     opt_cfg = _section(cfg, "optimizer", {"type", "params"})
     cfg_class = _optimizer_class_from_name(opt_cfg["type"]) if "type" in opt_cfg else None

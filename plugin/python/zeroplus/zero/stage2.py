@@ -67,6 +67,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self.module = module
         self.gradient_clipping = float(gradient_clipping)
         self._check_params(name)
+        self._check_hyperparameters(name, optimizer_class)
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         if not any(trainable):
@@ -112,6 +113,16 @@ class Stage2Optimizer(torch.optim.Optimizer):
                     raise TypeError(f"{name}: trainable parameter of dtype {p.dtype} is not floating point")
                 if p.requires_grad and (p.is_sparse or p.layout is not torch.strided):
                     raise ValueError(f"{name}: parameter layout {p.layout} is not supported (dense tensors only)")
+
+    def _check_hyperparameters(self, name: str, optimizer_class) -> None:
+        """Let the optimizer class judge the hyperparameters (keyword arguments, as the user's own
+        `optimizer_class(params, **defaults)` would take them) on a scratch parameter before any
+        parameter is cast, flattened or hooked: torch's TypeError/ValueError, naming the argument,
+        then leaves the user's model untouched."""
+        try:
+            optimizer_class([torch.nn.Parameter(torch.zeros(1))], **self.defaults)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {optimizer_class.__name__} rejects the hyperparameters: {e}") from e
 
     def _dtype_of(self, p: torch.Tensor) -> torch.dtype:
         return self.compute_dtype or p.dtype
