@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -10,8 +11,10 @@ class TiedGPT(nn.Module):
     """A tiny decoder with the token embedding tied to the LM head (GPT-2 style), so tied
     parameters are exercised by every stage test."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 2, context: int = 16):
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 2, context: int = 16,
+                 checkpoint: bool = False):
         super().__init__()
+        self.checkpoint = checkpoint  # non-reentrant activation checkpointing of every block
         self.embed = nn.Embedding(vocab, dim)
         self.position = nn.Parameter(torch.randn(context, dim) * 0.02)
         # bias=False: attention's key bias has a mathematically zero gradient (softmax is shift
@@ -30,7 +33,12 @@ class TiedGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
         x = self.embed(tokens) + self.position[:n]
-        x = self.blocks(x, mask=self.causal_mask[:n, :n], is_causal=True)
+        mask = self.causal_mask[:n, :n]
+        if self.checkpoint:
+            for layer in self.blocks.layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, mask, None, True, use_reentrant=False)
+        else:
+            x = self.blocks(x, mask=mask, is_causal=True)
         return self.head(self.norm(x))
 
 
@@ -50,3 +58,32 @@ def batch(step: int, rank: int, size: int = 4, context: int = 16, vocab: int = 6
 def loss_fn(model, tokens, targets):
     logits = model(tokens)
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class ReuseAndBranch(nn.Module):
+    """A block applied twice in one forward (parameters used twice) and a branch taken on odd
+    steps only (the unit order changes between steps), plus a frozen projection."""
+
+    def __init__(self, dim: int = 24, vocab: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                                     for _ in range(3)])
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(dim, vocab)
+        self.branch = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.layers[0](x)
+        x = x + self.layers[0](x)          # the same block again
+        if self.branch:
+            x = x + self.layers[2](x)      # skipped on even steps
+        x = x + self.layers[1](x)
+        return self.head(self.frozen(x))
+
+
+def make_reuse_model(seed: int = 0) -> ReuseAndBranch:
+    torch.manual_seed(seed)
+    return ReuseAndBranch()

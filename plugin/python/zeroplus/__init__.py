@@ -21,7 +21,7 @@ load_library()
 from . import aio, optim  # noqa: E402  (need the library loaded)
 from .backend_options import BackendOptions  # noqa: E402
 from .optim import ZeroRedundancyOptimizer  # noqa: E402
-from .zero import GradScaler, estimate_memory, initialize, memory_report  # noqa: E402
+from .zero import GradScaler, estimate_memory, full_state_dict, initialize, memory_report  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -29,6 +29,7 @@ __all__ = [
     "BackendOptions",
     "built_torch_version",
     "estimate_memory",
+    "full_state_dict",
     "GradScaler",
     "initialize",
     "memory_report",

@@ -1,10 +1,12 @@
-"""ZeRO stages 1-2 behind one call: zeroplus.initialize (see docs/zero.md)."""
+"""ZeRO stages 1-3 behind one call: zeroplus.initialize (see docs/zero.md)."""
 
+from .full_state import full_state_dict
 from .grad_scaler import GradScaler
 from .initialize import initialize
 from .loss_scaler import DynamicLossScaler, LossScalerOptions
 from .memory import estimate_memory, memory_report
 from .stage2 import Stage1Optimizer, Stage2Optimizer
+from .stage3 import Stage3Optimizer
 
-__all__ = ["GradScaler", "initialize", "estimate_memory", "memory_report", "Stage1Optimizer", "Stage2Optimizer",
-           "DynamicLossScaler", "LossScalerOptions"]
+__all__ = ["full_state_dict", "GradScaler", "initialize", "estimate_memory", "memory_report", "Stage1Optimizer",
+           "Stage2Optimizer", "Stage3Optimizer", "DynamicLossScaler", "LossScalerOptions"]

@@ -4,7 +4,13 @@ The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names 
 
     optimizer.type / optimizer.params          optimizer class ("Adam", "AdamW", "SGD", or any
                                                torch.optim class name) and its hyperparameters
-    zero_optimization.stage                    1, 2 (3 comes with the stage-3 engine)
+    zero_optimization.stage                    1, 2, 3
+    zero_optimization.stage3_prefetch_bucket_size, .stage3_max_live_parameters,
+         .stage3_param_persistence_threshold   stage-3 knobs (elements), as in DeepSpeed
+    zero_optimization.stage3_max_reuse_distance, .stage3_gather_16bit_weights_on_model_save
+                                               accepted for compatibility, no effect (units are
+                                               released when their backward is done;
+                                               zeroplus.full_state_dict gathers on demand)
     zero_optimization.reduce_bucket_size       gradient bucket, in elements
     zero_optimization.allgather_bucket_size    accepted for compatibility (buckets are shared)
     zero_optimization.overlap_comm, .contiguous_gradients, .reduce_scatter
@@ -48,7 +54,16 @@ _IGNORED_TOP_LEVEL = {
 _KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types"}
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
               "reduce_scatter", "allgather_partitions", "round_robin_gradients", "elastic_checkpoint",
-              "load_from_fp32_weights", "ignore_unused_parameters", "sub_group_size"}
+              "load_from_fp32_weights", "ignore_unused_parameters", "sub_group_size",
+              "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold",
+              "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+              "stage3_gather_fp16_weights_on_model_save"}
+# Stage-3 keyword arguments of zeroplus.initialize and their DeepSpeed config names (None: no
+# config name, keyword only).
+STAGE3_KEYWORDS = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
+                   "max_live_parameters": "stage3_max_live_parameters",
+                   "param_persistence_threshold": "stage3_param_persistence_threshold",
+                   "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None}
 _FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 _PRECISIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,6 +83,7 @@ class ZeroSettings:
     gradient_clipping: float = 0.0
     grad_accum_dtype: torch.dtype | None = None   # None: the compute dtype
     ignored_keys: list[str] = field(default_factory=list)
+    stage3: dict[str, Any] = field(default_factory=dict)  # Stage3Optimizer keyword arguments
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -150,6 +166,7 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     opt_class = optimizer_class or cfg_class
     if opt_class is None:
         raise ValueError("zeroplus.initialize: no optimizer: pass optimizer_class or config['optimizer']['type']")
+    stage3_args = {k: optimizer_defaults.pop(k) for k in list(optimizer_defaults) if k in STAGE3_KEYWORDS}
     cfg_params = opt_cfg.get("params", {})
     if not isinstance(cfg_params, dict):
         raise ValueError(f"zeroplus.initialize: config['optimizer']['params'] must be an object, got {cfg_params!r}")
@@ -164,9 +181,14 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     stage = _merge("stage", stage, zero_cfg.get("stage"), "['zero_optimization']['stage']")
     if stage is None:
         raise ValueError("zeroplus.initialize: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2):
-        hint = " (stage 3 is not built yet)" if stage == 3 else ""
-        raise ValueError(f"zeroplus.initialize: stage must be 1 or 2, got {stage!r}{hint}")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
+        raise ValueError(f"zeroplus.initialize: stage must be 1, 2 or 3, got {stage!r}")
+    for key, cfg_key in STAGE3_KEYWORDS.items():
+        if cfg_key is not None and cfg_key in zero_cfg:
+            stage3_args[key] = _merge(key, stage3_args.get(key), zero_cfg[cfg_key],
+                                      f"['zero_optimization'][{cfg_key!r}]")
+    if stage != 3 and stage3_args:
+        raise ValueError(f"zeroplus.initialize: {sorted(stage3_args)} apply to stage 3 only, got stage={stage}")
     for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
         if zero_cfg.get(key) is False:
             raise ValueError(f"zeroplus.initialize: config['zero_optimization'][{key!r}]=false is not supported: "
@@ -191,7 +213,7 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     precision = mixed_precision or cfg_precision
 
     settings = ZeroSettings(stage=stage, optimizer_class=opt_class, optimizer_defaults=defaults,
-                            mixed_precision=precision, reduce_bucket_elems=int(bucket))
+                            mixed_precision=precision, reduce_bucket_elems=int(bucket), stage3=stage3_args)
     if precision == "fp16":
         loss_scale = fp16_cfg.get("loss_scale", 0)
         if not _is_number(loss_scale) or loss_scale < 0:

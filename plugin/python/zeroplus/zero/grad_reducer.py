@@ -29,6 +29,10 @@ from torch.autograd import Variable
 from . import comm
 from .layout import Bucket
 
+# Full-size bucket inputs allowed in flight at once (overlap needs two: one on the wire while the
+# next fills).
+MAX_INFLIGHT_INPUTS = 2
+
 
 class GradientReducer:
     def __init__(self, buckets: list[Bucket], group, world_size: int, rank: int, accum_dtype: torch.dtype | None,
@@ -68,7 +72,7 @@ class GradientReducer:
 
     def communication_bytes(self) -> int:
         live = [t for t in self._buffers if t is not None]
-        live += [t for _, _, out, buf in self._inflight for t in (out, buf)]
+        live += [t for _, _, out, buf in self._inflight for t in (out, buf) if t is not None]
         return sum(t.numel() * t.element_size() for t in live)
 
     def _buffer(self, b: int) -> torch.Tensor:
@@ -122,9 +126,21 @@ class GradientReducer:
             out = buf
             work = dist.all_reduce(buf, group=self.group, async_op=True)
         # The input stays referenced until the work is waited on (a backend may read it late).
-        self._inflight.append((b, work, out, buf))
+        self._inflight.append([b, work, out, buf])
         self._buffers[b] = None
         self._next = b + 1
+        self._retire_inputs()
+
+    def _retire_inputs(self) -> None:
+        """Keep at most MAX_INFLIGHT_INPUTS full-size bucket inputs alive: wait for older
+        reduce-scatters and drop their inputs. Their outputs (1/world_size of a bucket) are kept
+        and added to the accumulators only when the whole pass succeeded. Without this every
+        bucket's full gradient would stay alive until backward ends: the full gradient size,
+        transiently, which ZeRO-2/3 exist to avoid."""
+        live = [entry for entry in self._inflight if entry[3] is not None]
+        for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
+            entry[1].wait()
+            entry[3] = None
 
     def _finish_pass(self) -> None:
         try:

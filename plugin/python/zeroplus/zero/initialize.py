@@ -1,10 +1,10 @@
-"""zeroplus.initialize: the one entry point for ZeRO stages 1 and 2 (stage 3 joins later).
+"""zeroplus.initialize: the one entry point for ZeRO stages 1, 2 and 3.
 
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=3e-4, mixed_precision="bf16")
 
 Stage 1 in fp32 is DistributedDataParallel + zeroplus.ZeroRedundancyOptimizer (routed so the user
 keeps their module object); stage 1 with mixed precision and stage 2 are the flat-bucket engine
-(Stage1Optimizer / Stage2Optimizer). Arguments and the DeepSpeed-style config are merged by
+(Stage1Optimizer / Stage2Optimizer); stage 3 is Stage3Optimizer. Arguments and the DeepSpeed-style config are merged by
 config.resolve; every check runs before anything is changed.
 """
 
@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import config as config_mod
 from .ddp_route import route_through_ddp
 from .stage2 import Stage1Optimizer, Stage2Optimizer
+from .stage3 import Stage3Optimizer
 
 
 def _check_model(model) -> None:
@@ -41,6 +42,9 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
     """Returns (model, optimizer). See docs/zero.md."""
     settings = config_mod.resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     _check_model(model)
+    if settings.stage != 3 and any(p.is_meta for p in model.parameters()):
+        raise ValueError("zeroplus.initialize: model has parameters on the meta device; building from meta needs "
+                         "stage=3 (parameters are materialised shard by shard)")
     if not dist.is_initialized():
         raise RuntimeError("zeroplus.initialize: torch.distributed is not initialized; call "
                            "dist.init_process_group(backend='zeroplus') (or gloo/nccl) first")
@@ -56,8 +60,8 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
         _attach_stage1_helpers(opt, model, ddp)
         return model, opt
 
-    engine = Stage2Optimizer if settings.stage == 2 else Stage1Optimizer
-    opt = engine(model.parameters(), settings.optimizer_class, process_group=process_group,
+    engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
+    opt = engine(model.parameters(), settings.optimizer_class, process_group=process_group, **settings.stage3,
                  mixed_precision=settings.mixed_precision, module=model,
                  reduce_bucket_elems=settings.reduce_bucket_elems, loss_scaler=settings.loss_scaler,
                  static_loss_scale=settings.static_loss_scale, gradient_clipping=settings.gradient_clipping,

@@ -27,6 +27,7 @@ class Entry:
     param: torch.nn.Parameter
     offset: int  # inside the bucket
     numel: int
+    shape: torch.Size = torch.Size()  # the parameter's full shape (at stage 3 .data is a shard)
 
 
 @dataclass
@@ -39,7 +40,11 @@ class Bucket:
     shard_numel: int
     used: int
     entries: list[Entry] = field(default_factory=list)
-    flat: torch.Tensor | None = None  # the parameters' storage (numel elements)
+    flat: torch.Tensor | None = None  # the parameters' storage (numel elements); stage 3: only while gathered
+    shard: torch.Tensor | None = None  # stage 3: this rank's persistent slice (shard_numel elements)
+    unit: int = -1                     # stage 3: the gather unit that owns the bucket
+    persistent: bool = False           # stage 3: kept whole on every rank (small parameters)
+    trainable: bool = True             # stage 3: False for buckets of frozen parameters
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -47,26 +52,33 @@ class Bucket:
 
 def plan_buckets(groups: list[list[torch.nn.Parameter]], world_size: int, cap_elems: int,
                  dtype_of) -> list[Bucket]:
-    """Buckets for the trainable parameters of `groups` (lists of parameters, frozen ones
+    """Stage-2 buckets for the trainable parameters of `groups` (lists of parameters, frozen ones
     excluded by the caller). dtype_of(p) is the compute dtype p will have."""
-    ordered, segments, keys = [], [], {}
-    for g in reversed(range(len(groups))):
-        for p in reversed(groups[g]):
-            key = (g, dtype_of(p), p.device)
-            segments.append(keys.setdefault(key, len(keys)))
-            ordered.append((g, p))
-    numels = [p.numel() for _, p in ordered]
+    items = [(g, p, (g, dtype_of(p), p.device)) for g in reversed(range(len(groups))) for p in reversed(groups[g])]
+    return [b for b, _key in plan_segments(items, world_size, cap_elems, dtype_of)]
+
+
+def plan_segments(items, world_size: int, cap_elems: int, dtype_of) -> list[tuple[Bucket, object]]:
+    """Buckets for `items`, a list of (param group index, parameter, key) in the order gradients
+    are expected to become ready. Consecutive items with equal keys may share a bucket (the key
+    must include the group, dtype and device); returns (bucket, key) pairs in bucket order."""
+    segments, keys = [], {}
+    for _g, _p, key in items:
+        segments.append(keys.setdefault(key, len(keys)))
+    numels = [p.numel() for _, p, _ in items]
     raw = torch.ops.zeroplus.plan_flat_buckets(numels, segments, world_size, cap_elems, ALIGN_ELEMS)
-    buckets, pos = [], 1
+    out, pos = [], 1
     for index in range(raw[0]):
         _segment, numel, shard, used, count = raw[pos:pos + 5]
         pos += 5
         entries = []
+        first_item = None
         for _ in range(count):
             i, offset, n = raw[pos:pos + 3]
             pos += 3
-            entries.append(Entry(ordered[i][1], offset, n))
-        first = entries[0].param
-        buckets.append(Bucket(index=index, group=ordered[raw[pos - 3 * count]][0], dtype=dtype_of(first),
-                              device=first.device, numel=numel, shard_numel=shard, used=used, entries=entries))
-    return buckets
+            first_item = items[i] if first_item is None else first_item
+            entries.append(Entry(items[i][1], offset, n, items[i][1].shape))
+        group, first, key = first_item
+        out.append((Bucket(index=index, group=group, dtype=dtype_of(first), device=first.device, numel=numel,
+                           shard_numel=shard, used=used, entries=entries), key))
+    return out

@@ -7,6 +7,8 @@ Categories (bytes on this rank):
   master_parameters      fp32 master copies separate from the parameters (mixed precision)
   optimizer_state        the optimizer's state tensors (only the owned shard at stages 1-3)
   communication_buffers  bucket buffers alive right now (transient: empty at rest)
+  gathered_parameters    stage 3: full parameters gathered right now (0 between steps)
+  peak_gathered_parameters  stage 3: the most gathered at once so far (prefetch included)
   model_state            parameters + gradients + master_parameters + optimizer_state
 """
 
@@ -56,6 +58,9 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["master_parameters"] = ours["master_parameters"]
         report["optimizer_state"] = ours["optimizer_state"]
         report["communication_buffers"] = ours["communication_buffers"]
+        for key in ("gathered_parameters", "peak_gathered_parameters"):  # stage 3
+            if key in ours:
+                report[key] = ours[key]
     else:
         local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its shard's optimizer there
         report["optimizer_state"] = _tensor_bytes(_state_tensors(local.state))
@@ -64,7 +69,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
 
 
 def optimizer_bytes(opt) -> dict[str, int]:
-    param_ptrs = {b.flat.untyped_storage().data_ptr() for b in opt.buckets}
+    param_ptrs = {t.untyped_storage().data_ptr() for b in opt.buckets for t in (b.flat, b.shard) if t is not None}
     masters = [m for m in opt.masters if m.untyped_storage().data_ptr() not in param_ptrs]
     return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
             "optimizer_state": _tensor_bytes(_state_tensors(opt.inner.state)),

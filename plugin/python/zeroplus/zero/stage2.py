@@ -19,6 +19,7 @@ groups into the inner groups before every step.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -72,9 +73,10 @@ class Stage2Optimizer(torch.optim.Optimizer):
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         if not any(trainable):
             raise ValueError(f"{name}: params has no parameter with requires_grad=True")
+        self._check_module(name, trainable)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
-        self.buckets = plan_buckets(trainable, self.world_size, reduce_bucket_elems, self._dtype_of)
+        self.buckets = self._plan_layout(trainable, reduce_bucket_elems)
         self.masters = self._build_flat_buffers()
         self._sync_unmanaged(trainable)
         self._build_inner(optimizer_class)
@@ -96,6 +98,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
             if self.compute_dtype is not None:
                 self._input_cast = precision.install_input_cast(module, self.compute_dtype)
             module.no_sync = self.no_sync  # DDP's accumulation context, on the user's own module
+        self._finish_construction()
 
     # -- construction --------------------------------------------------------------------------
 
@@ -123,6 +126,20 @@ class Stage2Optimizer(torch.optim.Optimizer):
             optimizer_class([torch.nn.Parameter(torch.zeros(1))], **self.defaults)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: {optimizer_class.__name__} rejects the hyperparameters: {e}") from e
+
+    def _check_module(self, name: str, trainable) -> None:
+        """Stage-specific checks before anything is changed (stage 3 needs the module)."""
+
+    def _plan_layout(self, trainable, reduce_bucket_elems: int):
+        return plan_buckets(trainable, self.world_size, reduce_bucket_elems, self._dtype_of)
+
+    def _finish_construction(self) -> None:
+        """Set-up after the reducer exists: model load hooks (stage 3 adds the parameter gatherer)."""
+        if self.module is not None:
+            from . import full_state
+            full_state.install_load_hooks(self)
+            # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.
+            object.__setattr__(self.module, "_zeroplus_engine", weakref.ref(self))
 
     def _dtype_of(self, p: torch.Tensor) -> torch.dtype:
         return self.compute_dtype or p.dtype

@@ -128,9 +128,9 @@ def _shard_plain_state(opt, plain_state: dict) -> dict:
                 continue
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == e.numel:
-                    if tuple(value.shape) != tuple(e.param.shape):
+                    if tuple(value.shape) != tuple(e.shape):
                         raise ValueError(f"load_state_dict: state[{index[id(e.param)]}][{key!r}] has shape "
-                                         f"{tuple(value.shape)}, the parameter has {tuple(e.param.shape)}")
+                                         f"{tuple(value.shape)}, the parameter has {tuple(e.shape)}")
                     flat = shard_state.get(key)
                     if flat is None:
                         flat = shard_state[key] = torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device)
@@ -161,7 +161,7 @@ def consolidated_state_dict(opt) -> dict:
                 comm.all_gather(full, value.contiguous(), opt.process_group, async_op=False)
                 for e in b.entries:
                     plain.setdefault(index[id(e.param)], {})[key] = (
-                        full[e.offset:e.offset + e.numel].view(e.param.shape).clone())
+                        full[e.offset:e.offset + e.numel].view(e.shape).clone())
             else:
                 for e in b.entries:
                     plain.setdefault(index[id(e.param)], {})[key] = (

@@ -1,0 +1,99 @@
+"""Model state of the flat-bucket engines (stages 2 and 3) in the user's own format.
+
+full_state_dict(model): what model.state_dict() returns on the unsharded model (same keys, tied
+parameters under every name, full shapes), gathered unit by unit so the peak is one unit plus the
+output. Collective: every rank calls it.
+
+model.load_state_dict(full): works on a stage-3 model, whose parameters are shards between
+steps: a load pre-hook on each module turns a full-shape entry into this rank's slice before
+torch copies it, and writes the fp32 master slice from the full-precision value. At stage 2 with
+mixed precision the same hook keeps the fp32 masters in step with what was loaded (without it the
+next step would overwrite the loaded weights from stale masters).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOAD_HOOK_ATTR = "_zeroplus_load_hook"
+
+
+def _engine(model: torch.nn.Module):
+    ref = getattr(model, "_zeroplus_engine", None)
+    return ref() if ref is not None else None
+
+
+def full_state_dict(model: torch.nn.Module, rank0_only: bool = True, cpu: bool = True) -> dict:
+    """The unsharded state dict of a model returned by zeroplus.initialize (any stage). With
+    rank0_only, other ranks get {} (they still take part in the gathers)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"full_state_dict: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(rank0_only, bool):
+        raise TypeError(f"full_state_dict: rank0_only must be a bool, got {rank0_only!r}")
+    if not isinstance(cpu, bool):
+        raise TypeError(f"full_state_dict: cpu must be a bool, got {cpu!r}")
+    engine = _engine(model)
+    keep = not rank0_only or engine is None or engine.rank == 0
+    if engine is None or getattr(engine, "gatherer", None) is None:
+        # Stages 1-2 (or a plain model): parameters are whole on every rank.
+        sd = model.state_dict()
+        if not keep:
+            return {}
+        return {k: (v.detach().cpu() if cpu else v.detach().clone()) for k, v in sd.items()}
+    gatherer = engine.gatherer
+    by_tensor = {}  # id(parameter) -> full value
+    for st in gatherer.states:
+        if not st.buckets:
+            continue
+        gatherer.gather_units([st.unit.index])
+        try:
+            if keep:
+                for b in st.buckets:
+                    for e in b.entries:
+                        value = e.param.detach()
+                        by_tensor[id(e.param)] = value.cpu() if cpu else value.clone()
+        finally:
+            gatherer.release_units([st.unit.index])
+    if not keep:
+        return {}
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in by_tensor:
+            out[key] = by_tensor[id(value)]
+        else:
+            out[key] = value.detach().cpu() if cpu else value.detach().clone()
+    return out
+
+
+def install_load_hooks(engine) -> None:
+    """Per module owning managed parameters: a load_state_dict pre-hook (see the module doc)."""
+    slots = {}  # id(param) -> (bucket, entry, master or None)
+    masters = {id(b): m for b, m in zip(engine.buckets, engine.masters)}
+    for b in list(engine.buckets) + list(getattr(engine, "frozen_buckets", [])):
+        for e in b.entries:
+            slots[id(e.param)] = (b, e, masters.get(id(b)))
+    rank = engine.rank
+
+    def hook(module, state_dict, prefix, _local_metadata, _strict, _missing, _unexpected, _errors):
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or id(p) not in slots or key not in state_dict:
+                continue
+            b, e, master = slots[id(p)]
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(e.shape):
+                continue  # torch reports the mismatch
+            lo, hi = b.shard_range(rank)
+            a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
+            flat_value = value.detach().reshape(-1)
+            if master is not None and a < z:
+                with torch.no_grad():
+                    master[a - lo:z - lo].copy_(flat_value[a - e.offset:z - e.offset])
+            if tuple(p.shape) != tuple(e.shape):  # a stage-3 shard: load only this rank's slice
+                state_dict[key] = flat_value[a - e.offset:z - e.offset] if a < z else flat_value[0:0]
+
+    for module in engine.module.modules():
+        if any(p is not None and id(p) in slots for p in module._parameters.values()):
+            if getattr(module, _LOAD_HOOK_ATTR, None) is None:
+                handle = module._register_load_state_dict_pre_hook(hook, with_module=True)
+                object.__setattr__(module, _LOAD_HOOK_ATTR, handle)

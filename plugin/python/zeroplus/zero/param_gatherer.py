@@ -1,0 +1,340 @@
+"""ZeRO stage 3: gather a unit's parameters just before use, release them after, prefetch ahead.
+
+State per unit (units.py decides which submodules are units): RELEASED (each parameter's .data
+is this rank's slice of it: a 1-D view into the bucket shard, possibly empty), IN FLIGHT (an
+async all-gather into the bucket's flat buffer was issued) or GATHERED (.data is the full
+parameter, a view into that flat buffer). Nothing is copied back (the optimizer writes the
+shards, not the gathered copies).
+
+Every bucket keeps one flat tensor for its whole life; releasing frees its *storage*
+(untyped_storage().resize_(0)) and gathering re-allocates it in place. That is what makes the
+release real: autograd saves views of the full weights (F.linear saves weight.t()), and those
+views share the flat tensor's storage object. Dropping our references would leave every unit of
+the forward alive until backward; resizing the storage frees it, and the gather before the
+unit's backward refills the very storage the saved views point at (FSDP does the same).
+
+When (hooks on the user's modules; all run on the thread that runs forward / backward):
+  * forward pre-hook of a unit's module: gather what the unit needs (its own parameters and the
+    units owning parameters it shares, e.g. a tied LM head needs the embedding); post-hook:
+    release them, unless reshard_after_forward=False with grad enabled (then kept until backward
+    is done with them);
+  * the post-hook also puts a hook on the module's outputs: when the gradient of an output is
+    computed (i.e. just before the module's own backward), the unit is gathered again and held;
+  * a held unit is released when every parameter it owns has received its gradient in this
+    backward (post-accumulate-grad hooks), or at the end of backward (a queued autograd
+    callback) for units with frozen parameters or no gradient this pass;
+  * the root module's forward brackets a pass: its post-hook releases anything prefetched but
+    not used.
+
+Prefetch: every pass records the sequence of units it gathered (forward and backward
+separately). The next pass predicts with that sequence: while what it gathers matches the
+prediction, each gather also issues the next predicted units' all-gathers asynchronously, as far
+as prefetch_elems (elements gathered ahead and not yet used) and max_live_elems (all gathered
+elements) allow. A pass that departs from the prediction (a conditional branch) stops
+prefetching for the rest of that pass and gathers on demand, which is always correct; its own
+sequence becomes the next prediction. Every rank must run the same modules in the same order
+(as with DDP), so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten
+
+from . import comm
+from .layout import Bucket
+from .units import Unit
+
+RELEASED, IN_FLIGHT, GATHERED = 0, 1, 2
+
+
+class _UnitState:
+    def __init__(self, unit: Unit, buckets: list[Bucket], rank: int):
+        self.unit = unit
+        self.buckets = buckets  # sharded buckets whose parameters this unit owns
+        self.numel = sum(b.numel for b in buckets)
+        self.state = RELEASED
+        self.works: list = []
+        self.refs = 0             # forward holds (a module can be running twice: recursion, reuse)
+        self.held = False         # held for backward
+        self.prefetched = False   # gathered ahead, not used yet in this pass
+        owned = [e.param for b in buckets for e in b.entries]
+        self.trainable = {id(p) for p in owned if p.requires_grad}
+        self.has_frozen = any(not p.requires_grad for p in owned)
+        self.grads_seen: set[int] = set()
+        # Full views, created once while the flat storage exists (a view cannot be created on a
+        # zero-size storage), then the storage is freed until the first gather.
+        self.full_views = []
+        for b in buckets:
+            b.flat = torch.empty(b.numel, dtype=b.shard.dtype, device=b.shard.device)
+            for e in b.entries:
+                self.full_views.append((e.param, b.flat[e.offset:e.offset + e.numel].view(e.shape)))
+            b.flat.untyped_storage().resize_(0)
+        # (param, released view) for every entry: the 1-D part of the parameter in this rank's shard.
+        self.released_views = []
+        for b in buckets:
+            lo, hi = b.shard_range(rank)
+            for e in b.entries:
+                a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
+                view = b.shard[a - lo:z - lo] if a < z else b.shard[0:0]
+                self.released_views.append((e.param, view))
+
+
+class ParameterGatherer:
+    def __init__(self, units: list[Unit], buckets: list[Bucket], group, rank: int, *, prefetch_elems: int,
+                 max_live_elems: int, reshard_after_forward: bool):
+        self.units = units
+        self.group = group
+        by_unit: dict[int, list[Bucket]] = {u.index: [] for u in units}
+        for b in buckets:
+            if not b.persistent:
+                by_unit[b.unit].append(b)
+        self.states = [_UnitState(u, by_unit[u.index], rank) for u in units]
+        self.prefetch_elems = int(prefetch_elems)
+        self.max_live_elems = int(max_live_elems)
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.live_elems = 0
+        self.peak_live_elems = 0
+        self.stats = {"on_demand": 0, "prefetched": 0}  # all-gathers issued, by reason
+        self._order = {"forward": [], "backward": []}   # prediction from the previous pass
+        self._seen = {"forward": [], "backward": []}    # this pass
+        self._on_track = {"forward": False, "backward": False}
+        self._in_backward = False
+        self._in_forward = 0  # depth of root forward calls
+        self._handles = []
+        self._state_of_param: dict[int, _UnitState] = {}
+        for st in self.states:
+            for b in st.buckets:
+                for e in b.entries:
+                    if e.param.requires_grad:
+                        self._state_of_param[id(e.param)] = st
+                        self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+        self._install_module_hooks()
+
+    # -- hooks on modules ----------------------------------------------------------------------
+
+    def _install_module_hooks(self) -> None:
+        root = self.units[-1].module
+        for u in self.units:
+            needs = [i for i in u.needs if self.states[i].buckets]
+            if u.module is root:
+                continue
+            if needs:
+                self._handles.append(u.module.register_forward_pre_hook(self._make_pre_forward(needs)))
+                self._handles.append(u.module.register_forward_hook(self._make_post_forward(needs)))
+        root_needs = [i for i in self.units[-1].needs if self.states[i].buckets]
+        self._handles.append(root.register_forward_pre_hook(self._make_root_pre(root_needs)))
+        self._handles.append(root.register_forward_hook(self._make_root_post(root_needs)))
+
+    def _make_pre_forward(self, needs):
+        def hook(_module, _args):
+            for i in needs:
+                self._acquire(i)
+        return hook
+
+    def _make_post_forward(self, needs):
+        def hook(_module, _args, output):
+            self._register_pre_backward(output, needs)
+            for i in needs:
+                self._release_forward(i)
+        return hook
+
+    def _make_root_pre(self, needs):
+        def hook(_module, _args):
+            if self._in_forward == 0 and not self._in_backward:
+                self._start_pass("forward")
+            self._in_forward += 1
+            for i in needs:
+                self._acquire(i)
+        return hook
+
+    def _make_root_post(self, needs):
+        def hook(_module, _args, output):
+            self._register_pre_backward(output, needs)
+            for i in needs:
+                self._release_forward(i)
+            self._in_forward -= 1
+            if self._in_forward == 0 and not self._in_backward:
+                self._end_pass("forward")
+                self._drop_unused_prefetches()
+        return hook
+
+    def _register_pre_backward(self, output, needs) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for t in tensors:
+            t.register_hook(lambda _grad, needs=needs: self._pre_backward(needs))
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _pre_backward(self, needs) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._start_pass("backward")
+            Variable._execution_engine.queue_callback(self._end_backward)
+        for i in needs:
+            st = self.states[i]
+            if not st.held:
+                self._gather(i, "backward")
+                st.held = True
+                st.prefetched = False
+
+    def _on_grad(self, param) -> None:
+        # Runs after the gradient reducer's own hook (registered first) took the gradient.
+        st = self._state_of_param[id(param)]
+        st.grads_seen.add(id(param))
+        if st.held and not st.has_frozen and st.refs == 0 and len(st.grads_seen) == len(st.trainable):
+            st.held = False
+            self._release(st)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self._end_pass("backward")
+        for st in self.states:
+            st.grads_seen.clear()
+            st.held = False
+            st.prefetched = False
+            if self._in_forward == 0:
+                # A recomputation under non-reentrant checkpointing stops early (torch raises
+                # inside the module once the saved tensors it needs exist), so a post-hook may
+                # never have run: no forward is running now, so nothing holds a unit.
+                st.refs = 0
+            if st.refs == 0 and st.state != RELEASED:
+                self._release(st)
+
+    # -- gather / release ----------------------------------------------------------------------
+
+    def _start_pass(self, kind: str) -> None:
+        if kind == "forward":
+            # Nothing may be held when a new forward starts: a forward that raised, or one with
+            # reshard_after_forward=False whose backward never came, left units gathered.
+            for st in self.states:
+                st.refs = 0
+                st.held = False
+                self._release(st)
+        self._seen[kind] = []
+        self._on_track[kind] = bool(self._order[kind])
+
+    def _end_pass(self, kind: str) -> None:
+        self._order[kind] = self._seen[kind]
+
+    def _acquire(self, i: int) -> None:
+        kind = "backward" if self._in_backward else "forward"
+        self._gather(i, kind)
+        st = self.states[i]
+        st.refs += 1
+        st.prefetched = False
+
+    def _release_forward(self, i: int) -> None:
+        st = self.states[i]
+        st.refs -= 1
+        if st.refs > 0 or st.held:
+            return
+        if not self.reshard_after_forward and torch.is_grad_enabled() and not self._in_backward:
+            st.held = True  # kept gathered for backward
+            return
+        self._release(st)
+
+    def _gather(self, i: int, kind: str) -> None:
+        """Make unit i GATHERED (waiting for its all-gather if needed) and prefetch what the
+        prediction says comes next."""
+        st = self.states[i]
+        seen = self._seen[kind]
+        position = len(seen)
+        seen.append(i)
+        order = self._order[kind]
+        if self._on_track[kind] and (position >= len(order) or order[position] != i):
+            self._on_track[kind] = False
+        if st.state == RELEASED:
+            self._issue(st)
+            self.stats["on_demand"] += 1
+        if self._on_track[kind]:
+            self._prefetch(order, position + 1)
+        self._complete(st)
+
+    def _prefetch(self, order: list[int], start: int) -> None:
+        ahead = sum(s.numel for s in self.states if s.prefetched)
+        for j in order[start:]:
+            st = self.states[j]
+            if st.state != RELEASED:
+                continue
+            if ahead + st.numel > self.prefetch_elems or self.live_elems + st.numel > self.max_live_elems:
+                break
+            self._issue(st)
+            self.stats["prefetched"] += 1
+            st.prefetched = True
+            ahead += st.numel
+
+    def _issue(self, st: _UnitState) -> None:
+        st.works = []
+        for b in st.buckets:
+            b.flat.untyped_storage().resize_(b.numel * b.flat.element_size())
+            st.works.append(comm.all_gather(b.flat, b.shard, self.group, async_op=True))
+        st.state = IN_FLIGHT
+        self.live_elems += st.numel
+        self.peak_live_elems = max(self.peak_live_elems, self.live_elems)
+
+    def _complete(self, st: _UnitState) -> None:
+        if st.state != IN_FLIGHT:
+            return
+        works, st.works = st.works, []
+        for w in works:
+            w.wait()
+        for param, view in st.full_views:
+            param.data = view
+        st.state = GATHERED
+
+    def _release(self, st: _UnitState) -> None:
+        if st.state == RELEASED:
+            return
+        if st.state == IN_FLIGHT:
+            for w in st.works:
+                w.wait()
+            st.works = []
+        for param, view in st.released_views:
+            param.data = view
+        for b in st.buckets:
+            b.flat.untyped_storage().resize_(0)
+        st.state = RELEASED
+        st.prefetched = False
+        self.live_elems -= st.numel
+
+    def _drop_unused_prefetches(self) -> None:
+        for st in self.states:
+            if st.refs == 0 and not st.held and st.state != RELEASED:
+                self._release(st)
+
+    # -- outside forward/backward --------------------------------------------------------------
+
+    def gather_units(self, indices) -> None:
+        """Gather units for code outside forward (full state dicts); pair with release_units."""
+        for i in indices:
+            st = self.states[i]
+            if st.state == RELEASED:
+                self._issue(st)
+        for i in indices:
+            self._complete(self.states[i])
+            self.states[i].refs += 1
+
+    def release_units(self, indices) -> None:
+        for i in indices:
+            st = self.states[i]
+            st.refs -= 1
+            if st.refs == 0 and not st.held:
+                self._release(st)
+
+    def release_all(self) -> None:
+        for st in self.states:
+            st.refs = 0
+            st.held = False
+            self._release(st)
+
+    def gathered_bytes(self) -> int:
+        return sum(b.flat.untyped_storage().nbytes() for st in self.states for b in st.buckets)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,111 @@
+"""ZeRO stage 3: which submodules form a gather unit, and which parameters each one needs.
+
+A unit is a submodule whose parameters are gathered together just before its forward (and again
+before its backward) and released after. Every parameter is owned by exactly one unit (its flat
+storage lives there); a unit also *needs* the parameters its subtree uses that another unit owns
+(a tied LM head needs the embedding's weight), so those are gathered with it.
+
+Default policy (unit_classes=None), coarse enough that parameters a module reads from a child
+without calling it (nn.MultiheadAttention reads out_proj.weight directly) stay inside one unit:
+  * every element of an nn.ModuleList / nn.Sequential (a transformer's blocks, an MLP's layers),
+    outermost first (a block that is a unit is not split further);
+  * every direct child of the root that owns parameters and holds no such list (a child that
+    does, like nn.TransformerEncoder, is split into its list's elements instead; its other
+    parameters go to the root unit);
+  * the root itself, for what is left (parameters registered on the root, e.g. a positional
+    embedding).
+unit_classes=[Block, ...] replaces the first two rules: every instance of those classes (again
+outermost first) is a unit, like FSDP's ModuleWrapPolicy; the root takes the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str                     # the module's qualified name ("" for the root)
+    module: nn.Module
+    owned: list[nn.Parameter] = field(default_factory=list)   # registration order
+    needs: list[int] = field(default_factory=list)            # units whose parameters forward reads
+
+
+def _unit_modules(root: nn.Module, unit_classes) -> list[tuple[str, nn.Module]]:
+    chosen: list[tuple[str, nn.Module]] = []
+    covered: set[int] = set()
+
+    def has_params(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    def has_list_elements(m: nn.Module) -> bool:
+        return any(isinstance(sub, (nn.ModuleList, nn.Sequential)) and any(has_params(c) for c in sub.children())
+                   for sub in m.modules())
+
+    def visit(name: str, module: nn.Module, parent: nn.Module | None) -> None:
+        if id(module) in covered:
+            return
+        if parent is not None and has_params(module):
+            if unit_classes is not None:
+                pick = isinstance(module, tuple(unit_classes))
+            else:
+                pick = (isinstance(parent, (nn.ModuleList, nn.Sequential))
+                        or (parent is root and not has_list_elements(module)))
+            if pick:
+                chosen.append((name, module))
+                for sub in module.modules():
+                    covered.add(id(sub))
+                return
+        for child_name, child in module.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child, module)
+
+    visit("", root, None)
+    if unit_classes is None:
+        # Direct children of the root come after list elements in registration order anyway;
+        # nothing to reorder. Containers themselves are never units (they have no forward of
+        # their own that a pre-hook could bracket: nn.ModuleList is not callable).
+        chosen = [(n, m) for n, m in chosen if not isinstance(m, (nn.ModuleList, nn.ModuleDict))]
+    return chosen
+
+
+def build_units(root: nn.Module, unit_classes=None) -> list[Unit]:
+    """Units in registration order, the root last; each owns the parameters first reached
+    through it (a tied parameter belongs to the first module that registers it)."""
+    if unit_classes is not None:
+        if isinstance(unit_classes, type):
+            unit_classes = [unit_classes]
+        unit_classes = list(unit_classes)
+        for c in unit_classes:
+            if not (isinstance(c, type) and issubclass(c, nn.Module)):
+                raise TypeError(f"zeroplus.initialize: unit_classes must hold nn.Module subclasses, got {c!r}")
+    picked = _unit_modules(root, unit_classes)
+    units = [Unit(i, name, m) for i, (name, m) in enumerate(picked)]
+    units.append(Unit(len(units), "", root))
+
+    module_unit: dict[int, int] = {}
+    for u in units[:-1]:
+        for sub in u.module.modules():
+            module_unit.setdefault(id(sub), u.index)
+    owner: dict[int, int] = {}
+    # Walk modules in registration order (remove_duplicate=False: a module reached twice keeps its
+    # first unit), each module's own parameters with duplicates, to assign owners and needs.
+    for _name, sub in root.named_modules(remove_duplicate=False):
+        u = module_unit.get(id(sub), units[-1].index)
+        for p in sub.parameters(recurse=False):
+            if id(p) not in owner:
+                owner[id(p)] = u
+                units[u].owned.append(p)
+            if owner[id(p)] not in units[u].needs:
+                units[u].needs.append(owner[id(p)])
+    root_unit = units[-1]
+    for u in units:
+        if u.index not in u.needs and u.owned:
+            u.needs.insert(0, u.index)
+    # The root unit's forward encloses every other unit's: its needs are only its own parameters.
+    root_unit.needs = [root_unit.index] if root_unit.owned else []
+    return units
+
+
