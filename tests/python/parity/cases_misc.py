@@ -56,31 +56,6 @@ def send_recv_with_tag(ctx):
             dist.send(tensor, dst, tag=ctx.rank)
 
 
-def _batch_p2p(ctx, tags):
-    ops, recvs = [], {}
-    for src in range(ctx.world_size):
-        if src == ctx.rank:
-            continue
-        recvs[src] = torch.full((src + 1,), -1.0)
-        ops.append(dist.P2POp(dist.irecv, recvs[src], src, tag=src if tags else 0))
-        ops.append(dist.P2POp(dist.isend, torch.full((ctx.rank + 1,), float(ctx.rank + 1)), src,
-                              tag=ctx.rank if tags else 0))
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    for src, t in recvs.items():
-        assert_equal(t, torch.full((src + 1,), float(src + 1)))
-
-
-@case("batch_isend_irecv", "P2POp list", "float32")
-def batch_isend_irecv(ctx):
-    _batch_p2p(ctx, tags=False)
-
-
-@case("batch_isend_irecv", "P2POp list with tags", "float32")
-def batch_isend_irecv_tags(ctx):
-    _batch_p2p(ctx, tags=True)
-
-
 @case("send/recv", "checks", "-")
 def send_recv_checks(ctx):
     # Sending to itself: torch's Python layer raises ValueError. Receiving from itself: gloo
@@ -108,6 +83,31 @@ def monitored_barrier(ctx):
     # torch's Python layer raises "monitored_barrier is only implemented for GLOO backend" for
     # every other backend before any backend code runs.
     dist.monitored_barrier()
+
+
+def _batch_p2p(ctx, tags):
+    ops, recvs = [], {}
+    for src in range(ctx.world_size):
+        if src == ctx.rank:
+            continue
+        recvs[src] = torch.full((src + 1,), -1.0)
+        ops.append(dist.P2POp(dist.irecv, recvs[src], src, tag=src if tags else 0))
+        ops.append(dist.P2POp(dist.isend, torch.full((ctx.rank + 1,), float(ctx.rank + 1)), src,
+                              tag=ctx.rank if tags else 0))
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    for src, t in recvs.items():
+        assert_equal(t, torch.full((src + 1,), float(src + 1)))
+
+
+@case("batch_isend_irecv", "P2POp list", "float32")
+def batch_isend_irecv(ctx):
+    _batch_p2p(ctx, tags=False)
+
+
+@case("batch_isend_irecv", "P2POp list with tags", "float32")
+def batch_isend_irecv_tags(ctx):
+    _batch_p2p(ctx, tags=True)
 
 
 @case("isend/irecv", "all pairs", "float32")
