@@ -54,8 +54,10 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::alltoall_base(at::Tensor& output
                                                               std::vector<int64_t>& inputSplitSizes,
                                                               const c10d::AllToAllOptions& opts) {
   static constexpr const char* kOp = "alltoall_base";
-  checkCpuDense(kOp, "input tensor", input);
-  checkCpuDense(kOp, "output tensor", output);
+  checkCpuStrided(kOp, "input tensor", input);
+  checkCpuStrided(kOp, "output tensor", output);
+  checkContiguousValue(kOp, "input tensor", input);
+  checkContiguousValue(kOp, "output tensor", output);
   toDataType(kOp, "input tensor", input.scalar_type());
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "zeroplus alltoall_base: output tensor has dtype ",
               output.scalar_type(), ", expected ", input.scalar_type());

@@ -2,9 +2,12 @@
 // wrappers live in collectives.cpp.
 #include "process_group/adapter/backend.hpp"
 
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "process_group/adapter/interrupt_watch.hpp"
 #include "process_group/adapter/store_rendezvous.hpp"
@@ -15,6 +18,23 @@ namespace {
 c10::DistBackendError backendError(const std::string& message) {
   return c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
 }
+
+// Puts the thread running an op into the autograd modes its issuer had (Task::inferenceMode).
+// The common case (grad on, no inference mode: the worker's own state) sets nothing.
+class IssuerModes {
+ public:
+  IssuerModes(bool inference, bool grad) {
+    if (inference) {
+      inference_.emplace(true);
+    } else if (!grad) {
+      grad_.emplace(false);
+    }
+  }
+
+ private:
+  std::optional<c10::InferenceMode> inference_;
+  std::optional<c10::AutoGradMode> grad_;
+};
 
 }  // namespace
 
@@ -151,7 +171,26 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collective(c10d::OpType opType, 
   task.body = std::move(body);
   task.timeout = opTimeout;
   task.opName = opName;
+  task.inferenceMode = c10::InferenceMode::is_enabled();
+  task.gradMode = c10::GradMode::is_enabled();
   return submit(std::move(task), asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collectiveNested(c10d::OpType opType, const char* opName,
+                                                                 std::vector<std::vector<at::Tensor>> outputLists,
+                                                                 std::chrono::milliseconds opTimeout, Body body) {
+  std::vector<at::Tensor> flat;
+  for (const auto& list : outputLists) flat.insert(flat.end(), list.begin(), list.end());
+  const uint64_t seq = ++sequenceNumber_;
+  Task task;
+  task.work = c10::make_intrusive<ZeroPlusWork>(rank_, opType, opName, seq, std::move(flat));
+  task.work->setNestedOutputs(std::move(outputLists));
+  task.body = std::move(body);
+  task.timeout = opTimeout;
+  task.opName = opName;
+  task.inferenceMode = c10::InferenceMode::is_enabled();
+  task.gradMode = c10::GradMode::is_enabled();
+  return submit(std::move(task), /*asyncOp=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::fusibleAllreduce(const at::Tensor& tensor, DataType type,
@@ -167,6 +206,8 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::fusibleAllreduce(const at::Tenso
   task.tensor = tensor;
   task.type = type;
   task.reduction = reduction;
+  task.inferenceMode = c10::InferenceMode::is_enabled();
+  task.gradMode = c10::GradMode::is_enabled();
   return submit(std::move(task), asyncOp);
 }
 
@@ -236,6 +277,7 @@ void ZeroPlusBackend::workerLoop() {
         const Task& next = queue_.front();
         if (!next.fusible || next.type != head.type || next.reduction.op != head.reduction.op ||
             next.reduction.average != head.reduction.average || next.timeout != head.timeout ||
+            next.inferenceMode != head.inferenceMode || next.gradMode != head.gradMode ||
             bytes + next.tensor.nbytes() > config_.tuning.bucketBytes) {
           break;
         }
@@ -289,6 +331,7 @@ void ZeroPlusBackend::runTask(Task& task) {
   // The deadline starts when the op starts moving data, not when it was queued (as NCCL).
   const Deadline deadline = Clock::now() + task.timeout;
   try {
+    IssuerModes modes(task.inferenceMode, task.gradMode);
     task.body(deadline);
     task.work->markSucceeded();
   } catch (const CommError& e) {
@@ -319,6 +362,7 @@ void ZeroPlusBackend::runFused(std::vector<Task>& batch) {
   const Deadline deadline = Clock::now() + batch.front().timeout;
   const Reduction& reduction = batch.front().reduction;
   try {
+    IssuerModes modes(batch.front().inferenceMode, batch.front().gradMode);
     std::vector<Span> candidates;
     candidates.reserve(batch.size());
     for (const auto& t : batch) candidates.push_back(Span{t.tensor.data_ptr(), static_cast<size_t>(t.tensor.numel())});

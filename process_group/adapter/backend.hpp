@@ -100,6 +100,10 @@ class ZeroPlusBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  // Several tensors of any dtypes and shapes per rank (deprecated in c10d, kept by Gloo).
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -135,6 +139,11 @@ class ZeroPlusBackend final : public c10d::Backend {
     Body body;
     std::chrono::milliseconds timeout{};
     const char* opName = "";
+    // The issuing thread's autograd modes: the op's tensor writes (copies into outputs, AVG
+    // divisions) run under them on whatever thread runs the op, so outputs created under
+    // torch.inference_mode() can be written outside the caller's thread.
+    bool inferenceMode = false;
+    bool gradMode = true;
     // Fusible allreduce (body is empty): the tensor and how to reduce it.
     bool fusible = false;
     at::Tensor tensor;
@@ -146,6 +155,10 @@ class ZeroPlusBackend final : public c10d::Backend {
   // caller's thread, see "Inline sync") and returns its Work.
   c10::intrusive_ptr<c10d::Work> collective(c10d::OpType opType, const char* opName, std::vector<at::Tensor> outputs,
                                             std::chrono::milliseconds opTimeout, Body body, bool asyncOp = true);
+  // collective() for ops with several output lists per process (Work future: List[List[Tensor]]).
+  c10::intrusive_ptr<c10d::Work> collectiveNested(c10d::OpType opType, const char* opName,
+                                                  std::vector<std::vector<at::Tensor>> outputLists,
+                                                  std::chrono::milliseconds opTimeout, Body body);
   // Queues a fusible allreduce (see "Fusion").
   c10::intrusive_ptr<c10d::Work> fusibleAllreduce(const at::Tensor& tensor, DataType type, const Reduction& reduction,
                                                   std::chrono::milliseconds opTimeout, bool asyncOp);
@@ -154,6 +167,13 @@ class ZeroPlusBackend final : public c10d::Backend {
   // Moves `tensors` as buckets of at most tuning.bucketBytes through allreducev. Worker thread.
   void bucketedAllreduce(const std::vector<at::Tensor>& tensors, DataType type, const Reduction& reduction,
                          Deadline deadline);
+  // Several tensors per process or strided ones: combined locally into one contiguous buffer,
+  // allreduced, copied back into every tensor. Worker thread.
+  void stagedAllreduce(const std::vector<at::Tensor>& tensors, DataType type, const Reduction& reduction,
+                       Deadline deadline);
+  // Sparse COO SUM (as Gloo): every rank's coalesced indices and values are gathered and summed;
+  // the result replaces every input tensor. Worker thread.
+  void sparseAllreduce(const std::vector<at::Tensor>& tensors, Deadline deadline);
   void enqueue(Task task);
   // Completion of `task`'s Work (markSucceeded/markFailed) runs its future's callbacks on the
   // calling thread. Runs `body` (which completes Works) as a callback phase: collectives the

@@ -78,6 +78,11 @@ c10::intrusive_ptr<c10d::Work> DeviceRouter::allgather_into_tensor_coalesced(std
                                                                              const c10d::AllgatherOptions& o) {
   return backendFor(deviceOf(in)).allgather_into_tensor_coalesced(out, in, o);
 }
+c10::intrusive_ptr<c10d::Work> DeviceRouter::allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
+                                                                 std::vector<at::Tensor>& in,
+                                                                 const c10d::AllgatherOptions& o) {
+  return backendFor(deviceOf(in)).allgather_coalesced(out, in, o);
+}
 c10::intrusive_ptr<c10d::Work> DeviceRouter::gather(std::vector<std::vector<at::Tensor>>& out,
                                                     std::vector<at::Tensor>& in, const c10d::GatherOptions& o) {
   return backendFor(deviceOf(in)).gather(out, in, o);

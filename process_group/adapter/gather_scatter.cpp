@@ -1,4 +1,5 @@
-// Gather/scatter-shaped collectives of ZeroPlusBackend: allgather (list, flat, coalesced),
+// Gather/scatter-shaped collectives of ZeroPlusBackend: allgather (list, several tensors per
+// process, flat, coalesced into tensors, coalesced lists),
 // gather, scatter, reduce_scatter (list, flat, coalesced), alltoall (list, flat with splits).
 // List forms stage through one flat buffer because the caller's tensors may live anywhere;
 // flat forms move the caller's memory directly.
@@ -23,30 +24,40 @@ void checkFlatPair(const char* op, const at::Tensor& small, const char* smallNam
               " elements, expected world size (", size, ") x ", smallName, " (", small.numel(), ")");
 }
 
+// `list` holds `count` tensors (strided ones allowed: they are packed and unpacked by copy)
+// of `like`'s dtype and size.
 void checkPerRankList(const char* op, const char* arg, const std::vector<at::Tensor>& list, const at::Tensor& like,
-                      int size) {
-  TORCH_CHECK(static_cast<int>(list.size()) == size, "zeroplus ", op, ": ", arg, " has ", list.size(),
-              " tensors, expected one per rank (", size, ")");
+                      int count) {
+  TORCH_CHECK(static_cast<int>(list.size()) == count, "zeroplus ", op, ": invalid output tensor list: ", arg, " has ",
+              list.size(), " tensors, expected ", count);
   for (const auto& t : list) {
-    checkCpuDense(op, arg, t);
+    checkCpuStrided(op, arg, t);
     checkSameTypeAndNumel(op, arg, t, like);
   }
 }
 
-// Copies `list` into one flat byte buffer, rank-major.
+// Copies `list` into one new flat buffer of its dtype, in list order (any strides).
 at::Tensor packList(const std::vector<at::Tensor>& list) {
   std::vector<at::Tensor> flat;
   flat.reserve(list.size());
-  for (const auto& t : list) flat.push_back(t.view(-1));
+  for (const auto& t : list) flat.push_back(t.reshape(-1));
   return at::cat(flat);
 }
 
-void unpackList(const at::Tensor& flat, const std::vector<at::Tensor>& list) {
-  int64_t offset = 0;
+// Copies consecutive pieces of `flat`, starting at element `offset`, into the tensors of `list`.
+int64_t unpackList(const at::Tensor& flat, const std::vector<at::Tensor>& list, int64_t offset = 0) {
   for (const auto& t : list) {
-    t.view(-1).copy_(flat.narrow(0, offset, t.numel()));
+    t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
     offset += t.numel();
   }
+  return offset;
+}
+
+// Raw bytes of a tensor of any dtype and strides, appended to `out`.
+void appendBytes(std::vector<uint8_t>& out, const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const auto* p = static_cast<const uint8_t*>(c.data_ptr());
+  out.insert(out.end(), p, p + c.nbytes());
 }
 
 }  // namespace
@@ -55,17 +66,62 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allgather(std::vector<std::vecto
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
   static constexpr const char* kOp = "allgather";
-  checkSingleTensor(kOp, "input_tensors", inputs.size());
-  checkSingleTensor(kOp, "output_tensors", outputs.size());
-  at::Tensor input = inputs[0];
-  checkCpuDense(kOp, "input tensor", input);
-  toDataType(kOp, "input tensor", input.scalar_type());
-  std::vector<at::Tensor> outs = outputs[0];
-  checkPerRankList(kOp, "output tensor list", outs, input, size_);
-  return collective(c10d::OpType::ALLGATHER, kOp, outs, opts.timeout, [this, input, outs](Deadline deadline) {
-    at::Tensor flat = at::empty({input.numel() * size_}, input.options());
-    comm_->allgather(input.data_ptr(), input.nbytes(), flat.data_ptr(), deadline);
-    unpackList(flat, outs);
+  TORCH_CHECK(!inputs.empty(), "zeroplus allgather: requires non-empty input tensor list");
+  TORCH_CHECK(outputs.size() == inputs.size(), "zeroplus allgather: requires input/output tensor lists to have ",
+              "the same length, got ", inputs.size(), " inputs and ", outputs.size(), " output lists");
+  // Several tensors per process (as Gloo): output list i gets every rank's inputs, rank-major.
+  const int perRank = static_cast<int>(inputs.size());
+  for (const auto& t : inputs) checkCpuStrided(kOp, "input tensor", t);
+  checkSameTypeAndSizes(kOp, inputs);
+  toDataType(kOp, "input tensor", inputs[0].scalar_type());
+  for (const auto& list : outputs) checkPerRankList(kOp, "output tensor list", list, inputs[0], size_ * perRank);
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<std::vector<at::Tensor>> outLists = outputs;
+  return collectiveNested(c10d::OpType::ALLGATHER, kOp, outLists, opts.timeout, [this, ins, outLists](Deadline deadline) {
+    const at::Tensor packed = ins.size() == 1 ? ins[0].contiguous() : packList(ins);
+    at::Tensor flat = at::empty({packed.numel() * size_}, packed.options());
+    comm_->allgather(packed.data_ptr(), packed.nbytes(), flat.data_ptr(), deadline);
+    for (const auto& list : outLists) unpackList(flat, list);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                                    std::vector<at::Tensor>& inputs,
+                                                                    const c10d::AllgatherOptions& opts) {
+  static constexpr const char* kOp = "allgather_coalesced";
+  TORCH_CHECK(static_cast<int>(outputLists.size()) == size_, "zeroplus allgather_coalesced: output lists should be ",
+              "equal to world size (", size_, "), got ", outputLists.size());
+  for (const auto& t : inputs) checkCpuStrided(kOp, "input tensor", t);
+  std::vector<at::Tensor> allOuts;
+  for (const auto& list : outputLists) {
+    TORCH_CHECK(list.size() == inputs.size(), "zeroplus allgather_coalesced: an output list has ", list.size(),
+                " tensors, expected one per input (", inputs.size(), ")");
+    for (size_t i = 0; i < list.size(); ++i) {
+      checkCpuStrided(kOp, "output tensor", list[i]);
+      TORCH_CHECK(list[i].scalar_type() == inputs[i].scalar_type(), "zeroplus allgather_coalesced: invalid tensor ",
+                  "type at index ", i, " (expected ", inputs[i].scalar_type(), ", got ", list[i].scalar_type(), ")");
+      TORCH_CHECK(list[i].sizes() == inputs[i].sizes(), "zeroplus allgather_coalesced: invalid size of output ",
+                  "tensor at index ", i, " (expected ", inputs[i].sizes(), ", got ", list[i].sizes(), ")");
+    }
+    allOuts.insert(allOuts.end(), list.begin(), list.end());
+  }
+  std::vector<at::Tensor> ins = inputs;
+  std::vector<std::vector<at::Tensor>> outs = outputLists;
+  // One byte-level allgather of every input back to back (dtypes may differ between tensors).
+  return collective(c10d::OpType::ALLGATHER_COALESCED, kOp, allOuts, opts.timeout, [this, ins, outs](Deadline d) {
+    std::vector<uint8_t> packed;
+    for (const auto& t : ins) appendBytes(packed, t);
+    std::vector<uint8_t> flat(packed.size() * static_cast<size_t>(size_));
+    comm_->allgather(packed.data(), packed.size(), flat.data(), d);
+    for (int r = 0; r < size_; ++r) {
+      size_t offset = static_cast<size_t>(r) * packed.size();
+      for (const auto& t : outs[r]) {
+        at::Tensor dst = t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
+        if (dst.nbytes()) std::memcpy(dst.data_ptr(), flat.data() + offset, dst.nbytes());
+        unstage(dst, t);
+        offset += dst.nbytes();
+      }
+    }
   });
 }
 
@@ -107,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::gather(std::vector<std::vector<a
   checkRank(kOp, "root rank", opts.rootRank, size_);
   checkSingleTensor(kOp, "input_tensors", inputs.size());
   at::Tensor input = inputs[0];
-  checkCpuDense(kOp, "input tensor", input);
+  checkCpuStrided(kOp, "input tensor", input);
   toDataType(kOp, "input tensor", input.scalar_type());
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> outs;
@@ -120,8 +176,9 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::gather(std::vector<std::vector<a
                 "be empty on non-root rank ", rank_, " (root is ", root, ")");
   }
   return collective(c10d::OpType::GATHER, kOp, outs, opts.timeout, [this, input, outs, root](Deadline deadline) {
+    const at::Tensor in = contiguousStage(input);
     at::Tensor flat = rank_ == root ? at::empty({input.numel() * size_}, input.options()) : at::Tensor();
-    comm_->gather(input.data_ptr(), input.nbytes(), flat.defined() ? flat.data_ptr() : nullptr, root, deadline);
+    comm_->gather(in.data_ptr(), in.nbytes(), flat.defined() ? flat.data_ptr() : nullptr, root, deadline);
     if (rank_ == root) unpackList(flat, outs);
   });
 }
@@ -133,7 +190,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::scatter(std::vector<at::Tensor>&
   checkRank(kOp, "root rank", opts.rootRank, size_);
   checkSingleTensor(kOp, "output_tensors", outputs.size());
   at::Tensor output = outputs[0];
-  checkCpuDense(kOp, "output tensor", output);
+  checkCpuStrided(kOp, "output tensor", output);
   toDataType(kOp, "output tensor", output.scalar_type());
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> ins;
@@ -147,7 +204,9 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::scatter(std::vector<at::Tensor>&
   }
   return collective(c10d::OpType::SCATTER, kOp, {output}, opts.timeout, [this, output, ins, root](Deadline deadline) {
     at::Tensor flat = rank_ == root ? packList(ins) : at::Tensor();
-    comm_->scatter(flat.defined() ? flat.data_ptr() : nullptr, output.nbytes(), output.data_ptr(), root, deadline);
+    at::Tensor out = contiguousStage(output);
+    comm_->scatter(flat.defined() ? flat.data_ptr() : nullptr, out.nbytes(), out.data_ptr(), root, deadline);
+    unstage(out, output);
   });
 }
 
@@ -162,7 +221,32 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce_scatter(std::vector<at::T
   const DataType type = toDataType(kOp, "output tensor", output.scalar_type());
   const Reduction reduction = toReduction(kOp, opts.reduceOp, output.scalar_type());
   std::vector<at::Tensor> ins = inputs[0];
-  checkPerRankList(kOp, "input tensor list", ins, output, size_);
+  TORCH_CHECK(static_cast<int>(ins.size()) == size_, "zeroplus reduce_scatter: input tensor list has ", ins.size(),
+              " tensors, expected one per rank (", size_, ")");
+  bool even = true;
+  for (const auto& t : ins) {
+    checkCpuDense(kOp, "input tensor list", t);
+    TORCH_CHECK(t.scalar_type() == output.scalar_type(), "zeroplus reduce_scatter: input tensor list has dtype ",
+                t.scalar_type(), ", expected ", output.scalar_type(), " (the output's dtype)");
+    even = even && t.numel() == output.numel();
+  }
+  if (!even) {
+    // Uneven sizes (as Gloo): input i has its own size on every rank, rank r's output matches
+    // input r. One allreduce of the concatenation, then each rank keeps its own piece.
+    TORCH_CHECK(ins[rank_].numel() == output.numel(), "zeroplus reduce_scatter: output has ", output.numel(),
+                " elements, expected ", ins[rank_].numel(), " (input tensor ", rank_, " of the list)");
+    int64_t offset = 0;
+    for (int r = 0; r < rank_; ++r) offset += ins[r].numel();
+    return collective(c10d::OpType::REDUCE_SCATTER, kOp, {output}, opts.timeout,
+                      [this, output, ins, type, reduction, offset](Deadline deadline) mutable {
+                        at::Tensor flat = packList(ins);
+                        applyPremultiply(reduction, flat);
+                        comm_->allreduce(flat.data_ptr(), flat.numel(), type, reduction.op, deadline);
+                        at::Tensor mine = flat.narrow(0, offset, output.numel());
+                        applyAverage(reduction, mine, size_);
+                        output.copy_(mine.view(output.sizes()));
+                      });
+  }
   return collective(c10d::OpType::REDUCE_SCATTER, kOp, {output}, opts.timeout,
                     [this, output, ins, type, reduction](Deadline deadline) mutable {
                       at::Tensor flat = packList(ins);

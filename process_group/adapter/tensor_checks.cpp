@@ -91,6 +91,28 @@ void checkCpuDense(const char* op, const char* arg, const at::Tensor& tensor) {
               ", strides ", tensor.strides(), "); call .contiguous() first");
 }
 
+void checkCpuStrided(const char* op, const char* arg, const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.defined(), "zeroplus ", op, ": ", arg, " is an undefined tensor");
+  TORCH_CHECK(tensor.device().is_cpu(), "zeroplus ", op, ": ", arg, " is on ", tensor.device(),
+              "; this build of zeroplus moves CPU tensors only");
+  TORCH_CHECK(tensor.layout() == at::kStrided, "zeroplus ", op, ": ", arg, " has layout ", tensor.layout(),
+              ", expected a dense (strided) tensor");
+}
+
+void checkContiguousValue(const char* op, const char* arg, const at::Tensor& tensor) {
+  TORCH_CHECK_VALUE(tensor.is_contiguous(), "zeroplus ", op, ": Tensors must be contiguous; ", arg, " has sizes ",
+                    tensor.sizes(), " and strides ", tensor.strides());
+}
+
+void checkSameTypeAndSizes(const char* op, const std::vector<at::Tensor>& list) {
+  for (size_t i = 1; i < list.size(); ++i) {
+    TORCH_CHECK(list[i].scalar_type() == list[0].scalar_type(), "zeroplus ", op, ": invalid tensor type at index ",
+                i, " (expected ", list[0].scalar_type(), ", got ", list[i].scalar_type(), ")");
+    TORCH_CHECK(list[i].sizes() == list[0].sizes(), "zeroplus ", op, ": invalid tensor size at index ", i,
+                " (expected ", list[0].sizes(), ", got ", list[i].sizes(), ")");
+  }
+}
+
 void checkSingleTensor(const char* op, const char* arg, size_t count) {
   TORCH_CHECK(count == 1, "zeroplus ", op, ": ", arg, " must hold exactly one tensor per process, got ", count);
 }

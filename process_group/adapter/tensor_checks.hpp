@@ -41,6 +41,26 @@ void checkSameDtype(const char* op, const char* arg, const std::vector<at::Tenso
 // A dense CPU tensor in row-major order.
 void checkCpuDense(const char* op, const char* arg, const at::Tensor& tensor);
 
+// A strided (not sparse) CPU tensor, any strides: for arguments the op stages through a
+// contiguous copy when needed, as Gloo accepts them.
+void checkCpuStrided(const char* op, const char* arg, const at::Tensor& tensor);
+
+// Contiguity of a flat-buffer argument whose layout the caller chose (alltoall_base): a
+// ValueError ("Tensors must be contiguous"), the type torch and Gloo raise for it.
+void checkContiguousValue(const char* op, const char* arg, const at::Tensor& tensor);
+
+// Every tensor of a several-tensors-per-process list has `list[0]`'s dtype and sizes
+// (messages as Gloo's: "invalid tensor type" / "invalid tensor size").
+void checkSameTypeAndSizes(const char* op, const std::vector<at::Tensor>& list);
+
+// A contiguous copy of `tensor` when it is not contiguous (else `tensor` itself).
+inline at::Tensor contiguousStage(const at::Tensor& tensor) { return tensor.contiguous(); }
+
+// Copies `staged` back into `tensor` when contiguousStage made a copy. Worker thread.
+inline void unstage(const at::Tensor& staged, const at::Tensor& tensor) {
+  if (!staged.is_same(tensor)) tensor.copy_(staged);
+}
+
 // Exactly one tensor in a list argument (zeroplus, like NCCL, serves one device per process).
 void checkSingleTensor(const char* op, const char* arg, size_t count);
 

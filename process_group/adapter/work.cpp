@@ -20,9 +20,15 @@ c10::intrusive_ptr<c10::ivalue::Future> ZeroPlusWork::getFuture() {
   return future_;
 }
 
+void ZeroPlusWork::setNestedOutputs(std::vector<std::vector<at::Tensor>> lists) {
+  if (lists.size() <= 1) return;
+  nested_ = std::move(lists);
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::ListType::create(c10::TensorType::get())));
+}
+
 void ZeroPlusWork::markSucceeded() {
   // Complete the future before finish(): a thread woken by wait() may immediately read it.
-  future_->markCompleted(c10::IValue(outputs_));
+  future_->markCompleted(nested_.empty() ? c10::IValue(outputs_) : c10::IValue(nested_));
   finish();
 }
 

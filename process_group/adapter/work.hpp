@@ -27,6 +27,10 @@ class ZeroPlusWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override { return sequenceNumber_; }
 
+  // Output lists of an op with several tensors per process (allgather): the future's value
+  // becomes List[List[Tensor]] when there is more than one list, as Gloo's. Before submission.
+  void setNestedOutputs(std::vector<std::vector<at::Tensor>> lists);
+
   // Worker side. Exactly one of these is called, once.
   void markSucceeded();
   void markFailed(std::exception_ptr error);
@@ -34,6 +38,7 @@ class ZeroPlusWork : public c10d::Work {
  private:
   const uint64_t sequenceNumber_;
   std::vector<at::Tensor> outputs_;
+  std::vector<std::vector<at::Tensor>> nested_;  // set by setNestedOutputs (more than one list)
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
