@@ -6,12 +6,8 @@ async all-gather into the bucket's flat buffer was issued) or GATHERED (.data is
 parameter, a view into that flat buffer). Nothing is copied back (the optimizer writes the
 shards, not the gathered copies).
 
-Every bucket keeps one flat tensor for its whole life; releasing frees its *storage*
-(untyped_storage().resize_(0)) and gathering re-allocates it in place. That is what makes the
-release real: autograd saves views of the full weights (F.linear saves weight.t()), and those
-views share the flat tensor's storage object. Dropping our references would leave every unit of
-the forward alive until backward; resizing the storage frees it, and the gather before the
-unit's backward refills the very storage the saved views point at (FSDP does the same).
+A released unit's flat buffer is dropped; autograd may still hold views of it (F.linear saves
+weight.t()) until the unit's backward, which is correct but keeps that memory alive.
 
 When (hooks on the user's modules; all run on the thread that runs forward / backward):
   * forward pre-hook of a unit's module: gather what the unit needs (its own parameters and the
@@ -63,14 +59,6 @@ class _UnitState:
         self.trainable = {id(p) for p in owned if p.requires_grad}
         self.has_frozen = any(not p.requires_grad for p in owned)
         self.grads_seen: set[int] = set()
-        # Full views, created once while the flat storage exists (a view cannot be created on a
-        # zero-size storage), then the storage is freed until the first gather.
-        self.full_views = []
-        for b in buckets:
-            b.flat = torch.empty(b.numel, dtype=b.shard.dtype, device=b.shard.device)
-            for e in b.entries:
-                self.full_views.append((e.param, b.flat[e.offset:e.offset + e.numel].view(e.shape)))
-            b.flat.untyped_storage().resize_(0)
         # (param, released view) for every entry: the 1-D part of the parameter in this rank's shard.
         self.released_views = []
         for b in buckets:
@@ -270,7 +258,7 @@ class ParameterGatherer:
     def _issue(self, st: _UnitState) -> None:
         st.works = []
         for b in st.buckets:
-            b.flat.untyped_storage().resize_(b.numel * b.flat.element_size())
+            b.flat = torch.empty(b.numel, dtype=b.shard.dtype, device=b.shard.device)
             st.works.append(comm.all_gather(b.flat, b.shard, self.group, async_op=True))
         st.state = IN_FLIGHT
         self.live_elems += st.numel
@@ -282,8 +270,9 @@ class ParameterGatherer:
         works, st.works = st.works, []
         for w in works:
             w.wait()
-        for param, view in st.full_views:
-            param.data = view
+        for b in st.buckets:
+            for e in b.entries:
+                e.param.data = b.flat[e.offset:e.offset + e.numel].view(e.shape)
         st.state = GATHERED
 
     def _release(self, st: _UnitState) -> None:
@@ -296,7 +285,7 @@ class ParameterGatherer:
         for param, view in st.released_views:
             param.data = view
         for b in st.buckets:
-            b.flat.untyped_storage().resize_(0)
+            b.flat = None
         st.state = RELEASED
         st.prefetched = False
         self.live_elems -= st.numel
@@ -332,7 +321,8 @@ class ParameterGatherer:
             self._release(st)
 
     def gathered_bytes(self) -> int:
-        return sum(b.flat.untyped_storage().nbytes() for st in self.states for b in st.buckets)
+        return sum(b.flat.numel() * b.flat.element_size() for st in self.states for b in st.buckets
+                   if b.flat is not None)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
