@@ -1,6 +1,6 @@
 // TORCH_LIBRARY(zeroplus): the operator namespace every zeroplus registration file extends with
-// TORCH_LIBRARY_FRAGMENT. This file owns the process-group glue: build_info(), attach() and
-// watch_interrupts().
+// TORCH_LIBRARY_FRAGMENT. This file owns the build stamp and the process-group glue:
+// build_info(), backend_config(), attach() and watch_interrupts().
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -8,6 +8,23 @@
 #include "process_group/adapter/backend.hpp"
 #include "process_group/adapter/device_router.hpp"
 #include "process_group/adapter/interrupt_watch.hpp"
+
+#ifdef ZEROPLUS_WITH_CUDA
+#define ZEROPLUS_STAMP_CUDA 1
+#else
+#define ZEROPLUS_STAMP_CUDA 0
+#endif
+
+#define ZEROPLUS_STR_(x) #x
+#define ZEROPLUS_STR(x) ZEROPLUS_STR_(x)
+
+// The build stamp: one NUL-terminated line in .rodata that Python reads from the file *before*
+// dlopen (plugin/python/zeroplus/_library.py, zeroplus.report), so a library built for another
+// torch is refused with both versions named instead of an undefined-symbol error or a crash
+// inside a static initializer. Keep the "ZEROPLUS_BUILD_STAMP " prefix and the key=value format.
+extern "C" __attribute__((used, visibility("default"))) const char zeroplus_build_stamp[] =
+    "ZEROPLUS_BUILD_STAMP zeroplus=" ZEROPLUS_VERSION " torch=" ZEROPLUS_BUILD_TORCH_VERSION
+    " cxx11_abi=" ZEROPLUS_STR(_GLIBCXX_USE_CXX11_ABI) " cuda=" ZEROPLUS_STR(ZEROPLUS_STAMP_CUDA);
 
 namespace zeroplus::registration {
 namespace {
@@ -44,15 +61,55 @@ void attach(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t timeoutMs,
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, router);
 }
 
+// The backend knobs as ZEROPLUS_* sets them in this process, for zeroplus.report ("field=value";
+// a malformed variable raises ValueError naming it, exactly as group creation would).
+std::vector<std::string> backendConfig() {
+  pg::PgTuning t;
+  try {
+    t = pg::configFromEnvironment();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  return {"bucket_bytes=" + std::to_string(t.bucketBytes),
+          std::string("fuse=") + (t.fuse ? "1" : "0"),
+          "shm=" + std::string(pg::toString(t.shm)),
+          "shm_chunk_bytes=" + std::to_string(t.shmChunkBytes),
+          "spin_us=" + std::to_string(t.spinMicros),
+          std::string("inline_sync=") + (t.inlineSync ? "1" : "0"),
+          "cuda_transport=" + std::string(pg::toString(t.cudaTransport)),
+          "socket_ifname=" + t.socketIfname,
+          std::string("debug=") + (t.debug ? "1" : "0")};
+}
+
+// The group's host topology for zeroplus.topology(): the host index of every group rank and
+// the host names by index. `pg` must be a zeroplus group (the Python wrapper checks the backend
+// name first; this check catches a direct call).
+std::tuple<std::vector<int64_t>, std::vector<std::string>> topology(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  TORCH_CHECK_VALUE(pg, "zeroplus topology: group is None");
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = pg->getBackend(c10::DeviceType::CPU);
+  } catch (const c10::Error&) {
+  }
+  const auto* router = dynamic_cast<const pg::DeviceRouter*>(backend.get());
+  TORCH_CHECK_VALUE(router != nullptr, "zeroplus topology: group is not a zeroplus group (its CPU backend is '",
+                    backend ? backend->getBackendName() : std::string("none"), "')");
+  const pg::Topology& t = router->cpuBackend().topology();
+  return {std::vector<int64_t>(t.hostOf.begin(), t.hostOf.end()), t.hostNames};
+}
+
 }  // namespace
 }  // namespace zeroplus::registration
 
 TORCH_LIBRARY(zeroplus, m) {
   m.def("build_info() -> str", &zeroplus::registration::buildInfo);
+  m.def("backend_config() -> str[]", &zeroplus::registration::backendConfig);
   m.def(
       "attach(__torch__.torch.classes.c10d.ProcessGroup pg, int timeout_ms, str group_name, int[] global_ranks, "
       "str[] options) -> ()",
       &zeroplus::registration::attach);
+  m.def("topology(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str[])",
+        &zeroplus::registration::topology);
   // Called by backend_hook.py while Python's default SIGINT handler is set (interrupt_watch.hpp).
   m.def("watch_interrupts() -> bool", [] { return zeroplus::pg::installInterruptChain(); });
 }

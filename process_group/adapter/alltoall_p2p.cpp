@@ -9,9 +9,14 @@
 
 #include "process_group/adapter/backend.hpp"
 #include "process_group/adapter/tensor_checks.hpp"
+#include "process_group/core/point_to_point.hpp"
 
 namespace zeroplus::pg {
 namespace {
+
+c10::DistBackendError backendError(const std::string& message) {
+  return c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
+}
 
 // Byte counts and displacements along dim 0 for alltoall_base; empty splits mean equal parts.
 struct Splits {
@@ -122,11 +127,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::send(std::vector<at::Tensor>& te
   checkRank(kOp, "destination rank", dstRank, size_);
   TORCH_CHECK(dstRank != rank_, "zeroplus send: destination rank ", dstRank, " is this rank");
   TORCH_CHECK(tag >= 0, "zeroplus send: tag must be non-negative, got ", tag);
-  at::Tensor tensor = tensors[0];
-  return collective(c10d::OpType::SEND, kOp, {tensor}, std::chrono::milliseconds(-1),
-                    [this, tensor, dstRank, tag](Deadline d) {
-                      comm_->send(tensor.data_ptr(), tensor.nbytes(), dstRank, static_cast<uint32_t>(tag), d);
-                    });
+  return pointToPoint(c10d::OpType::SEND, kOp, tensors[0], dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
@@ -136,11 +137,66 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::recv(std::vector<at::Tensor>& te
   checkRank(kOp, "source rank", srcRank, size_);
   TORCH_CHECK(srcRank != rank_, "zeroplus recv: source rank ", srcRank, " is this rank");
   TORCH_CHECK(tag >= 0, "zeroplus recv: tag must be non-negative, got ", tag);
-  at::Tensor tensor = tensors[0];
-  return collective(c10d::OpType::RECV, kOp, {tensor}, std::chrono::milliseconds(-1),
-                    [this, tensor, srcRank, tag](Deadline d) {
-                      comm_->recv(tensor.data_ptr(), tensor.nbytes(), srcRank, static_cast<uint32_t>(tag), d);
-                    });
+  return pointToPoint(c10d::OpType::RECV, kOp, tensors[0], srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  static constexpr const char* kOp = "recvAnysource";
+  checkSingleTensor(kOp, "tensors", tensors.size());
+  checkCpuDense(kOp, "tensor", tensors[0]);
+  TORCH_CHECK(size_ > 1, "zeroplus recvAnysource: no other rank to receive from in a group of size 1");
+  TORCH_CHECK(tag >= 0, "zeroplus recvAnysource: tag must be non-negative, got ", tag);
+  return pointToPoint(c10d::OpType::RECVANYSOURCE, kOp, tensors[0], kAnySource, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::pointToPoint(c10d::OpType opType, const char* opName,
+                                                             const at::Tensor& tensor, int peer, int tag) {
+  const uint64_t seq = ++sequenceNumber_;
+  auto work = c10::make_intrusive<ZeroPlusWork>(rank_, opType, opName, seq, std::vector<at::Tensor>{tensor});
+  std::string broken;
+  std::chrono::milliseconds timeout;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopping_, "zeroplus ", opName, ": process group has been shut down");
+    broken = brokenReason_;
+    timeout = config_.timeout;
+    if (coalescing_ && broken.empty()) coalescedP2p_.push_back(work);
+  }
+  if (!broken.empty()) {
+    work->markFailed(std::make_exception_ptr(backendError(
+        std::string("zeroplus ") + opName + ": process group is unusable after an earlier failure: " + broken)));
+    return work;
+  }
+  // The Work and the tensor (held by the Work) stay alive until the engine calls back.
+  auto done = [this, work](const P2pResult& result) {
+    if (!result.error) {
+      work->setSourceRank(result.source);
+      work->markSucceeded();
+      return;
+    }
+    std::string what;
+    try {
+      std::rethrow_exception(result.error);
+    } catch (const CommError& e) {
+      what = failureText(e);
+    } catch (const std::exception& e) {
+      what = e.what();
+    }
+    markBroken(what);
+    work->markFailed(std::make_exception_ptr(backendError(what)));
+  };
+  // The deadline counts from the post: a point-to-point op waits for nothing else of this group.
+  const Deadline deadline = Clock::now() + timeout;
+  try {
+    if (opType == c10d::OpType::SEND) {
+      p2p_->send(tensor.data_ptr(), tensor.nbytes(), peer, static_cast<uint32_t>(tag), deadline, std::move(done));
+    } else {
+      p2p_->recv(tensor.data_ptr(), tensor.nbytes(), peer, static_cast<uint32_t>(tag), deadline, std::move(done));
+    }
+  } catch (const CommError& e) {  // an argument the engine refuses (checked above already)
+    TORCH_CHECK(false, e.what());
+  }
+  return work;
 }
 
 }  // namespace zeroplus::pg

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <optional>
 
 #include "process_group/adapter/interrupt_watch.hpp"
@@ -53,6 +54,7 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   options.shmChunkBytes = config_.tuning.shmChunkBytes;
   options.spinMicros = config_.tuning.spinMicros;
   options.socketIfname = config_.tuning.socketIfname;
+  if (!config_.tuning.socketIfnameSource.empty()) options.socketIfnameSource = config_.tuning.socketIfnameSource;
   // Fusion and bucketing decide how ops map onto transfers, so every rank must use the same
   // knobs; a mismatch would otherwise show up later as a hang or a size-mismatch error.
   const auto& t = config_.tuning;
@@ -80,9 +82,17 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
                 std::string(theirs.begin(), theirs.end()), "); set the same ZEROPLUS_* variables and options on every rank");
   }
   try {
+    topology_ = exchangeTopology(rendezvous, rank, size, Clock::now() + config_.timeout);
+    options.hostCount = topology_.hostCount();
     comm_ = Communicator::connect(rendezvous, options);
+    p2p_ = PointToPoint::connect(rendezvous, options);
   } catch (const CommError& e) {
     throw backendError(std::string("zeroplus init: ") + e.what());
+  }
+  if (config_.tuning.debug && rank == 0) {
+    // Once per group, from its rank 0: enough to see how a job was laid out without 4 x N lines.
+    std::fprintf(stderr, "zeroplus: group '%s' of %d ranks: topology %s; transport %s\n", config_.groupName.c_str(),
+                 size, topology_.describe().c_str(), comm_->transport().c_str());
   }
   fusion_ = config_.tuning.fuse && config_.tuning.bucketBytes > 0 && size > 1 && comm_->fusesCheaply();
   worker_ = std::thread([this] { workerLoop(); });
@@ -106,6 +116,7 @@ void ZeroPlusBackend::onInterrupt() {
     interrupted_ = true;
   }
   comm_->abort();
+  if (p2p_) p2p_->abort();
 }
 
 std::string ZeroPlusBackend::failureText(const CommError& e) const {
@@ -131,14 +142,31 @@ void ZeroPlusBackend::shutdown() {
     inFlight = !queue_.empty();
     for (const auto& w : running_) inFlight = inFlight || !w->isCompleted();
   }
-  if (inFlight && comm_) comm_->abort();
+  // Point-to-point ops still pending count as in flight too (a recv nobody will satisfy).
+  inFlight = inFlight || (p2p_ && p2p_->pending() > 0);
+  if (inFlight) abortTransports();
   stopWorker();
 }
 
 void ZeroPlusBackend::abort() {
   // Wake a blocked transfer first so the worker can observe stopping_.
-  if (comm_) comm_->abort();
+  abortTransports();
   stopWorker();
+}
+
+void ZeroPlusBackend::abortTransports() {
+  if (comm_) comm_->abort();
+  if (p2p_) p2p_->abort();
+}
+
+void ZeroPlusBackend::markBroken(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (brokenReason_.empty()) brokenReason_ = what;
+  }
+  // Both transports: peers blocked on this rank in either fail at once instead of at their
+  // deadline, and the group stays unusable as after any failure.
+  abortTransports();
 }
 
 void ZeroPlusBackend::stopWorker() {
@@ -159,6 +187,8 @@ void ZeroPlusBackend::stopWorker() {
     task.work->markFailed(std::make_exception_ptr(
         backendError(std::string("zeroplus ") + task.opName + ": process group was shut down before the op ran")));
   }
+  // Stops the progress thread; point-to-point ops still pending fail ("shut down").
+  if (p2p_) p2p_->close();
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::collective(c10d::OpType opType, const char* opName,
@@ -340,6 +370,9 @@ void ZeroPlusBackend::runTask(Task& task) {
       std::lock_guard<std::mutex> lock(mutex_);
       brokenReason_ = what;
     }
+    // A transport failure also stops point-to-point, so peers waiting on this rank there fail
+    // at once (the collective links were aborted by the communicator).
+    if (!comm_->usable() && p2p_) p2p_->abort();
     task.work->markFailed(std::make_exception_ptr(backendError(what)));
   } catch (const c10::Error&) {
     task.work->markFailed(std::current_exception());
@@ -386,6 +419,7 @@ void ZeroPlusBackend::runFused(std::vector<Task>& batch) {
       std::lock_guard<std::mutex> lock(mutex_);
       brokenReason_ = what;
     }
+    if (!comm_->usable() && p2p_) p2p_->abort();
     for (auto& t : batch) t.work->markFailed(std::make_exception_ptr(backendError(what)));
     return;
   } catch (const std::exception& e) {

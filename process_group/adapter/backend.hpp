@@ -4,7 +4,10 @@
 // arguments on the caller's thread (TORCH_CHECK, message "zeroplus <op>: ...") and hands one
 // closure to collective(), the funnel that owns sequence numbers, the worker queue, timeouts
 // and error conversion. The closure runs on the backend's single worker thread, in issue
-// order, against the torch-free Communicator (process_group/core).
+// order, against the torch-free Communicator (process_group/core). Point-to-point ops (send,
+// recv, recvAnysource) bypass that queue: they go to the PointToPoint engine
+// (process_group/core/point_to_point.hpp), which progresses them on its own links and thread, so
+// irecv-before-isend patterns and collectives issued meanwhile do not wait on each other.
 //
 // Fast paths (knobs in PgTuning, docs/backend.md):
 // * Inline sync: a synchronous op (opts.asyncOp == false, i.e. async_op=False in Python)
@@ -54,6 +57,8 @@
 #include "process_group/adapter/work.hpp"
 #include "process_group/core/communicator.hpp"
 #include "process_group/core/config.hpp"
+#include "process_group/core/point_to_point.hpp"
+#include "process_group/core/topology.hpp"
 
 namespace zeroplus::pg {
 
@@ -125,12 +130,16 @@ class ZeroPlusBackend final : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  // recv from whichever rank's message with `tag` arrives first; the Work's sourceRank() names it.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   // "tcp" or "shm+tcp" (tests and benchmarks report it).
   std::string transport() const { return comm_->transport(); }
   const PgTuning& tuning() const { return config_.tuning; }
+  // Which group ranks share a host (topology.hpp); fixed at construction.
+  const Topology& topology() const { return topology_; }
 
  private:
   using Body = std::function<void(Deadline)>;
@@ -190,6 +199,15 @@ class ZeroPlusBackend final : public c10d::Backend {
   void runSingle(Task& task);
   void runFused(std::vector<Task>& batch);
   void failTask(Task& task, std::exception_ptr error);
+  // send/recv/recvAnysource: posts the op to the point-to-point engine (PointToPoint), which
+  // runs it beside the collectives' queue, never behind it. `peer` is kAnySource for
+  // recvAnysource. Completes the Work from the engine's thread (or at once).
+  c10::intrusive_ptr<c10d::Work> pointToPoint(c10d::OpType opType, const char* opName, const at::Tensor& tensor,
+                                              int peer, int tag);
+  // Records the group as unusable after a transport failure and aborts both transports (peers
+  // blocked on this rank fail at once).
+  void markBroken(const std::string& what);
+  void abortTransports();
   // The listener of interrupt_watch.hpp: aborts the group (the op in flight, if any, and the
   // peers' ops waiting for this rank). Watcher thread.
   void onInterrupt();
@@ -198,7 +216,10 @@ class ZeroPlusBackend final : public c10d::Backend {
   void stopWorker();
 
   BackendConfig config_;
+  Topology topology_;
   std::unique_ptr<Communicator> comm_;
+  // Point-to-point ops: own links and progress thread; created with comm_, closed by stopWorker.
+  std::unique_ptr<PointToPoint> p2p_;
   std::atomic<uint64_t> sequenceNumber_{0};
 
   std::mutex mutex_;
@@ -213,6 +234,7 @@ class ZeroPlusBackend final : public c10d::Backend {
   std::string brokenReason_;  // non-empty after a transport failure; guarded by mutex_
   bool coalescing_ = false;   // inside startCoalescing()/endCoalescing(); guarded by mutex_
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedWorks_;  // guarded by mutex_
+  std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedP2p_;    // point-to-point ops of the window; mutex_
   std::thread worker_;
   uint64_t interruptListener_ = 0;
   std::atomic<bool> interrupted_{false};

@@ -95,8 +95,9 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allreduce(std::vector<at::Tensor
 
 void ZeroPlusBackend::stagedAllreduce(const std::vector<at::Tensor>& tensors, DataType type,
                                       const Reduction& reduction, Deadline deadline) {
-  // Local combination first (in list order), then one allreduce of the combined buffer. AVG is
-  // the mean over all size() x tensors.size() contributions.
+  // Local combination first (in list order), then one allreduce of the combined buffer. AVG
+  // divides the sum of every tensor of every rank by the world size, as Gloo (whose result is
+  // that in tensors[0]; Gloo leaves the other tensors undivided, zeroplus writes it into all).
   at::Tensor acc = tensors.size() == 1 ? tensors[0].contiguous() : tensors[0].clone(at::MemoryFormat::Contiguous);
   applyPremultiply(reduction, acc);
   for (size_t i = 1; i < tensors.size(); ++i) {
@@ -116,7 +117,7 @@ void ZeroPlusBackend::stagedAllreduce(const std::vector<at::Tensor>& tensors, Da
     }
   }
   comm_->allreduce(acc.data_ptr(), acc.numel(), type, reduction.op, deadline);
-  applyAverage(reduction, acc, size_ * static_cast<int>(tensors.size()));
+  applyAverage(reduction, acc, size_);
   for (const auto& t : tensors) unstage(acc, t);
 }
 
@@ -218,15 +219,18 @@ void ZeroPlusBackend::startCoalescing() {
   TORCH_CHECK(!coalescing_, "zeroplus startCoalescing: already coalescing; call endCoalescing first");
   coalescing_ = true;
   coalescedWorks_.clear();
+  coalescedP2p_.clear();
 }
 
 c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::endCoalescing() {
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> works;
+  std::vector<c10::intrusive_ptr<ZeroPlusWork>> p2p;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(coalescing_, "zeroplus endCoalescing: startCoalescing was not called");
     coalescing_ = false;
     works.swap(coalescedWorks_);
+    p2p.swap(coalescedP2p_);
   }
   std::vector<at::Tensor> outputs;
   for (const auto& w : works) {
@@ -235,12 +239,45 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::endCoalescing() {
   }
   // The queue is FIFO, so this marker runs after every op of the window; it fails with the
   // first failure among them so one wait() reports the whole window.
-  return collective(c10d::OpType::COALESCED, "coalesced", outputs, std::chrono::milliseconds(-1),
-                    [works](Deadline) {
-                      for (const auto& w : works) {
-                        if (auto error = w->exception()) std::rethrow_exception(error);
-                      }
-                    });
+  auto marker = collective(c10d::OpType::COALESCED, "coalesced", outputs, std::chrono::milliseconds(-1),
+                           [works](Deadline) {
+                             for (const auto& w : works) {
+                               if (auto error = w->exception()) std::rethrow_exception(error);
+                             }
+                           });
+  if (p2p.empty()) return marker;
+  // Point-to-point ops of the window complete outside the queue (point_to_point.hpp), so the
+  // marker cannot stand for them without blocking the queue: the returned Work completes once
+  // the marker and each of them has, failing with the first failure.
+  for (const auto& w : p2p) {
+    auto r = w->result();
+    outputs.insert(outputs.end(), r.begin(), r.end());
+  }
+  auto all = c10::make_intrusive<ZeroPlusWork>(rank_, c10d::OpType::COALESCED, "coalesced", ++sequenceNumber_, outputs);
+  struct Join {
+    std::mutex mutex;
+    size_t left;
+    std::exception_ptr first;
+  };
+  auto join = std::make_shared<Join>();
+  join->left = 1 + p2p.size();
+  auto arrive = [join, all](c10::ivalue::Future& future) {
+    std::exception_ptr error;
+    {
+      std::lock_guard<std::mutex> lock(join->mutex);
+      if (future.hasError() && !join->first) join->first = future.exception_ptr();
+      if (--join->left > 0) return;
+      error = join->first;
+    }
+    if (error) {
+      all->markFailed(error);
+    } else {
+      all->markSucceeded();
+    }
+  };
+  marker->getFuture()->addCallback(arrive);
+  for (const auto& w : p2p) w->getFuture()->addCallback(arrive);
+  return all;
 }
 
 }  // namespace zeroplus::pg

@@ -122,6 +122,9 @@ c10::intrusive_ptr<c10d::Work> DeviceRouter::send(std::vector<at::Tensor>& t, in
 c10::intrusive_ptr<c10d::Work> DeviceRouter::recv(std::vector<at::Tensor>& t, int src, int tag) {
   return backendFor(deviceOf(t)).recv(t, src, tag);
 }
+c10::intrusive_ptr<c10d::Work> DeviceRouter::recvAnysource(std::vector<at::Tensor>& t, int tag) {
+  return backendFor(deviceOf(t)).recvAnysource(t, tag);
+}
 c10::intrusive_ptr<c10d::Work> DeviceRouter::barrier(const c10d::BarrierOptions& o) {
   // c10d allocates the barrier's token on opts.device; a CUDA barrier must order CUDA work too.
   const bool cuda = o.device.has_value() && o.device->is_cuda();

@@ -72,12 +72,15 @@ class DeviceRouter final : public c10d::Backend {
                                           const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   // The backend serving `device` (creates the CUDA transport on first use). Public for tests.
   c10d::Backend& backendFor(c10::DeviceType device);
+  // The CPU backend (topology and transport queries of registration/library.cpp).
+  const ZeroPlusBackend& cpuBackend() const { return *cpu_; }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

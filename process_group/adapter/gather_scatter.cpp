@@ -16,8 +16,9 @@ namespace {
 
 void checkFlatPair(const char* op, const at::Tensor& small, const char* smallName, const at::Tensor& big,
                    const char* bigName, int size) {
-  checkCpuDense(op, smallName, small);
-  checkCpuDense(op, bigName, big);
+  // Strided tensors are accepted (as Gloo) and staged through a contiguous copy by the op.
+  checkCpuStrided(op, smallName, small);
+  checkCpuStrided(op, bigName, big);
   TORCH_CHECK(big.scalar_type() == small.scalar_type(), "zeroplus ", op, ": ", bigName, " has dtype ",
               big.scalar_type(), ", expected ", small.scalar_type(), " (the ", smallName, "'s dtype)");
   TORCH_CHECK(big.numel() == small.numel() * size, "zeroplus ", op, ": ", bigName, " has ", big.numel(),
@@ -133,7 +134,10 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::_allgather_base(at::Tensor& outp
   at::Tensor in = input;
   at::Tensor out = output;
   return collective(c10d::OpType::_ALLGATHER_BASE, kOp, {out}, opts.timeout, [this, in, out](Deadline deadline) {
-    comm_->allgather(in.data_ptr(), in.nbytes(), out.data_ptr(), deadline);
+    const at::Tensor src = in.contiguous();  // contiguous tensors: no copy either way
+    at::Tensor dst = contiguousStage(out);
+    comm_->allgather(src.data_ptr(), src.nbytes(), dst.data_ptr(), deadline);
+    unstage(dst, out);
   });
 }
 
@@ -151,7 +155,10 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::allgather_into_tensor_coalesced(
   std::vector<at::Tensor> outs = outputs;
   return collective(c10d::OpType::COALESCED, kOp, outs, opts.timeout, [this, ins, outs](Deadline deadline) {
     for (size_t i = 0; i < ins.size(); ++i) {
-      comm_->allgather(ins[i].data_ptr(), ins[i].nbytes(), outs[i].data_ptr(), deadline);
+      const at::Tensor src = ins[i].contiguous();
+      at::Tensor dst = contiguousStage(outs[i]);
+      comm_->allgather(src.data_ptr(), src.nbytes(), dst.data_ptr(), deadline);
+      unstage(dst, outs[i]);
     }
   });
 }
@@ -217,7 +224,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce_scatter(std::vector<at::T
   checkSingleTensor(kOp, "output_tensors", outputs.size());
   checkSingleTensor(kOp, "input_tensors", inputs.size());
   at::Tensor output = outputs[0];
-  checkCpuDense(kOp, "output tensor", output);
+  checkCpuStrided(kOp, "output tensor", output);  // strided inputs and output are staged (as Gloo)
   const DataType type = toDataType(kOp, "output tensor", output.scalar_type());
   const Reduction reduction = toReduction(kOp, opts.reduceOp, output.scalar_type());
   std::vector<at::Tensor> ins = inputs[0];
@@ -225,7 +232,7 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce_scatter(std::vector<at::T
               " tensors, expected one per rank (", size_, ")");
   bool even = true;
   for (const auto& t : ins) {
-    checkCpuDense(kOp, "input tensor list", t);
+    checkCpuStrided(kOp, "input tensor list", t);
     TORCH_CHECK(t.scalar_type() == output.scalar_type(), "zeroplus reduce_scatter: input tensor list has dtype ",
                 t.scalar_type(), ", expected ", output.scalar_type(), " (the output's dtype)");
     even = even && t.numel() == output.numel();
@@ -251,9 +258,10 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce_scatter(std::vector<at::T
                     [this, output, ins, type, reduction](Deadline deadline) mutable {
                       at::Tensor flat = packList(ins);
                       applyPremultiply(reduction, flat);
-                      comm_->reduceScatter(flat.data_ptr(), output.data_ptr(), output.numel(), type, reduction.op,
-                                           deadline);
-                      applyAverage(reduction, output, size_);
+                      at::Tensor dst = contiguousStage(output);
+                      comm_->reduceScatter(flat.data_ptr(), dst.data_ptr(), dst.numel(), type, reduction.op, deadline);
+                      applyAverage(reduction, dst, size_);
+                      unstage(dst, output);
                     });
 }
 
@@ -268,10 +276,12 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::_reduce_scatter_base(at::Tensor&
   return collective(c10d::OpType::_REDUCE_SCATTER_BASE, kOp, {out}, opts.timeout,
                     [this, in, out, type, reduction](Deadline deadline) mutable {
                       // The caller's input must survive unchanged, so a pre-scale works on a copy.
-                      at::Tensor src = reduction.premultiply ? in.clone() : in;
+                      at::Tensor src = reduction.premultiply ? in.clone(at::MemoryFormat::Contiguous) : in.contiguous();
                       applyPremultiply(reduction, src);
-                      comm_->reduceScatter(src.data_ptr(), out.data_ptr(), out.numel(), type, reduction.op, deadline);
-                      applyAverage(reduction, out, size_);
+                      at::Tensor dst = contiguousStage(out);
+                      comm_->reduceScatter(src.data_ptr(), dst.data_ptr(), dst.numel(), type, reduction.op, deadline);
+                      applyAverage(reduction, dst, size_);
+                      unstage(dst, out);
                     });
 }
 
@@ -292,11 +302,14 @@ c10::intrusive_ptr<c10d::Work> ZeroPlusBackend::reduce_scatter_tensor_coalesced(
   return collective(c10d::OpType::COALESCED, kOp, outs, opts.timeout,
                     [this, ins, outs, types, reductions](Deadline deadline) mutable {
                       for (size_t i = 0; i < ins.size(); ++i) {
-                        at::Tensor src = reductions[i].premultiply ? ins[i].clone() : ins[i];
+                        at::Tensor src = reductions[i].premultiply ? ins[i].clone(at::MemoryFormat::Contiguous)
+                                                                   : ins[i].contiguous();
                         applyPremultiply(reductions[i], src);
-                        comm_->reduceScatter(src.data_ptr(), outs[i].data_ptr(), outs[i].numel(), types[i],
+                        at::Tensor dst = contiguousStage(outs[i]);
+                        comm_->reduceScatter(src.data_ptr(), dst.data_ptr(), dst.numel(), types[i],
                                              reductions[i].op, deadline);
-                        applyAverage(reductions[i], outs[i], size_);
+                        applyAverage(reductions[i], dst, size_);
+                        unstage(dst, outs[i]);
                       }
                     });
 }

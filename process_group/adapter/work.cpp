@@ -20,6 +20,11 @@ c10::intrusive_ptr<c10::ivalue::Future> ZeroPlusWork::getFuture() {
   return future_;
 }
 
+int ZeroPlusWork::sourceRank() const {
+  if (sourceRank_ < 0) return c10d::Work::sourceRank();  // throws as the base does
+  return sourceRank_;
+}
+
 void ZeroPlusWork::setNestedOutputs(std::vector<std::vector<at::Tensor>> lists) {
   if (lists.size() <= 1) return;
   nested_ = std::move(lists);

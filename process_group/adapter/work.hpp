@@ -26,6 +26,10 @@ class ZeroPlusWork : public c10d::Work {
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override { return sequenceNumber_; }
+  // recv from any source: the rank the message came from (c10d's Work::sourceRank, Python
+  // work._source_rank()); set before markSucceeded. Other ops: c10d's "not supported" error.
+  int sourceRank() const override;
+  void setSourceRank(int rank) { sourceRank_ = rank; }
 
   // Output lists of an op with several tensors per process (allgather): the future's value
   // becomes List[List[Tensor]] when there is more than one list, as Gloo's. Before submission.
@@ -37,6 +41,7 @@ class ZeroPlusWork : public c10d::Work {
 
  private:
   const uint64_t sequenceNumber_;
+  int sourceRank_ = -1;
   std::vector<at::Tensor> outputs_;
   std::vector<std::vector<at::Tensor>> nested_;  // set by setNestedOutputs (more than one list)
   c10::intrusive_ptr<c10::ivalue::Future> future_;

@@ -26,7 +26,13 @@ std::unique_ptr<Communicator> Communicator::connect(Rendezvous& rendezvous, cons
   }
   std::unique_ptr<Communicator> tcp =
       std::make_unique<detail::TcpCommunicator>(detail::TcpMesh::connect(rendezvous, options));
-  if (options.size > 1 && options.shm != ShmMode::kOff) {
+  if (options.hostCount > 1 && options.shm == ShmMode::kOn) {
+    throw CommError("connect", options.rank, -1, 0.0,
+                    "shared-memory transport: ZEROPLUS_SHM=on, but the group spans " +
+                        std::to_string(options.hostCount) + " hosts");
+  }
+  // Across hosts the segments of one set cannot reach every rank: TCP only (topology.hpp).
+  if (options.size > 1 && options.shm != ShmMode::kOff && options.hostCount == 1) {
     if (auto shm = detail::ShmCommunicator::maybeCreate(rendezvous, options, tcp)) return shm;
   }
   return tcp;

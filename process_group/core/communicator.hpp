@@ -59,11 +59,16 @@ struct CommunicatorOptions {
   // Bounds the rendezvous and connection set-up in connect().
   std::chrono::milliseconds connectTimeout{std::chrono::minutes(30)};
   // Address the set-up listener binds and peers use to reach this rank; empty: the IPv4
-  // address of socketIfname if set, else loopback when every rank reports the same host name
-  // (agreed through the rendezvous), else the host's resolved address (every interface if
-  // that address is not local). The listener exists only during connect().
+  // address of socketIfname if set, else loopback when every rank reports the same network
+  // identity (host_identity.hpp, agreed through the rendezvous), else the host's address
+  // (tcp_mesh.hpp). The listener exists only during connect().
   std::string bindAddress;
   std::string socketIfname;
+  // The variable or option that named socketIfname, quoted in errors.
+  std::string socketIfnameSource = "ZEROPLUS_SOCKET_IFNAME";
+  // Hosts the group spans (topology.hpp); > 1 keeps the shared-memory transport off, since
+  // one shm segment set cannot serve ranks on different machines.
+  int hostCount = 1;
   // Longest a connection to the listener may stay unauthenticated (no valid hello); at most
   // max(16, 2 x size) such connections are held at once, later ones are closed on arrival.
   std::chrono::milliseconds helloTimeout{std::chrono::seconds(10)};

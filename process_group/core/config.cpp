@@ -94,6 +94,7 @@ constexpr Knob kKnobs[] = {
     {"shm", "ZEROPLUS_SHM"},                         {"shm_chunk_bytes", "ZEROPLUS_SHM_CHUNK_BYTES"},
     {"spin_us", "ZEROPLUS_SPIN_US"},                 {"inline_sync", "ZEROPLUS_INLINE_SYNC"},
     {"cuda_transport", "ZEROPLUS_CUDA_TRANSPORT"},   {"socket_ifname", "ZEROPLUS_SOCKET_IFNAME"},
+    {"debug", "ZEROPLUS_DEBUG"},
 };
 
 void apply(PgTuning& t, std::string_view field, std::string_view value, std::string_view shownAs) {
@@ -120,10 +121,13 @@ void apply(PgTuning& t, std::string_view field, std::string_view value, std::str
                     value.find_first_of("/: \t\n") == std::string_view::npos;
     if (!ok) bad(shownAs, value, "a network interface name such as eth0 (1 to 15 characters)");
     t.socketIfname = std::string(value);
+    t.socketIfnameSource = std::string(shownAs);
+  } else if (field == "debug") {
+    t.debug = parseBool(shownAs, value);
   } else {
     throw std::invalid_argument("zeroplus: unknown backend option '" + std::string(field) +
                                 "'; known: bucket_bytes, fuse, shm, shm_chunk_bytes, spin_us, inline_sync, "
-                                "cuda_transport, socket_ifname");
+                                "cuda_transport, socket_ifname, debug");
   }
 }
 
@@ -133,6 +137,14 @@ PgTuning configFromEnvironment() {
   PgTuning t;
   for (const Knob& k : kKnobs) {
     if (const char* v = env(k.env)) apply(t, k.field, v, k.env);
+  }
+  // Users moving from backend="gloo" already set GLOO_SOCKET_IFNAME; honour it (its first
+  // entry: Gloo accepts a comma-separated list) unless ZEROPLUS_SOCKET_IFNAME says otherwise.
+  if (t.socketIfname.empty()) {
+    if (const char* v = env("GLOO_SOCKET_IFNAME")) {
+      const std::string_view all(v);
+      apply(t, "socket_ifname", all.substr(0, all.find(',')), "GLOO_SOCKET_IFNAME");
+    }
   }
   return t;
 }

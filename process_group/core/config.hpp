@@ -45,19 +45,26 @@ struct PgTuning {
   // saving two thread hand-offs per op.
   bool inlineSync = true;
   CudaTransport cudaTransport = CudaTransport::kAuto;
-  // Network interface whose IPv4 address the set-up listener binds and publishes (as
-  // GLOO_SOCKET_IFNAME). Empty: loopback when every rank is on this host, else the host's
-  // resolved address. May differ between ranks (interface names are per host).
+  // Network interface whose IPv4 address the set-up listeners (collective and point-to-point
+  // meshes) bind and publish. Empty: loopback when every rank shares one network namespace,
+  // else the host's address (tcp_mesh.hpp). May differ between ranks (names are per host).
   std::string socketIfname;
+  // Where socketIfname came from, for error messages: "ZEROPLUS_SOCKET_IFNAME",
+  // "GLOO_SOCKET_IFNAME" (honoured when ZEROPLUS_SOCKET_IFNAME is unset; its first entry, as
+  // Gloo's list form "eth0,eth1" names several) or "BackendOptions.socket_ifname".
+  std::string socketIfnameSource;
+  // ZEROPLUS_DEBUG=1: log the group's topology and transport choice once, at creation, to
+  // stderr (group rank 0 only). Not part of the cross-rank tuning check.
+  bool debug = false;
 };
 
 // Defaults overridden by ZEROPLUS_BUCKET_BYTES, ZEROPLUS_FUSE, ZEROPLUS_SHM,
-// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US, ZEROPLUS_INLINE_SYNC, ZEROPLUS_CUDA_TRANSPORT and
-// ZEROPLUS_SOCKET_IFNAME.
+// ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US, ZEROPLUS_INLINE_SYNC, ZEROPLUS_CUDA_TRANSPORT,
+// ZEROPLUS_SOCKET_IFNAME (else GLOO_SOCKET_IFNAME) and ZEROPLUS_DEBUG.
 PgTuning configFromEnvironment();
 
 // Applies one BackendOptions field ("bucket_bytes", "fuse", "shm", "shm_chunk_bytes",
-// "spin_us", "inline_sync", "cuda_transport", "socket_ifname") given as text, with the same parsing and limits as its
+// "spin_us", "inline_sync", "cuda_transport", "socket_ifname", "debug") given as text, with the same parsing and limits as its
 // environment variable. Throws std::invalid_argument.
 void applyOption(PgTuning& tuning, std::string_view field, std::string_view value);
 

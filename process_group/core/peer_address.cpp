@@ -27,7 +27,7 @@ bool parseDecimal(std::string_view s, uint64_t limit, uint64_t* out) {
 
 std::vector<uint8_t> encodePeerAddress(const PeerAddress& a) {
   std::ostringstream os;
-  os << "host=" << a.host << ";addr=" << a.addr << ";port=" << a.port << ";any=" << (a.any ? 1 : 0)
+  os << "host=" << a.host << ";net=" << a.net << ";addr=" << a.addr << ";port=" << a.port << ";any=" << (a.any ? 1 : 0)
      << ";nonce=" << a.nonce;
   const std::string s = os.str();
   return {s.begin(), s.end()};
@@ -54,12 +54,14 @@ bool decodePeerAddress(const std::vector<uint8_t>& bytes, PeerAddress* out) {
   const std::string* nonce = field("nonce");
   const std::string* any = field("any");
   const std::string* host = field("host");
+  const std::string* net = field("net");
   uint64_t p = 0, n = 0;
   if (addr == nullptr || port == nullptr || nonce == nullptr) return false;
   if (!parseDecimal(*port, 65535, &p) || p == 0) return false;
   if (!parseDecimal(*nonce, UINT64_MAX, &n)) return false;
   if (any != nullptr && *any != "0" && *any != "1") return false;
   out->host = host ? *host : std::string();
+  out->net = net ? *net : std::string();
   out->addr = *addr;
   out->port = static_cast<uint16_t>(p);
   out->any = any != nullptr && *any == "1";

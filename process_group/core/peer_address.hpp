@@ -1,5 +1,5 @@
 // Internal: the rendezvous entry through which a rank tells its peers where it listens
-// ("host=..;addr=..;port=..;any=..;nonce=..", see tcp_mesh.hpp).
+// ("host=..;net=..;addr=..;port=..;any=..;nonce=..", see tcp_mesh.hpp).
 //
 // The entry comes from the store, i.e. from outside this process: decodePeerAddress() accepts
 // exactly what encodePeerAddress() writes (fields in any order, unknown keys ignored) and
@@ -15,6 +15,7 @@ namespace zeroplus::pg::detail {
 
 struct PeerAddress {
   std::string host;
+  std::string net;  // networkIdentity() (host_identity.hpp); empty from an older peer
   std::string addr;
   uint16_t port = 0;
   bool any = false;  // listening on every interface, so loopback reaches it from the same host

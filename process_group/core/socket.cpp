@@ -4,6 +4,7 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -225,6 +226,28 @@ int interfaceAddress(const std::string& ifname, std::string* out) {
   ::freeifaddrs(list);
   if (rc < 0) *out = others;
   return rc;
+}
+
+int defaultInterfaceAddress(std::string* out) {
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return -errno;
+  int rc = -ENODEV;
+  for (const ifaddrs* it = list; it != nullptr; it = it->ifa_next) {
+    if (it->ifa_addr == nullptr || it->ifa_addr->sa_family != AF_INET) continue;
+    if ((it->ifa_flags & IFF_UP) == 0 || (it->ifa_flags & IFF_LOOPBACK) != 0) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(it->ifa_addr)->sin_addr, text, sizeof(text));
+    *out = text;
+    rc = 0;
+    break;
+  }
+  ::freeifaddrs(list);
+  return rc;
+}
+
+bool isLoopbackAddress(const std::string& addr) {
+  in_addr a{};
+  return ::inet_pton(AF_INET, addr.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
 }
 
 std::string errnoString(int negErrno) { return std::strerror(negErrno < 0 ? -negErrno : negErrno); }

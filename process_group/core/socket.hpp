@@ -52,6 +52,14 @@ std::string resolveHostAddress(const std::string& host);
 // interface with an IPv4 address; *out then lists the interfaces that have one).
 int interfaceAddress(const std::string& ifname, std::string* out);
 
+// The IPv4 address of the first interface that is up and not loopback, in getifaddrs() order:
+// 0, or -ENODEV when there is none. The fallback address of a host whose name does not resolve
+// to a usable address (a container's made-up host name, Debian's 127.0.1.1 entry).
+int defaultInterfaceAddress(std::string* out);
+
+// True for a numeric IPv4 address in 127.0.0.0/8.
+bool isLoopbackAddress(const std::string& addr);
+
 // "Connection refused" etc. for a -errno value.
 std::string errnoString(int negErrno);
 

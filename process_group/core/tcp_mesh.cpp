@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "process_group/core/host_identity.hpp"
 #include "process_group/core/peer_address.hpp"
 #include "process_group/core/socket.hpp"
 
@@ -112,34 +113,53 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
 
   PeerAddress self;
   self.host = hostName();
+  self.net = networkIdentity();
   self.addr = options.bindAddress;
   if (self.addr.empty() && !options.socketIfname.empty()) {
     std::string addr;
     if (interfaceAddress(options.socketIfname, &addr) < 0) {
-      fail(-1, "ZEROPLUS_SOCKET_IFNAME=" + options.socketIfname + ": no such interface with an IPv4 address (have: " +
-                   addr + ")");
+      fail(-1, options.socketIfnameSource + "=" + options.socketIfname +
+                   ": no such interface with an IPv4 address (have: " + addr + ")");
     }
     self.addr = addr;
   }
+  bool oneNetwork = true;
   if (self.addr.empty()) {
-    // Bind the address peers will use, not every interface: loopback when the whole group is
-    // on this host (nothing off the host can then reach the listener), else the host's address.
-    const std::string hostKey = "zeroplus/hostname/";
-    rendezvous.set(hostKey + std::to_string(rank), std::vector<uint8_t>(self.host.begin(), self.host.end()));
-    bool oneHost = true;
-    for (int p = 0; p < size && oneHost; ++p) {
+    // Bind the address peers will use, not every interface: loopback when the whole group
+    // shares this network namespace (nothing elsewhere can then reach the listener), else the
+    // host's address. The network identity, not the host name, decides: containers and network
+    // namespaces often share a name but not a loopback.
+    const std::string netKey = "zeroplus/hostname/";
+    rendezvous.set(netKey + std::to_string(rank), std::vector<uint8_t>(self.net.begin(), self.net.end()));
+    for (int p = 0; p < size && oneNetwork; ++p) {
       if (p == rank) continue;
       try {
         const int ms = remainingMs(deadline);
         if (ms == 0) throw std::runtime_error("deadline passed");
-        const auto h = rendezvous.get(hostKey + std::to_string(p), std::chrono::milliseconds(ms));
-        oneHost = std::string(h.begin(), h.end()) == self.host;
+        const auto h = rendezvous.get(netKey + std::to_string(p), std::chrono::milliseconds(ms));
+        oneNetwork = std::string(h.begin(), h.end()) == self.net;
       } catch (const std::exception& e) {
         fail(p, "timed out after " + fmtSeconds(secondsSince(start)) + " waiting for rank " + std::to_string(p) +
-                    " to publish its address (its host name: " + e.what() + ")");
+                    " to publish its address (its network identity: " + e.what() + ")");
       }
     }
-    self.addr = oneHost ? "127.0.0.1" : resolveHostAddress(self.host);
+    if (oneNetwork) {
+      self.addr = "127.0.0.1";
+    } else {
+      // Publish an address, never a host name: other hosts may not resolve ours (a container's
+      // made-up name). A name that resolves to loopback (Debian's 127.0.1.1) is no use either.
+      self.addr = resolveHostAddress(self.host);
+      const bool numeric = self.addr != self.host;
+      if (!numeric || isLoopbackAddress(self.addr)) {
+        std::string addr;
+        if (defaultInterfaceAddress(&addr) < 0) {
+          fail(-1, "the group spans hosts, but host name '" + self.host +
+                       "' does not resolve to a reachable address and no interface other than loopback has an "
+                       "IPv4 address; set ZEROPLUS_SOCKET_IFNAME to the interface peers can reach");
+        }
+        self.addr = addr;
+      }
+    }
   }
   uint16_t port = 0;
   int listenFd = listenTcp(self.addr, size + 16, &port);
@@ -181,12 +201,20 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
                   " to publish its address (" + e.what() + ")");
     }
     if (p == 0) nonce = a.nonce;
+    // A peer on another host that listens on loopback (told to use "lo", or a host name that
+    // resolves to 127.0.1.1) can never be reached from here; say so now, not at the deadline.
+    if (!a.any && isLoopbackAddress(a.addr) && !a.net.empty() && a.net != self.net) {
+      fail(p, "rank " + std::to_string(p) + " on host '" + a.host + "' listens on loopback address " + a.addr +
+                  ", which cannot be reached from this host ('" + self.host +
+                  "'); set ZEROPLUS_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME) on that rank to an interface other hosts "
+                  "can reach");
+    }
     Pending c;
     c.peer = p;
     c.outbound = true;
     c.target = a;
     // Same host name and the peer listens everywhere: loopback is the fastest path.
-    if (a.any && a.host == self.host) c.target.addr = "127.0.0.1";
+    if (a.any && (a.net.empty() ? a.host == self.host : a.net == self.net)) c.target.addr = "127.0.0.1";
     pending.push_back(c);
   }
 

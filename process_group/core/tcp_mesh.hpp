@@ -1,11 +1,15 @@
 // Internal: the full mesh of TCP connections of one communicator, plus its abort signal.
 //
 // Set-up (connect): every rank listens on an ephemeral port of one address and publishes
-// "host=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". The address is
-// options.bindAddress, else ZEROPLUS_SOCKET_IFNAME's IPv4 address, else 127.0.0.1 when every
-// rank published the same host name under "zeroplus/hostname/<rank>", else the host's resolved
-// address (every interface, any=1, only if that address is not local). Rank r connects to
-// every lower rank and accepts every higher one, so each pair has exactly one connection and
+// "host=..;net=..;addr=..;port=..;any=..;nonce=.." under "zeroplus/addr/<rank>". The address is
+// options.bindAddress, else the IPv4 address of options.socketIfname (ZEROPLUS_SOCKET_IFNAME or
+// GLOO_SOCKET_IFNAME), else 127.0.0.1 when every rank published the same network identity
+// (host_identity.hpp) under "zeroplus/hostname/<rank>", else the host name's resolved address
+// if it is numeric and not loopback, else the first non-loopback interface that is up. A host
+// name is never published as the address. When the resolved address is not local (NAT), the
+// listener takes every interface (any=1). A peer on another host that publishes a loopback
+// address fails the set-up at once with a message naming it. Rank r connects to every lower
+// rank and accepts every higher one, so each pair has exactly one connection and
 // nobody needs to agree on who goes first. A 24-byte hello in each direction carries a magic,
 // the protocol version, the rank, the world size and a session nonce chosen by rank 0, so a
 // stray or stale connection (another job, a previous group on a reused port) is refused rather

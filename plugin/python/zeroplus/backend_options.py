@@ -23,7 +23,8 @@ class BackendOptions:
     spin_us: int | None = None  # ZEROPLUS_SPIN_US: spin before sleeping in a shared-memory wait
     inline_sync: bool | None = None  # ZEROPLUS_INLINE_SYNC: run sync ops on the caller's thread
     cuda_transport: str | None = None  # ZEROPLUS_CUDA_TRANSPORT: "auto", "nccl" or "host"
-    socket_ifname: str | None = None  # ZEROPLUS_SOCKET_IFNAME: interface the set-up listener binds
+    socket_ifname: str | None = None  # ZEROPLUS_SOCKET_IFNAME (else GLOO_SOCKET_IFNAME): interface the listeners bind
+    debug: bool | None = None  # ZEROPLUS_DEBUG: log topology and transport once at group creation
 
     def _zeroplus_options(self) -> list[str]:
         """The "field=value" list the backend hook forwards to torch.ops.zeroplus.attach."""

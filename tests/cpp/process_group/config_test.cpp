@@ -54,9 +54,31 @@ TEST(ConfigEnvironment, SpinMicrosCannotWrapToZero) {
   ::setenv("ZEROPLUS_SPIN_US", "1G", 1);
   EXPECT_THROW(configFromEnvironment(), std::invalid_argument);  // over 1000000 us
   ::setenv("ZEROPLUS_SPIN_US", "20", 1);
-  EXPECT_EQ(configFromEnvironment().spinMicros, 20u);
+  EXPECT_EQ(zeroplus::pg::configFromEnvironment().spinMicros, 20u);
   ::unsetenv("ZEROPLUS_SPIN_US");
 }
 
 }  // namespace
 }  // namespace zeroplus::pg
+
+TEST(ConfigEnvironment, GlooSocketIfnameIsHonouredUnlessZeroplusNamesOne) {
+  ::unsetenv("ZEROPLUS_SOCKET_IFNAME");
+  ::setenv("GLOO_SOCKET_IFNAME", "eth1,eth2", 1);  // Gloo's list form: the first entry counts
+  zeroplus::pg::PgTuning t = zeroplus::pg::configFromEnvironment();
+  EXPECT_EQ(t.socketIfname, "eth1");
+  EXPECT_EQ(t.socketIfnameSource, "GLOO_SOCKET_IFNAME");
+  ::setenv("ZEROPLUS_SOCKET_IFNAME", "eth3", 1);
+  t = zeroplus::pg::configFromEnvironment();
+  EXPECT_EQ(t.socketIfname, "eth3");
+  EXPECT_EQ(t.socketIfnameSource, "ZEROPLUS_SOCKET_IFNAME");
+  ::unsetenv("ZEROPLUS_SOCKET_IFNAME");
+  ::setenv("GLOO_SOCKET_IFNAME", "a/b", 1);
+  try {
+    zeroplus::pg::configFromEnvironment();
+    ADD_FAILURE() << "a malformed GLOO_SOCKET_IFNAME was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("GLOO_SOCKET_IFNAME='a/b' is invalid"), std::string::npos) << e.what();
+  }
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  EXPECT_EQ(zeroplus::pg::configFromEnvironment().socketIfname, "");
+}

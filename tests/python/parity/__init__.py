@@ -48,10 +48,6 @@ CASES: dict[str, Case] = {}
 
 # Cases Gloo passes that zeroplus does not yet (issue #13): xfail, and the table says "no".
 KNOWN_GAPS: dict[str, str] = {
-    "send/recv:recv from any source:float32": "recvAnysource",
-    "isend/irecv:all pairs:float32": "point-to-point ops run in issue order: irecv before isend on both peers deadlocks",
-    "batch_isend_irecv:P2POp list:float32": "point-to-point ops run in issue order (irecv before isend)",
-    "batch_isend_irecv:P2POp list with tags:float32": "point-to-point ops run in issue order (irecv before isend)",
 }
 
 

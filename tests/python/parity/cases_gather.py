@@ -601,3 +601,33 @@ for _dtype in ["float32", "int64"]:
     # gloo: "invalid tensor size at index 1" (its list form needs equal sizes)
     case("all_to_all", "unequal tensor lists", _dtype, gloo=False)(partial(_a2a_list, dtype=_dt(_dtype), unequal=True))
 case("all_to_all", "complex", "complex64")(partial(_a2a_list, dtype=torch.cfloat, unequal=False))
+
+
+@case("all_gather_into_tensor", "strided input and output", "float32")
+def all_gather_into_tensor_strided(ctx):
+    # Gloo accepts non-contiguous tensors and gathers their logical values.
+    inp = (torch.arange(4.0).reshape(2, 2) + ctx.rank).t().contiguous().t()  # values row-major, strides (1, 2)
+    out = torch.empty(2, ctx.world_size * 2).t()  # (2 * world, 2), strides (1, 2 * world)
+    dist.all_gather_into_tensor(out, inp)
+    expected = torch.cat([torch.arange(4.0).reshape(2, 2) + r for r in range(ctx.world_size)])
+    assert_equal(out, expected)
+
+
+@case("reduce_scatter_tensor", "strided input and output", "float32")
+def reduce_scatter_tensor_strided(ctx):
+    world = ctx.world_size
+    base = torch.arange(world * 4.0).reshape(world * 2, 2)
+    inp = (base * (ctx.rank + 1)).t().contiguous().t()  # logical values of base x (rank + 1), strided
+    out = torch.empty(2, 2).t()
+    dist.reduce_scatter_tensor(out, inp)
+    scale = sum(r + 1 for r in range(world))
+    assert_equal(out, base[2 * ctx.rank:2 * ctx.rank + 2] * scale)
+
+
+@case("reduce_scatter", "strided tensor list and output", "float32")
+def reduce_scatter_list_strided(ctx):
+    inputs = [(torch.arange(4.0).reshape(2, 2) + i + ctx.rank).t().contiguous().t() for i in range(ctx.world_size)]
+    out = torch.empty(2, 2).t()
+    dist.reduce_scatter(out, inputs)
+    expected = sum(torch.arange(4.0).reshape(2, 2) + ctx.rank + r for r in range(ctx.world_size))
+    assert_equal(out, expected)

@@ -254,6 +254,18 @@ def pg_allreduce_multi_input(ctx):
             assert_equal(t, output, str(op))
 
 
+@case("ProcessGroup.allreduce", "several tensors per process, AVG", "float32")
+def pg_allreduce_multi_input_avg(ctx):
+    # Gloo sums every tensor of every rank and divides by the world size; the result lands in
+    # tensors[0] (Gloo leaves the other tensors undivided; zeroplus writes the mean into all).
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG
+    tensors = [torch.full((3,), float(ctx.rank + 1)), torch.full((3,), float(10 * (ctx.rank + 1)))]
+    ctx.pg.allreduce(tensors, opts).wait()
+    total = sum(11.0 * (r + 1) for r in range(ctx.world_size))
+    assert_equal(tensors[0], torch.full((3,), total / ctx.world_size))
+
+
 @case("ProcessGroup.allreduce", "fp16 numerics vs allgather sum", "float16")
 def pg_allreduce_fp16(ctx):
     torch.manual_seed(ctx.rank)

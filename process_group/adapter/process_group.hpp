@@ -1,0 +1,37 @@
+// zeroplus::pg::makeProcessGroup: a c10d::ProcessGroup whose backend is zeroplus, for LibTorch
+// programs without Python (Python gets the same through init_process_group(backend="zeroplus")).
+//
+// Contract:
+//  * Collective: every rank of the group calls it with the same store, its own rank, the same
+//    size and agreeing BackendConfig tuning; it blocks until all ranks joined (config.timeout).
+//  * The returned group serves CPU tensors, and CUDA tensors in CUDA builds (the DeviceRouter
+//    picks NCCL or host staging as in Python). Use it with c10d's ProcessGroup API
+//    (pg->allreduce(...)->wait()) or hand it to zeroplus::optim::ZeroAdamW.
+//  * Ownership: the group owns the backend; shut it down with pg->shutdown() (or let the last
+//    reference go) after the last collective.
+//  * Errors: as ZeroPlusBackend's constructor (c10::Error / c10::DistBackendError naming the
+//    rank and the failed step).
+// Header-only on purpose: it adds no translation unit to libzeroplus.so.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "process_group/adapter/backend.hpp"
+#include "process_group/adapter/device_router.hpp"
+
+namespace zeroplus::pg {
+
+inline c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(const c10::intrusive_ptr<c10d::Store>& store,
+                                                               int rank, int size, BackendConfig config = {}) {
+  auto cpu = c10::make_intrusive<ZeroPlusBackend>(store, rank, size, std::move(config));
+  auto router = c10::make_intrusive<DeviceRouter>(store, cpu);
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  using Type = c10d::ProcessGroup::BackendType;
+  group->setBackend(c10::DeviceType::CPU, Type::CUSTOM, router);
+  group->setBackend(c10::DeviceType::CUDA, Type::CUSTOM, router);
+  group->setDefaultBackend(Type::CUSTOM);
+  return group;
+}
+
+}  // namespace zeroplus::pg
