@@ -6,7 +6,8 @@ One command (from the repository root, after building build-aio):
 Every configuration runs fio --ioengine=io_uring and zeroplus_aio_bench on the same file with
 the same rw/bs/iodepth/direct=1, interleaved (the order rotates per repetition), and reports the
 median GB/s (1e9 bytes/s) and the ratio to fio. O_DIRECT throughout, so no cache dropping is
-needed. Results go to bench/results/aio-<time>.json and .md (and aio-latest.md).
+needed. Results go to bench/results/aio-<time>.json and .md (and aio-latest.md), and a PNG of
+GB/s against queue depth per pattern and block size (aio-<time>.png, aio-latest.png).
 """
 import argparse
 import datetime
@@ -20,6 +21,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def parse_size(s):
@@ -141,6 +143,38 @@ def main():
             f.write(md)
     print("\n" + md)
     print(f"wrote {outdir}/aio-{stamp}.json and .md")
+    plot(rows, tools, meta, [os.path.join(outdir, f"aio-{stamp}.png"), os.path.join(outdir, "aio-latest.png")])
+
+
+def plot(rows, tools, meta, paths):
+    """One panel per (pattern, block size): median GB/s against queue depth, one line per tool."""
+    from plotting import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
+    panels = sorted({(r["rw"], r["bs"]) for r in rows}, key=lambda k: (-k[1], k[0]))
+    cols = min(3, len(panels))
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.3 * nrows), squeeze=False)
+    colors = {"fio": "tab:gray", "io_uring": "tab:blue", "threads": "tab:orange"}
+    for ax, (rw, bs) in zip(axes.flat, panels):
+        pts = sorted((r["qd"], r["median_GBps"]) for r in rows if r["rw"] == rw and r["bs"] == bs)
+        for t in tools:
+            label = "fio (io_uring)" if t == "fio" else f"zeroplus {t}"
+            ax.plot([q for q, _ in pts], [m[t] for _, m in pts], marker="o", color=colors[t], label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{rw}, bs {human(bs)}", fontsize=9)
+        ax.set_xlabel("queue depth")
+        ax.set_ylabel("GB/s")
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"zeroplus aio vs fio, O_DIRECT, kernel {meta['kernel']}", fontsize=10)
+    fig.tight_layout()
+    for path in paths:
+        fig.savefig(path, dpi=110)
+    print(f"wrote {paths[0]}")
 
 
 if __name__ == "__main__":

@@ -295,19 +295,11 @@ def render_markdown(rows, env):
 
 
 def render_plot(rows, path):
-    try:
-        import matplotlib
-    except ImportError:
-        # The benchmark runner may install matplotlib into the venv; the project does not need it.
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"], check=False)
-        try:
-            import matplotlib
-        except ImportError:
-            print("matplotlib unavailable: no plot", file=sys.stderr)
-            return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
+    from plotting import pyplot
+    plt = pyplot()
+    if plt is None:
+        return False
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for n, style in ((2, "-"), (4, "--")):
         for backend, color in (("gloo", "tab:orange"), ("zeroplus", "tab:blue")):

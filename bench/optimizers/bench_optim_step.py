@@ -1,8 +1,14 @@
 """Optimizer-step benchmark: zeroplus fused CPU kernels vs torch for-loop, foreach=True and
-fused=True, side by side in one process (interleaved repetitions, median), with a measured
-memory-bandwidth roofline. Writes bench/results/optim_step.{json,md}.
+fused=True, and DeepSpeed's DeepSpeedCPUAdam (with --deepspeed, Adam/AdamW only), side by side
+in one process (interleaved repetitions, median), with a measured memory-bandwidth roofline.
+Writes bench/results/optim_step.{json,md}.
 
-    python bench/optimizers/bench_optim_step.py [--optim adamw] [--reps 15] [--threads N]
+    python bench/optimizers/bench_optim_step.py [--optim adamw] [--reps 15] [--threads N] [--deepspeed]
+
+--deepspeed installs DeepSpeed once into the build directory (bench/deepspeed_env.py; the test
+venv is not touched) and JIT-builds its cpu_adam op once into <build>/torch_extensions (minutes on
+2 cores; cached after). DeepSpeedCPUAdam keeps fp32 exp_avg/exp_avg_sq (fp32_optimizer_states) for
+bf16 parameters, like zeroplus, so it moves the same bytes per parameter.
 
 Roofline: M = measured streaming bandwidth (best of N in-place a.add_(b) / a.addcmul_(b, c)
 over 256 MiB tensors, read+write bytes/s, same thread count); time_roof = params * bytes_per_param / M, with bytes_per_param = 28 for fp32
@@ -13,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -54,6 +62,12 @@ def measure_bandwidth(reps: int) -> float:
     return best
 
 
+def deepspeed_cpu_adam(params, optim: str, kw: dict):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, adamw_mode=optim == "adamw", fp32_optimizer_states=True, **kw)
+
+
 def make_variant(name: str, optim: str, sizes: list[int], dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=g).to(dtype).requires_grad_() for n in sizes]
@@ -62,6 +76,8 @@ def make_variant(name: str, optim: str, sizes: list[int], dtype: torch.dtype):
     kw = dict(KWARGS[optim])
     if name == "zeroplus":
         opt = OURS[optim](params, **kw)
+    elif name == "deepspeed_cpu_adam":
+        opt = deepspeed_cpu_adam(params, optim, kw)
     else:
         flag = {"torch_forloop": dict(foreach=False), "torch_foreach": dict(foreach=True),
                 "torch_fused": dict(fused=True)}[name]
@@ -101,11 +117,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave default)")
     ap.add_argument("--configs", default="1x16M,1000x4096")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="add DeepSpeedCPUAdam (Adam/AdamW; installs DeepSpeed into the build dir once)")
+    ap.add_argument("--variants", default="torch_forloop,torch_foreach,torch_fused,zeroplus",
+                    help="comma-separated subset (zeroplus is always run: ratios are against it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "optim_step"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    variants = ["torch_forloop", "torch_foreach", "torch_fused", "zeroplus"]
+    variants = [v for v in args.variants.split(",") if v and v != "zeroplus"] + ["zeroplus"]
+    if args.deepspeed and args.optim in ("adam", "adamw"):
+        sys.path.insert(0, str(ROOT / "bench"))
+        from deepspeed_env import ensure_deepspeed
+
+        ensure_deepspeed()
+        import deepspeed
+
+        print(f"deepspeed {deepspeed.__version__}: building/loading cpu_adam (cached in "
+              f"{os.environ['TORCH_EXTENSIONS_DIR']})", flush=True)
+        variants.insert(len(variants) - 1, "deepspeed_cpu_adam")
     bw = max(measure_bandwidth(max(5, args.reps // 2)) for _ in range(args.rounds))
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "isa": torch.ops.zeroplus.cpu_isa(),
            "cpu": platform.processor() or platform.machine(), "stream_bw_GBps": bw / 1e9, "rounds": args.rounds}
@@ -144,6 +174,40 @@ def main() -> None:
                      f"{r['speedup_of_zeroplus_best']:.2f}x | {r['pct_roofline']:.0f}% | {r['pct_roofline_best']:.0f}% |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and .md")
+    plot(rows, env, out.with_suffix(".png"))
+
+
+def plot(rows: list[dict], env: dict, path: pathlib.Path) -> None:
+    """Median step time per variant, one group of bars per (config, dtype), with the bandwidth
+    roofline (the time the step's bytes take at the measured memory bandwidth) drawn across each
+    group: a bar at the line runs at the machine's memory bandwidth."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plotting import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
+    cases = list(dict.fromkeys((r["config"], r["dtype"]) for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(cases)), 4))
+    for i, v in enumerate(variants):
+        ts = [next((r["t_med_ms"] for r in rows if (r["config"], r["dtype"]) == c and r["variant"] == v), 0)
+              for c in cases]
+        ax.bar([j + i * width for j in range(len(cases))], ts, width, label=v)
+    for j, c in enumerate(cases):
+        r = next(r for r in rows if (r["config"], r["dtype"]) == c)
+        t_roof_ms = r["t_med_ms"] * r["pct_roofline"] / 100
+        ax.hlines(t_roof_ms, j - width / 2, j + width * (len(variants) - 0.5), colors="black", linestyles="dashed",
+                  label=f"roofline ({env['stream_bw_GBps']:.0f} GB/s)" if j == 0 else None)
+    ax.set_xticks([j + width * (len(variants) - 1) / 2 for j in range(len(cases))])
+    ax.set_xticklabels([f"{c} {d}" for c, d in cases])
+    ax.set_ylabel("median step ms (lower is better)")
+    ax.set_yscale("log")
+    ax.set_title(f"{rows[0]['optim']} step, {env['threads']} threads, ISA {env['isa']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

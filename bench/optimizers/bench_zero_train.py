@@ -1,7 +1,7 @@
 """ZeRO-1 training-step benchmark: a 2-rank CPU training step of examples/tiny_gpt.py's TinyGPT,
 DDP + torch.optim.AdamW (unsharded) vs DDP + torch's ZeroRedundancyOptimizer(AdamW) vs DDP +
 zeroplus.ZeroRedundancyOptimizer(AdamW), side by side in one run. Writes
-bench/results/zero_train.{json,md}.
+bench/results/zero_train.{json,md,png} (the PNG: step-time breakdown per variant).
 
     python bench/optimizers/bench_zero_train.py [--backend zeroplus|gloo] [--steps 40]
         [--dim 256] [--layers 4] [--batch 4] [--context 64]
@@ -9,7 +9,8 @@ bench/results/zero_train.{json,md}.
 Each rank builds the three variants (identical initial weights) and runs them interleaved, one
 step of each per round, so machine drift hits all three alike; a step = forward, backward (DDP
 all-reduce), optimizer step (ZeRO: local shard step + parameter broadcast), zero_grad. Reported:
-median step time over ranks' max (the slower rank sets the pace), the optimizer.step() part alone,
+median step time over ranks' max (the slower rank sets the pace), its breakdown (forward +
+backward with DDP's all-reduce, optimizer.step() without and with its parameter sync, zero_grad),
 and optimizer-state bytes per rank (tensors in the local optimizer's state).
 """
 
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
 VARIANTS = ["ddp_adamw", "ddp_torch_zero", "ddp_zeroplus_zero"]
 
 
@@ -77,6 +79,7 @@ def _worker(rank: int, world: int, store_path: str, args, out_queue) -> None:
     for name in VARIANTS[1:]:
         timed_sync(runs[name][1], sync_times[name])
     times = {n: [] for n in VARIANTS}
+    fwd_bwd_times = {n: [] for n in VARIANTS}
     opt_times = {n: [] for n in VARIANTS}
     losses = {n: 0.0 for n in VARIANTS}
     for step in range(args.warmup + args.steps):
@@ -94,11 +97,12 @@ def _worker(rank: int, world: int, store_path: str, args, out_queue) -> None:
             t3 = time.perf_counter()
             if step >= args.warmup:
                 times[name].append(t3 - t0)
+                fwd_bwd_times[name].append(t1 - t0)
                 opt_times[name].append(t2 - t1)
             losses[name] = loss.item()
     n_params = sum(p.numel() for p in runs["ddp_adamw"][0].parameters())
     sync_times = {n: t[args.warmup:] for n, t in sync_times.items()}
-    out_queue.put((rank, {"times": times, "opt_times": opt_times, "sync_times": sync_times, "losses": losses, "n_params": n_params,
+    out_queue.put((rank, {"times": times, "fwd_bwd_times": fwd_bwd_times, "opt_times": opt_times, "sync_times": sync_times, "losses": losses, "n_params": n_params,
                           "state_bytes": {n: _state_bytes(runs[n][1]) for n in VARIANTS}}))
     dist.barrier()
     dist.destroy_process_group()
@@ -133,12 +137,14 @@ def main() -> None:
     for name in VARIANTS:
         step = [max(results[r]["times"][name][i] for r in results) for i in range(args.steps)]
         opt = [max(results[r]["opt_times"][name][i] for r in results) for i in range(args.steps)]
+        fwd_bwd = [max(results[r]["fwd_bwd_times"][name][i] for r in results) for i in range(args.steps)]
         sync = [max(results[r]["sync_times"][name][i] for r in results) for i in range(args.steps)] \
             if name != "ddp_adamw" else [0.0]
         rows.append({"variant": name, "step_ms": statistics.median(step) * 1e3, "sync_ms": statistics.median(sync) * 1e3,
                      "step_p10_ms": sorted(step)[args.steps // 10] * 1e3,
                      "step_p90_ms": sorted(step)[(args.steps * 9) // 10] * 1e3,
                      "opt_step_ms": statistics.median(opt) * 1e3,
+                     "fwd_bwd_ms": statistics.median(fwd_bwd) * 1e3,
                      "state_bytes_per_rank": [results[r]["state_bytes"][name] for r in sorted(results)],
                      "final_loss_rank0": results[0]["losses"][name]})
     torch_zero = next(r for r in rows if r["variant"] == "ddp_torch_zero")
@@ -155,17 +161,50 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     lines = [f"# ZeRO-1 training step: {env['model']}, {n_params / 1e6:.2f}M params, {args.world} ranks, "
              f"backend {args.backend}, batch {args.batch}/rank, torch {torch.__version__}", "",
-             "| variant | step ms (median) | p10 | p90 | optimizer.step ms | of which param sync ms | "
+             "| variant | step ms (median) | p10 | p90 | forward+backward ms | optimizer.step ms | of which param sync ms | "
              "step vs torch ZeRO | optimizer state bytes per rank | fraction of unsharded |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {r['step_p10_ms']:.1f} | {r['step_p90_ms']:.1f} | "
-                     f"{r['opt_step_ms']:.2f} | {r['sync_ms']:.2f} | {r['step_vs_torch_zero']:.2f}x | "
+                     f"{r['fwd_bwd_ms']:.1f} | {r['opt_step_ms']:.2f} | {r['sync_ms']:.2f} | {r['step_vs_torch_zero']:.2f}x | "
                      f"{', '.join(str(b) for b in r['state_bytes_per_rank'])} | "
                      f"{r['state_fraction_of_unsharded']:.2f} |")
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     print(text)
+    plot_breakdown(rows, env, out.with_suffix(".png"))
+
+
+def plot_breakdown(rows: list[dict], env: dict, path: pathlib.Path) -> None:
+    """Stacked bars: where each variant's median step goes. The parts are medians of their own,
+    so they need not add up exactly to the step median; the rest is drawn as "other"."""
+    from plotting import pyplot
+    plt = pyplot()
+    if plt is None:
+        return
+    parts = [("forward + backward (DDP all-reduce)", "fwd_bwd_ms", "tab:blue"),
+             ("optimizer step (local)", None, "tab:orange"),
+             ("parameter sync", "sync_ms", "tab:green"),
+             ("zero_grad + other", None, "tab:gray")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r["variant"] for r in rows]
+    bottoms = [0.0] * len(rows)
+    for label, key, color in parts:
+        if key is not None:
+            vals = [r[key] for r in rows]
+        elif label.startswith("optimizer"):
+            vals = [max(0.0, r["opt_step_ms"] - r["sync_ms"]) for r in rows]
+        else:
+            vals = [max(0.0, r["step_ms"] - r["fwd_bwd_ms"] - r["opt_step_ms"]) for r in rows]
+        ax.bar(names, vals, bottom=bottoms, label=label, color=color)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.set_ylabel("ms per step (median, slower rank)")
+    ax.set_title(f"ZeRO-1 step breakdown, {env['params'] / 1e6:.2f}M params, {env['world']} ranks, "
+                 f"backend {env['backend']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

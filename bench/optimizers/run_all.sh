@@ -2,7 +2,8 @@
 # Every optimizer benchmark, one command; tables land in bench/results/optimizers.md.
 #   bash bench/optimizers/run_all.sh            (uses ZEROPLUS_BUILD_DIR like the tests)
 # 1. optimizer step: AdamW fp32 and bf16, 1x16M and 1000x4096, zeroplus vs torch for-loop /
-#    foreach / fused, with the measured bandwidth roofline (3 rounds, medians);
+#    foreach / fused and DeepSpeedCPUAdam (DEEPSPEED=0 to leave it out; installed once into the
+#    build directory), with the measured bandwidth roofline (3 rounds, medians);
 # 2. ZeRO-1 training step of TinyGPT on 2 CPU ranks, zeroplus backend and gloo.
 # Run it on a quiet machine: the step benchmark is memory-bound and moves with any other load.
 set -euo pipefail
@@ -11,7 +12,10 @@ py="${ZEROPLUS_PYTHON:-$repo_root/.venv/bin/python}"
 export PYTHONPATH="$repo_root/plugin/python${PYTHONPATH:+:$PYTHONPATH}"
 out="$repo_root/bench/results"
 mkdir -p "$out"
-"$py" "$repo_root/bench/optimizers/bench_optim_step.py" --optim adamw --rounds "${ROUNDS:-3}" --out "$out/optim_step"
+ds_flag=""
+[[ "${DEEPSPEED:-1}" == "1" ]] && ds_flag="--deepspeed"
+"$py" -c "import matplotlib" 2>/dev/null || "$py" -m pip install -q matplotlib
+"$py" "$repo_root/bench/optimizers/bench_optim_step.py" --optim adamw --rounds "${ROUNDS:-3}" $ds_flag --out "$out/optim_step"
 for backend in zeroplus gloo; do
   "$py" "$repo_root/bench/optimizers/bench_zero_train.py" --backend "$backend" --out "$out/zero_train_$backend"
 done

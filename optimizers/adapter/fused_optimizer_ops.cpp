@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "optimizers/adapter/intra_op_runner.hpp"
 #include "optimizers/core/adam_kernels.hpp"
 #include "optimizers/core/sgd_kernels.hpp"
 #include "optimizers/core/shard_planner.hpp"
@@ -57,9 +58,13 @@ void* stepSlot(const char* op, size_t i, const at::Tensor& s, bool* is_double) {
   return s.data_ptr();
 }
 
+// Pieces run on torch's intra-op pool (intra_op_runner.hpp), so `threads` above torch's thread
+// count gives torch's thread count; std::threads only when that pool is not available.
 KernelConfig configFor(int64_t threads) {
+  static const ParallelRunner runner = intraOpRunner();
   KernelConfig cfg;
   cfg.threads = threads > 0 ? static_cast<int>(threads) : at::get_num_threads();
+  cfg.runner = runner;
   return cfg;
 }
 

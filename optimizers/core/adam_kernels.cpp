@@ -109,7 +109,7 @@ int adamStep(const AdamOptions& opt, DType dtype, std::span<const AdamSpan> span
   int64_t total = 0;
   for (const AdamSpan& s : spans) total += s.numel;
   const auto numel = [&](int64_t i) { return spans[static_cast<size_t>(i)].numel; };
-  detail::parallelRange(total, cfg.threads, cfg.grain, [&](int64_t b, int64_t e) {
+  detail::parallelRange(total, cfg.threads, cfg.grain, cfg.runner, [&](int64_t b, int64_t e) {
     detail::forEachPiece(static_cast<int64_t>(spans.size()), numel, b, e, [&](int64_t i, int64_t off, int64_t len) {
       const AdamChunkArgs a = makeArgs(opt, spans[static_cast<size_t>(i)], dtype, off, len);
       if (fn) fn(a);

@@ -72,7 +72,7 @@ int sgdStep(const SgdOptions& opt, DType dtype, std::span<const SgdSpan> spans, 
   int64_t total = 0;
   for (const SgdSpan& s : spans) total += s.numel;
   const auto numel = [&](int64_t i) { return spans[static_cast<size_t>(i)].numel; };
-  detail::parallelRange(total, cfg.threads, cfg.grain, [&](int64_t b, int64_t e) {
+  detail::parallelRange(total, cfg.threads, cfg.grain, cfg.runner, [&](int64_t b, int64_t e) {
     detail::forEachPiece(static_cast<int64_t>(spans.size()), numel, b, e, [&](int64_t i, int64_t off, int64_t len) {
       const SgdSpan& s = spans[static_cast<size_t>(i)];
       const SgdMode mode = modeOf(opt, s);

@@ -29,6 +29,17 @@ inline void unstage(void* dst, const void* src, int64_t offset, int64_t count, i
   __builtin_memcpy(static_cast<char*>(dst) + offset * bytes, src, static_cast<size_t>(count * bytes));
 }
 
+// Software prefetch distance of the Adam loop, in elements (512 bytes of fp32 state ahead). The
+// loop streams 4-5 arrays at DRAM speed; with the hardware prefetchers alone a stand-alone copy of
+// the AVX-512 fp32 loop on 16M elements took 40-42 ms per step at 2 threads on the CI VM, with
+// this prefetch 37 ms (interleaved, median of 25; 1024 elements ahead gained nothing). Prefetches
+// past the end of an array are harmless (they never fault).
+constexpr int64_t kAdamPrefetch = 128;
+
+inline void prefetchLine(const void* base, int64_t byte_offset) {
+  __builtin_prefetch(static_cast<const char*>(base) + byte_offset, 0, 3);
+}
+
 template <DType DT, bool kAmsgrad, bool kL2>
 void adamChunk(const AdamChunkArgs& a) {
   using R = typename Vec::Reg;
@@ -62,6 +73,12 @@ void adamChunk(const AdamChunkArgs& a) {
   constexpr int kB = DT == DType::kFloat32 ? 4 : 2;
   runWithTail(a.n, [&](int64_t i, bool tail, int64_t cnt) {
     if (!tail) {
+      const int64_t ahead = i + kAdamPrefetch;
+      prefetchLine(a.param, ahead * kB);
+      prefetchLine(a.grad, ahead * kB);
+      prefetchLine(a.exp_avg, ahead * 4);
+      prefetchLine(a.exp_avg_sq, ahead * 4);
+      if constexpr (kAmsgrad) prefetchLine(a.max_exp_avg_sq, ahead * 4);
       one(a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.max_exp_avg_sq, i);
       return;
     }

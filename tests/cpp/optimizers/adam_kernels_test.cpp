@@ -172,6 +172,57 @@ TEST(AdamKernels, MultiSpanAndThreadsAreBitwiseEqualToSeparateCalls) {
     }
 }
 
+// A borrowed pool (KernelConfig::runner): the pieces it is handed cover every element once, are
+// cut at multiples of 64 elements, number at most `threads`, and give the same bits as one thread.
+TEST(AdamKernels, RunnerPiecesAreAlignedCappedAndBitwiseEqual) {
+  const AdamOptions o = optionsFor(8);  // AdamW
+  const int64_t sizes[] = {70001, 5, 3000};
+  std::vector<AdamBuffers> one, pooled;
+  for (int64_t k = 0; k < 3; ++k) {
+    one.emplace_back(DType::kFloat32, sizes[k], 21 + k);
+    pooled.emplace_back(DType::kFloat32, sizes[k], 21 + k);
+    const auto g = randomFloats(sizes[k], 60 + k, -1.f, 1.f);
+    for (int64_t i = 0; i < sizes[k]; ++i) one[k].grad.set(i, g[i]), pooled[k].grad.set(i, g[i]);
+  }
+  std::vector<AdamSpan> serial, spans;
+  for (int64_t k = 0; k < 3; ++k) {
+    serial.push_back(one[k].span(sizes[k], 3));
+    spans.push_back(pooled[k].span(sizes[k], 3));
+  }
+  ASSERT_EQ(adamStep(o, DType::kFloat32, serial, KernelConfig{activeIsa(), 1, 1}), 0);
+
+  std::vector<std::pair<int64_t, int64_t>> units;  // what the runner was asked to split
+  int64_t calls = 0;
+  KernelConfig cfg{activeIsa(), 3, 1000};
+  // A pool of 8 threads, run one piece at a time in reverse order: the kernel must not depend on
+  // the order or on which thread runs a piece.
+  cfg.runner = [&](int64_t count, int64_t grain, const RangeBody& body) {
+    ++calls;
+    units.emplace_back(count, grain);
+    std::vector<std::pair<int64_t, int64_t>> pieces;
+    const int64_t n = std::min<int64_t>(8, (count + grain - 1) / grain);
+    const int64_t chunk = (count + n - 1) / n;
+    for (int64_t b = 0; b < count; b += chunk) pieces.emplace_back(b, std::min(count, b + chunk));
+    EXPECT_LE(pieces.size(), 3u);  // grain caps the pool at `threads` pieces
+    for (auto it = pieces.rbegin(); it != pieces.rend(); ++it) body(it->first, it->second);
+  };
+  ASSERT_EQ(adamStep(o, DType::kFloat32, spans, cfg), 0);
+  ASSERT_EQ(calls, 1);
+  const int64_t total = 70001 + 5 + 3000;
+  EXPECT_EQ(units[0].first, (total + 63) / 64);  // 64-element units
+  for (int64_t k = 0; k < 3; ++k)
+    for (int64_t i = 0; i < sizes[k]; ++i) {
+      ASSERT_EQ(one[k].param.get(i), pooled[k].param.get(i)) << k << ":" << i;
+      ASSERT_EQ(one[k].m[i], pooled[k].m[i]) << k << ":" << i;
+    }
+
+  // Too little work for two pieces: the runner is not called at all.
+  AdamBuffers small(DType::kFloat32, 100, 5);
+  AdamSpan ss = small.span(100, 1);
+  ASSERT_EQ(adamStep(o, DType::kFloat32, {&ss, 1}, cfg), 0);
+  EXPECT_EQ(calls, 1);
+}
+
 TEST(AdamKernels, RejectsBadArguments) {
   AdamBuffers b(DType::kFloat32, 4, 1);
   AdamSpan s = b.span(4, 1);

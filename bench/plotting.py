@@ -1,0 +1,28 @@
+"""Shared by the benchmarks: matplotlib for the PNGs written beside each table.
+
+matplotlib is a bench-only dependency. `pyplot()` installs it into the running interpreter's
+environment on first use (the bench commands are the documented way to get it), and returns
+None with a printed reason when that is not possible, so a table is never lost to a missing
+plotting library.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend, or None when unavailable."""
+    try:
+        import matplotlib
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"], check=False)
+        try:
+            import matplotlib
+        except ImportError:
+            print("matplotlib unavailable (pip install matplotlib failed): no PNG", file=sys.stderr)
+            return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
