@@ -87,3 +87,57 @@ class ReuseAndBranch(nn.Module):
 def make_reuse_model(seed: int = 0) -> ReuseAndBranch:
     torch.manual_seed(seed)
     return ReuseAndBranch()
+
+
+class _InitBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        nn.init.xavier_uniform_(self.qkv.weight)   # nn.init on its own weight inside __init__
+        self.gate = nn.Parameter(torch.randn(dim) * 0.1)  # a value given at creation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(d, dim=-1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.gate * self.proj(a)
+        return x + self.mlp(x)
+
+
+class InitGPT(nn.Module):
+    """A GPT written the way nanoGPT and Hugging Face models initialise: every module's default
+    reset_parameters, nn.init inside a child's __init__, `self.apply(self._init_weights)` at the end
+    of the top-level __init__ (with `.data.normal_` and a write through a view of a weight), a
+    scaled re-init of the projections over named_parameters(), and the LM head tied to the
+    embedding. The init_context tests build it with and without the context."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2, context: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList([_InitBlock(dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.embed.weight = self.head.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * layers) ** 0.5)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+            module.weight.data[0].zero_()  # a padding row, written through a view
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

@@ -2,6 +2,16 @@
 
 torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single and deprecates the
 old names; 2.11 has only the old ones. Both take (output, input, op/group, async_op).
+
+On gloo with 2 ranks the engines use one collective per owner instead (`owner_collectives`): a
+bucket's reduce-scatter is 2 `reduce`s (slice r to its owner r) and the parameter all-gather is 2
+in-place `broadcast`s (slice r from owner r). Measured on 2 CPU ranks, 3.3M fp32 elements,
+interleaved: gloo's reduce_scatter_tensor took 1.4-1.8x and its all_gather_into_tensor 1.5x the
+time of the per-owner calls, and the broadcast form needs no copy of the input because each
+rank's slice of the output is its input. Only at 2 ranks: a sum of two values is the same in any
+order, so the result is bitwise the one DDP's allreduce gives; with more ranks gloo's reduce adds
+in another order than its allreduce, and Adam turns those last-bit differences of near-zero
+gradients into visible parameter differences (measured: 4e-3 after 30 steps at 4 ranks).
 """
 
 from __future__ import annotations
@@ -21,6 +31,36 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: b
 def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
     """Concatenate every rank's `input` into `output` in group-rank order."""
     return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def owner_collectives(group) -> bool:
+    """True where per-owner reduce/broadcast replace the tensor collectives (gloo, 2 ranks; see above)."""
+    return dist.get_backend(group) == "gloo" and dist.get_world_size(group) == 2
+
+
+class Works:
+    """Several async works waited on as one."""
+
+    def __init__(self, works):
+        self.works = list(works)
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def reduce_to_owners(flat: torch.Tensor, shard_numel: int, group, world_size: int) -> Works:
+    """SUM-reduce slice r of `flat` onto group rank r, for every r, in place. Afterwards this rank's
+    own slice holds the sum; the rest of `flat` is scratch (gloo may leave partial sums there)."""
+    return Works(dist.reduce(flat[r * shard_numel:(r + 1) * shard_numel], dst=group_src_rank(group, r),
+                             op=dist.ReduceOp.SUM, group=group, async_op=True) for r in range(world_size))
+
+
+def broadcast_from_owners(flat: torch.Tensor, shard_numel: int, group, world_size: int) -> Works:
+    """All-gather in place: slice r of `flat` comes from group rank r, for every r."""
+    return Works(dist.broadcast(flat[r * shard_numel:(r + 1) * shard_numel], src=group_src_rank(group, r),
+                                group=group, async_op=True) for r in range(world_size))
 
 
 def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM):

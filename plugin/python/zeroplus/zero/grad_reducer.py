@@ -16,6 +16,11 @@ Threading and ordering contract:
   * Under no_sync() the hooks leave gradients in `p.grad` (local accumulation, as DDP). The next
     backward outside no_sync sends the accumulated value; `flush()` sends what is pending when a
     step comes without such a backward.
+  * Averaging: fp32/bf16 buckets are summed and the 1/N is folded into the add into the
+    accumulator (one pass over the shard instead of a division pass over the whole bucket);
+    fp16 buckets are divided before the sum, as DDP and DeepSpeed do, so the sum cannot overflow.
+    For N a power of two both orders give the same bits.
+  * On gloo with 2 ranks the reduce-scatter is one `reduce` per owner (comm.owner_collectives).
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
 backward (or flush) and leaves the accumulators as they were before that pass.
 """
@@ -40,6 +45,7 @@ class GradientReducer:
         self.buckets = buckets
         self.group = group
         self.world_size = world_size
+        self.rank = rank
         # False is ZeRO stage 1 with mixed precision: buckets are all-reduced and every rank keeps
         # the full averaged gradient (the optimizer still steps only the owned shard).
         self.shard_gradients = shard_gradients
@@ -54,6 +60,10 @@ class GradientReducer:
         # The owned shard of each bucket's gradient (views into accum).
         self.shards = (self.accum if shard_gradients else
                        [a[slice(*b.shard_range(rank))] for a, b in zip(self.accum, buckets)])
+        self.owner_collectives = comm.owner_collectives(group)
+        # Where each bucket's communication buffer is not covered by a parameter (alignment gaps,
+        # padding to the world size): zeroed when the buffer is taken, the rest is overwritten.
+        self._gaps = [self._gaps_of(b) for b in buckets]
         self.no_sync = False
         self.has_grads = False      # something was reduced since the last zero()
         self.local_pending = False  # gradients accumulated under no_sync, not reduced yet
@@ -73,21 +83,40 @@ class GradientReducer:
     def communication_bytes(self) -> int:
         live = [t for t in self._buffers if t is not None]
         live += [t for _, _, out, buf in self._inflight for t in (out, buf) if t is not None]
-        return sum(t.numel() * t.element_size() for t in live)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
+        return sum(storages.values())  # `out` may be a view of `buf` (gloo's per-owner reduce)
+
+    @staticmethod
+    def _gaps_of(bucket: Bucket) -> list[tuple[int, int]]:
+        gaps, pos = [], 0
+        for e in sorted(bucket.entries, key=lambda e: e.offset):
+            if e.offset > pos:
+                gaps.append((pos, e.offset))
+            pos = max(pos, e.offset + e.numel)
+        if pos < bucket.numel:
+            gaps.append((pos, bucket.numel))
+        return gaps
 
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self._buffers[b]
         if buf is None:
             bucket = self.buckets[b]
-            buf = self._buffers[b] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            # Every element is written once per pass: by its gradient, by zeros for a parameter
+            # without one (_take_grad), or here for the gaps. No full-bucket memset.
+            buf = self._buffers[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            for lo, hi in self._gaps[b]:
+                buf[lo:hi].zero_()
         return buf
 
     def _take_grad(self, b: int, e_index: int) -> None:
         entry = self.buckets[b].entries[e_index]
         grad = entry.param.grad
+        region = self._buffer(b)[entry.offset:entry.offset + entry.numel]
         if grad is not None:
-            self._buffer(b)[entry.offset:entry.offset + entry.numel].copy_(grad.reshape(-1))
+            region.copy_(grad.reshape(-1))
             entry.param.grad = None
+        elif not self._arrived[b][e_index]:
+            region.zero_()
         if not self._arrived[b][e_index]:
             self._arrived[b][e_index] = True
             self._remaining[b] -= 1
@@ -115,11 +144,15 @@ class GradientReducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         buf = self._buffer(b)
-        # Pre-divide (DDP and DeepSpeed do too): the sum of averaged gradients cannot overflow
-        # fp16 where the sum of raw ones might.
-        if self.world_size > 1:
+        # fp16: pre-divide (DDP and DeepSpeed do too), the sum of averaged gradients cannot
+        # overflow where the sum of raw ones might. Others: 1/N is applied when accumulating.
+        if self.world_size > 1 and bucket.dtype == torch.float16:
             buf.div_(self.world_size)
-        if self.shard_gradients:
+        if self.shard_gradients and self.owner_collectives:
+            lo, hi = bucket.shard_range(self.rank)
+            out = buf[lo:hi]
+            work = comm.reduce_to_owners(buf, bucket.shard_numel, self.group, self.world_size)
+        elif self.shard_gradients:
             out = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
             work = comm.reduce_scatter(out, buf, self.group, async_op=True)
         else:
@@ -140,6 +173,8 @@ class GradientReducer:
         live = [entry for entry in self._inflight if entry[3] is not None]
         for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
             entry[1].wait()
+            if entry[2].untyped_storage().data_ptr() == entry[3].untyped_storage().data_ptr():
+                entry[2] = entry[2].clone()  # per-owner reduce: the shard is a view of the input
             entry[3] = None
 
     def _finish_pass(self) -> None:
@@ -154,7 +189,8 @@ class GradientReducer:
                 work.wait()
                 results.append((b, out))
             for b, out in results:  # all collectives succeeded: now update the accumulators
-                self.accum[b].add_(out)
+                scale = 1.0 if self.buckets[b].dtype == torch.float16 else 1.0 / self.world_size
+                self.accum[b].add_(out, alpha=scale)
             self.has_grads = True
             self.local_pending = False
         finally:

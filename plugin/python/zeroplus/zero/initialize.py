@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from . import config as config_mod
+from . import deferred
 from .ddp_route import route_through_ddp
 from .stage2 import Stage1Optimizer, Stage2Optimizer
 from .stage3 import Stage3Optimizer
@@ -42,6 +43,9 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
     """Returns (model, optimizer). See docs/zero.md."""
     settings = config_mod.resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     _check_model(model)
+    if settings.stage != 3 and any(deferred.record_of(p) is not None for p in model.parameters()):
+        raise ValueError(f"zeroplus.initialize: model was built under zeroplus.init_context() (its parameters are "
+                         f"shards); only stage=3 can take it, got stage={settings.stage}")
     if settings.stage != 3 and any(p.is_meta for p in model.parameters()):
         raise ValueError("zeroplus.initialize: model has parameters on the meta device; building from meta needs "
                          "stage=3 (parameters are materialised shard by shard)")

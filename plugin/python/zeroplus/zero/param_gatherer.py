@@ -6,8 +6,12 @@ async all-gather into the bucket's flat buffer was issued) or GATHERED (.data is
 parameter, a view into that flat buffer). Nothing is copied back (the optimizer writes the
 shards, not the gathered copies).
 
-A released unit's flat buffer is dropped; autograd may still hold views of it (F.linear saves
-weight.t()) until the unit's backward, which is correct but keeps that memory alive.
+A released unit's flat buffer is dropped. Autograd would keep views of it alive until the
+unit's backward (F.linear saves weight.t()), i.e. the whole gathered model between forward and
+backward. So while a root forward runs, a saved-tensor hook replaces every saved tensor that is
+a view of a gathered flat buffer with a reference (unit, bucket, offset, size, stride); unpacking
+it in backward gathers the unit again if needed and returns the same view of the new buffer.
+Values are the same: parameters do not change between a forward and its backward.
 
 When (hooks on the user's modules; all run on the thread that runs forward / backward):
   * forward pre-hook of a unit's module: gather what the unit needs (its own parameters and the
@@ -43,6 +47,15 @@ from .layout import Bucket
 from .units import Unit
 
 RELEASED, IN_FLIGHT, GATHERED = 0, 1, 2
+
+
+class _GatheredView:
+    """What autograd keeps instead of a saved view of a gathered unit (see the module doc)."""
+    __slots__ = ("unit", "bucket", "offset", "shape", "stride")
+
+    def __init__(self, unit, bucket, offset, shape, stride):
+        self.unit, self.bucket, self.offset = unit, bucket, offset
+        self.shape, self.stride = shape, stride
 
 
 class _UnitState:
@@ -92,6 +105,10 @@ class ParameterGatherer:
         self._in_forward = 0  # depth of root forward calls
         self._handles = []
         self._state_of_param: dict[int, _UnitState] = {}
+        # data_ptr of a gathered flat buffer's storage -> (unit index, bucket position), for the
+        # saved-tensor hook.
+        self._flat_of_storage: dict[int, tuple[int, int]] = {}
+        self._saved_hooks = []  # saved_tensors_hooks contexts entered by root forwards
         for st in self.states:
             for b in st.buckets:
                 for e in b.entries:
@@ -114,6 +131,8 @@ class ParameterGatherer:
         root_needs = [i for i in self.units[-1].needs if self.states[i].buckets]
         self._handles.append(root.register_forward_pre_hook(self._make_root_pre(root_needs)))
         self._handles.append(root.register_forward_hook(self._make_root_post(root_needs)))
+        # Leaves the saved-tensor hook context even when forward raises.
+        self._handles.append(root.register_forward_hook(self._exit_saved_hooks, always_call=True))
 
     def _make_pre_forward(self, needs):
         def hook(_module, _args):
@@ -133,9 +152,41 @@ class ParameterGatherer:
             if self._in_forward == 0 and not self._in_backward:
                 self._start_pass("forward")
             self._in_forward += 1
+            ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            ctx.__enter__()
+            self._saved_hooks.append(ctx)
             for i in needs:
                 self._acquire(i)
         return hook
+
+    def _exit_saved_hooks(self, _module, _args, _output) -> None:
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+
+    # -- saved tensors -------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor):
+        if t.layout != torch.strided or t.device.type == "meta":
+            return t
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            return t
+        where = self._flat_of_storage.get(ptr)
+        if where is None or t.dtype != self.states[where[0]].buckets[where[1]].flat.dtype:
+            return t
+        return _GatheredView(where[0], where[1], t.storage_offset(), tuple(t.shape), t.stride())
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _GatheredView):
+            return saved
+        st = self.states[saved.unit]
+        if st.state != GATHERED:
+            # Backward needs it before this unit's pre-backward hook ran (or after its release):
+            # gather and hold it like the pre-backward hook does.
+            self._pre_backward([saved.unit])
+        flat = st.buckets[saved.bucket].flat
+        return flat.as_strided(saved.shape, saved.stride, saved.offset)
 
     def _make_root_post(self, needs):
         def hook(_module, _args, output):
@@ -270,9 +321,10 @@ class ParameterGatherer:
         works, st.works = st.works, []
         for w in works:
             w.wait()
-        for b in st.buckets:
+        for j, b in enumerate(st.buckets):
             for e in b.entries:
                 e.param.data = b.flat[e.offset:e.offset + e.numel].view(e.shape)
+            self._flat_of_storage[b.flat.untyped_storage().data_ptr()] = (self.states.index(st), j)
         st.state = GATHERED
 
     def _release(self, st: _UnitState) -> None:
@@ -285,6 +337,8 @@ class ParameterGatherer:
         for param, view in st.released_views:
             param.data = view
         for b in st.buckets:
+            if b.flat is not None:
+                self._flat_of_storage.pop(b.flat.untyped_storage().data_ptr(), None)
             b.flat = None
         st.state = RELEASED
         st.prefetched = False

@@ -345,6 +345,9 @@ class Stage2Optimizer(torch.optim.Optimizer):
             shard = b.flat[lo:hi]
             if master.data_ptr() != shard.data_ptr():
                 shard.copy_(master)
+            if self.reducer.owner_collectives:  # gloo, 2 ranks: in place, one broadcast per owner
+                works.append(comm.broadcast_from_owners(b.flat, b.shard_numel, self.process_group, self.world_size))
+                continue
             # A separate input: backends differ on whether an all-gather input may alias its output.
             works.append((comm.all_gather(b.flat, shard.clone(), self.process_group, async_op=True)))
         for w in works:

@@ -7,6 +7,8 @@ shards) with a different layout and two more units:
     units.py           which submodules are gather units; who owns a tied parameter
     param_gatherer.py  forward/backward hooks, all-gather + release, prefetch by recorded order
     materialize.py     a model on the meta device becomes real one unit at a time
+    sharded_init.py    (with deferred.py) a model built under zeroplus.init_context(): shards
+                       from the start, gathered back one unit at a time by materialize.py
     full_state.py      full state dicts gathered unit by unit; loading a full dict into shards
     this file          layout (one bucket per unit and kind), building the shards, the post-step
                        write-back
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm, materialize
+from . import comm, materialize, sharded_init
 from .layout import plan_segments
 from .param_gatherer import ParameterGatherer
 from .stage2 import Stage2Optimizer
@@ -78,6 +80,7 @@ class Stage3Optimizer(Stage2Optimizer):
                 if id(p) not in in_module:
                     raise ValueError(f"{name}: a parameter of shape {tuple(p.shape)} in params is not a parameter "
                                      f"of module; at stage 3 every optimized parameter must belong to the model")
+        sharded_init.check_group(self.module, self.process_group, name)
         self._target_device = materialize.target_device(self.module, self.process_group)
         materialize.check_initializable(self.module, self._param_init_fn)
 
@@ -161,6 +164,7 @@ class Stage3Optimizer(Stage2Optimizer):
             dist.broadcast(buf, src=src, group=self.process_group)
 
     def _finish_construction(self) -> None:
+        materialize.pin_mmap_threshold()  # freed unit buffers go back to the OS (see there)
         self.gatherer = ParameterGatherer(self.units, list(self.buckets) + self.frozen_buckets, self.process_group,
                                           self.rank, prefetch_elems=self._prefetch_elems,
                                           max_live_elems=self._max_live,

@@ -1,0 +1,131 @@
+"""Stage 3 trains a model that one rank could not even hold (issue #11).
+
+Each of 4 ranks moves itself into its own memory cgroup (v1 `memory` controller, as root) whose
+limit is below the model's full fp32 parameter bytes, then builds the model under
+`zeroplus.init_context()`, shards it with `zeroplus.initialize(stage=3)` and trains. The limit
+counts the pages a rank touches after it joined the cgroup (a cgroup v1 move does not carry old
+charges), so the interpreter, torch and the process group set up before it do not count. A rank
+that went over it would be killed by the kernel's OOM killer and the launch would fail.
+
+The oracle that the limit bites: a process under the same limit that builds the model without
+the context (the plain full model) is killed (SIGKILL).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import run_distributed
+
+CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup/memory")
+WIDTH, DEPTH = 1024, 64            # 64 x Linear(1024, 1024): 256 MiB of fp32 parameters
+FULL_BYTES = WIDTH * WIDTH * DEPTH * 4
+LIMIT_BYTES = int(0.95 * FULL_BYTES)  # what a rank may allocate: less than the full parameters
+
+
+def _cgroup_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create a memory cgroup"
+    if not (CGROUP_ROOT / "memory.limit_in_bytes").exists():
+        return f"no cgroup v1 memory controller at {CGROUP_ROOT}"
+    probe = CGROUP_ROOT / f"zeroplus-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        return f"cannot create a memory cgroup under {CGROUP_ROOT}: {e}"
+    return None
+
+
+def _enter_cgroup(name: str, limit: int) -> pathlib.Path:
+    """Creates cgroup `name` with `limit` bytes and moves this process into it."""
+    cg = CGROUP_ROOT / name
+    cg.mkdir()
+    (cg / "memory.limit_in_bytes").write_text(str(limit))
+    (cg / "cgroup.procs").write_text(str(os.getpid()))
+    return cg
+
+
+def _stack(width: int, depth: int):
+    from torch import nn
+
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+    for layer in model:  # keeps the activations' scale through the depth, so the loss moves
+        nn.init.normal_(layer.weight, std=width ** -0.5)
+    return model
+
+
+def _train_under_limit(rank, world, cgroup_prefix):
+    import zeroplus
+
+    torch.set_num_threads(1)
+    # One-off costs (code pages, the backend's buffers, autograd) before the limit applies.
+    with zeroplus.init_context():
+        warm_up = _stack(64, 2)
+    warm_up, warm_opt = zeroplus.initialize(warm_up, torch.optim.SGD, stage=3, lr=0.1, param_persistence_threshold=0)
+    warm_up(torch.randn(2, 64)).sum().backward()
+    warm_opt.step()
+
+    cg = _enter_cgroup(f"{cgroup_prefix}-rank{rank}", LIMIT_BYTES)
+    with zeroplus.init_context():
+        model = _stack(WIDTH, DEPTH)
+    # At most 2 layers (4 MiB each) gathered at a time, prefetching one ahead.
+    model, opt = zeroplus.initialize(model, torch.optim.SGD, stage=3, lr=0.01, param_persistence_threshold=0,
+                                     prefetch_bucket_size=WIDTH * WIDTH, max_live_parameters=2 * WIDTH * WIDTH)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(8, WIDTH, generator=gen)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    peak = int((cg / "memory.max_usage_in_bytes").read_text())
+    print(f"rank {rank}: peak {peak / FULL_BYTES:.3f} of the full model's bytes", flush=True)
+    failcnt = int((cg / "memory.failcnt").read_text())
+    shard_numel = sum(p.numel() for p in model.parameters())
+    return peak, failcnt, losses, shard_numel
+
+
+def _remove_cgroups(prefix: str) -> None:
+    for cg in CGROUP_ROOT.glob(f"{prefix}*"):
+        try:
+            cg.rmdir()  # empty once its process exited
+        except OSError:
+            pass
+
+
+def test_stage3_trains_a_model_larger_than_a_rank_may_allocate():
+    reason = _cgroup_unavailable()
+    if reason:
+        pytest.skip(reason)
+    prefix = f"zeroplus-test-{os.getpid()}"
+    try:
+        results = run_distributed(_train_under_limit, 4, prefix, timeout=420)
+        for peak, failcnt, losses, shard_numel in results:
+            assert peak < LIMIT_BYTES < FULL_BYTES, (peak, LIMIT_BYTES)
+            assert all(torch.isfinite(torch.tensor(losses))), losses
+            assert losses[-1] < losses[0], losses  # it trains
+            # Between steps each rank holds its quarter of the parameters, not the model.
+            assert shard_numel == WIDTH * WIDTH * DEPTH // 4, shard_numel
+
+        # The limit is real: the same model built plainly under it is killed by the OOM killer.
+        plain = (
+            "import os, pathlib, torch\n"
+            "from torch import nn\n"
+            f"cg = pathlib.Path({str(CGROUP_ROOT)!r}) / {prefix + '-plain'!r}\n"
+            "cg.mkdir()\n"
+            f"(cg / 'memory.limit_in_bytes').write_text('{LIMIT_BYTES}')\n"
+            "(cg / 'cgroup.procs').write_text(str(os.getpid()))\n"
+            f"model = nn.Sequential(*[nn.Linear({WIDTH}, {WIDTH}, bias=False) for _ in range({DEPTH})])\n"
+            "print('built')\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == -9 and "built" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    finally:
+        _remove_cgroups(prefix)
