@@ -46,6 +46,19 @@ function(zeroplus_add_gtest file)
   set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT} LABELS "${ARG_LABELS}")
 endfunction()
 
+# The torch versions whose headers the sources compile against (DESIGN.md §5). Outside them the
+# build stops here with one line, instead of hundreds of compiler errors later.
+set(ZEROPLUS_TORCH_SUPPORTED_MIN "2.11")
+set(ZEROPLUS_TORCH_SUPPORTED_MAX "2.15")
+function(zeroplus_check_torch_version version)
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" _minor "${version}")
+  if(NOT _minor OR _minor VERSION_LESS ZEROPLUS_TORCH_SUPPORTED_MIN OR _minor VERSION_GREATER ZEROPLUS_TORCH_SUPPORTED_MAX)
+    message(FATAL_ERROR "zeroplus: torch ${version} is not supported; zeroplus builds against torch "
+                        "${ZEROPLUS_TORCH_SUPPORTED_MIN} to ${ZEROPLUS_TORCH_SUPPORTED_MAX} "
+                        "(pip install 'torch>=${ZEROPLUS_TORCH_SUPPORTED_MIN},<2.16')")
+  endif()
+endfunction()
+
 function(zeroplus_print_summary)
   get_property(cores GLOBAL PROPERTY ZEROPLUS_CORE_LIBRARIES)
   get_property(torch_srcs GLOBAL PROPERTY ZEROPLUS_TORCH_SOURCES)

@@ -12,7 +12,11 @@ if(ZEROPLUS_TORCH_DIR)
   return()
 endif()
 set(ZEROPLUS_PYTHON "" CACHE FILEPATH "Python interpreter whose torch is built against")
-if(NOT ZEROPLUS_PYTHON)
+# Under pip (scikit-build-core sets SKBUILD and Python_EXECUTABLE) the torch to build against is
+# the one of the interpreter running pip, whatever an earlier configure of this directory chose.
+if(DEFINED SKBUILD AND Python_EXECUTABLE)
+  set(ZEROPLUS_PYTHON "${Python_EXECUTABLE}" CACHE FILEPATH "" FORCE)
+elseif(NOT ZEROPLUS_PYTHON)
   find_program(ZEROPLUS_PYTHON_FOUND NAMES python3 python REQUIRED)
   set(ZEROPLUS_PYTHON "${ZEROPLUS_PYTHON_FOUND}" CACHE FILEPATH "" FORCE)
 endif()
@@ -23,6 +27,11 @@ execute_process(
   OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE
   RESULT_VARIABLE _torch_rc)
 if(NOT _torch_rc EQUAL 0)
+  if(DEFINED SKBUILD)
+    message(FATAL_ERROR "zeroplus: torch is not installed in the environment running pip (${ZEROPLUS_PYTHON}). "
+                        "zeroplus is built against the torch it will run with: install torch>=2.11,<2.16 first "
+                        "(pip install torch==2.13.0), then pip install --no-build-isolation .")
+  endif()
   message(FATAL_ERROR "zeroplus: '${ZEROPLUS_PYTHON}' cannot import torch. Run scripts/setup.sh, "
                       "or pass -DZEROPLUS_PYTHON=<python with torch>, or -DZEROPLUS_WITH_TORCH=OFF.")
 endif()
@@ -43,7 +52,11 @@ if(ZEROPLUS_WITH_CUDA STREQUAL "ON" OR (ZEROPLUS_WITH_CUDA STREQUAL "AUTO" AND _
   set(ZEROPLUS_CUDA_ENABLED ON)
 endif()
 
+# Torch_DIR is cached by find_package: pin it to this interpreter's torch, or a build directory
+# reconfigured with another Python (pip in another venv) would keep the first torch.
+set(Torch_DIR "${_torch_prefix}/Torch" CACHE PATH "" FORCE)
 list(PREPEND CMAKE_PREFIX_PATH "${_torch_prefix}")
+set(ZEROPLUS_TORCH_CMAKE_DIR "${_torch_prefix}/Torch")  # recorded in zeroplusConfig.cmake
 # Torch's config warns about kineto and optional bits we do not use; keep configure quiet.
 find_package(Torch REQUIRED QUIET)
 string(REGEX MATCH "^([0-9]+)\\.([0-9]+)" _ "${ZEROPLUS_TORCH_VERSION}")

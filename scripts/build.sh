@@ -10,6 +10,9 @@ jobs="${ZEROPLUS_JOBS:-2}"
 # ccache: share hits between build directories and tolerate precompiled headers.
 export CCACHE_BASEDIR="$repo_root"
 export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
+# -g puts the compile directory into the object; without this ccache would hash it and never
+# share hits between build directories (build/, a worktree, the wheel build).
+export CCACHE_NOHASHDIR=1
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
 
 if [[ ! -f "$build_dir/build.ninja" ]]; then

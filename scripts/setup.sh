@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian 12 + Python 3.11 machine for building and testing zeroplus.
 # Installs the Debian packages the build needs and a virtual environment at $ZEROPLUS_VENV
-# (default: .venv in the repository) holding torch==2.13.0 (CPU), pytest and numpy.
+# (default: .venv in the repository) holding torch==2.13.0 (CPU), scikit-build-core (the build
+# backend of `pip install --no-build-isolation .`, pyproject.toml), pytest and numpy.
 # A second run checks what is there and returns in about a second.
 set -euo pipefail
 
@@ -32,10 +33,10 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$python_bin" -m venv "$venv"
 fi
 
-stamp="$venv/.zeroplus-setup-$torch_version"
+stamp="$venv/.zeroplus-setup-$torch_version-skbuild"
 if [[ ! -f "$stamp" ]]; then
-  echo "[setup] installing torch==$torch_version, pytest, numpy into $venv"
-  "$venv/bin/python" -m pip install -q "torch==$torch_version" pytest numpy
+  echo "[setup] installing torch==$torch_version, scikit-build-core, pytest, numpy into $venv"
+  "$venv/bin/python" -m pip install -q "torch==$torch_version" "scikit-build-core>=0.10" pytest numpy
   touch "$stamp"
 fi
 echo "[setup] ok: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"

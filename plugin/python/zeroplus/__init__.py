@@ -10,18 +10,32 @@ registers the ``"zeroplus"`` backend for ``torch.distributed.init_process_group`
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ._library import built_torch_version, library_path, load_library
 
 __version__ = "0.1.0"
 
-load_library()
 
-from . import aio, optim  # noqa: E402  (need the library loaded)
-from .backend_options import BackendOptions  # noqa: E402
-from .optim import ZeroRedundancyOptimizer  # noqa: E402
-from .zero import GradScaler, estimate_memory, full_state_dict, initialize, memory_report  # noqa: E402
+def _report_requested() -> bool:
+    # `python -m zeroplus.report` imports this package first; the report must run (and say why)
+    # even when the library is missing or built for another torch, so it loads it itself.
+    # The console script zeroplus-report does the same through its own name.
+    argv = getattr(sys, "orig_argv", [])
+    as_module = any(a == "-m" and b == "zeroplus.report" for a, b in zip(argv, argv[1:]))
+    return as_module or (bool(sys.argv) and sys.argv[0].endswith("zeroplus-report"))
+
+
+if not _report_requested():
+    load_library()
+
+    from . import aio, optim  # noqa: E402  (need the library loaded)
+    from .backend_options import BackendOptions  # noqa: E402
+    from .optim import ZeroRedundancyOptimizer  # noqa: E402
+    from .topology import Topology, topology  # noqa: E402
+    from .zero import GradScaler, estimate_memory, full_state_dict, init_context, initialize, memory_report  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -31,10 +45,13 @@ __all__ = [
     "estimate_memory",
     "full_state_dict",
     "GradScaler",
+    "init_context",
     "initialize",
     "memory_report",
     "library_path",
     "load_library",
     "optim",
+    "Topology",
+    "topology",
     "ZeroRedundancyOptimizer",
 ]

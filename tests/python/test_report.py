@@ -1,0 +1,112 @@
+"""python -m zeroplus.report: every check is present, a healthy machine exits 0, and each thing
+zeroplus needs that is missing (library, matching torch, a valid ZEROPLUS_* value, an O_DIRECT
+directory asked for) turns into a FAIL line and exit status 1."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zeroplus import report
+
+EXPECTED = {"zeroplus", "torch", "library", "built for", "load", "CPU ISA", "io_uring", "ZEROPLUS_*",
+            "backend config", "/dev/shm", "CUDA"}
+
+
+def _report(*args, env=None) -> tuple[int, list[dict]]:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    r = subprocess.run([sys.executable, "-m", "zeroplus.report", "--json", *args], env=full_env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip(), r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+def _by_name(checks):
+    return {c["name"]: c for c in checks}
+
+
+def test_report_healthy(tmp_path):
+    rc, checks = _report("--dir", str(tmp_path))
+    names = {c["name"] for c in checks}
+    assert EXPECTED <= names, names
+    assert any(n.startswith("O_DIRECT ") for n in names), names
+    assert rc == 0, [c for c in checks if c["status"] == "FAIL"]
+    by = _by_name(checks)
+    assert by["CPU ISA"]["detail"].split()[0] in ("scalar", "avx2", "avx512")
+    assert by["load"]["status"] == "ok"
+
+
+def test_report_text_output_and_isa_cap():
+    r = subprocess.run([sys.executable, "-m", "zeroplus.report"], env=dict(os.environ, ZEROPLUS_CPU_ISA="scalar"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("zeroplus report")
+    assert "CPU ISA" in r.stdout and "scalar (ZEROPLUS_CPU_ISA=scalar" in r.stdout, r.stdout
+    assert "ZEROPLUS_CPU_ISA=scalar" in r.stdout
+
+
+def test_report_fails_on_malformed_variable():
+    rc, checks = _report(env={"ZEROPLUS_SHM": "sometimes"})
+    assert rc == 1
+    env_check = _by_name(checks)["ZEROPLUS_*"]
+    assert env_check["status"] == "FAIL" and "ZEROPLUS_SHM" in env_check["detail"], env_check
+
+
+def test_report_fails_on_missing_library(tmp_path):
+    rc, checks = _report(env={"ZEROPLUS_LIBRARY": str(tmp_path / "missing.so")})
+    assert rc == 1
+    assert _by_name(checks)["library"]["status"] == "FAIL"
+
+
+def test_report_fails_on_mismatched_library(tmp_path):
+    stub = tmp_path / "libzeroplus.so"
+    stub.write_bytes(b"\x7fELF\0ZEROPLUS_BUILD_STAMP zeroplus=0.1.0 torch=2.99.0 cxx11_abi=1 cuda=0\0")
+    rc, checks = _report(env={"ZEROPLUS_LIBRARY": str(stub)})
+    assert rc == 1
+    built = _by_name(checks)["built for"]
+    assert built["status"] == "FAIL" and "built for torch 2.99.0" in built["detail"], built
+
+
+def test_report_fails_on_missing_dir(tmp_path):
+    rc, checks = _report("--dir", str(tmp_path / "nope"))
+    assert rc == 1
+    assert [c for c in checks if c["name"].startswith("O_DIRECT") and c["status"] == "FAIL"]
+
+
+def test_o_direct_probe(tmp_path, monkeypatch):
+    ok, detail = report.probe_o_direct(str(tmp_path))
+    assert isinstance(ok, bool) and "O_DIRECT" in detail
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".zeroplus-odirect-")]  # cleaned up
+    # A filesystem that refuses O_DIRECT (older tmpfs, some FUSE) makes open() fail with EINVAL.
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    ok, detail = report.probe_o_direct(str(tmp_path))
+    assert not ok and "open(O_DIRECT) failed: Invalid argument" in detail
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".zeroplus-odirect-")]
+
+
+def test_report_shm_off():
+    rc, checks = _report(env={"ZEROPLUS_SHM": "off"})
+    assert rc == 0 and "shm transport off" in _by_name(checks)["/dev/shm"]["detail"]
+
+
+@pytest.mark.parametrize("mode, free, status", [("auto", 1 << 30, "ok"), ("on", 1 << 30, "ok"),
+                                                ("auto", 5 << 20, "warn"), ("on", 5 << 20, "FAIL"),
+                                                ("off", 0, "info")])
+def test_shm_verdict(mode, free, status):
+    check = report.shm_check(mode, 1 << 20, 64 << 20, free)  # 4 MiB + 4 KiB per rank
+    assert check.status == status, check
+    if status == "ok":
+        assert f"up to {free // ((4 << 20) + 4096)} ranks" in check.detail
