@@ -53,7 +53,39 @@ def __zeroplus_backend_hook():
             [int(r) for r in options.global_ranks_in_group],
             forward() if pg_options is not None else [],
         )
+        attach_interhost(scratch, options)
         return scratch._get_backend(torch.device("cpu"))
+
+    def attach_interhost(scratch, options):
+        # A group that spans hosts runs hierarchical collectives with torch's own Gloo between
+        # hosts (docs/multihost.md): one Gloo group per local index (rank = host index), over a
+        # prefixed view of the group's store, bound where the zeroplus mesh is (the interface of
+        # ZEROPLUS_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, else the address the mesh published).
+        # The C++ side says whether it wants one: the topology decides, the same on every rank.
+        plan, ifname, address = torch.ops.zeroplus.interhost_plan(scratch.boxed())
+        if not plan:
+            return
+        host, hosts, local = (int(x) for x in plan)
+        where = f"interface {ifname}" if ifname else f"address {address}"
+        try:
+            gloo_options = dist.ProcessGroupGloo._Options()
+            gloo_options._timeout = options.timeout
+            if ifname:
+                device = dist.ProcessGroupGloo.create_device(interface=ifname)
+            else:
+                device = dist.ProcessGroupGloo.create_device(hostname=address)
+            gloo_options._devices = [device]
+            store = dist.PrefixStore(f"zeroplus/interhost/{options.group_id}/{local}/", options.store)
+            gloo = dist.ProcessGroupGloo(store, host, hosts, gloo_options)
+            wrapper = dist.ProcessGroup(store, host, hosts)
+            wrapper._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        except Exception as error:
+            raise RuntimeError(
+                f"zeroplus init: rank {options.group_rank} could not create the inter-host Gloo group "
+                f"(host {host} of {hosts}, local index {local}, {where}): {error}; "
+                f"ZEROPLUS_INTERHOST=tcp keeps the flat TCP algorithms instead"
+            ) from error
+        torch.ops.zeroplus.attach_interhost(scratch.boxed(), wrapper.boxed())
 
     if "ZEROPLUS" not in dist.Backend._plugins:
         dist.Backend.register_backend(

@@ -1,12 +1,14 @@
 // TORCH_LIBRARY(zeroplus): the operator namespace every zeroplus registration file extends with
 // TORCH_LIBRARY_FRAGMENT. This file owns the build stamp and the process-group glue:
-// build_info(), backend_config(), attach() and watch_interrupts().
+// build_info(), backend_config(), attach(), topology(), interhost_plan(), attach_interhost()
+// and watch_interrupts().
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 #include <torch/version.h>
 
 #include "process_group/adapter/backend.hpp"
 #include "process_group/adapter/device_router.hpp"
+#include "process_group/adapter/gloo_channel.hpp"
 #include "process_group/adapter/interrupt_watch.hpp"
 
 #ifdef ZEROPLUS_WITH_CUDA
@@ -78,24 +80,56 @@ std::vector<std::string> backendConfig() {
           std::string("inline_sync=") + (t.inlineSync ? "1" : "0"),
           "cuda_transport=" + std::string(pg::toString(t.cudaTransport)),
           "socket_ifname=" + t.socketIfname,
+          "interhost=" + std::string(pg::toString(t.interHost)),
           std::string("debug=") + (t.debug ? "1" : "0")};
 }
 
 // The group's host topology for zeroplus.topology(): the host index of every group rank and
 // the host names by index. `pg` must be a zeroplus group (the Python wrapper checks the backend
 // name first; this check catches a direct call).
-std::tuple<std::vector<int64_t>, std::vector<std::string>> topology(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
-  TORCH_CHECK_VALUE(pg, "zeroplus topology: group is None");
+// The zeroplus backend of `pg`, or a ValueError naming `op`.
+pg::ZeroPlusBackend& zeroplusBackend(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  TORCH_CHECK_VALUE(pg, "zeroplus ", op, ": group is None");
   c10::intrusive_ptr<c10d::Backend> backend;
   try {
     backend = pg->getBackend(c10::DeviceType::CPU);
   } catch (const c10::Error&) {
   }
-  const auto* router = dynamic_cast<const pg::DeviceRouter*>(backend.get());
-  TORCH_CHECK_VALUE(router != nullptr, "zeroplus topology: group is not a zeroplus group (its CPU backend is '",
+  auto* router = dynamic_cast<pg::DeviceRouter*>(backend.get());
+  TORCH_CHECK_VALUE(router != nullptr, "zeroplus ", op, ": group is not a zeroplus group (its CPU backend is '",
                     backend ? backend->getBackendName() : std::string("none"), "')");
-  const pg::Topology& t = router->cpuBackend().topology();
-  return {std::vector<int64_t>(t.hostOf.begin(), t.hostOf.end()), t.hostNames};
+  return const_cast<pg::ZeroPlusBackend&>(router->cpuBackend());
+}
+
+// The group's host topology and transport line: the host index of every group rank, the host
+// names by index, and what carries the collectives (ZeroPlusBackend::transport()).
+std::tuple<std::vector<int64_t>, std::vector<std::string>, std::string> topology(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  const pg::ZeroPlusBackend& backend = zeroplusBackend("topology", pg);
+  const pg::Topology& t = backend.topology();
+  return {std::vector<int64_t>(t.hostOf.begin(), t.hostOf.end()), t.hostNames, backend.transport()};
+}
+
+// What backend_hook.py needs to create the inter-host Gloo group right after attach():
+// ({host index, host count, local index} or [] when the group wants none, the interface to
+// bind or "", else the address the mesh published).
+std::tuple<std::vector<int64_t>, std::string, std::string> interhostPlan(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  const pg::ZeroPlusBackend& backend = zeroplusBackend("interhost_plan", pg);
+  auto plan = backend.interHostPlan();
+  if (plan.empty()) return {plan, "", ""};
+  const std::string& ifname = backend.socketIfname();
+  return {plan, ifname, ifname.empty() ? backend.publishedAddress() : std::string()};
+}
+
+// Hands the Gloo group `interhost` (rank = host index) to the zeroplus group `pg` as its
+// inter-host channel (gloo_channel.hpp); collective over the ranks of `pg`.
+void attachInterhost(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                     const c10::intrusive_ptr<c10d::ProcessGroup>& interhost) {
+  pg::ZeroPlusBackend& backend = zeroplusBackend("attach_interhost", pg);
+  TORCH_CHECK_VALUE(interhost, "zeroplus attach_interhost: interhost_pg is None");
+  auto gloo = interhost->getBackend(c10::DeviceType::CPU);
+  backend.attachInterHost(std::make_unique<pg::GlooChannel>(gloo, interhost->getRank(), interhost->getSize()));
 }
 
 }  // namespace
@@ -108,8 +142,14 @@ TORCH_LIBRARY(zeroplus, m) {
       "attach(__torch__.torch.classes.c10d.ProcessGroup pg, int timeout_ms, str group_name, int[] global_ranks, "
       "str[] options) -> ()",
       &zeroplus::registration::attach);
-  m.def("topology(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str[])",
+  m.def("topology(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str[], str)",
         &zeroplus::registration::topology);
+  m.def("interhost_plan(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str, str)",
+        &zeroplus::registration::interhostPlan);
+  m.def(
+      "attach_interhost(__torch__.torch.classes.c10d.ProcessGroup pg, "
+      "__torch__.torch.classes.c10d.ProcessGroup interhost_pg) -> ()",
+      &zeroplus::registration::attachInterhost);
   // Called by backend_hook.py while Python's default SIGINT handler is set (interrupt_watch.hpp).
   m.def("watch_interrupts() -> bool", [] { return zeroplus::pg::installInterruptChain(); });
 }

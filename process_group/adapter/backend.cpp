@@ -12,6 +12,8 @@
 
 #include "process_group/adapter/interrupt_watch.hpp"
 #include "process_group/adapter/store_rendezvous.hpp"
+#include "process_group/core/hierarchical_communicator.hpp"
+#include "process_group/core/peer_address.hpp"
 
 namespace zeroplus::pg {
 namespace {
@@ -41,7 +43,7 @@ class IssuerModes {
 
 ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  BackendConfig config)
-    : c10d::Backend(rank, size), config_(std::move(config)) {
+    : c10d::Backend(rank, size), config_(std::move(config)), store_(store) {
   TORCH_CHECK(size >= 1, "zeroplus: group size must be >= 1, got ", size);
   TORCH_CHECK(rank >= 0 && rank < size, "zeroplus: rank ", rank, " out of range for group size ", size);
   TORCH_CHECK(config_.timeout.count() > 0, "zeroplus: timeout must be positive, got ", config_.timeout.count(), " ms");
@@ -59,7 +61,8 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   // knobs; a mismatch would otherwise show up later as a hang or a size-mismatch error.
   const auto& t = config_.tuning;
   const std::string mine = std::to_string(t.bucketBytes) + "," + std::to_string(t.fuse) + "," +
-                           std::to_string(t.shmChunkBytes) + "," + std::string(toString(t.shm));
+                           std::to_string(t.shmChunkBytes) + "," + std::string(toString(t.shm)) + "," +
+                           std::string(toString(t.interHost));
   store->set("zeroplus/tuning/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   // One deadline for the whole exchange: a rank that never joins is reported once, by rank
   // number, within the group timeout (not size x timeout, and not as the store's bare message).
@@ -78,7 +81,7 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
                          " s waiting for rank " + std::to_string(r) + " to join the group (" + e.what() + ")");
     }
     TORCH_CHECK(std::string(theirs.begin(), theirs.end()) == mine, "zeroplus init: rank ", rank,
-                " has tuning (bucket_bytes,fuse,shm_chunk_bytes,shm) = (", mine, ") but rank ", r, " has (",
+                " has tuning (bucket_bytes,fuse,shm_chunk_bytes,shm,interhost) = (", mine, ") but rank ", r, " has (",
                 std::string(theirs.begin(), theirs.end()), "); set the same ZEROPLUS_* variables and options on every rank");
   }
   try {
@@ -89,15 +92,64 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   } catch (const CommError& e) {
     throw backendError(std::string("zeroplus init: ") + e.what());
   }
+  options_ = options;
   if (config_.tuning.debug && rank == 0) {
     // Once per group, from its rank 0: enough to see how a job was laid out without 4 x N lines.
     std::fprintf(stderr, "zeroplus: group '%s' of %d ranks: topology %s; transport %s\n", config_.groupName.c_str(),
                  size, topology_.describe().c_str(), comm_->transport().c_str());
+    if (topology_.hostCount() > 1 && interHostPlan().empty()) {
+      std::fprintf(stderr, "zeroplus: group '%s' inter-host: tcp (flat: %s)\n", config_.groupName.c_str(),
+                   config_.tuning.interHost == InterHost::kTcp ? "ZEROPLUS_INTERHOST=tcp"
+                                                               : "hosts have different numbers of ranks");
+    }
   }
   fusion_ = config_.tuning.fuse && config_.tuning.bucketBytes > 0 && size > 1 && comm_->fusesCheaply();
   worker_ = std::thread([this] { workerLoop(); });
   interruptListener_ = addInterruptListener([this] { onInterrupt(); });
   init();
+}
+
+std::vector<int64_t> ZeroPlusBackend::interHostPlan() const {
+  if (topology_.hostCount() < 2 || config_.tuning.interHost == InterHost::kTcp) return {};
+  const int localSize = HierarchicalCommunicator::localSize(topology_);
+  if (localSize == 0) return {};
+  const auto here = topology_.ranksOn(topology_.host());
+  const auto local = std::find(here.begin(), here.end(), topology_.rank) - here.begin();
+  return {topology_.host(), topology_.hostCount(), static_cast<int64_t>(local)};
+}
+
+std::string ZeroPlusBackend::publishedAddress() const {
+  // The address the mesh published (tcp_mesh.hpp), read back on demand: only a group that
+  // will create its inter-host channel asks, while every peer still serves the store.
+  StoreRendezvous rendezvous(store_);
+  detail::PeerAddress self;
+  const auto entry = rendezvous.get("zeroplus/addr/" + std::to_string(rank_), std::chrono::seconds(10));
+  return detail::decodePeerAddress(entry, &self) ? self.addr : std::string();
+}
+
+void ZeroPlusBackend::attachInterHost(std::unique_ptr<InterHostChannel> channel) {
+  TORCH_CHECK(!interHostPlan().empty(), "zeroplus attach_interhost: group '", config_.groupName,
+              "' does not use an inter-host channel (one host, ZEROPLUS_INTERHOST=tcp or unequal ranks per host)");
+  TORCH_CHECK(channel->size() == topology_.hostCount() && channel->rank() == topology_.host(),
+              "zeroplus attach_interhost: channel has rank ", channel->rank(), " of ", channel->size(),
+              ", expected host ", topology_.host(), " of ", topology_.hostCount());
+  std::unique_ptr<Communicator> local;
+  try {
+    StoreRendezvous rendezvous(store_);
+    local = HierarchicalCommunicator::connectLocal(rendezvous, topology_, options_);
+  } catch (const CommError& e) {
+    throw backendError(std::string("zeroplus init (intra-host communicator): ") + e.what());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(queue_.empty() && !busy_, "zeroplus attach_interhost: called after the group ran an op");
+    comm_ = std::make_unique<HierarchicalCommunicator>(topology_, std::move(comm_), std::move(local),
+                                                       std::move(channel));
+  }
+  if (config_.tuning.debug && rank_ == 0) {
+    std::fprintf(stderr, "zeroplus: group '%s' inter-host: gloo (hierarchical: %s)\n", config_.groupName.c_str(),
+                 comm_->transport().c_str());
+  }
 }
 
 ZeroPlusBackend::~ZeroPlusBackend() {

@@ -57,6 +57,7 @@
 #include "process_group/adapter/work.hpp"
 #include "process_group/core/communicator.hpp"
 #include "process_group/core/config.hpp"
+#include "process_group/core/inter_host_channel.hpp"
 #include "process_group/core/point_to_point.hpp"
 #include "process_group/core/topology.hpp"
 
@@ -135,8 +136,22 @@ class ZeroPlusBackend final : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
-  // "tcp" or "shm+tcp" (tests and benchmarks report it).
+  // "tcp", "shm+tcp", or for a hierarchical group "shm+tcp within hosts, gloo between 2 hosts"
+  // (tests and benchmarks report it).
   std::string transport() const { return comm_->transport(); }
+  // Multi-host groups (docs/multihost.md): {host index, host count, local index} when this
+  // group wants an inter-host channel from the Python hook (it spans hosts with equal ranks per
+  // host and ZEROPLUS_INTERHOST is not tcp), else empty. The same answer on every rank.
+  std::vector<int64_t> interHostPlan() const;
+  // The interface (ZEROPLUS_SOCKET_IFNAME / GLOO_SOCKET_IFNAME) or, without one, the address
+  // this rank's mesh published: where the Gloo device of the inter-host channel binds.
+  const std::string& socketIfname() const { return config_.tuning.socketIfname; }
+  std::string publishedAddress() const;
+  // Switches the group to hierarchical collectives over `channel` (its rank = host index):
+  // connects the intra-host communicator (collective; every rank of a group with a non-empty
+  // plan calls it once, right after construction, before any op) and logs the choice once at
+  // ZEROPLUS_DEBUG=1. Throws DistBackendError naming the step on failure.
+  void attachInterHost(std::unique_ptr<InterHostChannel> channel);
   const PgTuning& tuning() const { return config_.tuning; }
   // Which group ranks share a host (topology.hpp); fixed at construction.
   const Topology& topology() const { return topology_; }
@@ -216,6 +231,8 @@ class ZeroPlusBackend final : public c10d::Backend {
   void stopWorker();
 
   BackendConfig config_;
+  c10::intrusive_ptr<c10d::Store> store_;  // kept for attachInterHost's intra-host set-up
+  CommunicatorOptions options_;            // as the flat communicator was connected
   Topology topology_;
   std::unique_ptr<Communicator> comm_;
   // Point-to-point ops: own links and progress thread; created with comm_, closed by stopWorker.

@@ -82,6 +82,22 @@ std::string_view toString(CudaTransport transport) {
   return "?";
 }
 
+InterHost parseInterHost(std::string_view name, std::string_view value) {
+  if (value == "auto") return InterHost::kAuto;
+  if (value == "gloo") return InterHost::kGloo;
+  if (value == "tcp") return InterHost::kTcp;
+  bad(name, value, "auto, gloo or tcp");
+}
+
+std::string_view toString(InterHost interHost) {
+  switch (interHost) {
+    case InterHost::kAuto: return "auto";
+    case InterHost::kGloo: return "gloo";
+    case InterHost::kTcp: return "tcp";
+  }
+  return "?";
+}
+
 namespace {
 
 // Every knob once: its BackendOptions field name and its environment variable.
@@ -94,7 +110,7 @@ constexpr Knob kKnobs[] = {
     {"shm", "ZEROPLUS_SHM"},                         {"shm_chunk_bytes", "ZEROPLUS_SHM_CHUNK_BYTES"},
     {"spin_us", "ZEROPLUS_SPIN_US"},                 {"inline_sync", "ZEROPLUS_INLINE_SYNC"},
     {"cuda_transport", "ZEROPLUS_CUDA_TRANSPORT"},   {"socket_ifname", "ZEROPLUS_SOCKET_IFNAME"},
-    {"debug", "ZEROPLUS_DEBUG"},
+    {"interhost", "ZEROPLUS_INTERHOST"},             {"debug", "ZEROPLUS_DEBUG"},
 };
 
 void apply(PgTuning& t, std::string_view field, std::string_view value, std::string_view shownAs) {
@@ -122,12 +138,14 @@ void apply(PgTuning& t, std::string_view field, std::string_view value, std::str
     if (!ok) bad(shownAs, value, "a network interface name such as eth0 (1 to 15 characters)");
     t.socketIfname = std::string(value);
     t.socketIfnameSource = std::string(shownAs);
+  } else if (field == "interhost") {
+    t.interHost = parseInterHost(shownAs, value);
   } else if (field == "debug") {
     t.debug = parseBool(shownAs, value);
   } else {
     throw std::invalid_argument("zeroplus: unknown backend option '" + std::string(field) +
                                 "'; known: bucket_bytes, fuse, shm, shm_chunk_bytes, spin_us, inline_sync, "
-                                "cuda_transport, socket_ifname, debug");
+                                "cuda_transport, socket_ifname, interhost, debug");
   }
 }
 

@@ -29,6 +29,13 @@ enum class CudaTransport : uint8_t {
   kHost,  // copy through host memory and use this group's CPU transport
 };
 
+// What carries the inter-host phase of a group that spans hosts (docs/multihost.md).
+enum class InterHost : uint8_t {
+  kAuto,  // Gloo when the Python registration hook provided it, else the flat TCP mesh
+  kGloo,  // hierarchical collectives with Gloo between hosts (needs the Python layer)
+  kTcp,   // the flat algorithms over zeroplus's own TCP mesh, as on one host
+};
+
 struct PgTuning {
   // Largest flat bucket packed for fused/coalesced allreduces (bytes). 0 disables packing:
   // every tensor moves as its own operation.
@@ -53,6 +60,8 @@ struct PgTuning {
   // "GLOO_SOCKET_IFNAME" (honoured when ZEROPLUS_SOCKET_IFNAME is unset; its first entry, as
   // Gloo's list form "eth0,eth1" names several) or "BackendOptions.socket_ifname".
   std::string socketIfnameSource;
+  // ZEROPLUS_INTERHOST: see InterHost. Must agree on every rank (part of the tuning check).
+  InterHost interHost = InterHost::kAuto;
   // ZEROPLUS_DEBUG=1: log the group's topology and transport choice once, at creation, to
   // stderr (group rank 0 only). Not part of the cross-rank tuning check.
   bool debug = false;
@@ -60,11 +69,11 @@ struct PgTuning {
 
 // Defaults overridden by ZEROPLUS_BUCKET_BYTES, ZEROPLUS_FUSE, ZEROPLUS_SHM,
 // ZEROPLUS_SHM_CHUNK_BYTES, ZEROPLUS_SPIN_US, ZEROPLUS_INLINE_SYNC, ZEROPLUS_CUDA_TRANSPORT,
-// ZEROPLUS_SOCKET_IFNAME (else GLOO_SOCKET_IFNAME) and ZEROPLUS_DEBUG.
+// ZEROPLUS_SOCKET_IFNAME (else GLOO_SOCKET_IFNAME), ZEROPLUS_INTERHOST and ZEROPLUS_DEBUG.
 PgTuning configFromEnvironment();
 
 // Applies one BackendOptions field ("bucket_bytes", "fuse", "shm", "shm_chunk_bytes",
-// "spin_us", "inline_sync", "cuda_transport", "socket_ifname", "debug") given as text, with the same parsing and limits as its
+// "spin_us", "inline_sync", "cuda_transport", "socket_ifname", "interhost", "debug") given as text, with the same parsing and limits as its
 // environment variable. Throws std::invalid_argument.
 void applyOption(PgTuning& tuning, std::string_view field, std::string_view value);
 
@@ -76,5 +85,7 @@ ShmMode parseShmMode(std::string_view name, std::string_view value);
 std::string_view toString(ShmMode mode);
 CudaTransport parseCudaTransport(std::string_view name, std::string_view value);
 std::string_view toString(CudaTransport transport);
+InterHost parseInterHost(std::string_view name, std::string_view value);
+std::string_view toString(InterHost interHost);
 
 }  // namespace zeroplus::pg

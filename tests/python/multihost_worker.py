@@ -31,6 +31,31 @@ def case_collectives(rank: int, world: int) -> dict:
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out["allreduce_max"] = t
+    # Sizes past the hierarchical small-message path (64 KiB) that do not split evenly over
+    # the local ranks, so the striped phases and their padding run; dtypes Gloo reduces and
+    # one it does not (bfloat16 takes the flat path); AVG (the adapter's post-division).
+    for name, n in (("allreduce_big_odd", (1 << 18) + 1),):
+        t = _expected_rank_tensor(rank, n)
+        dist.all_reduce(t)
+        out[name] = t
+    t = _expected_rank_tensor(rank, 7).to(torch.int64)
+    dist.all_reduce(t)
+    out["allreduce_int64"] = t
+    t = (torch.arange(7) + rank).to(torch.bfloat16)  # small integers: exact in bfloat16
+    dist.all_reduce(t)
+    out["allreduce_bf16"] = t
+    t = _expected_rank_tensor(rank, 7)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["allreduce_avg"] = t
+    t = _expected_rank_tensor(rank, (1 << 17) + 3)
+    dist.broadcast(t, src=1)  # root on host 0 with local index 1
+    out["broadcast_big"] = t
+    flat = torch.empty(world * 20001)
+    dist.all_gather_into_tensor(flat, _expected_rank_tensor(rank, 20001))
+    out["allgather_big"] = flat
+    rs = torch.empty(30001)
+    dist.reduce_scatter_tensor(rs, _expected_rank_tensor(rank, 30001 * world))
+    out["reduce_scatter_big"] = rs
     t = _expected_rank_tensor(rank, 33)
     dist.broadcast(t, src=2)
     out["broadcast"] = t
@@ -68,7 +93,34 @@ def case_collectives(rank: int, world: int) -> dict:
 
         topo = zeroplus.topology()
         out["topology"] = (topo.host_count, topo.host_of, topo.host_names, topo.local_ranks, topo.leaders)
+        out["transport"] = topo.transport
     return out
+
+
+def case_zero(rank: int, world: int, stage: int) -> float:
+    """zeroplus.initialize(stage=2|3) against one process that sees the whole global batch."""
+    import zeroplus
+
+    torch.manual_seed(0)
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+    ours, ref = model(), model()
+    ref.load_state_dict(ours.state_dict())
+    ours, opt = zeroplus.initialize(ours, torch.optim.AdamW, stage=stage, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x, y = torch.randn(world * 6, 8, generator=gen), torch.randn(world * 6, 4, generator=gen)
+        opt.backward(torch.nn.functional.mse_loss(ours(x[rank * 6:(rank + 1) * 6]), y[rank * 6:(rank + 1) * 6]))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    got = zeroplus.full_state_dict(ours, rank0_only=False)
+    return max((got[k].float() - v).abs().max().item() for k, v in ref.state_dict().items())
 
 
 def case_ddp(rank: int, world: int, zero: bool = False) -> float:
@@ -114,7 +166,11 @@ def case_linkcut(rank: int, world: int) -> None:
     raise AssertionError("no collective failed within 120 s of the link cut")
 
 
-CASES = {"collectives": case_collectives, "ddp": case_ddp, "zero1": lambda r, w: case_ddp(r, w, zero=True), "linkcut": case_linkcut, "init": lambda r, w: None}
+CASES = {
+    "collectives": case_collectives, "ddp": case_ddp, "zero1": lambda r, w: case_ddp(r, w, zero=True),
+    "zero2": lambda r, w: case_zero(r, w, 2), "zero3": lambda r, w: case_zero(r, w, 3),
+    "linkcut": case_linkcut, "init": lambda r, w: None,
+}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Two hosts x two ranks in network namespaces (tests/python/netns.py): every collective of the
-correctness suite on gloo (proves the fixture) and zeroplus, host topology, DDP and ZeRO-1
-parity, the interface choice, and a link cut mid-run. Skipped, with the reason, where
+correctness suite on gloo (proves the fixture) and zeroplus (hierarchical with Gloo between the
+hosts, and flat with ZEROPLUS_INTERHOST=tcp), host topology, DDP and ZeRO-1/2/3 parity, the
+interface choice, the ZEROPLUS_INTERHOST knob, and a link cut mid-run on either path. Skipped, with the reason, where
 namespaces cannot be made. Every launch has a timeout; the namespaces are removed whatever happens."""
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def _expected(rank: int) -> dict:
     ranks = range(WORLD)
     e = {f"allreduce_{n}": sum(_rank(q, n) for q in ranks) for n in (1, 7, 1 << 18)}
     e["allreduce_max"] = torch.full((5,), float(WORLD))
+    e["allreduce_big_odd"] = sum(_rank(q, (1 << 18) + 1) for q in ranks)
+    e["allreduce_int64"] = sum(_rank(q, 7) for q in ranks).to(torch.int64)
+    e["allreduce_bf16"] = sum(torch.arange(7) + q for q in ranks).to(torch.bfloat16)
+    e["allreduce_avg"] = sum(_rank(q, 7) for q in ranks) / WORLD
+    e["broadcast_big"] = _rank(1, (1 << 17) + 3)
+    e["allgather_big"] = torch.cat([_rank(q, 20001) for q in ranks])
+    e["reduce_scatter_big"] = sum(_rank(q, 30001 * WORLD)[30001 * rank:30001 * (rank + 1)] for q in ranks)
     e["broadcast"] = _rank(2, 33)
     e["allgather"] = torch.stack([_rank(q, 9) for q in ranks])
     e["allgather_into_tensor"] = torch.cat([_rank(q, 9) for q in ranks])
@@ -44,14 +52,21 @@ def _expected(rank: int) -> dict:
 
 
 # gloo needs its interface named; zeroplus runs once with none at all (it must publish an
-# address that the other host can reach, not the unresolvable host name) and once through
-# GLOO_SOCKET_IFNAME, as a user moving from gloo would set it.
-@pytest.mark.parametrize("backend,env", [
-    ("gloo", {"GLOO_SOCKET_IFNAME": netns.IFNAME}),
-    ("zeroplus", {}),
-    ("zeroplus", {"GLOO_SOCKET_IFNAME": netns.IFNAME, "ZEROPLUS_DEBUG": "1"}),
-], ids=["gloo", "zeroplus-no-ifname", "zeroplus-gloo-ifname"])
-def test_every_collective_across_hosts(hosts, backend, env):
+# address that the other host can reach, not the unresolvable host name; the inter-host Gloo
+# group binds that address), once through GLOO_SOCKET_IFNAME, as a user moving from gloo would
+# set it, and with each inter-host transport named explicitly.
+HIER = "shm+tcp within hosts, gloo between 2 hosts"
+IFNAME_ENV = {"GLOO_SOCKET_IFNAME": netns.IFNAME}
+
+
+@pytest.mark.parametrize("backend,env,transport", [
+    ("gloo", IFNAME_ENV, None),
+    ("zeroplus", {}, HIER),
+    ("zeroplus", {**IFNAME_ENV, "ZEROPLUS_DEBUG": "1"}, HIER),
+    ("zeroplus", {**IFNAME_ENV, "ZEROPLUS_INTERHOST": "gloo"}, HIER),
+    ("zeroplus", {**IFNAME_ENV, "ZEROPLUS_INTERHOST": "tcp"}, "tcp"),
+], ids=["gloo", "zeroplus-no-ifname", "zeroplus-gloo-ifname", "zeroplus-interhost-gloo", "zeroplus-interhost-tcp"])
+def test_every_collective_across_hosts(hosts, backend, env, transport):
     results = netns.run(hosts, "collectives", backend, env=env)
     for rank, res in enumerate(results):
         got = res.value
@@ -62,6 +77,8 @@ def test_every_collective_across_hosts(hosts, backend, env):
             host_count, host_of, names, local, leaders = got["topology"]
             assert (host_count, host_of, names, leaders) == (2, (0, 0, 1, 1), ("zphost0", "zphost1"), (0, 2))
             assert local == ((0, 1) if rank < 2 else (2, 3))
+            # Which path ran: hierarchical (shm within a host, Gloo between) or flat TCP.
+            assert got["transport"] == transport, got["transport"]
 
 
 def test_debug_logs_the_topology_once(hosts):
@@ -74,19 +91,51 @@ def test_debug_logs_the_topology_once(hosts):
     lines = [ln for ln in launch.output.splitlines() if "topology" in ln]
     assert len(lines) == 1, launch.output
     assert "2 hosts: host 0 'zphost0' ranks 0,1; host 1 'zphost1' ranks 2,3; transport tcp" in lines[0]
+    # The inter-host choice, once: auto picks the Gloo group the Python hook made.
+    lines = [ln for ln in launch.output.splitlines() if "inter-host" in ln]
+    assert lines == ["zeroplus: group '0' inter-host: gloo (hierarchical: " + HIER + ")"], launch.output
 
 
-@pytest.mark.parametrize("backend", ["gloo", "zeroplus"])
-def test_ddp_parity_across_hosts(hosts, backend):
-    results = netns.run(hosts, "ddp", backend, env={"GLOO_SOCKET_IFNAME": netns.IFNAME})
+def test_debug_logs_the_flat_choice_with_interhost_tcp(hosts):
+    launch = netns.Launch(hosts, "init", "zeroplus", env={"ZEROPLUS_DEBUG": "1", "ZEROPLUS_INTERHOST": "tcp"}).start()
+    try:
+        results = launch.wait(60)
+    finally:
+        launch.kill()
+    assert all(r is not None and r.status == "ok" for r in results), launch.output
+    lines = [ln for ln in launch.output.splitlines() if "inter-host" in ln]
+    assert lines == ["zeroplus: group '0' inter-host: tcp (flat: ZEROPLUS_INTERHOST=tcp)"], launch.output
+
+
+def test_a_bad_interhost_value_is_a_value_error_naming_the_variable(hosts):
+    launch = netns.Launch(hosts, "init", "zeroplus", env={"ZEROPLUS_INTERHOST": "nccl"}, pg_timeout=10).start()
+    try:
+        results = launch.wait(60)
+    finally:
+        launch.kill()
+    for rank, res in enumerate(results):
+        assert res is not None and res.status == "error", f"rank {rank} did not fail:\n{launch.output}"
+        text, _ = res.value
+        assert "ValueError: zeroplus: ZEROPLUS_INTERHOST='nccl' is invalid, expected auto, gloo or tcp" in text, text
+
+
+BACKENDS = [("gloo", {}), ("zeroplus", {"ZEROPLUS_INTERHOST": "gloo"}), ("zeroplus", {"ZEROPLUS_INTERHOST": "tcp"})]
+BACKEND_IDS = ["gloo", "zeroplus-interhost-gloo", "zeroplus-interhost-tcp"]
+
+
+@pytest.mark.parametrize("backend,env", BACKENDS, ids=BACKEND_IDS)
+def test_ddp_parity_across_hosts(hosts, backend, env):
+    results = netns.run(hosts, "ddp", backend, env={**IFNAME_ENV, **env})
     for rank, res in enumerate(results):
         assert res.value < 1e-5, f"{backend} rank {rank}: DDP drifted from the full-batch model by {res.value}"
 
 
-def test_zero1_parity_across_hosts(hosts):
-    results = netns.run(hosts, "zero1", "zeroplus", env={"GLOO_SOCKET_IFNAME": netns.IFNAME})
+@pytest.mark.parametrize("interhost", ["gloo", "tcp"])
+@pytest.mark.parametrize("case", ["zero1", "zero2", "zero3"])
+def test_zero_parity_across_hosts(hosts, case, interhost):
+    results = netns.run(hosts, case, "zeroplus", env={**IFNAME_ENV, "ZEROPLUS_INTERHOST": interhost})
     for rank, res in enumerate(results):
-        assert res.value < 1e-5, f"rank {rank}: ZeRO-1 AdamW drifted from the full-batch model by {res.value}"
+        assert res.value < 1e-5, f"rank {rank}: {case} AdamW drifted from the full-batch model by {res.value}"
 
 
 def test_a_rank_on_the_wrong_interface_is_named_within_the_timeout(hosts):
@@ -109,10 +158,13 @@ def test_a_rank_on_the_wrong_interface_is_named_within_the_timeout(hosts):
             assert re.search(r"timed out after [\d.]+ s waiting for ranks 2, 3 to connect", text), text
 
 
-def test_link_cut_fails_every_rank_within_the_timeout(hosts_for_cut):
+# gloo: the hierarchical path, where the lost host shows up in the Gloo phase (or in the shm
+# phase, for a rank whose local peer failed first); tcp: the flat mesh.
+@pytest.mark.parametrize("interhost", ["gloo", "tcp"])
+def test_link_cut_fails_every_rank_within_the_timeout(hosts_for_cut, interhost):
     pg_timeout = 10.0
-    launch = netns.Launch(hosts_for_cut, "linkcut", "zeroplus", env={"GLOO_SOCKET_IFNAME": netns.IFNAME},
-                          pg_timeout=pg_timeout).start()
+    launch = netns.Launch(hosts_for_cut, "linkcut", "zeroplus",
+                          env={**IFNAME_ENV, "ZEROPLUS_INTERHOST": interhost}, pg_timeout=pg_timeout).start()
     try:
         until = time.monotonic() + 60
         while not launch.ready() and time.monotonic() < until:

@@ -24,6 +24,7 @@ class BackendOptions:
     inline_sync: bool | None = None  # ZEROPLUS_INLINE_SYNC: run sync ops on the caller's thread
     cuda_transport: str | None = None  # ZEROPLUS_CUDA_TRANSPORT: "auto", "nccl" or "host"
     socket_ifname: str | None = None  # ZEROPLUS_SOCKET_IFNAME (else GLOO_SOCKET_IFNAME): interface the listeners bind
+    interhost: str | None = None  # ZEROPLUS_INTERHOST: "auto", "gloo" or "tcp" (docs/multihost.md)
     debug: bool | None = None  # ZEROPLUS_DEBUG: log topology and transport once at group creation
 
     def _zeroplus_options(self) -> list[str]:

@@ -23,6 +23,9 @@ class Topology:
     host_of: tuple[int, ...]  # host index of every group rank; host 0 holds rank 0
     host_names: tuple[str, ...]  # host name by host index (for logs; identity is not the name)
     rank: int  # this process's group rank
+    # What carries the collectives: "tcp", "shm+tcp", or across hosts with hierarchical
+    # collectives e.g. "shm+tcp within hosts, gloo between 2 hosts" (docs/multihost.md).
+    transport: str = ""
 
     @property
     def host(self) -> int:
@@ -69,8 +72,8 @@ def topology(group: dist.ProcessGroup | None = None) -> Topology:
     backend = dist.get_backend(pg)
     if backend != "zeroplus":
         raise ValueError(f"zeroplus.topology: group must use the zeroplus backend, got {backend!r}")
-    host_of, names = torch.ops.zeroplus.topology(pg.boxed())
+    host_of, names, transport = torch.ops.zeroplus.topology(pg.boxed())
     return Topology(
         host_count=len(names), host_of=tuple(int(h) for h in host_of), host_names=tuple(names),
-        rank=dist.get_rank(pg),
+        rank=dist.get_rank(pg), transport=str(transport),
     )
