@@ -82,3 +82,25 @@ TEST(ConfigEnvironment, GlooSocketIfnameIsHonouredUnlessZeroplusNamesOne) {
   ::unsetenv("GLOO_SOCKET_IFNAME");
   EXPECT_EQ(zeroplus::pg::configFromEnvironment().socketIfname, "");
 }
+
+TEST(ConfigEnvironment, InterHostTakesAutoGlooOrTcpAndNamesTheVariableOtherwise) {
+  using zeroplus::pg::InterHost;
+  ::unsetenv("ZEROPLUS_INTERHOST");
+  EXPECT_EQ(zeroplus::pg::configFromEnvironment().interHost, InterHost::kAuto);
+  ::setenv("ZEROPLUS_INTERHOST", "tcp", 1);
+  EXPECT_EQ(zeroplus::pg::configFromEnvironment().interHost, InterHost::kTcp);
+  ::setenv("ZEROPLUS_INTERHOST", "gloo", 1);
+  EXPECT_EQ(zeroplus::pg::configFromEnvironment().interHost, InterHost::kGloo);
+  ::setenv("ZEROPLUS_INTERHOST", "nccl", 1);
+  try {
+    zeroplus::pg::configFromEnvironment();
+    ADD_FAILURE() << "ZEROPLUS_INTERHOST=nccl was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "zeroplus: ZEROPLUS_INTERHOST='nccl' is invalid, expected auto, gloo or tcp");
+  }
+  ::unsetenv("ZEROPLUS_INTERHOST");
+  zeroplus::pg::PgTuning t;
+  zeroplus::pg::applyOption(t, "interhost", "tcp");
+  EXPECT_EQ(t.interHost, InterHost::kTcp);
+  EXPECT_THROW(zeroplus::pg::applyOption(t, "interhost", "x"), std::invalid_argument);
+}
