@@ -101,8 +101,10 @@ class Launch:
     """One run of `case` on 2 hosts x 2 ranks; start() returns at once, wait() collects."""
 
     def __init__(self, hosts: Hosts, case: str, backend: str, *, env: dict[str, str] | None = None,
-                 rank_env: dict[int, dict[str, str]] | None = None, pg_timeout: float = 20.0):
+                 rank_env: dict[int, dict[str, str]] | None = None, pg_timeout: float = 20.0,
+                 module: str = "multihost_worker"):
         self.hosts = hosts
+        self.module = module  # what each rank runs (python -m); bench/collectives/multihost.py passes its own
         self.outdir = tempfile.mkdtemp(dir=hosts.workdir, prefix=f"{case}-{backend}-")
         self.world = RANKS_PER_HOST * len(hosts.namespaces)
         base = {
@@ -121,7 +123,7 @@ class Launch:
                 rank = h * RANKS_PER_HOST + local
                 extra = {"RANK": rank, "LOCAL_RANK": local, **self.rank_env.get(rank, {})}
                 prefix = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in extra.items())
-                ranks.append(f"{prefix} {shlex.quote(sys.executable)} -m multihost_worker &")
+                ranks.append(f"{prefix} {shlex.quote(sys.executable)} -m {self.module} &")
             # One mount and UTS namespace per host, shared by its ranks: they see one /dev/shm.
             script = (f"mount -t tmpfs -o size=512m zpshm /dev/shm && hostname zphost{h} && "
                       + " ".join(ranks) + " wait")
