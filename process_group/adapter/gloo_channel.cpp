@@ -72,9 +72,11 @@ bool GlooChannel::supports(DataType type, ReduceOp op) const {
 
 void GlooChannel::wait(const c10::intrusive_ptr<c10d::Work>& work, Deadline deadline) const {
   for (;;) {
-    if (aborted_.load(std::memory_order_acquire)) throw std::runtime_error("aborted");
+    if (aborted_.load(std::memory_order_acquire)) throw std::runtime_error("aborted while waiting for the Gloo op");
     const auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    if (remaining.count() <= 0 && !work->isCompleted()) throw std::runtime_error("timed out (op deadline)");
+    if (remaining.count() <= 0 && !work->isCompleted()) {
+      throw std::runtime_error("the Gloo op did not complete by the op deadline (peer host unreachable or stalled?)");
+    }
     try {
       // Work::wait(timeout) throws both for the op's own error and when the slice ran out:
       // only a completed Work's exception is the op's.

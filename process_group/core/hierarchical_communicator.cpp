@@ -39,11 +39,12 @@ std::unique_ptr<Communicator> HierarchicalCommunicator::connectLocal(Rendezvous&
 
 HierarchicalCommunicator::HierarchicalCommunicator(Topology topology, std::unique_ptr<Communicator> flat,
                                                    std::unique_ptr<Communicator> local,
-                                                   std::unique_ptr<InterHostChannel> inter)
+                                                   std::unique_ptr<InterHostChannel> inter, size_t flatBytes)
     : topology_(std::move(topology)),
       host_(topology_.host()),
       hosts_(topology_.hostCount()),
       localSize_(local->size()),
+      flatBytes_(flatBytes),
       flat_(std::move(flat)),
       local_(std::move(local)),
       inter_(std::move(inter)) {
@@ -142,7 +143,7 @@ void HierarchicalCommunicator::localAllgatherInPlace(const char* op, uint8_t* ou
 }
 
 void HierarchicalCommunicator::allreduce(void* data, size_t count, DataType type, ReduceOp op, Deadline deadline) {
-  if (!inter_->supports(type, op)) {
+  if (!inter_->supports(type, op) || count * elementSize(type) <= flatBytes_) {
     run("allreduce", [&] { flat_->allreduce(data, count, type, op, deadline); });
     return;
   }
@@ -152,12 +153,6 @@ void HierarchicalCommunicator::allreduce(void* data, size_t count, DataType type
     within("allreduce", [&] { local_->allreduce(data, count, type, op, deadline); });
     if (count == 0) return;
     const size_t L = static_cast<size_t>(localSize_);
-    if (count * es <= kHierSmallBytes || L == 1) {
-      // Small: one inter-host round trip by the leaders beats L concurrent ones.
-      if (localIndex_ == 0) cross("allreduce", [&] { inter_->allreduce(data, count, type, op, deadline); });
-      if (L > 1) within("allreduce", [&] { local_->broadcast(data, count * es, 0, deadline); });
-      return;
-    }
     // Striped: local rank i owns chunk i (the last ones may be short or empty).
     const size_t c = (count + L - 1) / L;
     const size_t begin = std::min(count, static_cast<size_t>(localIndex_) * c);
@@ -179,6 +174,10 @@ void HierarchicalCommunicator::broadcast(void* data, size_t bytes, int root, Dea
     throw CommError("broadcast", rank(), -1, 0.0,
                     "invalid root " + std::to_string(root) + " for world size " + std::to_string(size()));
   }
+  if (bytes <= flatBytes_) {
+    run("broadcast", [&] { flat_->broadcast(data, bytes, root, deadline); });
+    return;
+  }
   run("broadcast", [&] {
     auto* p = static_cast<uint8_t*>(data);
     const int rootHost = topology_.hostOf[static_cast<size_t>(root)];
@@ -187,13 +186,6 @@ void HierarchicalCommunicator::broadcast(void* data, size_t bytes, int root, Dea
     if (host_ == rootHost) within("broadcast", [&] { local_->broadcast(data, bytes, rootLocal, deadline); });
     if (bytes == 0) return;
     const size_t L = static_cast<size_t>(localSize_);
-    if (bytes <= kHierSmallBytes || L == 1) {
-      if (localIndex_ == rootLocal) cross("broadcast", [&] { inter_->broadcast(data, bytes, rootHost, deadline); });
-      if (host_ != rootHost && L > 1) {
-        within("broadcast", [&] { local_->broadcast(data, bytes, rootLocal, deadline); });
-      }
-      return;
-    }
     const size_t c = (bytes + L - 1) / L;
     const size_t begin = std::min(bytes, static_cast<size_t>(localIndex_) * c);
     const size_t end = std::min(bytes, begin + c);
@@ -211,6 +203,10 @@ void HierarchicalCommunicator::broadcast(void* data, size_t bytes, int root, Dea
 }
 
 void HierarchicalCommunicator::allgather(const void* in, size_t bytes, void* out, Deadline deadline) {
+  if (bytes * static_cast<size_t>(size()) <= flatBytes_) {
+    run("allgather", [&] { flat_->allgather(in, bytes, out, deadline); });
+    return;
+  }
   run("allgather", [&] {
     const size_t H = static_cast<size_t>(hosts_), L = static_cast<size_t>(localSize_);
     // byHost[h] = the block of (host h, my local index); all[i][h] = that of (h, i).
@@ -230,7 +226,7 @@ void HierarchicalCommunicator::allgather(const void* in, size_t bytes, void* out
 
 void HierarchicalCommunicator::reduceScatter(const void* in, void* out, size_t count, DataType type, ReduceOp op,
                                              Deadline deadline) {
-  if (!inter_->supports(type, op)) {
+  if (!inter_->supports(type, op) || count * elementSize(type) * static_cast<size_t>(size()) <= flatBytes_) {
     run("reduce_scatter", [&] { flat_->reduceScatter(in, out, count, type, op, deadline); });
     return;
   }

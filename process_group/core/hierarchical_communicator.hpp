@@ -6,15 +6,17 @@
 // stays flat). Local rank i of every host joins inter-host channel i (rank = host index,
 // size = host count H), so the inter-host traffic is striped over L channels at once:
 //   allreduce      local allreduce (shm); local rank i allreduces chunk i (ceil(count/L)
-//                  elements) across hosts; local allgather of the chunks. At most
-//                  kHierSmallBytes: local allreduce, local rank 0 alone crosses hosts with the
-//                  whole buffer, local broadcast (one inter-host round trip instead of L).
+//                  elements) across hosts; local allgather of the chunks.
 //   reduceScatter  the input is permuted so local rank i's part is the blocks of local index i
 //                  on every host; local allreduce of that; inter-host reduce-scatter of part i.
 //   allgather      inter-host allgather of each rank's block; local allgather of those;
 //                  permuted into group-rank order.
 //   broadcast      local broadcast on the root's host; chunk i crosses hosts on channel i
 //                  from the root's host; local allgather of the chunks elsewhere.
+// Ops whose whole payload is at most `flatBytes` (kHierFlatBytes by default) run on the flat
+// mesh instead: they are latency-bound, and one direct TCP hop beats three phases with a Gloo
+// round trip in the middle (measured on 2 hosts x 2 ranks: 4 KiB allreduce 0.24 ms flat vs
+// 1.0-1.5 ms hierarchical; docs/multihost.md).
 // Every rank ends with identical bits: the local phases give identical results on a host (the
 // shm transport reduces in one order) and the inter-host phase is an allreduce/broadcast whose
 // result is identical on its members.
@@ -38,7 +40,7 @@
 
 namespace zeroplus::pg {
 
-inline constexpr size_t kHierSmallBytes = 64 * 1024;
+inline constexpr size_t kHierFlatBytes = 64 * 1024;
 
 class HierarchicalCommunicator final : public Communicator {
  public:
@@ -50,8 +52,9 @@ class HierarchicalCommunicator final : public Communicator {
   // The common number of ranks per host, or 0 when hosts differ.
   static int localSize(const Topology& topology);
 
+  // flat: the group-wide communicator; local: connectLocal's; inter: this rank's stripe.
   HierarchicalCommunicator(Topology topology, std::unique_ptr<Communicator> flat, std::unique_ptr<Communicator> local,
-                           std::unique_ptr<InterHostChannel> inter);
+                           std::unique_ptr<InterHostChannel> inter, size_t flatBytes = kHierFlatBytes);
 
   int rank() const override { return topology_.rank; }
   int size() const override { return static_cast<int>(topology_.hostOf.size()); }
@@ -99,6 +102,7 @@ class HierarchicalCommunicator final : public Communicator {
   int localIndex_;
   int hosts_;
   int localSize_;
+  size_t flatBytes_;
   std::vector<std::vector<int>> hostRanks_;  // [host][local index] -> group rank
   std::unique_ptr<Communicator> flat_;
   std::unique_ptr<Communicator> local_;

@@ -155,8 +155,9 @@ def case_ddp(rank: int, world: int, zero: bool = False) -> float:
 
 
 def case_linkcut(rank: int, world: int) -> None:
-    """Allreduces until one fails; the test deletes the link once every rank wrote ready<r>."""
-    t = torch.ones(64)
+    """Allreduces until one fails; the test deletes the link once every rank wrote ready<r>.
+    256 KiB: past the hierarchical path's flat threshold, so the Gloo phase is what meets the cut."""
+    t = torch.ones(1 << 16)
     dist.all_reduce(t)
     open(os.path.join(os.environ["ZP_OUT"], f"ready{rank}"), "w").close()
     stop = time.monotonic() + 120

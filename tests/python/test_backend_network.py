@@ -65,3 +65,21 @@ def test_topology_of_a_one_host_group(capfd):
     err = capfd.readouterr().err
     # Logged once per group, by its rank 0.
     assert err.count("topology 1 host: host 0") == 1, err
+
+
+def _transport(rank, world, fields):
+    import zeroplus
+
+    pg = dist.new_group(backend="zeroplus", pg_options=zeroplus.BackendOptions(**fields))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pg)
+    return zeroplus.topology(pg).transport, t
+
+
+def test_interhost_leaves_a_one_host_group_as_it_was_and_is_validated():
+    # One host: ZEROPLUS_INTERHOST / BackendOptions.interhost change nothing (docs/multihost.md).
+    for fields, env in (({"interhost": "gloo"}, {}), ({}, {"ZEROPLUS_INTERHOST": "gloo"}), ({"interhost": "tcp"}, {})):
+        for transport, t in run_distributed(_transport, 2, fields, backend="gloo", env=env, timeout=60):
+            assert transport == "shm+tcp" and torch.equal(t, torch.full((3,), 2.0)), (fields, env, transport)
+    with pytest.raises(AssertionError, match=r"BackendOptions.interhost='nccl' is invalid, expected auto, gloo or tcp"):
+        run_distributed(_transport, 2, {"interhost": "nccl"}, backend="gloo", timeout=60)

@@ -182,6 +182,12 @@ def test_link_cut_fails_every_rank_within_the_timeout(hosts_for_cut, interhost):
         assert res.finished_at - cut < pg_timeout + 5, f"rank {rank} raised {res.finished_at - cut:.1f} s after the cut"
         assert "DistBackendError" in text and re.search(r"zeroplus allreduce: rank \d", text), text
         assert re.search(r"(peer|rank) \d", text.split("zeroplus allreduce: rank", 1)[1]), text
+    texts = [res.value[0] for res in results]
+    if interhost == "gloo":  # the hierarchical path ran, and Gloo's error surfaced as the backend's
+        assert any(re.search(r"rank \d inter-host phase over gloo with rank \d \(host \d 'zphost\d'\) failed", t)
+                   for t in texts), "\n".join(texts)
+    else:
+        assert not any("inter-host" in t for t in texts), "\n".join(texts)
 
 
 @pytest.fixture

@@ -45,7 +45,8 @@ struct Shape {
 };
 
 // Builds the n = hosts * local hierarchical communicators of one group.
-std::vector<std::unique_ptr<Communicator>> makeGroup(Shape shape, bool failing = false) {
+// flatBytes 0: every size takes the hierarchical path.
+std::vector<std::unique_ptr<Communicator>> makeGroup(Shape shape, bool failing = false, size_t flatBytes = 0) {
   const int n = shape.hosts * shape.local;
   std::vector<std::string> ids, names;
   for (int r = 0; r < n; ++r) {
@@ -76,7 +77,7 @@ std::vector<std::unique_ptr<Communicator>> makeGroup(Shape shape, bool failing =
       inter = std::make_unique<CommunicatorChannel>(Communicator::connect(channelRdv, c));
     }
     comms[static_cast<size_t>(r)] =
-        std::make_unique<HierarchicalCommunicator>(topo, std::move(flat), std::move(local), std::move(inter));
+        std::make_unique<HierarchicalCommunicator>(topo, std::move(flat), std::move(local), std::move(inter), flatBytes);
   });
   return comms;
 }
@@ -85,13 +86,15 @@ float value(int rank, size_t i) { return static_cast<float>(rank * 1000 + static
 
 class Hierarchical : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(Hierarchical, CollectivesMatchTheirDefinition) {
-  const Shape shape = GetParam();
+class HierarchicalSizes : public ::testing::TestWithParam<std::tuple<Shape, size_t>> {};
+
+TEST_P(HierarchicalSizes, CollectivesMatchTheirDefinition) {
+  const Shape shape = std::get<0>(GetParam());
   const int n = shape.hosts * shape.local;
-  auto comms = makeGroup(shape);
+  auto comms = makeGroup(shape, false, std::get<1>(GetParam()));
   EXPECT_NE(comms[0]->transport().find("between " + std::to_string(shape.hosts) + " hosts"), std::string::npos);
-  // 0, 1, odd small, past kHierSmallBytes and not divisible by the local size.
-  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{(kHierSmallBytes / 4) * 3 + 5}}) {
+  // 0, 1, odd small, past kHierFlatBytes and not divisible by the local size.
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{(kHierFlatBytes / 4) * 3 + 5}}) {
     runRanks(n, [&](int r) {
       Communicator& c = *comms[static_cast<size_t>(r)];
       std::vector<float> a(count);
@@ -152,6 +155,16 @@ TEST_P(Hierarchical, AChannelFailureFailsEveryRankPromptlyNamingTheOpAndPeers) {
   float x = 1;
   EXPECT_THROW(comms[0]->allreduce(&x, 1, DataType::kFloat32, ReduceOp::kSum, soon()), CommError);
 }
+
+// flat threshold 0 (every size hierarchical) and the default (small ones flat).
+INSTANTIATE_TEST_SUITE_P(Shapes, HierarchicalSizes,
+                         ::testing::Combine(::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{2, 3}),
+                                            ::testing::Values(size_t{0}, kHierFlatBytes)),
+                         [](const auto& info) {
+                           const Shape s = std::get<0>(info.param);
+                           return std::to_string(s.hosts) + "hosts_x" + std::to_string(s.local) +
+                                  (std::get<1>(info.param) ? "_small_flat" : "_all_hierarchical");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Hierarchical,
                          ::testing::Values(Shape{2, 1}, Shape{2, 2}, Shape{3, 1}, Shape{2, 3}),
