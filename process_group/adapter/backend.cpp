@@ -142,7 +142,9 @@ void ZeroPlusBackend::attachInterHost(std::unique_ptr<InterHostChannel> channel)
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(queue_.empty() && !busy_, "zeroplus attach_interhost: called after the group ran an op");
+    TORCH_CHECK(queue_.empty() && !busy_ && sequenceNumber_.load() == 0 && !interHostAttached_,
+                "zeroplus attach_interhost: only once per group, before its first op");
+    interHostAttached_ = true;
     comm_ = std::make_unique<HierarchicalCommunicator>(topology_, std::move(comm_), std::move(local),
                                                        std::move(channel));
   }

@@ -249,6 +249,7 @@ class ZeroPlusBackend final : public c10d::Backend {
   // waiter) before busy_ is cleared, so shutdown() asks these whether data is still moving.
   std::vector<c10::intrusive_ptr<c10d::Work>> running_;
   std::string brokenReason_;  // non-empty after a transport failure; guarded by mutex_
+  bool interHostAttached_ = false;  // attachInterHost ran; guarded by mutex_
   bool coalescing_ = false;   // inside startCoalescing()/endCoalescing(); guarded by mutex_
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedWorks_;  // guarded by mutex_
   std::vector<c10::intrusive_ptr<ZeroPlusWork>> coalescedP2p_;    // point-to-point ops of the window; mutex_

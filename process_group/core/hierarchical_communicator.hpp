@@ -14,9 +14,9 @@
 //   broadcast      local broadcast on the root's host; chunk i crosses hosts on channel i
 //                  from the root's host; local allgather of the chunks elsewhere.
 // Ops whose whole payload is at most `flatBytes` (kHierFlatBytes by default) run on the flat
-// mesh instead: they are latency-bound, and one direct TCP hop beats three phases with a Gloo
-// round trip in the middle (measured on 2 hosts x 2 ranks: 4 KiB allreduce 0.24 ms flat vs
-// 1.0-1.5 ms hierarchical; docs/multihost.md).
+// mesh instead: up to there the flat algorithms measured faster on 2 hosts x 2 ranks (4 KiB
+// allreduce 0.24 ms flat vs 1.0-1.5 ms through shm + Gloo + shm; 1 MiB 3.3-3.6 ms vs 4.0-4.5;
+// from 4 MiB on the hierarchical path is as fast or faster; docs/multihost.md).
 // Every rank ends with identical bits: the local phases give identical results on a host (the
 // shm transport reduces in one order) and the inter-host phase is an allreduce/broadcast whose
 // result is identical on its members.
@@ -40,7 +40,7 @@
 
 namespace zeroplus::pg {
 
-inline constexpr size_t kHierFlatBytes = 64 * 1024;
+inline constexpr size_t kHierFlatBytes = 1u << 20;
 
 class HierarchicalCommunicator final : public Communicator {
  public:

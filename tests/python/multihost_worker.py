@@ -31,7 +31,7 @@ def case_collectives(rank: int, world: int) -> dict:
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     out["allreduce_max"] = t
-    # Sizes past the hierarchical small-message path (64 KiB) that do not split evenly over
+    # Sizes past the hierarchical path's flat threshold (1 MiB) that do not split evenly over
     # the local ranks, so the striped phases and their padding run; dtypes Gloo reduces and
     # one it does not (bfloat16 takes the flat path); AVG (the adapter's post-division).
     for name, n in (("allreduce_big_odd", (1 << 18) + 1),):
@@ -47,14 +47,14 @@ def case_collectives(rank: int, world: int) -> dict:
     t = _expected_rank_tensor(rank, 7)
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     out["allreduce_avg"] = t
-    t = _expected_rank_tensor(rank, (1 << 17) + 3)
+    t = _expected_rank_tensor(rank, (1 << 18) + 3)
     dist.broadcast(t, src=1)  # root on host 0 with local index 1
     out["broadcast_big"] = t
-    flat = torch.empty(world * 20001)
-    dist.all_gather_into_tensor(flat, _expected_rank_tensor(rank, 20001))
+    flat = torch.empty(world * 80001)
+    dist.all_gather_into_tensor(flat, _expected_rank_tensor(rank, 80001))
     out["allgather_big"] = flat
-    rs = torch.empty(30001)
-    dist.reduce_scatter_tensor(rs, _expected_rank_tensor(rank, 30001 * world))
+    rs = torch.empty(70001)
+    dist.reduce_scatter_tensor(rs, _expected_rank_tensor(rank, 70001 * world))
     out["reduce_scatter_big"] = rs
     t = _expected_rank_tensor(rank, 33)
     dist.broadcast(t, src=2)
@@ -156,8 +156,8 @@ def case_ddp(rank: int, world: int, zero: bool = False) -> float:
 
 def case_linkcut(rank: int, world: int) -> None:
     """Allreduces until one fails; the test deletes the link once every rank wrote ready<r>.
-    256 KiB: past the hierarchical path's flat threshold, so the Gloo phase is what meets the cut."""
-    t = torch.ones(1 << 16)
+    2 MiB: past the hierarchical path's flat threshold, so the Gloo phase is what meets the cut."""
+    t = torch.ones(1 << 19)
     dist.all_reduce(t)
     open(os.path.join(os.environ["ZP_OUT"], f"ready{rank}"), "w").close()
     stop = time.monotonic() + 120

@@ -37,9 +37,9 @@ def _expected(rank: int) -> dict:
     e["allreduce_int64"] = sum(_rank(q, 7) for q in ranks).to(torch.int64)
     e["allreduce_bf16"] = sum(torch.arange(7) + q for q in ranks).to(torch.bfloat16)
     e["allreduce_avg"] = sum(_rank(q, 7) for q in ranks) / WORLD
-    e["broadcast_big"] = _rank(1, (1 << 17) + 3)
-    e["allgather_big"] = torch.cat([_rank(q, 20001) for q in ranks])
-    e["reduce_scatter_big"] = sum(_rank(q, 30001 * WORLD)[30001 * rank:30001 * (rank + 1)] for q in ranks)
+    e["broadcast_big"] = _rank(1, (1 << 18) + 3)
+    e["allgather_big"] = torch.cat([_rank(q, 80001) for q in ranks])
+    e["reduce_scatter_big"] = sum(_rank(q, 70001 * WORLD)[70001 * rank:70001 * (rank + 1)] for q in ranks)
     e["broadcast"] = _rank(2, 33)
     e["allgather"] = torch.stack([_rank(q, 9) for q in ranks])
     e["allgather_into_tensor"] = torch.cat([_rank(q, 9) for q in ranks])

@@ -94,7 +94,7 @@ TEST_P(HierarchicalSizes, CollectivesMatchTheirDefinition) {
   auto comms = makeGroup(shape, false, std::get<1>(GetParam()));
   EXPECT_NE(comms[0]->transport().find("between " + std::to_string(shape.hosts) + " hosts"), std::string::npos);
   // 0, 1, odd small, past kHierFlatBytes and not divisible by the local size.
-  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{(kHierFlatBytes / 4) * 3 + 5}}) {
+  for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{kHierFlatBytes / 4 + 5}}) {
     runRanks(n, [&](int r) {
       Communicator& c = *comms[static_cast<size_t>(r)];
       std::vector<float> a(count);
