@@ -15,7 +15,7 @@
 //                  from the root's host; local allgather of the chunks elsewhere.
 // Ops whose whole payload is at most `flatBytes` (kHierFlatBytes by default) run on the flat
 // mesh instead: up to there the flat algorithms measured faster on 2 hosts x 2 ranks (4 KiB
-// allreduce 0.24 ms flat vs 1.0-1.5 ms through shm + Gloo + shm; 1 MiB 3.3-3.6 ms vs 4.0-4.5;
+// allreduce 0.22-0.33 ms flat vs 1.0-1.5 ms through shm + Gloo + shm; 1 MiB 3.3-3.6 ms vs 4.0-6.4;
 // from 4 MiB on the hierarchical path is as fast or faster; docs/multihost.md).
 // Every rank ends with identical bits: the local phases give identical results on a host (the
 // shm transport reduces in one order) and the inter-host phase is an allreduce/broadcast whose
