@@ -154,6 +154,13 @@ void ZeroPlusBackend::attachInterHost(std::unique_ptr<InterHostChannel> channel)
   }
 }
 
+void ZeroPlusBackend::noteNoInterHostChannel() const {
+  if (config_.tuning.debug && rank_ == 0 && !interHostPlan().empty()) {
+    std::fprintf(stderr, "zeroplus: group '%s' inter-host: tcp (flat: no Python layer to create the Gloo groups)\n",
+                 config_.groupName.c_str());
+  }
+}
+
 ZeroPlusBackend::~ZeroPlusBackend() {
   removeInterruptListener(interruptListener_);  // waits for a running onInterrupt()
   stopWorker();

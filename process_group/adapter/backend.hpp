@@ -152,6 +152,9 @@ class ZeroPlusBackend final : public c10d::Backend {
   // plan calls it once, right after construction, before any op) and logs the choice once at
   // ZEROPLUS_DEBUG=1. Throws DistBackendError naming the step on failure.
   void attachInterHost(std::unique_ptr<InterHostChannel> channel);
+  // A group built without the Python hook (makeProcessGroup in a LibTorch program) gets no
+  // inter-host channel and stays flat; this logs that choice once at ZEROPLUS_DEBUG=1.
+  void noteNoInterHostChannel() const;
   const PgTuning& tuning() const { return config_.tuning; }
   // Which group ranks share a host (topology.hpp); fixed at construction.
   const Topology& topology() const { return topology_; }

@@ -9,6 +9,8 @@
 //    (pg->allreduce(...)->wait()) or hand it to zeroplus::optim::ZeroAdamW.
 //  * Ownership: the group owns the backend; shut it down with pg->shutdown() (or let the last
 //    reference go) after the last collective.
+//  * A group spanning hosts runs the flat TCP algorithms here: the hierarchical path's Gloo
+//    groups are created by the Python registration hook (docs/multihost.md).
 //  * Errors: as ZeroPlusBackend's constructor (c10::Error / c10::DistBackendError naming the
 //    rank and the failed step).
 // Header-only on purpose: it adds no translation unit to libzeroplus.so.
@@ -25,6 +27,7 @@ namespace zeroplus::pg {
 inline c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(const c10::intrusive_ptr<c10d::Store>& store,
                                                                int rank, int size, BackendConfig config = {}) {
   auto cpu = c10::make_intrusive<ZeroPlusBackend>(store, rank, size, std::move(config));
+  cpu->noteNoInterHostChannel();  // across hosts: flat TCP (Gloo needs the Python hook)
   auto router = c10::make_intrusive<DeviceRouter>(store, cpu);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   using Type = c10d::ProcessGroup::BackendType;

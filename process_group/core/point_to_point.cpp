@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "process_group/core/prefix_rendezvous.hpp"
 #include "process_group/core/socket.hpp"
 #include "process_group/core/tcp_mesh.hpp"
 
@@ -26,24 +27,11 @@ std::string fmtSeconds(double s) {
   return buf;
 }
 
-// The rendezvous of the engine's mesh: the collectives' mesh uses the same key names.
-class PrefixedRendezvous final : public Rendezvous {
- public:
-  PrefixedRendezvous(Rendezvous& inner, std::string prefix) : inner_(inner), prefix_(std::move(prefix)) {}
-  void set(const std::string& key, const std::vector<uint8_t>& value) override { inner_.set(prefix_ + key, value); }
-  std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
-    return inner_.get(prefix_ + key, timeout);
-  }
-
- private:
-  Rendezvous& inner_;
-  std::string prefix_;
-};
-
 }  // namespace
 
 std::unique_ptr<PointToPoint> PointToPoint::connect(Rendezvous& rendezvous, const CommunicatorOptions& options) {
-  PrefixedRendezvous prefixed(rendezvous, "p2p/");
+  // The engine's mesh under "p2p/": the collectives' mesh uses the same key names.
+  PrefixRendezvous prefixed(rendezvous, "p2p/");
   return std::make_unique<PointToPoint>(detail::TcpMesh::connect(prefixed, options));
 }
 
