@@ -10,6 +10,9 @@ A TinyGPT (examples/tiny_gpt.py; dim 512 x 16 layers is 50.7M parameters) traine
   zeroplus_stage2  zeroplus.initialize(stage=2)
   zeroplus_stage3  zeroplus.initialize(stage=3)   (default knobs: one unit per transformer block)
   fsdp2            torch.distributed.fsdp.fully_shard on every block and the root + AdamW
+  deepspeed_stage3 deepspeed.initialize(zero_optimization.stage=3) + torch AdamW   (--deepspeed)
+DeepSpeed (PyPI, DS_ACCELERATOR=cpu, installed once into the build directory by
+bench/deepspeed_env.py) runs on the launch's default group, so on the backend of the row.
 Each variant runs in its own process group launch (so each rank's peak RSS is its own), on the
 same backend, twice in alternating order; the step time is the median over both launches of the
 slower rank's step. Model-state bytes: zeroplus.memory_report for DDP and zeroplus (after a
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARIANTS = ["ddp_adamw", "zeroplus_stage1", "zeroplus_stage2", "zeroplus_stage3", "fsdp2"]
+DS_VARIANTS = ["deepspeed_stage3"]
 VOCAB = 256
 
 
@@ -69,6 +73,18 @@ def _build(name, args):
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
         return model, model, torch.optim.AdamW(model.parameters(), **kw)
+    if name == "deepspeed_stage3":
+        import deepspeed
+        from bench_stages import _DeepSpeedStep
+
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 1 << 30}
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), **kw),
+                                               config=config)
+        return engine.module, engine, _DeepSpeedStep(engine)
     stage = int(name[-1])
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, mixed_precision=precision, **kw)
     return model, model, opt
@@ -91,7 +107,9 @@ def _memory(name, module, fwd, opt, tokens, targets):
 
     loss = _loss(fwd, tokens, targets)
     opt.backward(loss) if hasattr(opt, "backward") else loss.backward()
-    if name == "fsdp2":
+    if name == "deepspeed_stage3":
+        report = _deepspeed3_memory(opt.engine)
+    elif name == "fsdp2":
         params = list(module.parameters())
         state = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         report = {"parameters": _local_bytes(params), "gradients": _local_bytes([p.grad for p in params]),
@@ -100,6 +118,30 @@ def _memory(name, module, fwd, opt, tokens, targets):
     else:
         report = zeroplus.memory_report(module, opt)
     opt.zero_grad()
+    return report
+
+
+def _deepspeed3_memory(engine) -> dict:
+    """Model-state bytes of a DeepSpeed ZeRO-3 engine after a backward, from its optimizer's
+    attributes: low-precision partitions (ds_tensor views of fp16_partitioned_groups_flat) plus
+    persistent full parameters, the fp32 partitions, the inner optimizer's state, and the gradient
+    partitions (grad_partitions_flat_buffer) plus anything left in averaged_gradients."""
+    from bench_stages import _tensors_bytes
+
+    zopt = engine.optimizer
+    params = list(engine.module.parameters())
+    low = [getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params if p.data.numel()]
+    masters = list(getattr(zopt, "fp32_partitioned_groups_flat", []))
+    inner = getattr(zopt, "optimizer", zopt)
+    state = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
+    grads = [getattr(zopt, "grad_partitions_flat_buffer", None)] + [p.grad for p in params if p.grad is not None]
+    averaged = getattr(zopt, "averaged_gradients", {})
+    for v in (averaged.values() if isinstance(averaged, dict) else averaged):
+        grads += [g for g in (v or []) if isinstance(g, torch.Tensor)]
+    grads += [m.grad for m in masters if m.grad is not None]
+    report = {"parameters": _tensors_bytes(low), "gradients": _tensors_bytes(grads),
+              "master_parameters": _tensors_bytes(masters), "optimizer_state": _tensors_bytes(state)}
+    report["model_state"] = sum(report.values())
     return report
 
 
@@ -113,6 +155,14 @@ def _worker(rank, world, store_path, backend, name, args, out_queue):
     dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=900))
     try:
+        if name.startswith("deepspeed"):
+            # deepspeed.initialize finds the group initialised above and uses it (no launcher).
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+            import logging
+
+            import deepspeed
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, dist_init_required=False)
+            deepspeed.utils.logger.setLevel(logging.WARNING)
         module, fwd, opt = _build(name, args)
         gen = torch.Generator().manual_seed(rank)
         times = []
@@ -174,11 +224,18 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="add DeepSpeed stage 3 (installed into the build directory once)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "zero_stage3"))
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "plugin" / "python"))
     sys.path.insert(0, str(ROOT / "examples"))
-    variants = args.variants.split(",")
+    variants = args.variants.split(",") + (DS_VARIANTS if args.deepspeed else [])
+    if args.deepspeed:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from deepspeed_env import ensure_deepspeed
+
+        ensure_deepspeed()  # before spawning: the ranks inherit PYTHONPATH and DS_ACCELERATOR
     psi = sum(p.numel() for p in TinyGPTParams.count(args))
     report = {"args": vars(args), "params": psi, "load_average_start": os.getloadavg(), "runs": []}
     results = {}
@@ -245,7 +302,7 @@ def _plot(rows, out):
         print("matplotlib not installed: no PNG (bench/zero/run.sh installs it)")
         return
     keys = sorted({(r["world"], r["backend"]) for r in rows})
-    names = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    names = [v for v in VARIANTS + DS_VARIANTS if any(r["variant"] == v for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(1, len(keys))
     for i, (world, backend) in enumerate(keys):

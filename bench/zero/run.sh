@@ -23,6 +23,6 @@ if [[ "${STAGE3:-1}" == "1" ]]; then
   for precision in fp32 bf16; do
     # shellcheck disable=SC2086  (STAGE3_ARGS is a word list)
     "$py" "$repo_root/bench/zero/bench_stage3.py" --precision "$precision" \
-      ${STAGE3_ARGS:---worlds 2 --backends zeroplus --steps 4} --out "$repo_root/bench/results/zero_stage3_$precision"
+      ${STAGE3_ARGS:---worlds 2 --backends zeroplus --steps 4} ${ds_flag} --out "$repo_root/bench/results/zero_stage3_$precision"
   done
 fi
