@@ -26,3 +26,17 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def busbw_and_time_axes(axes, suffix: str = "") -> None:
+    """Labels the (busbw, time per op) pair of axes of an allreduce size sweep: log2 bytes on x,
+    time on a log scale; used by bench/collectives/run.py and multihost.py."""
+    for ax, title, ylabel in ((axes[0], "allreduce busbw" + suffix, "busbw (GB/s)"),
+                              (axes[1], "allreduce time" + suffix, "us per op")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    axes[1].set_yscale("log")

@@ -72,7 +72,7 @@ def render_markdown(result, env):
 
 def render_plot(result, path):
     sys.path.insert(0, str(REPO / "bench"))
-    from plotting import pyplot
+    from plotting import busbw_and_time_axes, pyplot
     plt = pyplot()
     if plt is None:
         return False
@@ -82,15 +82,7 @@ def render_plot(result, path):
         xs = [p[0] for p in pts]
         axes[0].plot(xs, [p[1] for p in pts], color=color, marker="o", label=backend)
         axes[1].plot(xs, [p[2] for p in pts], color=color, marker="o", label=backend)
-    for ax, title, ylabel in ((axes[0], "allreduce busbw, 2 hosts x 2 ranks", "busbw (GB/s)"),
-                              (axes[1], "allreduce time, 2 hosts x 2 ranks", "us per op")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("bytes")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    axes[1].set_yscale("log")
+    busbw_and_time_axes(axes, ", 2 hosts x 2 ranks")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

@@ -2,7 +2,7 @@
 tests/python/netns.py). Joins a gloo default group and two zeroplus groups over the same ranks:
 "zeroplus flat" (BackendOptions(interhost="tcp"): zeroplus's own TCP mesh between every pair)
 and "zeroplus hier" (interhost="gloo": shared memory within a host, torch's Gloo between hosts),
-then times allreduce on all three interleaved (run.py's method) and writes rows to
+then times allreduce on all three interleaved (run.py's sweep) and writes rows to
 ZP_OUT/bench.json from rank 0."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import zeroplus
-from run import _interleaved, _summary, _timed
+from run import _allreduce_sweep, _interleaved, _summary
 
 
 def _phases(rank: int, n: int, nbytes: int, gl) -> dict:
@@ -63,30 +63,7 @@ def main() -> None:
     }
     gl = groups["gloo"]
     transports = {name: zeroplus.topology(g).transport for name, g in groups.items() if name != "gloo"}
-    rows = []
-    for nbytes in sizes:
-        numel = nbytes // 4
-        bufs, verified = {}, {}
-        for name, g in groups.items():
-            t = torch.arange(numel, dtype=torch.float32).remainder_(251).add_(rank + 1)
-            dist.all_reduce(t, group=g)
-            expect = torch.arange(numel, dtype=torch.float32).remainder_(251).mul_(n).add_(n * (n + 1) / 2)
-            ok = torch.tensor([1.0 if torch.equal(t, expect) else 0.0])
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=gl)
-            verified[name] = bool(ok.item() == 1.0)
-            bufs[name] = torch.zeros(numel)
-        one = max(_timed(dist, gl, lambda g=g, b=bufs[name]: dist.all_reduce(b, group=g), 1)
-                  for name, g in groups.items())
-        k = max(1, min(500, int(0.05 / max(one, 1e-7))))
-        reps = max(5, min(21, int(budget / max(len(groups) * k * one, 1e-6))))
-        fns = {name: (lambda g=g, b=bufs[name]: dist.all_reduce(b, group=g)) for name, g in groups.items()}
-        samples = _interleaved(dist, gl, fns, k, reps)
-        for name in groups:
-            s = _summary(samples[name])
-            algbw = nbytes / (s["t_med_us"] * 1e-6) / 1e9
-            rows.append({"backend": name, "n": n, "bytes_total": nbytes, "K": k, **s, "algbw_GBps": algbw,
-                         "busbw_GBps": algbw * 2 * (n - 1) / n, "verified": verified[name]})
-        del bufs
+    rows = _allreduce_sweep(dist, groups, rank, n, sizes, budget, rep_s=0.05, max_k=500, max_reps=21)
     phases = _phases(rank, n, int(os.environ["ZP_BENCH_PHASE_BYTES"]), gl)
     if rank == 0:
         with open(os.path.join(os.environ["ZP_OUT"], "bench.json"), "w") as f:

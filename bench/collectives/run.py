@@ -68,7 +68,10 @@ def _summary(samples):
     return {"t_med_us": statistics.median(s) * 1e6, "t_p10_us": q(0.1) * 1e6, "t_p90_us": q(0.9) * 1e6, "reps": len(s)}
 
 
-def _allreduce_sweep(dist, groups, rank, n, sizes, budget_s):
+def _allreduce_sweep(dist, groups, rank, n, sizes, budget_s, rep_s=0.02, max_k=2000, max_reps=25):
+    """Allreduce of one fp32 tensor per size on every group in `groups` (a "gloo" group among
+    them: it carries the barriers and the result checks), verified, then timed interleaved.
+    Also used by multihost_rank.py."""
     import torch
 
     rows = []
@@ -84,11 +87,11 @@ def _allreduce_sweep(dist, groups, rank, n, sizes, budget_s):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=groups["gloo"])
             verified[name] = bool(ok.item() == 1.0)
             bufs[name] = torch.zeros(numel)  # zeros keep values (and timing) stable across reps
-        # Calibrate k so one repetition lasts >= ~20 ms, and reps to the time budget.
-        one = max(_timed(dist, groups["gloo"], lambda: dist.all_reduce(bufs["gloo"], group=groups["gloo"]), 1),
-                  _timed(dist, groups["gloo"], lambda: dist.all_reduce(bufs["zeroplus"], group=groups["zeroplus"]), 1))
-        k = max(1, min(2000, int(0.02 / max(one, 1e-7))))
-        reps = max(5, min(25, int(budget_s / max(2 * k * one, 1e-6))))
+        # Calibrate k so one repetition lasts >= rep_s, and reps to the time budget.
+        one = max(_timed(dist, groups["gloo"], lambda g=g, b=bufs[name]: dist.all_reduce(b, group=g), 1)
+                  for name, g in groups.items())
+        k = max(1, min(max_k, int(rep_s / max(one, 1e-7))))
+        reps = max(5, min(max_reps, int(budget_s / max(len(groups) * k * one, 1e-6))))
         fns = {name: (lambda g=g, b=bufs[name]: dist.all_reduce(b, group=g)) for name, g in groups.items()}
         samples = _interleaved(dist, groups["gloo"], fns, k, reps)
         for name in groups:
@@ -296,7 +299,7 @@ def render_markdown(rows, env):
 
 def render_plot(rows, path):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/
-    from plotting import pyplot
+    from plotting import busbw_and_time_axes, pyplot
     plt = pyplot()
     if plt is None:
         return False
@@ -310,14 +313,7 @@ def render_plot(rows, path):
             xs = [p[0] for p in pts]
             axes[0].plot(xs, [p[1] for p in pts], style, color=color, marker="o", label=f"{backend}, {n} ranks")
             axes[1].plot(xs, [p[2] for p in pts], style, color=color, marker="o", label=f"{backend}, {n} ranks")
-    for ax, title, ylabel in ((axes[0], "allreduce busbw", "busbw (GB/s)"), (axes[1], "allreduce time", "us per op")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("bytes")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    axes[1].set_yscale("log")
+    busbw_and_time_axes(axes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
