@@ -126,23 +126,14 @@ def _deepspeed3_memory(engine) -> dict:
     attributes: low-precision partitions (ds_tensor views of fp16_partitioned_groups_flat) plus
     persistent full parameters, the fp32 partitions, the inner optimizer's state, and the gradient
     partitions (grad_partitions_flat_buffer) plus anything left in averaged_gradients."""
-    from bench_stages import _tensors_bytes
+    from bench_stages import deepspeed_state_bytes
 
     zopt = engine.optimizer
     params = list(engine.module.parameters())
     low = [getattr(p, "ds_tensor", None) for p in params] + [p.data for p in params if p.data.numel()]
     masters = list(getattr(zopt, "fp32_partitioned_groups_flat", []))
-    inner = getattr(zopt, "optimizer", zopt)
-    state = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
     grads = [getattr(zopt, "grad_partitions_flat_buffer", None)] + [p.grad for p in params if p.grad is not None]
-    averaged = getattr(zopt, "averaged_gradients", {})
-    for v in (averaged.values() if isinstance(averaged, dict) else averaged):
-        grads += [g for g in (v or []) if isinstance(g, torch.Tensor)]
-    grads += [m.grad for m in masters if m.grad is not None]
-    report = {"parameters": _tensors_bytes(low), "gradients": _tensors_bytes(grads),
-              "master_parameters": _tensors_bytes(masters), "optimizer_state": _tensors_bytes(state)}
-    report["model_state"] = sum(report.values())
-    return report
+    return deepspeed_state_bytes(zopt, low, masters, grads)
 
 
 def _worker(rank, world, store_path, backend, name, args, out_queue):

@@ -79,9 +79,17 @@ def _deepspeed_memory(engine) -> dict:
     zopt = engine.optimizer
     params = list(engine.module.parameters())
     masters = list(getattr(zopt, "single_partition_of_fp32_groups", []))
+    return deepspeed_state_bytes(zopt, params, masters, [p.grad for p in params if p.grad is not None])
+
+
+def deepspeed_state_bytes(zopt, params, masters, grads) -> dict:
+    """Model-state bytes of a DeepSpeed ZeRO optimizer after a backward: `params` (what holds the
+    low-precision or full parameters), `masters` (fp32 partitions), the inner optimizer's state,
+    and `grads` plus the gradients DeepSpeed keeps in averaged_gradients and on the masters.
+    Shared with bench_stage3.py (which passes its stage-3 partitions)."""
     inner = getattr(zopt, "optimizer", zopt)
     state = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = list(grads)
     averaged = getattr(zopt, "averaged_gradients", {})
     for v in (averaged.values() if isinstance(averaged, dict) else averaged):
         grads += [g for g in (v or []) if isinstance(g, torch.Tensor)]
