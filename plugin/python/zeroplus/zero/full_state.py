@@ -39,7 +39,7 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True, cpu: bool =
         sd = model.state_dict()
         if not keep:
             return {}
-        return {k: (v.detach().cpu() if cpu else v.detach().clone()) for k, v in sd.items()}
+        return {k: _copy(v.detach(), cpu) for k, v in sd.items()}
     gatherer = engine.gatherer
     by_tensor = {}  # id(parameter) -> full value
     for st in gatherer.states:
@@ -51,7 +51,7 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True, cpu: bool =
                 for b in st.buckets:
                     for e in b.entries:
                         value = e.param.detach()
-                        by_tensor[id(e.param)] = value.cpu() if cpu else value.clone()
+                        by_tensor[id(e.param)] = _copy(value, cpu)
         finally:
             gatherer.release_units([st.unit.index])
     if not keep:
@@ -61,8 +61,14 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True, cpu: bool =
         if id(value) in by_tensor:
             out[key] = by_tensor[id(value)]
         else:
-            out[key] = value.detach().cpu() if cpu else value.detach().clone()
+            out[key] = _copy(value.detach(), cpu)
     return out
+
+
+def _copy(value: torch.Tensor, cpu: bool) -> torch.Tensor:
+    """A copy the caller owns: never the live tensor (the next step would change it) and never a
+    view of a gathered unit buffer (which is reused)."""
+    return value.to("cpu", copy=True) if cpu else value.clone()
 
 
 def install_load_hooks(engine) -> None:
@@ -73,8 +79,11 @@ def install_load_hooks(engine) -> None:
         for e in b.entries:
             slots[id(e.param)] = (b, e, masters.get(id(b)))
     rank = engine.rank
+    gatherer = getattr(engine, "gatherer", None)
 
     def hook(module, state_dict, prefix, _local_metadata, _strict, _missing, _unexpected, _errors):
+        if gatherer is not None:
+            gatherer.release_all()  # a held unit's full copy would take the values, not its shard
         for name, p in module._parameters.items():
             key = prefix + name
             if p is None or id(p) not in slots or key not in state_dict:

@@ -21,8 +21,12 @@ Threading and ordering contract:
     fp16 buckets are divided before the sum, as DDP and DeepSpeed do, so the sum cannot overflow.
     For N a power of two both orders give the same bits.
   * On gloo with 2 ranks the reduce-scatter is one `reduce` per owner (comm.owner_collectives).
+  * A bucket's input buffer, once its collective is done, goes to a BufferPool and is reused by
+    the next pass (buffer_pool.py: no page faults per step, never more than the peak in use).
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
-backward (or flush) and leaves the accumulators as they were before that pass.
+backward (or flush) and leaves the accumulators as they were before that pass. A backward that
+raised for any reason (autograd then drops the queued end-of-pass callback) leaves its pass open;
+the next backward, flush() or zero() closes it the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from . import comm
+from .buffer_pool import BufferPool
 from .layout import Bucket
 
 # Full-size bucket inputs allowed in flight at once (overlap needs two: one on the wire while the
@@ -61,6 +66,7 @@ class GradientReducer:
         self.shards = (self.accum if shard_gradients else
                        [a[slice(*b.shard_range(rank))] for a, b in zip(self.accum, buckets)])
         self.owner_collectives = comm.owner_collectives(group)
+        self.pool = BufferPool()  # full-size bucket inputs, reused by the next bucket of that size
         # Where each bucket's communication buffer is not covered by a parameter (alignment gaps,
         # padding to the world size): zeroed when the buffer is taken, the rest is overwritten.
         self._gaps = [self._gaps_of(b) for b in buckets]
@@ -68,21 +74,32 @@ class GradientReducer:
         self.has_grads = False      # something was reduced since the last zero()
         self.local_pending = False  # gradients accumulated under no_sync, not reduced yet
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.slot]
+        self._buffers: list[torch.Tensor | None] = []
+        self._inflight = []
         self._reset_pass()
 
     # -- one backward pass ---------------------------------------------------------------------
 
     def _reset_pass(self) -> None:
+        # A pass that failed left bucket inputs behind: they are dropped, not pooled.
+        for buf in self._buffers:
+            if buf is not None:
+                self.pool.forget(buf)
+        for entry in self._inflight:
+            if entry[3] is not None:
+                self.pool.forget(entry[3])
         self._in_pass = False
+        self._pass_task = None  # the autograd graph task (backward call) the open pass belongs to
         self._arrived = [[False] * len(b.entries) for b in self.buckets]
         self._remaining = [len(b.entries) for b in self.buckets]
-        self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._buffers = [None] * len(self.buckets)
         self._next = 0
         self._inflight = []
 
     def communication_bytes(self) -> int:
         live = [t for t in self._buffers if t is not None]
-        live += [t for _, _, out, buf in self._inflight for t in (out, buf) if t is not None]
+        live += [t for b, _, out, buf in self._inflight for t in (out, buf)
+                 if t is not None and t is not self.accum[b]]  # an accumulator is not a buffer
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
         return sum(storages.values())  # `out` may be a view of `buf` (gloo's per-owner reduce)
 
@@ -103,7 +120,7 @@ class GradientReducer:
             bucket = self.buckets[b]
             # Every element is written once per pass: by its gradient, by zeros for a parameter
             # without one (_take_grad), or here for the gaps. No full-bucket memset.
-            buf = self._buffers[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            buf = self._buffers[b] = self.pool.take(bucket.numel, bucket.dtype, bucket.device)
             for lo, hi in self._gaps[b]:
                 buf[lo:hi].zero_()
         return buf
@@ -125,8 +142,15 @@ class GradientReducer:
         if self.no_sync:
             self.local_pending = True
             return
+        task = torch._C._current_graph_task_id()
+        if self._in_pass and task != self._pass_task:
+            # The pass of an earlier backward is still open: that backward raised, and autograd
+            # dropped its queued _finish_pass. Without this the reducer would wait for it forever
+            # and every later step would silently do nothing.
+            self._abandon_pass()
         if not self._in_pass:
             self._in_pass = True
+            self._pass_task = task
             Variable._execution_engine.queue_callback(self._finish_pass)
         b, e_index = self.slot[param]
         if b < self._next:
@@ -148,12 +172,15 @@ class GradientReducer:
         # overflow where the sum of raw ones might. Others: 1/N is applied when accumulating.
         if self.world_size > 1 and bucket.dtype == torch.float16:
             buf.div_(self.world_size)
+        # Accumulators that are zero (no gradients since zero()) take the result directly: no
+        # second shard-sized output per bucket alive until the pass ends.
+        direct = self.shard_gradients and not self.has_grads and self.accum[b].dtype == bucket.dtype
         if self.shard_gradients and self.owner_collectives:
             lo, hi = bucket.shard_range(self.rank)
             out = buf[lo:hi]
             work = comm.reduce_to_owners(buf, bucket.shard_numel, self.group, self.world_size)
         elif self.shard_gradients:
-            out = torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
+            out = self.accum[b] if direct else torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
             work = comm.reduce_scatter(out, buf, self.group, async_op=True)
         else:
             out = buf
@@ -173,9 +200,18 @@ class GradientReducer:
         live = [entry for entry in self._inflight if entry[3] is not None]
         for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
             entry[1].wait()
+            entry[1] = None  # the work references the input
             if entry[2].untyped_storage().data_ptr() == entry[3].untyped_storage().data_ptr():
-                entry[2] = entry[2].clone()  # per-owner reduce: the shard is a view of the input
-            entry[3] = None
+                # Per-owner reduce: the shard is a view of the input. Into a zero accumulator
+                # it goes directly, else it is kept aside until the pass succeeds.
+                b = entry[0]
+                entry[2] = (self.accum[b].copy_(entry[2]) if not self.has_grads and self.accum[b].dtype == entry[2].dtype
+                            else entry[2].clone())
+            self._recycle_input(entry)
+
+    def _recycle_input(self, entry) -> None:
+        buf, entry[3] = entry[3], None
+        self.pool.give(buf)  # pooled only if nothing (the work, a view) still references it
 
     def _finish_pass(self) -> None:
         try:
@@ -184,27 +220,63 @@ class GradientReducer:
                     if not self._arrived[b][e_index]:
                         self._take_grad(b, e_index)  # no gradient this pass: zeros, or a no_sync leftover
                 self._launch(b)
-            results = []
-            for b, work, out, _ in self._inflight:
-                work.wait()
-                results.append((b, out))
-            for b, out in results:  # all collectives succeeded: now update the accumulators
+            for entry in self._inflight:
+                if entry[1] is not None:
+                    entry[1].wait()
+                    entry[1] = None
+            for entry in self._inflight:  # all collectives succeeded: now update the accumulators
+                b = entry[0]
                 scale = 1.0 if self.buckets[b].dtype == torch.float16 else 1.0 / self.world_size
-                self.accum[b].add_(out, alpha=scale)
+                if entry[2] is self.accum[b]:  # the result went straight into a zero accumulator
+                    if scale != 1.0:
+                        self.accum[b].mul_(scale)  # bitwise 0 + scale * sum, as add_ gives
+                else:
+                    self.accum[b].add_(entry[2], alpha=scale)
+                entry[2] = None
+                if entry[3] is not None:
+                    self._recycle_input(entry)
             self.has_grads = True
             self.local_pending = False
+        except BaseException:
+            self._abandon_pass()
+            raise
         finally:
             self._reset_pass()
+
+    def _abandon_pass(self) -> None:
+        """End a pass that failed: wait for what it launched, put the accumulators back as they
+        were (zero, where results went straight into them) and forget its buffers."""
+        self._drain()
+        if not self.has_grads:
+            for acc in self.accum:
+                acc.zero_()
+        self._reset_pass()
+
+    def _drain(self) -> None:
+        """Wait for every collective this pass launched, ignoring their errors (the failure that
+        ended the pass is what the caller sees): one still running may write into an accumulator."""
+        for entry in self._inflight:
+            if entry[1] is not None:
+                try:
+                    entry[1].wait()
+                except Exception:
+                    pass
+                entry[1] = None
 
     # -- outside backward ----------------------------------------------------------------------
 
     def flush(self) -> None:
         """Reduce gradients accumulated under no_sync (collective: every rank calls it)."""
-        if self.local_pending and not self._in_pass:
+        if self._in_pass:
+            self._abandon_pass()  # a backward that raised left it open
+        if self.local_pending:
             self._in_pass = True
+            self._pass_task = None
             self._finish_pass()
 
     def zero(self) -> None:
+        if self._in_pass:
+            self._abandon_pass()  # a backward that raised left it open
         for acc in self.accum:
             acc.zero_()
         for p in self.slot:

@@ -19,7 +19,6 @@ fail on nor overwrite a shard.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 import torch.distributed as dist
@@ -45,23 +44,6 @@ def return_freed_memory() -> None:
     unit ever built, which is exactly what building shard by shard is meant to avoid."""
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)
-
-
-# glibc's M_MMAP_THRESHOLD parameter (malloc.h).
-_M_MMAP_THRESHOLD = -3
-# Blocks from this size up are mmap'ed and go back to the OS when freed.
-GATHER_MMAP_THRESHOLD = 1 << 20
-
-
-def pin_mmap_threshold() -> None:
-    """Stage 3 allocates and frees one gathered unit after another. glibc raises its mmap
-    threshold after the first large free (up to 32 MiB), after which such blocks come from the
-    heap and freed ones are not reused for the next, differently placed unit: measured on a
-    64-layer model, the resident size grew by the whole gathered model in one forward. Setting
-    the threshold explicitly turns that dynamic adjustment off, so every freed unit buffer is
-    returned at once. A user who set MALLOC_MMAP_THRESHOLD_ keeps their value."""
-    if _LIBC is not None and hasattr(_LIBC, "mallopt") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, GATHER_MMAP_THRESHOLD)
 
 
 def _meta_members(module: nn.Module) -> tuple[list[str], list[str]]:

@@ -7,6 +7,8 @@ Categories (bytes on this rank):
   master_parameters      fp32 master copies separate from the parameters (mixed precision)
   optimizer_state        the optimizer's state tensors (only the owned shard at stages 1-3)
   communication_buffers  bucket buffers alive right now (transient: empty at rest)
+  pooled_buffers         stages 2-3: released bucket inputs and gather buffers kept for reuse by
+                         the next step (never more than the peak of the buffers in use at once)
   gathered_parameters    stage 3: full parameters gathered right now (0 between steps)
   peak_gathered_parameters  stage 3: the most gathered at once so far (prefetch included)
   model_state            parameters + gradients + master_parameters + optimizer_state
@@ -50,7 +52,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         raise TypeError(f"memory_report: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = list(model.parameters())
     report = {"parameters": _storage_bytes(params), "gradients": _storage_bytes([p.grad for p in params]),
-              "master_parameters": 0, "optimizer_state": 0, "communication_buffers": 0}
+              "master_parameters": 0, "optimizer_state": 0, "communication_buffers": 0, "pooled_buffers": 0}
     from .stage2 import Stage2Optimizer
     if isinstance(optimizer, Stage2Optimizer):
         ours = optimizer.memory_bytes()
@@ -58,6 +60,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["master_parameters"] = ours["master_parameters"]
         report["optimizer_state"] = ours["optimizer_state"]
         report["communication_buffers"] = ours["communication_buffers"]
+        report["pooled_buffers"] = ours["pooled_buffers"]
         for key in ("gathered_parameters", "peak_gathered_parameters"):  # stage 3
             if key in ours:
                 report[key] = ours[key]
@@ -73,7 +76,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
     masters = [m for m in opt.masters if m.untyped_storage().data_ptr() not in param_ptrs]
     return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
             "optimizer_state": _tensor_bytes(_state_tensors(opt.inner.state)),
-            "communication_buffers": opt.reducer.communication_bytes()}
+            "communication_buffers": opt.reducer.communication_bytes(),
+            "pooled_buffers": opt.reducer.pool.pooled_bytes}
 
 
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,

@@ -39,14 +39,21 @@ sequence becomes the next prediction. Every rank must run the same modules in th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from . import comm
+from .buffer_pool import BufferPool
 from .layout import Bucket
 from .units import Unit
 
 RELEASED, IN_FLIGHT, GATHERED = 0, 1, 2
+
+
+def _wait_all(works) -> None:
+    for w in works:
+        w.wait()
 
 
 class _GatheredView:
@@ -97,11 +104,16 @@ class ParameterGatherer:
         self.reshard_after_forward = bool(reshard_after_forward)
         self.live_elems = 0
         self.peak_live_elems = 0
+        self.pool = BufferPool()  # released flat buffers, reused by the next gather of that size
+        self.rank = rank
+        self.world_size = dist.get_world_size(group)
+        self.owner_collectives = comm.owner_collectives(group)
         self.stats = {"on_demand": 0, "prefetched": 0}  # all-gathers issued, by reason
         self._order = {"forward": [], "backward": []}   # prediction from the previous pass
         self._seen = {"forward": [], "backward": []}    # this pass
         self._on_track = {"forward": False, "backward": False}
         self._in_backward = False
+        self._backward_task = None  # the autograd graph task (backward call) of the open backward
         self._in_forward = 0  # depth of root forward calls
         self._handles = []
         self._state_of_param: dict[int, _UnitState] = {}
@@ -149,6 +161,8 @@ class ParameterGatherer:
 
     def _make_root_pre(self, needs):
         def hook(_module, _args):
+            if self._in_backward and torch._C._current_graph_task_id() == -1:
+                self._end_backward()  # not inside a backward: the last one raised (see _pre_backward)
             if self._in_forward == 0 and not self._in_backward:
                 self._start_pass("forward")
             self._in_forward += 1
@@ -209,8 +223,14 @@ class ParameterGatherer:
     # -- backward ------------------------------------------------------------------------------
 
     def _pre_backward(self, needs) -> None:
+        task = torch._C._current_graph_task_id()
+        if self._in_backward and task != self._backward_task:
+            # An earlier backward raised: autograd dropped its queued _end_backward, which
+            # would otherwise never run again (and nothing would be released).
+            self._end_backward()
         if not self._in_backward:
             self._in_backward = True
+            self._backward_task = task
             self._start_pass("backward")
             Variable._execution_engine.queue_callback(self._end_backward)
         for i in needs:
@@ -260,14 +280,24 @@ class ParameterGatherer:
         self._order[kind] = self._seen[kind]
 
     def _acquire(self, i: int) -> None:
-        kind = "backward" if self._in_backward else "forward"
-        self._gather(i, kind)
         st = self.states[i]
-        st.refs += 1
+        if self._in_backward:
+            # A forward inside backward (non-reentrant checkpointing recomputes a block): the
+            # unit is held for backward like one its pre-backward hook gathered, and released
+            # when its gradients are in. No forward reference: torch stops a recomputation
+            # inside the module once it has what it needs, so the post-hook may never run and
+            # a reference taken here would keep the unit gathered until backward ends.
+            self._gather(i, "backward")
+            st.held = True
+        else:
+            self._gather(i, "forward")
+            st.refs += 1
         st.prefetched = False
 
     def _release_forward(self, i: int) -> None:
         st = self.states[i]
+        if self._in_backward and st.refs == 0:
+            return  # acquired inside backward (see _acquire): held until its gradients are in
         st.refs -= 1
         if st.refs > 0 or st.held:
             return
@@ -308,9 +338,23 @@ class ParameterGatherer:
 
     def _issue(self, st: _UnitState) -> None:
         st.works = []
-        for b in st.buckets:
-            b.flat = torch.empty(b.numel, dtype=b.shard.dtype, device=b.shard.device)
-            st.works.append(comm.all_gather(b.flat, b.shard, self.group, async_op=True))
+        try:
+            for b in st.buckets:
+                b.flat = self.pool.take(b.numel, b.shard.dtype, b.shard.device)
+                if self.owner_collectives:
+                    # This rank's slice of the output is its shard: copy it, then one broadcast per owner.
+                    lo, hi = b.shard_range(self.rank)
+                    b.flat[lo:hi].copy_(b.shard)
+                    st.works.append(comm.broadcast_from_owners(b.flat, b.shard_numel, self.group, self.world_size))
+                else:
+                    st.works.append(comm.all_gather(b.flat, b.shard, self.group, async_op=True))
+        except BaseException:
+            st.works = []
+            for b in st.buckets:  # the unit stays RELEASED: its buffers are not in use
+                if b.flat is not None:
+                    flat, b.flat = b.flat, None
+                    self.pool.give(flat)
+            raise
         st.state = IN_FLIGHT
         self.live_elems += st.numel
         self.peak_live_elems = max(self.peak_live_elems, self.live_elems)
@@ -319,8 +363,8 @@ class ParameterGatherer:
         if st.state != IN_FLIGHT:
             return
         works, st.works = st.works, []
-        for w in works:
-            w.wait()
+        _wait_all(works)
+        del works
         for j, b in enumerate(st.buckets):
             for e in b.entries:
                 e.param.data = b.flat[e.offset:e.offset + e.numel].view(e.shape)
@@ -330,19 +374,21 @@ class ParameterGatherer:
     def _release(self, st: _UnitState) -> None:
         if st.state == RELEASED:
             return
-        if st.state == IN_FLIGHT:
-            for w in st.works:
-                w.wait()
-            st.works = []
-        for param, view in st.released_views:
-            param.data = view
-        for b in st.buckets:
-            if b.flat is not None:
-                self._flat_of_storage.pop(b.flat.untyped_storage().data_ptr(), None)
-            b.flat = None
-        st.state = RELEASED
-        st.prefetched = False
-        self.live_elems -= st.numel
+        works, st.works = st.works, []
+        try:
+            _wait_all(works)  # IN_FLIGHT: the gather must be done before its buffer is reused
+        finally:
+            del works  # a work keeps its tensors referenced: the buffer would not be pooled
+            for param, view in st.released_views:
+                param.data = view
+            for b in st.buckets:
+                if b.flat is not None:
+                    flat, b.flat = b.flat, None
+                    self._flat_of_storage.pop(flat.untyped_storage().data_ptr(), None)
+                    self.pool.give(flat)  # pooled only if nothing else (a failed work) still aliases it
+            st.state = RELEASED
+            st.prefetched = False
+            self.live_elems -= st.numel
 
     def _drop_unused_prefetches(self) -> None:
         for st in self.states:

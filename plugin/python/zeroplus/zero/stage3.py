@@ -164,7 +164,6 @@ class Stage3Optimizer(Stage2Optimizer):
             dist.broadcast(buf, src=src, group=self.process_group)
 
     def _finish_construction(self) -> None:
-        materialize.pin_mmap_threshold()  # freed unit buffers go back to the OS (see there)
         self.gatherer = ParameterGatherer(self.units, list(self.buckets) + self.frozen_buckets, self.process_group,
                                           self.rank, prefetch_elems=self._prefetch_elems,
                                           max_live_elems=self._max_live,
@@ -174,6 +173,10 @@ class Stage3Optimizer(Stage2Optimizer):
     # -- step ----------------------------------------------------------------------------------
 
     def _gather_parameters(self) -> None:
+        # The shards change now. A unit still gathered (held by a forward whose backward never
+        # came, with reshard_after_forward=False) would keep the old values: release it, so the
+        # next use gathers the new ones.
+        self.gatherer.release_all()
         works = []
         for b, master in zip(self.buckets, self.masters):
             lo, hi = b.shard_range(self.rank)
@@ -189,6 +192,7 @@ class Stage3Optimizer(Stage2Optimizer):
         from .memory import optimizer_bytes
         out = optimizer_bytes(self)
         out["gathered_parameters"] = self.gatherer.gathered_bytes()
+        out["pooled_buffers"] += self.gatherer.pool.pooled_bytes
         out["peak_gathered_parameters"] = self.gatherer.peak_live_elems * max(
             (b.shard.element_size() for b in self.buckets if b.shard is not None), default=4)
         return out
