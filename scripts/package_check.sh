@@ -84,11 +84,13 @@ check_cmake() {
   "${clean_env[@]}" cmake -S "$repo_root/examples/cpp" -B "$examples" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER_LAUNCHER=ccache > "$work/examples-configure.log" 2>&1 \
     || { cat "$work/examples-configure.log"; echo "[package] FAILED: find_package(zeroplus) from $prefix" >&2; exit 1; }
-  if grep -q -- "-I$repo_root\b\|-I$build_dir" "$examples/build.ninja"; then
-    echo "[package] FAILED: the examples' include paths reach into the source tree" >&2
-    exit 1
-  fi
+  # Imported targets' include directories reach the compiler as -isystem, not -I: the helper
+  # matches both, and after the build also the headers the compiler really opened.
+  "$repo_root/scripts/source_tree_leaks.sh" flags "$repo_root" "$build_dir" "$prefix" "$examples" \
+    < "$examples/build.ninja" || { echo "[package] FAILED: the examples' include options reach into the source or build tree" >&2; exit 1; }
   cmake --build "$examples" -j "$jobs"
+  (cd "$examples" && ninja -t deps | "$repo_root/scripts/source_tree_leaks.sh" deps "$repo_root" "$build_dir" "$prefix" "$examples") \
+    || { echo "[package] FAILED: the examples compiled headers of the source or build tree" >&2; exit 1; }
   echo "[package] cmake --install + examples/cpp from find_package(zeroplus) in $(( $(date +%s) - start )) s"
 
   start=$(date +%s)
