@@ -37,7 +37,7 @@ check_wheel() {
     -C "build-dir=$build_dir" "$repo_root"
   wheel="$(ls "$work"/dist/zeroplus-*.whl)"
   echo "[package] wheel $(basename "$wheel") ($(du -h "$wheel" | cut -f1)) built in $(( $(date +%s) - start )) s"
-  python3 - "$wheel" <<'PY' || { echo "[package] FAILED: the wheel lacks the library or the package" >&2; exit 1; }
+  "$venv/bin/python" - "$wheel" <<'PY' || { echo "[package] FAILED: the wheel lacks the library or the package" >&2; exit 1; }
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 missing = [n for n in ("zeroplus/libzeroplus.so", "zeroplus/__init__.py", "zeroplus/report.py") if n not in names]
@@ -48,9 +48,13 @@ PY
 
   start=$(date +%s)
   rm -rf "$smoke"
-  python3 -m venv "$smoke"
+  # The interpreter the wheel was built with (its tag names that Python): the system python3 may
+  # be another version, whose pip would refuse the wheel or find no torch==$torch_version for it.
+  local base_python
+  base_python="$("$venv/bin/python" -c 'import sys; print(sys._base_executable)')"
+  "$base_python" -m venv "$smoke"
   "$smoke/bin/python" -m pip install -q "torch==$torch_version" numpy "$wheel"  # numpy: quiets a torch warning
-  echo "[package] fresh venv with torch $torch_version and the wheel in $(( $(date +%s) - start )) s"
+  echo "[package] fresh venv ($base_python) with torch $torch_version and the wheel in $(( $(date +%s) - start )) s"
   site="$("$smoke/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
   start=$(date +%s)
