@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ import pytest
 
 from zeroplus import report
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
 EXPECTED = {"zeroplus", "torch", "library", "built for", "load", "CPU ISA", "io_uring", "ZEROPLUS_*",
             "backend config", "/dev/shm", "CUDA"}
 
@@ -110,3 +113,57 @@ def test_shm_verdict(mode, free, status):
     assert check.status == status, check
     if status == "ok":
         assert f"up to {free // ((4 << 20) + 4096)} ranks" in check.detail
+
+
+# --- ZEROPLUS_* names and the CPU ISA --------------------------------------------------------
+
+def test_report_fails_on_unknown_variable_and_suggests_the_closest():
+    # A typo is silently ignored by whatever would have read the variable: the shm transport
+    # stays on here although the user asked for it off.
+    rc, checks = _report(env={"ZEROPLUS_SHMM": "off", "ZEROPLUS_FOO": "1"})
+    assert rc == 1
+    env_check = _by_name(checks)["ZEROPLUS_*"]
+    assert env_check["status"] == "FAIL", env_check
+    assert "ZEROPLUS_SHMM is not a zeroplus variable (did you mean ZEROPLUS_SHM?)" in env_check["detail"], env_check
+    assert "ZEROPLUS_FOO is not a zeroplus variable (see docs/configuration.md" in env_check["detail"], env_check
+
+
+def test_report_fails_on_invalid_cpu_isa():
+    # optimizers/core/cpu_isa.cpp ignores a value it does not parse (exact, lower case).
+    rc, checks = _report(env={"ZEROPLUS_CPU_ISA": "AVX2"})
+    assert rc == 1
+    by = _by_name(checks)
+    for name in ("CPU ISA", "ZEROPLUS_*"):
+        assert by[name]["status"] == "FAIL", by[name]
+        assert "ZEROPLUS_CPU_ISA='AVX2' is invalid, expected scalar, avx2 or avx512" in by[name]["detail"], by[name]
+
+
+def test_unknown_variable_problems_ignores_known_and_other_names():
+    problems = report._environment.unknown_variable_problems(
+        {"ZEROPLUS_SHM": "on", "ZEROPLUS_BUILD_DIR": "build", "PATH": "/bin", "ZEROPLUS_spin_us": "5"})
+    assert problems == ["ZEROPLUS_spin_us is not a zeroplus variable (did you mean ZEROPLUS_SPIN_US?)"]
+
+
+def _names(text: str) -> set[str]:
+    return set(re.findall(r"ZEROPLUS_[A-Z0-9_]*[A-Z0-9]", text))
+
+
+def test_known_names_are_the_documented_ones_and_cover_every_reader():
+    env = report._environment
+    assert env.KNOWN == _names((REPO / "docs" / "configuration.md").read_text())
+    cpp = "".join(p.read_text() for folder in ("aio", "optimizers", "process_group", "registration", "plugin")
+                  for p in (REPO / folder).rglob("*.[ch]pp"))
+    read_by_cpp = set(re.findall(r'getenv\("(ZEROPLUS_[A-Z0-9_]+)"\)', cpp))
+    read_by_cpp |= set(re.findall(r'\{"\w+", "(ZEROPLUS_[A-Z0-9_]+)"\}', cpp))  # config.cpp's kKnobs
+    assert "ZEROPLUS_CPU_ISA" in read_by_cpp and "ZEROPLUS_SHM" in read_by_cpp, read_by_cpp
+    assert read_by_cpp <= set(env.RUNTIME), read_by_cpp - set(env.RUNTIME)
+    scripts = "".join(p.read_text() for p in (REPO / "scripts").glob("*.sh"))
+    read_by_scripts = set(re.findall(r"\$\{?(ZEROPLUS_[A-Z0-9_]+)", scripts))
+    assert read_by_scripts <= env.KNOWN, read_by_scripts - env.KNOWN
+
+
+def test_cpu_isa_values_are_the_kernels():
+    source = (REPO / "optimizers" / "core" / "cpu_isa.cpp").read_text()
+    parse = source[source.index("parseIsa("):]
+    parse = parse[:parse.index("\n}")]
+    assert tuple(re.findall(r'name == "(\w+)"', parse)) == report._environment.CPU_ISAS

@@ -7,13 +7,16 @@ something zeroplus needs is missing) and exits 1 when any check failed, 0 otherw
 
 * zeroplus, the library file and the torch it was built for (read from the file before it is
   loaded), against the running torch version and C++ ABI;
-* the CPU instruction set the fused optimizer kernels picked (``ZEROPLUS_CPU_ISA`` caps it);
+* the CPU instruction set the fused optimizer kernels picked (``ZEROPLUS_CPU_ISA`` caps it; a
+  value the kernels do not accept is a FAIL, since they silently ignore it);
 * io_uring: available, or why not (kernel, ``kernel.io_uring_disabled``, seccomp); zeroplus.aio
   then falls back to a pread/pwrite thread pool;
 * O_DIRECT support of ``--dir`` (default: the temporary directory), the NVMe offload target;
 * /dev/shm size and free space, and whether the shared-memory transport will be used;
 * CUDA and NCCL presence (torch's and this build's);
-* every ``ZEROPLUS_*`` environment variable in effect, checked by the backend's own parser.
+* every ``ZEROPLUS_*`` environment variable in effect, checked by the backend's own parser; a
+  name zeroplus does not know (a typo, silently ignored otherwise) is a FAIL suggesting the
+  closest known one (``_environment.py``).
 
 The report loads the library itself (``import zeroplus`` is skipped for ``-m zeroplus.report``),
 so it also runs, and says why, when the library is missing or was built for another torch.
@@ -34,6 +37,7 @@ import tempfile
 import torch
 
 from . import __version__
+from . import _environment
 from . import _library
 
 
@@ -86,8 +90,13 @@ def _check_library(checks: list[Check]) -> bool:
 
 def _check_isa(checks: list[Check]) -> None:
     capped = os.environ.get("ZEROPLUS_CPU_ISA")
+    picked = torch.ops.zeroplus.cpu_isa()
+    problem = _environment.cpu_isa_problem(capped)
+    if problem:
+        checks.append(Check("CPU ISA", "FAIL", f"{picked} ({problem}; {platform.machine()})"))
+        return
     note = f"ZEROPLUS_CPU_ISA={capped}" if capped else "best the CPU supports"
-    checks.append(Check("CPU ISA", "ok", f"{torch.ops.zeroplus.cpu_isa()} ({note}; {platform.machine()})"))
+    checks.append(Check("CPU ISA", "ok", f"{picked} ({note}; {platform.machine()})"))
 
 
 def _read(path: str) -> str | None:
@@ -197,16 +206,22 @@ def _check_cuda(checks: list[Check], stamp: dict[str, str]) -> None:
 def _check_environment(checks: list[Check], loaded: bool) -> dict[str, str] | None:
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ZEROPLUS_")}
     shown = ", ".join(f"{k}={v}" for k, v in variables.items()) or "none set (defaults)"
-    if not loaded:
-        checks.append(Check("ZEROPLUS_*", "info", shown))
-        return None
-    try:
-        config = _backend_config()
-    except ValueError as e:
-        checks.append(Check("ZEROPLUS_*", "FAIL", f"{shown}: {e}".splitlines()[0]))
-        return None
-    checks.append(Check("ZEROPLUS_*", "ok", shown))
-    checks.append(Check("backend config", "info", " ".join(f"{k}={v}" for k, v in config.items())))
+    # Checked without the library too: names and the CPU ISA need no parser of its.
+    problems = _environment.unknown_variable_problems(variables)
+    isa = _environment.cpu_isa_problem(variables.get("ZEROPLUS_CPU_ISA"))
+    problems += [isa] if isa else []
+    config = None
+    if loaded:
+        try:
+            config = _backend_config()
+        except ValueError as e:
+            problems.append(str(e).splitlines()[0])
+    if problems:
+        checks.append(Check("ZEROPLUS_*", "FAIL", f"{shown}: {'; '.join(problems)}"))
+    else:
+        checks.append(Check("ZEROPLUS_*", "ok" if loaded else "info", shown))
+    if config is not None:
+        checks.append(Check("backend config", "info", " ".join(f"{k}={v}" for k, v in config.items())))
     return config
 
 
