@@ -167,3 +167,38 @@ def test_cpu_isa_values_are_the_kernels():
     parse = source[source.index("parseIsa("):]
     parse = parse[:parse.index("\n}")]
     assert tuple(re.findall(r'name == "(\w+)"', parse)) == report._environment.CPU_ISAS
+
+
+# --- io_uring: why not -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("code, sysctl, seccomp, expected", [
+    (errno.ENOSYS, None, "0", "ENOSYS: this kernel has no io_uring"),
+    (errno.EPERM, "2", "0", "EPERM: the sysctl kernel.io_uring_disabled=2 turns io_uring off for every process"),
+    (errno.EPERM, "1", "0", "kernel.io_uring_disabled=1 turns io_uring off for processes outside kernel.io_uring_group"),
+    (errno.EPERM, None, "2", "EPERM: a seccomp filter (Seccomp: 2) denies io_uring_setup"),
+    (errno.EACCES, "0", "2", "EACCES: a seccomp filter (Seccomp: 2) denies io_uring_setup"),
+    (errno.EPERM, "2", "2", "kernel.io_uring_disabled=2 turns io_uring off for every process or a seccomp filter"),
+    (errno.EPERM, "0", "0", "EPERM: neither kernel.io_uring_disabled nor seccomp is set"),
+    (errno.ENOMEM, None, "0", "ENOMEM: the ring does not fit RLIMIT_MEMLOCK"),
+])
+def test_io_uring_reason_by_errno(monkeypatch, code, sysctl, seccomp, expected):
+    def refused():
+        raise OSError(code, f"zeroplus.aio: io_uring_setup failed: {os.strerror(code)} (errno {code})")
+
+    files = {"/proc/sys/kernel/io_uring_disabled": sysctl, "/proc/self/status": f"Name:\tpython\nSeccomp:\t{seccomp}\n"}
+    monkeypatch.setattr(report, "probe_io_uring", refused)
+    monkeypatch.setattr(report, "_read", files.get)
+    checks = []
+    report._check_io_uring(checks)
+    (check,) = checks
+    assert check.status == "warn" and expected in check.detail, check
+    assert check.detail.endswith("zeroplus.aio falls back to the pread/pwrite thread pool"), check
+    if code == errno.ENOSYS:
+        assert "seccomp" not in check.detail and "io_uring_disabled" not in check.detail, check
+
+
+def test_io_uring_available(monkeypatch):
+    monkeypatch.setattr(report, "probe_io_uring", lambda: None)
+    checks = []
+    report._check_io_uring(checks)
+    assert [(c.name, c.status) for c in checks] == [("io_uring", "ok")]

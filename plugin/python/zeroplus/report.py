@@ -9,8 +9,9 @@ something zeroplus needs is missing) and exits 1 when any check failed, 0 otherw
   loaded), against the running torch version and C++ ABI;
 * the CPU instruction set the fused optimizer kernels picked (``ZEROPLUS_CPU_ISA`` caps it; a
   value the kernels do not accept is a FAIL, since they silently ignore it);
-* io_uring: available, or why not (kernel, ``kernel.io_uring_disabled``, seccomp); zeroplus.aio
-  then falls back to a pread/pwrite thread pool;
+* io_uring: available, or why not, by io_uring_setup's errno: ENOSYS (a kernel without it),
+  EPERM/EACCES (``kernel.io_uring_disabled``, a seccomp filter); zeroplus.aio then falls back to
+  a pread/pwrite thread pool;
 * O_DIRECT support of ``--dir`` (default: the temporary directory), the NVMe offload target;
 * /dev/shm size and free space, and whether the shared-memory transport will be used;
 * CUDA and NCCL presence (torch's and this build's);
@@ -107,25 +108,50 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _check_io_uring(checks: list[Check]) -> None:
+def probe_io_uring() -> None:
+    """Creates an io_uring engine; raises OSError with io_uring_setup's errno when refused."""
     from .aio import AioHandle
 
+    AioHandle(engine="io_uring")
+
+
+def io_uring_reason(error: BaseException) -> str:
+    """Why io_uring_setup failed, from its errno and the kernel settings that produce it."""
+    code = getattr(error, "errno", None)
+    kernel = f"kernel {platform.release()}"
+    if code == errno.ENOSYS:
+        return f"ENOSYS: this kernel has no io_uring (older than 5.1, or built without CONFIG_IO_URING; {kernel})"
+    if code in (errno.EPERM, errno.EACCES):
+        # Both refusals look alike from user space; name each setting that can cause them.
+        causes = []
+        disabled = _read("/proc/sys/kernel/io_uring_disabled")  # Linux 6.6+
+        if disabled not in (None, "0"):
+            who = {"1": "for processes outside kernel.io_uring_group without CAP_SYS_ADMIN",
+                   "2": "for every process"}.get(disabled, "")
+            causes.append(f"the sysctl kernel.io_uring_disabled={disabled} turns io_uring off {who}".rstrip())
+        status = _read("/proc/self/status") or ""
+        seccomp = next((line.split(":", 1)[1].strip() for line in status.splitlines()
+                        if line.startswith("Seccomp:")), None)
+        if seccomp not in (None, "0"):
+            causes.append(f"a seccomp filter (Seccomp: {seccomp}) denies io_uring_setup, as container "
+                          "runtimes' default profiles do")
+        if not causes:
+            causes.append("neither kernel.io_uring_disabled nor seccomp is set, so a security module "
+                          "(SELinux, AppArmor) refused it")
+        return f"{errno.errorcode[code]}: {' or '.join(causes)} ({kernel})"
+    if code == errno.ENOMEM:
+        return f"ENOMEM: the ring does not fit RLIMIT_MEMLOCK (kernels before 5.12 charge it there: ulimit -l; {kernel})"
+    return f"{str(error).splitlines()[0] if str(error) else type(error).__name__} ({kernel})"
+
+
+def _check_io_uring(checks: list[Check]) -> None:
     try:
-        AioHandle(engine="io_uring")
-        checks.append(Check("io_uring", "ok", f"available (kernel {platform.release()})"))
+        probe_io_uring()
+    except Exception as e:  # noqa: BLE001 (any refusal is reported, with the reason)
+        checks.append(Check("io_uring", "warn", f"unavailable: {io_uring_reason(e)}; "
+                                                "zeroplus.aio falls back to the pread/pwrite thread pool"))
         return
-    except Exception as e:  # noqa: BLE001
-        error = str(e).splitlines()[0]
-    reasons = [f"kernel {platform.release()}"]
-    disabled = _read("/proc/sys/kernel/io_uring_disabled")
-    if disabled not in (None, "0"):
-        reasons.append(f"kernel.io_uring_disabled={disabled}")
-    status = _read("/proc/self/status") or ""
-    seccomp = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Seccomp:")), None)
-    if seccomp not in (None, "0"):
-        reasons.append(f"seccomp mode {seccomp} (containers often filter io_uring_setup)")
-    checks.append(Check("io_uring", "warn", f"unavailable: {error}; {', '.join(reasons)}; "
-                                            "zeroplus.aio falls back to the pread/pwrite thread pool"))
+    checks.append(Check("io_uring", "ok", f"available (kernel {platform.release()})"))
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:
