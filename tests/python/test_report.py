@@ -202,3 +202,54 @@ def test_io_uring_available(monkeypatch):
     checks = []
     report._check_io_uring(checks)
     assert [(c.name, c.status) for c in checks] == [("io_uring", "ok")]
+
+
+# --- without torch ----------------------------------------------------------------------------
+
+# Installed by a sitecustomize.py ahead of everything on sys.path: `import torch` fails as it
+# does where torch is not installed.
+_NO_TORCH = '''
+import sys
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTorch())
+'''
+
+
+@pytest.fixture
+def no_torch_env(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_NO_TORCH)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.parametrize("how", ["module", "module-json", "console-script"])
+def test_report_without_torch_is_one_fail_line(no_torch_env, how):
+    cmd = {"module": [sys.executable, "-m", "zeroplus.report"],
+           "module-json": [sys.executable, "-m", "zeroplus.report", "--json"],
+           # what the zeroplus-report entry point runs
+           "console-script": [sys.executable, "-c", "import sys; sys.argv[0] = 'zeroplus-report'; "
+                                                  "from zeroplus.report import main; sys.exit(main())"]}[how]
+    r = subprocess.run(cmd, env=no_torch_env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    expected = f"torch is not installed: pip install '{report.TORCH_REQUIREMENT}'"
+    if how == "module-json":
+        assert _by_name(json.loads(r.stdout))["torch"] == {"name": "torch", "status": "FAIL", "detail": expected}
+    else:
+        assert f"[FAIL]  {expected}" in r.stdout, r.stdout
+        assert "FAILED: torch" in r.stderr, r.stderr
+
+
+def test_import_zeroplus_without_torch_still_fails_on_torch(no_torch_env):
+    r = subprocess.run([sys.executable, "-c", "import zeroplus"], env=no_torch_env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 1 and "ModuleNotFoundError: No module named 'torch'" in r.stderr, r.stderr
+
+
+def test_torch_requirement_is_pyprojects():
+    assert f'dependencies = ["{report.TORCH_REQUIREMENT}"]' in (REPO / "pyproject.toml").read_text()

@@ -5,6 +5,7 @@
 Prints one line per check with a status (``ok``, ``warn``: works with a fallback, ``FAIL``:
 something zeroplus needs is missing) and exits 1 when any check failed, 0 otherwise:
 
+* torch itself (a FAIL saying how to install it when it is missing; nothing else is checked);
 * zeroplus, the library file and the torch it was built for (read from the file before it is
   loaded), against the running torch version and C++ ABI;
 * the CPU instruction set the fused optimizer kernels picked (``ZEROPLUS_CPU_ISA`` caps it; a
@@ -35,11 +36,23 @@ import platform
 import sys
 import tempfile
 
-import torch
-
 from . import __version__
 from . import _environment
 from . import _library
+
+# pyproject.toml's dependency (a test keeps them equal).
+TORCH_REQUIREMENT = "torch>=2.11,<2.16"
+
+# Imported here rather than by the package (see __init__.py): without torch the report still
+# runs, and says so in one FAIL line instead of a traceback.
+try:
+    import torch
+except (ImportError, OSError) as _error:  # OSError: a torch whose shared libraries do not load
+    torch = None
+    if isinstance(_error, ModuleNotFoundError) and _error.name == "torch":
+        _TORCH_PROBLEM = f"torch is not installed: pip install '{TORCH_REQUIREMENT}'"
+    else:
+        _TORCH_PROBLEM = f"torch is installed but does not import: {type(_error).__name__}: {_error}"
 
 
 @dataclasses.dataclass
@@ -254,6 +267,11 @@ def _check_environment(checks: list[Check], loaded: bool) -> dict[str, str] | No
 def collect(directory: str | None = None) -> list[Check]:
     """Runs every check; ``directory`` is the O_DIRECT probe target (default: the temp dir)."""
     checks: list[Check] = []
+    if torch is None:
+        # Every other check needs torch (the library is a torch extension).
+        checks.append(Check("zeroplus", "info", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"))
+        checks.append(Check("torch", "FAIL", _TORCH_PROBLEM))
+        return checks
     loaded = _check_library(checks)
     stamp = {}
     try:
