@@ -285,12 +285,11 @@ def main():
 
 
 def _plot(rows, out):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (bench/zero/run.sh installs it)")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plotting import pyplot  # installs matplotlib when missing (docs/benchmarks.md)
+
+    plt = pyplot()
+    if plt is None:
         return
     keys = sorted({(r["world"], r["backend"]) for r in rows})
     names = [v for v in VARIANTS + DS_VARIANTS if any(r["variant"] == v for r in rows)]

@@ -270,12 +270,11 @@ def main():
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, **report}, indent=1, default=str))
     print(text)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (bench/zero/run.sh installs it)")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plotting import pyplot  # installs matplotlib when missing (docs/benchmarks.md)
+
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     backends = args.backends.split(",")

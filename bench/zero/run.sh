@@ -6,12 +6,12 @@
 # then stage 3 beside DDP, zeroplus stages 1-2 and FSDP2 (fully_shard), 50.7M-parameter TinyGPT:
 #   -> bench/results/zero_stage3_{fp32,bf16}.{md,json,png}
 #   STAGE3=0 leaves it out; STAGE3_ARGS overrides its arguments (default: 2 ranks, zeroplus backend)
-# Run it on a quiet machine; it installs matplotlib into the venv for the PNGs if missing, and
-# DeepSpeed (once) into ${ZEROPLUS_BUILD_DIR:-build}/deepspeed-site (bench/deepspeed_env.py).
+# Run it on a quiet machine; the benches install matplotlib into the venv for the PNGs if missing
+# (bench/plotting.py), and DeepSpeed (once) into ${ZEROPLUS_BUILD_DIR:-build}/deepspeed-site
+# (bench/deepspeed_env.py).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 py="${ZEROPLUS_PYTHON:-$repo_root/.venv/bin/python}"
-"$py" -c "import matplotlib" 2>/dev/null || "$py" -m pip install -q matplotlib
 export PYTHONPATH="$repo_root/plugin/python${PYTHONPATH:+:$PYTHONPATH}"
 ds_flag=""
 [[ "${DEEPSPEED:-1}" == "1" ]] && ds_flag="--deepspeed"

@@ -3,6 +3,7 @@
 //   cpp_allreduce <rank> <world_size> [host=127.0.0.1] [port=29511]
 //
 // Run one process per rank, e.g.:  for r in 0 1; do build/bin/cpp_allreduce $r 2 & done; wait
+// Each rank checks the sum itself and exits 1, with a message, unless it is exact.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "process_group/adapter/backend.hpp"
 
@@ -38,10 +40,23 @@ int main(int argc, char** argv) {
   config.timeout = std::chrono::seconds(60);
   auto backend = c10::make_intrusive<zeroplus::pg::ZeroPlusBackend>(store, rank, world, config);
 
+  // Rank r contributes r + 1, so the sum is world * (world + 1) / 2 in every element: a small
+  // integer, exact in float, so the comparison below is exact too.
   std::vector<at::Tensor> tensors{at::full({4}, static_cast<float>(rank + 1))};
   backend->allreduce(tensors)->wait();
-  std::cout << "rank " << rank << ": allreduce -> " << tensors[0] << std::endl;
+  const float expected = static_cast<float>(world * (world + 1) / 2);
+  const bool ok = at::equal(tensors[0], at::full({4}, expected));
+  if (ok) {
+    std::cout << "rank " << rank << ": allreduce of 4 floats over " << world << " ranks = " << expected << ": ok"
+              << std::endl;
+  } else {
+    std::cerr << "error: rank " << rank << ": allreduce over " << world << " ranks gave [";
+    const auto got = tensors[0].accessor<float, 1>();
+    for (int64_t i = 0; i < got.size(0); ++i) std::cerr << (i ? ", " : "") << got[i];
+    std::cerr << "], expected " << expected << " in every element" << std::endl;
+  }
+  // The barrier and shutdown run either way, so the other ranks are not left waiting.
   backend->barrier()->wait();
   backend->shutdown();
-  return 0;
+  return ok ? 0 : 1;
 }

@@ -6,6 +6,7 @@ c10d symbol, like a real library built against another torch."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import pathlib
 import re
@@ -117,3 +118,64 @@ def test_cmake_refuses_torch_outside_the_supported_range(tmp_path, version, ok):
     if not ok:
         text = " ".join(r.stderr.split())  # CMake wraps long messages
         assert f"torch {version} is not supported" in text and "2.11 to 2.15" in text, r.stderr
+
+
+# The bare `torch.ops.load_library` path: no zeroplus package, so no check before dlopen; the
+# load-time hook (registration/backend_hook.py, embedded with the build's torch version) warns
+# and the backend it registers refuses to create groups. Run here from its source with the
+# version placeholder filled in, as registration/CMakeLists.txt's string(CONFIGURE) does, in
+# __main__'s namespace as python_hook.cpp's PyRun_SimpleString does, in a process where the real
+# library was never loaded (so the registered creator is the hook's).
+HOOK = REPO / "registration" / "backend_hook.py"
+_RUN_HOOK = r"""
+import json, sys, warnings
+import __main__
+import torch.distributed as dist
+
+path, built = sys.argv[1], sys.argv[2]
+source = open(path).read().replace("@ZEROPLUS_TORCH_VERSION@", built)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    exec(compile(source, path, "exec"), __main__.__dict__)
+result = {
+    "warnings": [[w.category.__name__, str(w.message)] for w in caught],
+    "registered": "zeroplus" in dist.Backend.backend_list,
+    "leftovers": [name for name in vars(__main__) if name.startswith("__zeroplus")],
+    "init": None,
+}
+if built.startswith("2.99"):
+    try:
+        dist.init_process_group("zeroplus", store=dist.HashStore(), rank=0, world_size=1)
+    except Exception as e:
+        result["init"] = [type(e).__name__, str(e)]
+print(json.dumps(result))
+"""
+
+
+def _run_hook(built: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _RUN_HOOK, str(HOOK), built], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_hook_template_has_only_the_version_placeholder():
+    # The test fills in @ZEROPLUS_TORCH_VERSION@ only; CMake's string(CONFIGURE) fills every @VAR@.
+    assert set(re.findall(r"@[A-Za-z_0-9]+@", HOOK.read_text())) == {"@ZEROPLUS_TORCH_VERSION@"}
+
+
+def test_load_library_hook_with_mismatched_torch_warns_then_refuses_groups():
+    result = _run_hook("2.99.0+cpu")
+    message = f"built for torch 2.99.0+cpu but this process runs torch {torch.__version__}"
+    assert [category for category, _ in result["warnings"]] == ["RuntimeWarning"], result
+    assert message in result["warnings"][0][1], result
+    # Registered anyway, so init_process_group names the version problem instead of an
+    # "unknown backend" error.
+    assert result["registered"] and result["leftovers"] == [], result
+    assert result["init"] is not None and result["init"][0] == "RuntimeError", result
+    assert message in result["init"][1] and "rebuild zeroplus" in result["init"][1], result
+
+
+def test_load_library_hook_with_matching_torch_is_silent():
+    result = _run_hook(torch.__version__)
+    assert result["warnings"] == [] and result["registered"] and result["leftovers"] == [], result

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
-from ._library import built_torch_version, library_path, load_library
+from ._library import built_torch_version, library_path, load_library  # torch-free until called
 
 __version__ = "0.1.0"
 
@@ -22,13 +20,16 @@ __version__ = "0.1.0"
 def _report_requested() -> bool:
     # `python -m zeroplus.report` imports this package first; the report must run (and say why)
     # even when the library is missing or built for another torch, so it loads it itself.
-    # The console script zeroplus-report does the same through its own name.
+    # The console script zeroplus-report does the same through its own name. The report also
+    # imports torch itself, so that a missing torch is a FAIL line rather than a traceback.
     argv = getattr(sys, "orig_argv", [])
     as_module = any(a == "-m" and b == "zeroplus.report" for a, b in zip(argv, argv[1:]))
     return as_module or (bool(sys.argv) and sys.argv[0].endswith("zeroplus-report"))
 
 
 if not _report_requested():
+    import torch  # noqa: F401  (without torch, `import zeroplus` fails here, as it always has)
+
     load_library()
 
     from . import aio, optim  # noqa: E402  (need the library loaded)

@@ -8,6 +8,9 @@ Where the library is looked up (first hit wins):
 The version guard reads the build stamp out of the file *before* it is opened: a library built
 for another torch minor version would otherwise fail inside dlopen with an undefined-symbol
 error, or load and crash later (the c10d classes it subclasses change layout between minors).
+
+torch is imported by the functions that need it, not here: ``python -m zeroplus.report`` uses
+this module to say that torch is missing, instead of failing on the import.
 """
 
 from __future__ import annotations
@@ -15,8 +18,6 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
-
-import torch
 
 _ENV_LIBRARY = "ZEROPLUS_LIBRARY"
 _LIBRARY_NAME = "libzeroplus.so"
@@ -101,6 +102,8 @@ def torch_mismatch(built: str, running: str) -> str | None:
 
 def check_library(path: str) -> dict[str, str]:
     """Reads ``path``'s build stamp and raises ImportError unless it matches the running torch."""
+    import torch
+
     stamp = read_build_stamp(path)
     if "torch" not in stamp:
         raise ImportError(f"zeroplus: {path} has no zeroplus build stamp (not a zeroplus library, or built before 0.1.0); rebuild it")
@@ -112,6 +115,8 @@ def check_library(path: str) -> dict[str, str]:
 
 def built_torch_version() -> str:
     """The torch version libzeroplus.so was compiled against (the library must be loaded)."""
+    import torch
+
     info = torch.ops.zeroplus.build_info()
     return info.rsplit("torch ", 1)[1]
 
@@ -122,6 +127,8 @@ def load_library() -> str:
     Raises ImportError naming both versions, before the library is opened, when it was built for
     another torch minor version.
     """
+    import torch
+
     path = library_path()
     if path not in torch.ops.loaded_libraries:
         check_library(path)

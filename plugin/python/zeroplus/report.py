@@ -5,15 +5,20 @@
 Prints one line per check with a status (``ok``, ``warn``: works with a fallback, ``FAIL``:
 something zeroplus needs is missing) and exits 1 when any check failed, 0 otherwise:
 
+* torch itself (a FAIL saying how to install it when it is missing; nothing else is checked);
 * zeroplus, the library file and the torch it was built for (read from the file before it is
   loaded), against the running torch version and C++ ABI;
-* the CPU instruction set the fused optimizer kernels picked (``ZEROPLUS_CPU_ISA`` caps it);
-* io_uring: available, or why not (kernel, ``kernel.io_uring_disabled``, seccomp); zeroplus.aio
-  then falls back to a pread/pwrite thread pool;
+* the CPU instruction set the fused optimizer kernels picked (``ZEROPLUS_CPU_ISA`` caps it; a
+  value the kernels do not accept is a FAIL, since they silently ignore it);
+* io_uring: available, or why not, by io_uring_setup's errno: ENOSYS (a kernel without it),
+  EPERM/EACCES (``kernel.io_uring_disabled``, a seccomp filter); zeroplus.aio then falls back to
+  a pread/pwrite thread pool;
 * O_DIRECT support of ``--dir`` (default: the temporary directory), the NVMe offload target;
 * /dev/shm size and free space, and whether the shared-memory transport will be used;
 * CUDA and NCCL presence (torch's and this build's);
-* every ``ZEROPLUS_*`` environment variable in effect, checked by the backend's own parser.
+* every ``ZEROPLUS_*`` environment variable in effect, checked by the backend's own parser; a
+  name zeroplus does not know (a typo, silently ignored otherwise) is a FAIL suggesting the
+  closest known one (``_environment.py``).
 
 The report loads the library itself (``import zeroplus`` is skipped for ``-m zeroplus.report``),
 so it also runs, and says why, when the library is missing or was built for another torch.
@@ -31,10 +36,23 @@ import platform
 import sys
 import tempfile
 
-import torch
-
 from . import __version__
+from . import _environment
 from . import _library
+
+# pyproject.toml's dependency (a test keeps them equal).
+TORCH_REQUIREMENT = "torch>=2.11,<2.16"
+
+# Imported here rather than by the package (see __init__.py): without torch the report still
+# runs, and says so in one FAIL line instead of a traceback.
+try:
+    import torch
+except (ImportError, OSError) as _error:  # OSError: a torch whose shared libraries do not load
+    torch = None
+    if isinstance(_error, ModuleNotFoundError) and _error.name == "torch":
+        _TORCH_PROBLEM = f"torch is not installed: pip install '{TORCH_REQUIREMENT}'"
+    else:
+        _TORCH_PROBLEM = f"torch is installed but does not import: {type(_error).__name__}: {_error}"
 
 
 @dataclasses.dataclass
@@ -86,8 +104,13 @@ def _check_library(checks: list[Check]) -> bool:
 
 def _check_isa(checks: list[Check]) -> None:
     capped = os.environ.get("ZEROPLUS_CPU_ISA")
+    picked = torch.ops.zeroplus.cpu_isa()
+    problem = _environment.cpu_isa_problem(capped)
+    if problem:
+        checks.append(Check("CPU ISA", "FAIL", f"{picked} ({problem}; {platform.machine()})"))
+        return
     note = f"ZEROPLUS_CPU_ISA={capped}" if capped else "best the CPU supports"
-    checks.append(Check("CPU ISA", "ok", f"{torch.ops.zeroplus.cpu_isa()} ({note}; {platform.machine()})"))
+    checks.append(Check("CPU ISA", "ok", f"{picked} ({note}; {platform.machine()})"))
 
 
 def _read(path: str) -> str | None:
@@ -98,25 +121,50 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _check_io_uring(checks: list[Check]) -> None:
+def probe_io_uring() -> None:
+    """Creates an io_uring engine; raises OSError with io_uring_setup's errno when refused."""
     from .aio import AioHandle
 
+    AioHandle(engine="io_uring")
+
+
+def io_uring_reason(error: BaseException) -> str:
+    """Why io_uring_setup failed, from its errno and the kernel settings that produce it."""
+    code = getattr(error, "errno", None)
+    kernel = f"kernel {platform.release()}"
+    if code == errno.ENOSYS:
+        return f"ENOSYS: this kernel has no io_uring (older than 5.1, or built without CONFIG_IO_URING; {kernel})"
+    if code in (errno.EPERM, errno.EACCES):
+        # Both refusals look alike from user space; name each setting that can cause them.
+        causes = []
+        disabled = _read("/proc/sys/kernel/io_uring_disabled")  # Linux 6.6+
+        if disabled not in (None, "0"):
+            who = {"1": "for processes outside kernel.io_uring_group without CAP_SYS_ADMIN",
+                   "2": "for every process"}.get(disabled, "")
+            causes.append(f"the sysctl kernel.io_uring_disabled={disabled} turns io_uring off {who}".rstrip())
+        status = _read("/proc/self/status") or ""
+        seccomp = next((line.split(":", 1)[1].strip() for line in status.splitlines()
+                        if line.startswith("Seccomp:")), None)
+        if seccomp not in (None, "0"):
+            causes.append(f"a seccomp filter (Seccomp: {seccomp}) denies io_uring_setup, as container "
+                          "runtimes' default profiles do")
+        if not causes:
+            causes.append("neither kernel.io_uring_disabled nor seccomp is set, so a security module "
+                          "(SELinux, AppArmor) refused it")
+        return f"{errno.errorcode[code]}: {' or '.join(causes)} ({kernel})"
+    if code == errno.ENOMEM:
+        return f"ENOMEM: the ring does not fit RLIMIT_MEMLOCK (kernels before 5.12 charge it there: ulimit -l; {kernel})"
+    return f"{str(error).splitlines()[0] if str(error) else type(error).__name__} ({kernel})"
+
+
+def _check_io_uring(checks: list[Check]) -> None:
     try:
-        AioHandle(engine="io_uring")
-        checks.append(Check("io_uring", "ok", f"available (kernel {platform.release()})"))
+        probe_io_uring()
+    except Exception as e:  # noqa: BLE001 (any refusal is reported, with the reason)
+        checks.append(Check("io_uring", "warn", f"unavailable: {io_uring_reason(e)}; "
+                                                "zeroplus.aio falls back to the pread/pwrite thread pool"))
         return
-    except Exception as e:  # noqa: BLE001
-        error = str(e).splitlines()[0]
-    reasons = [f"kernel {platform.release()}"]
-    disabled = _read("/proc/sys/kernel/io_uring_disabled")
-    if disabled not in (None, "0"):
-        reasons.append(f"kernel.io_uring_disabled={disabled}")
-    status = _read("/proc/self/status") or ""
-    seccomp = next((line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Seccomp:")), None)
-    if seccomp not in (None, "0"):
-        reasons.append(f"seccomp mode {seccomp} (containers often filter io_uring_setup)")
-    checks.append(Check("io_uring", "warn", f"unavailable: {error}; {', '.join(reasons)}; "
-                                            "zeroplus.aio falls back to the pread/pwrite thread pool"))
+    checks.append(Check("io_uring", "ok", f"available (kernel {platform.release()})"))
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:
@@ -197,22 +245,33 @@ def _check_cuda(checks: list[Check], stamp: dict[str, str]) -> None:
 def _check_environment(checks: list[Check], loaded: bool) -> dict[str, str] | None:
     variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ZEROPLUS_")}
     shown = ", ".join(f"{k}={v}" for k, v in variables.items()) or "none set (defaults)"
-    if not loaded:
-        checks.append(Check("ZEROPLUS_*", "info", shown))
-        return None
-    try:
-        config = _backend_config()
-    except ValueError as e:
-        checks.append(Check("ZEROPLUS_*", "FAIL", f"{shown}: {e}".splitlines()[0]))
-        return None
-    checks.append(Check("ZEROPLUS_*", "ok", shown))
-    checks.append(Check("backend config", "info", " ".join(f"{k}={v}" for k, v in config.items())))
+    # Checked without the library too: names and the CPU ISA need no parser of its.
+    problems = _environment.unknown_variable_problems(variables)
+    isa = _environment.cpu_isa_problem(variables.get("ZEROPLUS_CPU_ISA"))
+    problems += [isa] if isa else []
+    config = None
+    if loaded:
+        try:
+            config = _backend_config()
+        except ValueError as e:
+            problems.append(str(e).splitlines()[0])
+    if problems:
+        checks.append(Check("ZEROPLUS_*", "FAIL", f"{shown}: {'; '.join(problems)}"))
+    else:
+        checks.append(Check("ZEROPLUS_*", "ok" if loaded else "info", shown))
+    if config is not None:
+        checks.append(Check("backend config", "info", " ".join(f"{k}={v}" for k, v in config.items())))
     return config
 
 
 def collect(directory: str | None = None) -> list[Check]:
     """Runs every check; ``directory`` is the O_DIRECT probe target (default: the temp dir)."""
     checks: list[Check] = []
+    if torch is None:
+        # Every other check needs torch (the library is a torch extension).
+        checks.append(Check("zeroplus", "info", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"))
+        checks.append(Check("torch", "FAIL", _TORCH_PROBLEM))
+        return checks
     loaded = _check_library(checks)
     stamp = {}
     try:
