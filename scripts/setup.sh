@@ -12,8 +12,10 @@ torch_version="${ZEROPLUS_TORCH_VERSION:-2.13.0}"
 
 # clang + libclang-rt-14-dev: libFuzzer and its sanitizer runtimes for scripts/fuzz.sh (the
 # sanitizer builds of scripts/sanitizers.sh use g++ and its libasan/libubsan/libtsan).
+# iproute2 + util-linux (ip, unshare, nsenter): the network-namespace hosts of the multi-host
+# tests and bench (tests/python/netns.py).
 debian_packages=(cmake ninja-build ccache g++ liburing-dev libgtest-dev pkg-config fio python3-venv
-                 clang libclang-rt-14-dev)
+                 clang libclang-rt-14-dev iproute2 util-linux)
 
 missing=()
 for pkg in "${debian_packages[@]}"; do

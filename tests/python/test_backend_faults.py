@@ -17,8 +17,15 @@ from harness import run_distributed
 def _peer_dies(rank, world_size):
     t = torch.ones(1 << 16)
     dist.all_reduce(t)  # everyone is connected and healthy
+    # The victim dies only once every survivor has finished that first op: leaving while a
+    # survivor still waits for the op's last exchange would fail the first op instead (CI saw
+    # "lost peer 2: process exited" there), which is right, but not what this test measures.
+    store = dist.distributed_c10d._get_default_store()
     if rank == world_size - 1:
+        while store.add("first_op_done", 0) < world_size - 1:
+            time.sleep(0.01)
         os._exit(17)  # die without a word, sockets closed by the kernel
+    store.add("first_op_done", 1)
     start = time.monotonic()
     try:
         for _ in range(100):
