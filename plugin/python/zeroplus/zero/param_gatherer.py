@@ -107,7 +107,7 @@ class ParameterGatherer:
         self.pool = BufferPool()  # released flat buffers, reused by the next gather of that size
         self.rank = rank
         self.world_size = dist.get_world_size(group)
-        self.owner_collectives = comm.owner_collectives(group)
+        self.broadcast_gather = comm.owner_broadcast_gather(group)
         self.stats = {"on_demand": 0, "prefetched": 0}  # all-gathers issued, by reason
         self._order = {"forward": [], "backward": []}   # prediction from the previous pass
         self._seen = {"forward": [], "backward": []}    # this pass
@@ -341,7 +341,7 @@ class ParameterGatherer:
         try:
             for b in st.buckets:
                 b.flat = self.pool.take(b.numel, b.shard.dtype, b.shard.device)
-                if self.owner_collectives:
+                if self.broadcast_gather:
                     # This rank's slice of the output is its shard: copy it, then one broadcast per owner.
                     lo, hi = b.shard_range(self.rank)
                     b.flat[lo:hi].copy_(b.shard)
