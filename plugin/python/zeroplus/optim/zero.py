@@ -37,6 +37,10 @@ from .fused import fused_class_for
 # the largest single message.
 SYNC_BUCKET_CAP_BYTES = 32 << 20
 
+# stage -> engine class, for ZeroRedundancyOptimizer(..., stage=2). Filled by zeroplus.zero when it
+# is imported (it builds on this package's fused kernels, so this package must not import it).
+STAGE_ENGINES: dict[int, type] = {}
+
 
 class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
     def __new__(cls, params, optimizer_class=None, process_group=None, parameters_as_bucket_view=False,
@@ -51,8 +55,7 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         if overlap_with_ddp:
             raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True needs DDP and stage=1; stage 2 "
                              "reduces gradients itself")
-        from ..zero.stage2 import Stage2Optimizer
-        return Stage2Optimizer(params, optimizer_class, process_group=process_group, **defaults)
+        return STAGE_ENGINES[stage](params, optimizer_class, process_group=process_group, **defaults)
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .loss_scaler import LossScalerOptions
+from .precision import COMPUTE_DTYPES
 
 DEFAULT_REDUCE_BUCKET_ELEMS = 1 << 22  # 16 MiB of fp32: large enough to be bandwidth-bound
 
@@ -66,7 +67,6 @@ STAGE3_KEYWORDS = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
                    "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None}
 _FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
-_PRECISIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                 "fp16": torch.float16, "float16": torch.float16}
 
@@ -87,7 +87,7 @@ class ZeroSettings:
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
-        return _PRECISIONS[self.mixed_precision]
+        return COMPUTE_DTYPES[self.mixed_precision]
 
 
 def load_config(config) -> dict:
@@ -205,7 +205,7 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     if bf16 and fp16:
         raise ValueError("zeroplus.initialize: config enables both bf16 and fp16")
     cfg_precision = "bf16" if bf16 else "fp16" if fp16 else None
-    if mixed_precision not in _PRECISIONS:
+    if mixed_precision not in COMPUTE_DTYPES:
         raise ValueError(f"zeroplus.initialize: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
     if mixed_precision is not None and cfg_precision is not None and mixed_precision != cfg_precision:
         raise ValueError(f"zeroplus.initialize: mixed_precision={mixed_precision!r} conflicts with config "

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import comm
+from .heap import return_freed_memory
 
 ATTR = "_zeroplus_deferred"
 _TRIM_BYTES = 1 << 20
@@ -91,8 +92,7 @@ class Shards:
         self.shard = shard
         del full
         if self.numel * self.dtype.itemsize >= _TRIM_BYTES:
-            from .materialize import return_freed_memory  # (materialize imports this module)
-            return_freed_memory()  # the caller drops the full tensor next; see materialize.return_freed_memory
+            return_freed_memory()  # the caller drops the full tensor next; see heap.return_freed_memory
 
     def gather(self, device: torch.device | None = None) -> torch.Tensor:
         """The full value on every rank (an all-gather)."""

@@ -23,6 +23,8 @@ Threading and ordering contract:
   * On gloo with 2 ranks the reduce-scatter is one `reduce` per owner (comm.owner_collectives).
   * A bucket's input buffer, once its collective is done, goes to a BufferPool and is reused by
     the next pass (buffer_pool.py: no page faults per step, never more than the peak in use).
+  * Which parameters had a gradient in a pass is committed to `usage` (usage.py) when the pass
+    succeeds; the optimizer steps only parameters some rank used (torch skips a None grad).
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
 backward (or flush) and leaves the accumulators as they were before that pass. A backward that
 raised for any reason (autograd then drops the queued end-of-pass callback) leaves its pass open;
@@ -38,6 +40,7 @@ from torch.autograd import Variable
 from . import comm
 from .buffer_pool import BufferPool
 from .layout import Bucket
+from .usage import ParamUsage
 
 # Full-size bucket inputs allowed in flight at once (overlap needs two: one on the wire while the
 # next fills).
@@ -70,6 +73,7 @@ class GradientReducer:
         # Where each bucket's communication buffer is not covered by a parameter (alignment gaps,
         # padding to the world size): zeroed when the buffer is taken, the rest is overwritten.
         self._gaps = [self._gaps_of(b) for b in buckets]
+        self.usage = ParamUsage([len(b.entries) for b in buckets], buckets[0].device)
         self.no_sync = False
         self.has_grads = False      # something was reduced since the last zero()
         self.local_pending = False  # gradients accumulated under no_sync, not reduced yet
@@ -91,6 +95,7 @@ class GradientReducer:
         self._in_pass = False
         self._pass_task = None  # the autograd graph task (backward call) the open pass belongs to
         self._arrived = [[False] * len(b.entries) for b in self.buckets]
+        self._pass_used: list[int] = []  # usage flags of the gradients this pass took
         self._remaining = [len(b.entries) for b in self.buckets]
         self._buffers = [None] * len(self.buckets)
         self._next = 0
@@ -132,6 +137,7 @@ class GradientReducer:
         if grad is not None:
             region.copy_(grad.reshape(-1))
             entry.param.grad = None
+            self._pass_used.append(self.usage.flag(b, e_index))
         elif not self._arrived[b][e_index]:
             region.zero_()
         if not self._arrived[b][e_index]:
@@ -235,6 +241,7 @@ class GradientReducer:
                 entry[2] = None
                 if entry[3] is not None:
                     self._recycle_input(entry)
+            self.usage.commit(self._pass_used)
             self.has_grads = True
             self.local_pending = False
         except BaseException:

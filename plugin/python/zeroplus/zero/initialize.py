@@ -2,9 +2,11 @@
 
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=3e-4, mixed_precision="bf16")
 
-Stage 1 in fp32 is DistributedDataParallel + zeroplus.ZeroRedundancyOptimizer (routed so the user
-keeps their module object); stage 1 with mixed precision and stage 2 are the flat-bucket engine
-(Stage1Optimizer / Stage2Optimizer); stage 3 is Stage3Optimizer. Arguments and the DeepSpeed-style config are merged by
+Every stage is the flat-bucket engine: Stage1Optimizer (gradients all-reduced and kept whole),
+Stage2Optimizer (gradients reduce-scattered) and Stage3Optimizer (parameters sharded too), so every
+stage and precision follows the same rules (DDP + the torch optimizer: a parameter no rank gave a
+gradient is not stepped). torch's ZeroRedundancyOptimizer interface for a user's own DDP model is
+zeroplus.ZeroRedundancyOptimizer. Arguments and the DeepSpeed-style config are merged by
 config.resolve; every check runs before anything is changed.
 """
 
@@ -16,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import config as config_mod
 from . import deferred
-from .ddp_route import route_through_ddp
 from .stage2 import Stage1Optimizer, Stage2Optimizer
 from .stage3 import Stage3Optimizer
 
@@ -27,8 +28,7 @@ def _check_model(model) -> None:
                          "module (zeroplus does the data-parallel part)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zeroplus.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if getattr(model, "_zeroplus_ddp", None) is not None or any(
-            getattr(p, "_zeroplus_managed", False) for p in model.parameters()):
+    if any(getattr(p, "_zeroplus_managed", False) for p in model.parameters()):
         raise ValueError("zeroplus.initialize: model was already passed to zeroplus.initialize")
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
@@ -53,17 +53,6 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
         raise RuntimeError("zeroplus.initialize: torch.distributed is not initialized; call "
                            "dist.init_process_group(backend='zeroplus') (or gloo/nccl) first")
 
-    if settings.stage == 1 and settings.mixed_precision is None:
-        if settings.gradient_clipping or settings.grad_accum_dtype is not None:
-            raise ValueError("zeroplus.initialize: config gradient_clipping / grad_accum_dtype need stage 2 or mixed "
-                             "precision at stage 1; call torch.nn.utils.clip_grad_norm_ yourself")
-        from ..optim import ZeroRedundancyOptimizer
-        ddp = route_through_ddp(model, process_group=process_group, gradient_as_bucket_view=True)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=settings.optimizer_class,
-                                      process_group=process_group, **settings.optimizer_defaults)
-        _attach_stage1_helpers(opt, model, ddp)
-        return model, opt
-
     engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
     opt = engine(model.parameters(), settings.optimizer_class, process_group=process_group, **settings.stage3,
                  mixed_precision=settings.mixed_precision, module=model,
@@ -72,23 +61,3 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
                  grad_accum_dtype=settings.grad_accum_dtype, **settings.optimizer_defaults)
     return model, opt
 
-
-def _attach_stage1_helpers(opt, model, ddp) -> None:
-    """opt.backward / opt.clip_grad_norm_ / opt.loss_scale on the DDP + ZeRO-1 pair, so one
-    training loop serves every stage."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def backward(loss, **kwargs):
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"backward: loss must be a tensor, got {type(loss).__name__}")
-        loss.backward(**kwargs)
-
-    def clip_grad_norm_(max_norm, norm_type=2.0, error_if_nonfinite=False):
-        from .clipping import check_norm_args
-        check_norm_args(max_norm, norm_type)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
-
-    object.__setattr__(opt, "backward", backward)
-    object.__setattr__(opt, "clip_grad_norm_", clip_grad_norm_)
-    object.__setattr__(opt, "loss_scale", 1.0)
-    object.__setattr__(opt, "no_sync", ddp.no_sync)

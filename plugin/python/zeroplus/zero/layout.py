@@ -49,6 +49,18 @@ class Bucket:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
+    def owned_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """(entry index, start, end) of every parameter's part inside `rank`'s shard, in shard
+        coordinates (0..shard_numel) and bucket order; parameters outside the shard are left out,
+        and so are alignment gaps and padding (no parameter, never stepped)."""
+        lo, hi = self.shard_range(rank)
+        pieces = []
+        for i, e in enumerate(self.entries):
+            a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if a < z:
+                pieces.append((i, a - lo, z - lo))
+        return pieces
+
 
 def plan_buckets(groups: list[list[torch.nn.Parameter]], world_size: int, cap_elems: int,
                  dtype_of) -> list[Bucket]:

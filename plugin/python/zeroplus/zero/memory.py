@@ -53,8 +53,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
     params = list(model.parameters())
     report = {"parameters": _storage_bytes(params), "gradients": _storage_bytes([p.grad for p in params]),
               "master_parameters": 0, "optimizer_state": 0, "communication_buffers": 0, "pooled_buffers": 0}
-    from .stage2 import Stage2Optimizer
-    if isinstance(optimizer, Stage2Optimizer):
+    if hasattr(optimizer, "memory_bytes"):  # a zeroplus ZeRO engine (stages 1-3)
         ours = optimizer.memory_bytes()
         report["gradients"] += ours["gradients"]
         report["master_parameters"] = ours["master_parameters"]

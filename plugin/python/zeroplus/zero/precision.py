@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
+# mixed_precision= values and the compute dtype each stands for (None: fp32 training).
+COMPUTE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def cast_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
     for sub in module.modules():

@@ -11,27 +11,42 @@ ZeroRedundancyOptimizer(..., stage=2) return. Units (one job each):
     this file        construction, step (unscale, clip, inner step, write back, all-gather)
 
 The user's param_groups stay the user's (LR schedulers and hyperparameter edits work); the inner
-optimizer (the user's class, or zeroplus's fused twin for Adam/AdamW/SGD) steps one flat fp32
-master tensor per bucket: this rank's shard only. Hyperparameters are copied from the user's
-groups into the inner groups before every step.
+optimizer (the user's class, or zeroplus's fused twin for Adam/AdamW/SGD) steps this rank's shard
+only: one fp32 master tensor per bucket, handed to the inner optimizer as one view per parameter
+piece inside the shard (a "segment"), so each parameter keeps its own optimizer state and step
+count, and a parameter no rank gave a gradient gets no update at all (usage.py: its segments'
+.grad stay None, as torch skips a None grad). The fused kernels take the segments as one
+multi-tensor call. Hyperparameters are copied from the user's groups into the inner groups before
+every step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..optim.fused import fused_class_for
-from . import clipping, comm, precision, state
+from . import clipping, comm, full_state, precision, state
 from .config import DEFAULT_REDUCE_BUCKET_ELEMS
 from .grad_reducer import GradientReducer
 from .layout import plan_buckets
 from .loss_scaler import DynamicLossScaler, LossScalerOptions, StaticLossScaler
+from .memory import optimizer_bytes
+from .precision import COMPUTE_DTYPES
 
-_PRECISIONS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter's piece of this rank's shard of a bucket: what the inner optimizer steps."""
+    entry: int            # index into bucket.entries
+    lo: int               # [lo, hi) in shard coordinates
+    hi: int
+    master: torch.Tensor  # master[lo:hi], the view the inner optimizer owns
 _UNSUPPORTED_OPTIONS = ("differentiable",)  # masters are not part of an autograd graph
 
 
@@ -45,7 +60,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
         name = type(self).__name__
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"{name}: optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        if mixed_precision not in _PRECISIONS:
+        if mixed_precision not in COMPUTE_DTYPES:
             raise ValueError(f"{name}: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
         for key in _UNSUPPORTED_OPTIONS:
             if defaults.get(key):
@@ -64,7 +79,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.mixed_precision = mixed_precision
-        self.compute_dtype = _PRECISIONS[mixed_precision]
+        self.compute_dtype = COMPUTE_DTYPES[mixed_precision]
         self.module = module
         self.gradient_clipping = float(gradient_clipping)
         self._check_params(name)
@@ -136,7 +151,6 @@ class Stage2Optimizer(torch.optim.Optimizer):
     def _finish_construction(self) -> None:
         """Set-up after the reducer exists: model load hooks (stage 3 adds the parameter gatherer)."""
         if self.module is not None:
-            from . import full_state
             full_state.install_load_hooks(self)
             # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.
             object.__setattr__(self.module, "_zeroplus_engine", weakref.ref(self))
@@ -189,15 +203,25 @@ class Stage2Optimizer(torch.optim.Optimizer):
                 dist.broadcast(buf, src=src, group=self.process_group)
 
     def _build_inner(self, optimizer_class) -> None:
+        """The inner optimizer over segments: per bucket, one view of the master per parameter
+        piece this rank owns (Bucket.owned_pieces), in bucket order, grouped by param group."""
         inner_class = fused_class_for(optimizer_class) or optimizer_class
-        self.inner_groups = [[] for _ in self.param_groups]  # master indices per outer group
-        for i, b in enumerate(self.buckets):
-            self.inner_groups[b.group].append(i)
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [self.masters[i] for i in idx]}
-                  for g, idx in zip(self.param_groups, self.inner_groups)]
-        groups = [g for g in groups if g["params"]]
-        self._inner_group_of = [gi for gi, idx in enumerate(self.inner_groups) if idx]
-        self.inner = inner_class(groups)
+        self.segments: list[list[Segment]] = []
+        per_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        for b, master in zip(self.buckets, self.masters):
+            segs = [Segment(e_index, lo, hi, master[lo:hi]) for e_index, lo, hi in b.owned_pieces(self.rank)]
+            self.segments.append(segs)
+            per_group[b.group].extend(s.master for s in segs)
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": params}
+                  for g, params in zip(self.param_groups, per_group)]
+        self._inner_group_of = [gi for gi, params in enumerate(per_group) if params]
+        if not self._inner_group_of:
+            # This rank's shards hold only padding (a model smaller than the world): the inner
+            # optimizer still exists (hyperparameters, state dicts) over one empty tensor that
+            # never gets a gradient.
+            groups[0]["params"] = [torch.zeros(0, dtype=torch.float32, device=self.buckets[0].device)]
+            self._inner_group_of = [0]
+        self.inner = inner_class([groups[gi] for gi in self._inner_group_of])
         # The user's groups show every hyperparameter the optimizer filled in, as torch's do.
         for gi, inner_group in zip(self._inner_group_of, self.inner.param_groups):
             for k, v in inner_group.items():
@@ -305,13 +329,18 @@ class Stage2Optimizer(torch.optim.Optimizer):
                 loss = closure()
         self.reducer.flush()
         self._consolidated = None
-        if not self.reducer.has_grads:
-            return loss  # no backward since zero_grad: like torch with every grad None
+        usage = self.reducer.usage
+        # Which parameters this step updates (one small collective). Without a backward since
+        # zero_grad no rank has anything to agree on (every rank runs the same passes).
+        stepped = usage.agree(self.process_group) if self.reducer.has_grads else usage.defined()
+        if not any(stepped):
+            return loss  # every grad None: torch's step changes nothing either
         external = self._externally_unscaled
         if self.mixed_precision == "fp16" and not external and self._overflow():
             self.scaler.update(True)
             self.skipped_steps += 1
             self.reducer.zero()
+            usage.clear(set_to_none=False)
             self._clipped_this_step = False
             return loss
         if self.gradient_clipping > 0 and not self._clipped_this_step:
@@ -321,16 +350,22 @@ class Stage2Optimizer(torch.optim.Optimizer):
             for k, v in self.param_groups[gi].items():
                 if k != "params":
                     inner_group[k] = v
-        for master, g in zip(self.masters, self.reducer.shards):
+        base = usage.base
+        for b, (master, g, segs) in enumerate(zip(self.masters, self.reducer.shards, self.segments)):
+            if not segs:
+                continue
             grad = g if g.dtype == master.dtype else g.to(master.dtype)
             if inv_scale != 1.0:
                 grad = grad.mul(inv_scale) if grad is g else grad.mul_(inv_scale)
-            master.grad = grad
+            first = base[b]
+            for s in segs:
+                s.master.grad = grad[s.lo:s.hi] if stepped[first + s.entry] else None
         try:
             self.inner.step()
         finally:
-            for master in self.masters:
-                master.grad = None
+            for segs in self.segments:
+                for s in segs:
+                    s.master.grad = None
         if not external:
             self.scaler.update(False)
         self._clipped_this_step = False
@@ -355,6 +390,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero()
+        self.reducer.usage.clear(set_to_none)
         self._clipped_this_step = False
         self._externally_unscaled = False
         for g in self.param_groups:
@@ -385,14 +421,12 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._consolidated = full if self.rank == to else None
 
     def memory_bytes(self) -> dict[str, int]:
-        from .memory import optimizer_bytes
         return optimizer_bytes(self)
 
 
 class Stage1Optimizer(Stage2Optimizer):
     """ZeRO stage 1 on the same engine: gradients are all-reduced and kept whole, the fp32 master
-    and optimizer state are sharded. zeroplus.initialize uses it for stage 1 with mixed precision
-    (torch's ZeroRedundancyOptimizer has no master weights); fp32 stage 1 is DDP +
-    ZeroRedundancyOptimizer."""
+    and optimizer state are sharded. zeroplus.initialize(stage=1) returns it at every precision
+    (zeroplus.ZeroRedundancyOptimizer is torch's interface, for a user's own DDP model)."""
 
     stage = 1

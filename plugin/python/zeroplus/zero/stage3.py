@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from . import comm, materialize, sharded_init
+from .heap import return_freed_memory
 from .layout import plan_segments
+from .memory import optimizer_bytes
 from .param_gatherer import ParameterGatherer
 from .stage2 import Stage2Optimizer
 from .units import build_units
@@ -153,7 +155,7 @@ class Stage3Optimizer(Stage2Optimizer):
                     else:
                         masters[id(b)] = master_src.to(torch.float32, copy=True)
                 del flat, master_src, own
-            materialize.return_freed_memory()
+            return_freed_memory()
         materializer.finish()
         return [masters[id(b)] for b in self.buckets]
 
@@ -189,7 +191,6 @@ class Stage3Optimizer(Stage2Optimizer):
             w.wait()
 
     def memory_bytes(self) -> dict[str, int]:
-        from .memory import optimizer_bytes
         out = optimizer_bytes(self)
         out["gathered_parameters"] = self.gatherer.gathered_bytes()
         out["pooled_buffers"] += self.gatherer.pool.pooled_bytes

@@ -1,9 +1,11 @@
 """State dicts of the stage-2/3 optimizers.
 
 Two formats:
-  * sharded (what state_dict() returns by default): this rank's inner-optimizer state (flat
-    shards), the user's hyperparameters, the loss scaler, and a layout signature. Loading needs
-    the same world size and model (checked: a mismatch raises ValueError, nothing is changed).
+  * sharded (what state_dict() returns by default): this rank's inner-optimizer state (one entry
+    per segment: a parameter's piece of this rank's shard, stage2.Segment), the user's
+    hyperparameters, the loss scaler, and a layout signature. Loading needs the same world size
+    and model (checked: a mismatch raises ValueError, nothing is changed). Version 1 (one flat
+    state per bucket shard, written before parameters had their own step counts) still loads.
   * consolidated (consolidate_state_dict(to) then state_dict() on rank `to`): the plain
     torch.optim format of the unsharded model: state indexed by parameter position, each tensor
     in the parameter's shape, exactly what the user's optimizer class would save. Every rank can
@@ -15,11 +17,12 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 
 FORMAT = "zeroplus-zero-sharded"
-VERSION = 1
+VERSION = 2
 
 
 def _param_index(opt) -> dict[int, int]:
@@ -40,6 +43,23 @@ def _hyperparameters(opt) -> list[dict]:
     index = _param_index(opt)
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
             for g in opt.param_groups]
+
+
+def _inner_order(opt) -> list[tuple[int, object]]:
+    """(bucket index, segment) of every inner parameter, in the inner optimizer's order (the
+    order its state_dict numbers them)."""
+    where = {id(s.master): (b, s) for b, segs in enumerate(opt.segments) for s in segs}
+    return [where[id(t)] for g in opt.inner.param_groups for t in g["params"] if id(t) in where]
+
+
+def _is_elementwise(value, numel: int) -> bool:
+    """State with one value per parameter element (exp_avg, momentum_buffer, ...), as opposed
+    to per-parameter scalars (step)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def sharded_state_dict(opt) -> dict:
@@ -92,13 +112,17 @@ def load_state_dict(opt, state_dict) -> None:
     if meta is not None:
         if meta.get("format") != FORMAT:
             raise ValueError(f"load_state_dict: unknown zeroplus state format {meta.get('format')!r}")
+        if meta.get("version") not in (1, VERSION):
+            raise ValueError(f"load_state_dict: zeroplus sharded state version {meta.get('version')!r} is newer than "
+                             f"this zeroplus reads ({VERSION}); upgrade zeroplus")
         if meta["world_size"] != opt.world_size:
             raise ValueError(f"load_state_dict: sharded state saved at world size {meta['world_size']}, loading at "
                              f"{opt.world_size}; save a consolidated state dict (consolidate_state_dict) to reshard")
         if meta["layout"] != layout_signature(opt):
             raise ValueError("load_state_dict: the sharded state was saved for another model or bucket layout "
                              "(parameters, shapes or reduce_bucket_size differ)")
-        inner_sd = {"state": state_dict["state"], "param_groups": _inner_groups(opt)}
+        inner_state = state_dict["state"] if meta["version"] == VERSION else _segments_from_v1(opt, state_dict["state"])
+        inner_sd = {"state": inner_state, "param_groups": _inner_groups(opt)}
         scaler_state = meta.get("loss_scaler")
     else:
         inner_sd = {"state": _shard_plain_state(opt, state_dict["state"]), "param_groups": _inner_groups(opt)}
@@ -114,57 +138,92 @@ def load_state_dict(opt, state_dict) -> None:
         opt.skipped_steps = int(meta.get("skipped_steps", 0))
 
 
+def _segments_from_v1(opt, flat_state: dict) -> dict:
+    """Version-1 sharded state (one flat state per bucket shard, in inner-group order of the
+    buckets) -> one state per segment: elementwise tensors sliced, scalars copied."""
+    bucket_order = [b for gi in opt._inner_group_of for b, bucket in enumerate(opt.buckets) if bucket.group == gi]
+    by_bucket = {b: flat_state[i] for i, b in enumerate(bucket_order) if i in flat_state}
+    out = {}
+    for i, (b, seg) in enumerate(_inner_order(opt)):
+        saved = by_bucket.get(b)
+        if saved:
+            shard_numel = opt.buckets[b].shard_numel
+            out[i] = {k: (v[seg.lo:seg.hi].clone() if _is_elementwise(v, shard_numel) else _copy(v))
+                      for k, v in saved.items()}
+    return out
+
+
 def _shard_plain_state(opt, plain_state: dict) -> dict:
-    """Plain torch.optim state (per parameter, full shapes) -> inner state (per bucket master,
-    this rank's shard)."""
+    """Plain torch.optim state (per parameter, full shapes) -> inner state (per segment)."""
     index = _param_index(opt)
     out = {}
-    for mi, b in enumerate(opt.buckets):
-        lo, hi = b.shard_range(opt.rank)
-        shard_state: dict = {}
-        for e in b.entries:
-            saved = plain_state.get(index[id(e.param)])
-            if saved is None:
-                continue
-            for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == e.numel:
-                    if tuple(value.shape) != tuple(e.shape):
-                        raise ValueError(f"load_state_dict: state[{index[id(e.param)]}][{key!r}] has shape "
-                                         f"{tuple(value.shape)}, the parameter has {tuple(e.shape)}")
-                    flat = shard_state.get(key)
-                    if flat is None:
-                        flat = shard_state[key] = torch.zeros(b.shard_numel, dtype=torch.float32, device=b.device)
-                    a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
-                    if a < z:
-                        flat[a - lo:z - lo].copy_(value.reshape(-1)[a - e.offset:z - e.offset])
-                elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                    raise ValueError(f"load_state_dict: state[{index[id(e.param)]}][{key!r}] has "
-                                     f"{value.numel()} elements, the parameter has {e.numel}")
-                else:
-                    shard_state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
-        if shard_state:
-            out[mi] = shard_state
+    for i, (b, seg) in enumerate(_inner_order(opt)):
+        bucket = opt.buckets[b]
+        e = bucket.entries[seg.entry]
+        pi = index[id(e.param)]
+        saved = plain_state.get(pi)
+        if not saved:
+            continue
+        start = bucket.shard_range(opt.rank)[0] + seg.lo - e.offset  # the piece inside the parameter
+        st = {}
+        for key, value in saved.items():
+            if _is_elementwise(value, e.numel):
+                if tuple(value.shape) != tuple(e.shape):
+                    raise ValueError(f"load_state_dict: state[{pi}][{key!r}] has shape {tuple(value.shape)}, the "
+                                     f"parameter has {tuple(e.shape)}")
+                st[key] = value.reshape(-1)[start:start + seg.hi - seg.lo].to(torch.float32, copy=True)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                raise ValueError(f"load_state_dict: state[{pi}][{key!r}] has {value.numel()} elements, the "
+                                 f"parameter has {e.numel}")
+            else:
+                st[key] = _copy(value)
+        out[i] = st
     return out
 
 
 def consolidated_state_dict(opt) -> dict:
-    """Plain torch.optim state of the whole model, valid on every rank (collective)."""
+    """Plain torch.optim state of the whole model, valid on every rank (collective).
+
+    Every parameter whose state exists has it on every rank holding a piece of it (they stepped
+    together), so: one object all-gather of what each rank knows per parameter (its keys, and
+    the per-parameter scalars such as step), then per bucket and elementwise key one tensor
+    all-gather of the shards, each parameter's slice reshaped to the parameter."""
     index = _param_index(opt)
     inner_state = opt.inner.state
-    plain: dict[int, dict] = {}
-    for b, master in zip(opt.buckets, opt.masters):
-        st = inner_state.get(master, {})
-        for key in sorted(st):  # same order on every rank: every rank stepped the same way
-            value = st[key]
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == b.shard_numel:
-                full = torch.empty(b.numel, dtype=value.dtype, device=value.device)
-                comm.all_gather(full, value.contiguous(), opt.process_group, async_op=False)
-                for e in b.entries:
-                    plain.setdefault(index[id(e.param)], {})[key] = (
-                        full[e.offset:e.offset + e.numel].view(e.shape).clone())
-            else:
-                for e in b.entries:
-                    plain.setdefault(index[id(e.param)], {})[key] = (
-                        value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value))
+    known: dict[int, dict] = {}  # parameter index -> {key: scalar value, or dtype for elementwise}
+    for b, seg in _inner_order(opt):
+        e = opt.buckets[b].entries[seg.entry]
+        for key, value in inner_state.get(seg.master, {}).items():
+            known.setdefault(index[id(e.param)], {})[key] = (
+                value.dtype if _is_elementwise(value, seg.hi - seg.lo) else _copy(value))
+    everyone = [None] * opt.world_size
+    dist.all_gather_object(everyone, known, group=opt.process_group)
+    merged: dict[int, dict] = {}
+    for per_rank in everyone:
+        for pi, keys in per_rank.items():
+            for key, value in keys.items():
+                merged.setdefault(pi, {}).setdefault(key, value)
+    plain: dict[int, dict] = {pi: {} for pi in merged}
+    for b, bucket in enumerate(opt.buckets):
+        entries = [(e, index[id(e.param)]) for e in bucket.entries if index[id(e.param)] in merged]
+        keys: dict[str, torch.dtype] = {}
+        for _e, pi in entries:
+            for key, value in merged[pi].items():
+                if isinstance(value, torch.dtype):
+                    keys.setdefault(key, value)
+        gathered = {}
+        for key in sorted(keys):  # the same order on every rank
+            shard = torch.zeros(bucket.shard_numel, dtype=keys[key], device=bucket.device)
+            for seg in opt.segments[b]:
+                value = inner_state.get(seg.master, {}).get(key)
+                if value is not None:
+                    shard[seg.lo:seg.hi].copy_(value.reshape(-1))
+            full = torch.empty(bucket.numel, dtype=keys[key], device=bucket.device)
+            comm.all_gather(full, shard, opt.process_group, async_op=False)
+            gathered[key] = full
+        for e, pi in entries:
+            for key, value in merged[pi].items():
+                plain[pi][key] = (gathered[key][e.offset:e.offset + e.numel].view(e.shape).clone()
+                                  if isinstance(value, torch.dtype) else _copy(value))
     ordered = {i: plain[i] for i in sorted(plain)}
     return {"state": ordered, "param_groups": _hyperparameters(opt)}
