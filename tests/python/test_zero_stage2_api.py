@@ -251,8 +251,9 @@ def test_config_file_gives_the_same_engine(tmp_path):
     settings = resolve(None, None, None, str(path), {})
     assert settings.optimizer_class is torch.optim.AdamW
     assert settings.optimizer_defaults == {"lr": LR, "betas": (0.9, 0.95)}
-    assert (settings.stage, settings.mixed_precision, settings.reduce_bucket_elems) == (2, "bf16", 5000)
-    assert settings.gradient_clipping == 1.0
+    options = settings.options
+    assert (settings.stage, options.precision.mixed_precision, options.reduce_bucket_elems) == (2, "bf16", 5000)
+    assert options.gradient_clipping == 1.0
 
 
 def test_estimate_cli_prints_all_stages():

@@ -8,9 +8,23 @@ from .loss_scaler import DynamicLossScaler, LossScalerOptions
 from .memory import estimate_memory, memory_report
 from .stage2 import Stage1Optimizer, Stage2Optimizer
 from .stage3 import Stage3Optimizer
+from .policies import EngineOptions, PrecisionPolicy, Stage3Policy
 from ..optim import zero as _zero_redundancy
 
-_zero_redundancy.STAGE_ENGINES[2] = Stage2Optimizer  # ZeroRedundancyOptimizer(..., stage=2)
 
-__all__ = ["full_state_dict", "GradScaler", "init_context", "initialize", "estimate_memory", "memory_report", "Stage1Optimizer",
+def _stage2_from_params(params, optimizer_class, *, process_group=None, mixed_precision=None,
+                        reduce_bucket_elems=None, **defaults):
+    """ZeroRedundancyOptimizer(params, ..., stage=2): its extra keywords become the policies."""
+    try:
+        options = EngineOptions(
+            precision=PrecisionPolicy(mixed_precision=mixed_precision),
+            **({} if reduce_bucket_elems is None else {"reduce_bucket_elems": reduce_bucket_elems}))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"ZeroRedundancyOptimizer: {e}") from e
+    return Stage2Optimizer(params, optimizer_class, options=options, process_group=process_group, **defaults)
+
+
+_zero_redundancy.STAGE_ENGINES[2] = _stage2_from_params
+
+__all__ = ["EngineOptions", "PrecisionPolicy", "Stage3Policy", "full_state_dict", "GradScaler", "init_context", "initialize", "estimate_memory", "memory_report", "Stage1Optimizer",
            "Stage2Optimizer", "Stage3Optimizer", "DynamicLossScaler", "LossScalerOptions"]

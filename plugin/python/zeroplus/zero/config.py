@@ -41,9 +41,8 @@ from typing import Any
 import torch
 
 from .loss_scaler import LossScalerOptions
+from .policies import DEFAULT_REDUCE_BUCKET_ELEMS, EngineOptions, PrecisionPolicy, Stage3Policy
 from .precision import COMPUTE_DTYPES
-
-DEFAULT_REDUCE_BUCKET_ELEMS = 1 << 22  # 16 MiB of fp32: large enough to be bandwidth-bound
 
 _IGNORED_TOP_LEVEL = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
@@ -71,23 +70,14 @@ _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.b
                 "fp16": torch.float16, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class ZeroSettings:
+    """What zeroplus.initialize builds: the stage, the optimizer, and the engine's policies."""
     stage: int
     optimizer_class: type
     optimizer_defaults: dict[str, Any]
-    mixed_precision: str | None  # None | "bf16" | "fp16"
-    reduce_bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS
-    loss_scaler: LossScalerOptions | None = None  # fp16 with dynamic scaling
-    static_loss_scale: float | None = None        # fp16 with a fixed scale
-    gradient_clipping: float = 0.0
-    grad_accum_dtype: torch.dtype | None = None   # None: the compute dtype
+    options: EngineOptions
     ignored_keys: list[str] = field(default_factory=list)
-    stage3: dict[str, Any] = field(default_factory=dict)  # Stage3Optimizer keyword arguments
-
-    @property
-    def compute_dtype(self) -> torch.dtype | None:
-        return COMPUTE_DTYPES[self.mixed_precision]
 
 
 def load_config(config) -> dict:
@@ -212,35 +202,41 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
                          f"[{cfg_precision!r}]['enabled']=true")
     precision = mixed_precision or cfg_precision
 
-    settings = ZeroSettings(stage=stage, optimizer_class=opt_class, optimizer_defaults=defaults,
-                            mixed_precision=precision, reduce_bucket_elems=int(bucket), stage3=stage3_args)
+    loss_scaler, static_loss_scale = None, None
     if precision == "fp16":
         loss_scale = fp16_cfg.get("loss_scale", 0)
         if not _is_number(loss_scale) or loss_scale < 0:
             raise ValueError(f"zeroplus.initialize: config['fp16']['loss_scale'] must be >= 0, got {loss_scale!r}")
         if loss_scale > 0:
-            settings.static_loss_scale = float(loss_scale)
+            static_loss_scale = float(loss_scale)
         else:
             power = fp16_cfg.get("initial_scale_power", 16)
             if not _is_number(power) or not 0 <= power <= 64:
                 raise ValueError(f"zeroplus.initialize: config['fp16']['initial_scale_power'] must be in [0, 64], "
                                  f"got {power!r}")
-            settings.loss_scaler = LossScalerOptions(
+            loss_scaler = LossScalerOptions(
                 init_scale=2.0 ** power, scale_window=fp16_cfg.get("loss_scale_window", 1000),
                 hysteresis=fp16_cfg.get("hysteresis", 2), min_scale=fp16_cfg.get("min_loss_scale", 1),
                 consecutive_hysteresis=fp16_cfg.get("consecutive_hysteresis", False))
-            settings.loss_scaler.validate()
+            loss_scaler.validate()
 
     clip = cfg.get("gradient_clipping", 0.0)
     if not _is_number(clip) or clip < 0:
         raise ValueError(f"zeroplus.initialize: config['gradient_clipping'] must be >= 0, got {clip!r}")
-    settings.gradient_clipping = float(clip)
 
     accum = _section(cfg, "data_types", {"grad_accum_dtype"}).get("grad_accum_dtype")
-    if accum is not None:
-        if accum not in _DTYPE_NAMES:
-            raise ValueError(f"zeroplus.initialize: config['data_types']['grad_accum_dtype'] must be one of "
-                             f"{sorted(_DTYPE_NAMES)}, got {accum!r}")
-        settings.grad_accum_dtype = _DTYPE_NAMES[accum]
-    settings.ignored_keys = sorted(set(cfg) & _IGNORED_TOP_LEVEL)
-    return settings
+    if accum is not None and accum not in _DTYPE_NAMES:
+        raise ValueError(f"zeroplus.initialize: config['data_types']['grad_accum_dtype'] must be one of "
+                         f"{sorted(_DTYPE_NAMES)}, got {accum!r}")
+
+    try:
+        options = EngineOptions(
+            reduce_bucket_elems=int(bucket), gradient_clipping=float(clip),
+            precision=PrecisionPolicy(mixed_precision=precision, loss_scaler=loss_scaler,
+                                      static_loss_scale=static_loss_scale,
+                                      grad_accum_dtype=_DTYPE_NAMES[accum] if accum is not None else None),
+            stage3=Stage3Policy(**stage3_args))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"zeroplus.initialize: {e}") from e
+    return ZeroSettings(stage=stage, optimizer_class=opt_class, optimizer_defaults=defaults, options=options,
+                        ignored_keys=sorted(set(cfg) & _IGNORED_TOP_LEVEL))

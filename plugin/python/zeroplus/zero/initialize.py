@@ -54,10 +54,7 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
                            "dist.init_process_group(backend='zeroplus') (or gloo/nccl) first")
 
     engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
-    opt = engine(model.parameters(), settings.optimizer_class, process_group=process_group, **settings.stage3,
-                 mixed_precision=settings.mixed_precision, module=model,
-                 reduce_bucket_elems=settings.reduce_bucket_elems, loss_scaler=settings.loss_scaler,
-                 static_loss_scale=settings.static_loss_scale, gradient_clipping=settings.gradient_clipping,
-                 grad_accum_dtype=settings.grad_accum_dtype, **settings.optimizer_defaults)
+    opt = engine(model.parameters(), settings.optimizer_class, options=settings.options, process_group=process_group,
+                 module=model, **settings.optimizer_defaults)
     return model, opt
 

@@ -31,12 +31,11 @@ import torch.distributed as dist
 
 from ..optim.fused import fused_class_for
 from . import clipping, comm, full_state, precision, state
-from .config import DEFAULT_REDUCE_BUCKET_ELEMS
 from .grad_reducer import GradientReducer
 from .layout import plan_buckets
 from .loss_scaler import DynamicLossScaler, LossScalerOptions, StaticLossScaler
 from .memory import optimizer_bytes
-from .precision import COMPUTE_DTYPES
+from .policies import EngineOptions
 
 
 
@@ -53,20 +52,20 @@ _UNSUPPORTED_OPTIONS = ("differentiable",)  # masters are not part of an autogra
 class Stage2Optimizer(torch.optim.Optimizer):
     stage = 2
 
-    def __init__(self, params, optimizer_class, *, process_group=None, mixed_precision=None, module=None,
-                 reduce_bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS, loss_scaler: LossScalerOptions | None = None,
-                 static_loss_scale: float | None = None, gradient_clipping: float = 0.0,
-                 grad_accum_dtype: torch.dtype | None = None, **defaults):
+    def __init__(self, params, optimizer_class, *, options: EngineOptions | None = None, process_group=None,
+                 module=None, **defaults):
+        """params and defaults as torch.optim takes them; options: the policies (policies.py),
+        defaults when None; module: the model (needed by stage 3, and for buffers, mixed-precision
+        input casts and model.no_sync() at stages 1-2)."""
         name = type(self).__name__
+        options = EngineOptions() if options is None else options
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"{name}: options must be a zeroplus.zero.EngineOptions, got {type(options).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"{name}: optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        if mixed_precision not in COMPUTE_DTYPES:
-            raise ValueError(f"{name}: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
         for key in _UNSUPPORTED_OPTIONS:
             if defaults.get(key):
                 raise ValueError(f"{name}: optimizer option {key}=True is not supported by ZeRO stage {self.stage}")
-        if isinstance(reduce_bucket_elems, bool) or not isinstance(reduce_bucket_elems, int) or reduce_bucket_elems < 1:
-            raise ValueError(f"{name}: reduce_bucket_elems must be a positive int, got {reduce_bucket_elems!r}")
         if not dist.is_initialized():
             raise RuntimeError(f"{name}: torch.distributed is not initialized; call init_process_group first")
         if module is not None and not isinstance(module, torch.nn.Module):
@@ -75,13 +74,15 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._constructing = True
         super().__init__(params, defaults)
         self._constructing = False
+        self.options = options
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.mixed_precision = mixed_precision
-        self.compute_dtype = COMPUTE_DTYPES[mixed_precision]
+        precision_policy = options.precision
+        self.mixed_precision = precision_policy.mixed_precision
+        self.compute_dtype = precision_policy.compute_dtype
         self.module = module
-        self.gradient_clipping = float(gradient_clipping)
+        self.gradient_clipping = float(options.gradient_clipping)
         self._check_params(name)
         self._check_hyperparameters(name, optimizer_class)
 
@@ -91,17 +92,18 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._check_module(name, trainable)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
-        self.buckets = self._plan_layout(trainable, reduce_bucket_elems)
+        self.buckets = self._plan_layout(trainable, options.reduce_bucket_elems)
         self.masters = self._build_flat_buffers()
         self._sync_unmanaged(trainable)
         self._build_inner(optimizer_class)
-        self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank, grad_accum_dtype,
-                                       shard_gradients=self.stage >= 2)
-        if mixed_precision == "fp16":
-            self.scaler = (StaticLossScaler() if static_loss_scale is not None
-                           else DynamicLossScaler(loss_scaler or LossScalerOptions()))
-            if static_loss_scale is not None:
-                self.scaler.scale = float(static_loss_scale)
+        self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank,
+                                       precision_policy.grad_accum_dtype, shard_gradients=self.stage >= 2)
+        if self.mixed_precision == "fp16":
+            static = precision_policy.static_loss_scale
+            self.scaler = (StaticLossScaler() if static is not None
+                           else DynamicLossScaler(precision_policy.loss_scaler or LossScalerOptions()))
+            if static is not None:
+                self.scaler.scale = float(static)
         else:
             self.scaler = StaticLossScaler()
         self._clipped_this_step = False

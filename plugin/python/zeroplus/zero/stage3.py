@@ -32,45 +32,34 @@ from .heap import return_freed_memory
 from .layout import plan_segments
 from .memory import optimizer_bytes
 from .param_gatherer import ParameterGatherer
+from .policies import EngineOptions
 from .stage2 import Stage2Optimizer
 from .units import build_units
 
-DEFAULT_PREFETCH_ELEMS = 50_000_000        # DeepSpeed's stage3_prefetch_bucket_size
-DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
-DEFAULT_PERSISTENCE_THRESHOLD = 100_000    # DeepSpeed's stage3_param_persistence_threshold
 _NO_CAP = 1 << 60
-
-
-def _check_count(name: str, key: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < minimum:
-        raise ValueError(f"{name}: {key} must be a number >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class Stage3Optimizer(Stage2Optimizer):
     stage = 3
 
-    def __init__(self, params, optimizer_class, *, module=None, prefetch_bucket_size=DEFAULT_PREFETCH_ELEMS,
-                 max_live_parameters=DEFAULT_MAX_LIVE_PARAMETERS,
-                 param_persistence_threshold=DEFAULT_PERSISTENCE_THRESHOLD, reshard_after_forward: bool = True,
-                 unit_classes=None, param_init_fn=None, **kwargs):
+    def __init__(self, params, optimizer_class, *, options: EngineOptions | None = None, module=None, **kwargs):
         name = type(self).__name__
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{name}: ZeRO stage 3 needs the model (module=), got {type(module).__name__}; use "
                             f"zeroplus.initialize(model, ..., stage=3)")
-        self._prefetch_elems = _check_count(name, "prefetch_bucket_size", prefetch_bucket_size, 0)
-        self._max_live = _check_count(name, "max_live_parameters", max_live_parameters, 0)
-        self._persist_threshold = _check_count(name, "param_persistence_threshold", param_persistence_threshold, 0)
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"{name}: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError(f"{name}: param_init_fn must be callable, got {type(param_init_fn).__name__}")
-        self._reshard_after_forward = reshard_after_forward
-        self._param_init_fn = param_init_fn
-        self._unit_classes = unit_classes
+        options = EngineOptions() if options is None else options
+        if not isinstance(options, EngineOptions):
+            raise TypeError(f"{name}: options must be a zeroplus.zero.EngineOptions, got {type(options).__name__}")
+        policy = options.stage3
+        self._prefetch_elems = policy.prefetch_bucket_size
+        self._max_live = policy.max_live_parameters
+        self._persist_threshold = policy.param_persistence_threshold
+        self._reshard_after_forward = policy.reshard_after_forward
+        self._param_init_fn = policy.param_init_fn
+        self._unit_classes = policy.unit_classes
         self.frozen_buckets = []
         self.gatherer = None
-        super().__init__(params, optimizer_class, module=module, **kwargs)
+        super().__init__(params, optimizer_class, options=options, module=module, **kwargs)
 
     # -- construction --------------------------------------------------------------------------
 

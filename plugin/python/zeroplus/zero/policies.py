@@ -1,0 +1,89 @@
+"""What a ZeRO engine is configured with: small frozen policies, built once and passed whole.
+
+zeroplus.initialize builds them from its arguments and the DeepSpeed-style config
+(config.resolve); the engines read them and never take their fields as a dozen keyword
+arguments. Each policy checks its own fields when it is created (ValueError/TypeError naming the
+field), so an engine only ever sees valid settings. Defaults are defined here and only here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .loss_scaler import LossScalerOptions
+from .precision import COMPUTE_DTYPES
+
+DEFAULT_REDUCE_BUCKET_ELEMS = 1 << 22        # 16 MiB of fp32: large enough to be bandwidth-bound
+DEFAULT_PREFETCH_ELEMS = 50_000_000          # DeepSpeed's stage3_prefetch_bucket_size
+DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000      # DeepSpeed's stage3_param_persistence_threshold
+
+
+def _count(owner: str, key: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < minimum:
+        raise ValueError(f"{owner}: {key} must be a number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Compute dtype of parameters and gradients; masters and optimizer state stay fp32."""
+    mixed_precision: str | None = None            # None (fp32) | "bf16" | "fp16"
+    grad_accum_dtype: torch.dtype | None = None   # gradient shard dtype; None: the compute dtype
+    loss_scaler: LossScalerOptions | None = None  # fp16: dynamic scaling options (None: defaults)
+    static_loss_scale: float | None = None        # fp16: a fixed scale instead
+
+    def __post_init__(self):
+        if self.mixed_precision not in COMPUTE_DTYPES:
+            raise ValueError(f"PrecisionPolicy: mixed_precision must be None, 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if self.grad_accum_dtype is not None and not (isinstance(self.grad_accum_dtype, torch.dtype)
+                                                      and self.grad_accum_dtype.is_floating_point):
+            raise TypeError(f"PrecisionPolicy: grad_accum_dtype must be a floating torch.dtype, got {self.grad_accum_dtype!r}")
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return COMPUTE_DTYPES[self.mixed_precision]
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    """Stage-3 parameter gathering (DeepSpeed's names and defaults; docs/zero.md "Stage 3")."""
+    prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMS
+    max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
+    param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
+    reshard_after_forward: bool = True
+    unit_classes: Any = None
+    param_init_fn: Callable | None = None
+
+    def __post_init__(self):
+        for key in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
+            object.__setattr__(self, key, _count("Stage3Policy", key, getattr(self, key), 0))
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"Stage3Policy: reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(f"Stage3Policy: param_init_fn must be callable, got {type(self.param_init_fn).__name__}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything a ZeRO engine is built with besides the parameters, the optimizer class with
+    its hyperparameters, the process group and the module."""
+    reduce_bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS
+    gradient_clipping: float = 0.0  # > 0: step() clips to this global norm unless clip_grad_norm_ ran
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    stage3: Stage3Policy = field(default_factory=Stage3Policy)
+
+    def __post_init__(self):
+        bucket = self.reduce_bucket_elems
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+            raise ValueError(f"EngineOptions: reduce_bucket_elems must be a positive int, got {bucket!r}")
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+            raise ValueError(f"EngineOptions: gradient_clipping must be a number >= 0, got {clip!r}")
+        if not isinstance(self.precision, PrecisionPolicy):
+            raise TypeError(f"EngineOptions: precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
+        if not isinstance(self.stage3, Stage3Policy):
+            raise TypeError(f"EngineOptions: stage3 must be a Stage3Policy, got {type(self.stage3).__name__}")
