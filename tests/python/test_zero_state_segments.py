@@ -42,8 +42,7 @@ def _engine(group, stage, bucket=None):
 
 
 def _inner_states(opt):
-    return [{k: v.clone() for k, v in opt.inner.state.get(t, {}).items()}
-            for g in opt.inner.param_groups for t in g["params"]]
+    return [{k: v.clone() for k, v in bo.segment_state(s).items()} for bo in opt.bucket_optimizers for s in bo.segments]
 
 
 def _states_equal(a, b) -> bool:
@@ -108,7 +107,7 @@ def _v1_loads(rank, group, stage):
     model.never.weight.data  # noqa: B018 - `never` is never used: no state, v1 zero-filled it
     v2 = opt.state_dict()
     order = state_mod._inner_order(opt)
-    bucket_order = [b for gi in opt._inner_group_of for b, bk in enumerate(opt.buckets) if bk.group == gi]
+    bucket_order = [b for gi in range(len(opt.param_groups)) for b, bk in enumerate(opt.buckets) if bk.group == gi]
     flat = {}
     for i, b in enumerate(bucket_order):
         n = opt.buckets[b].shard_numel

@@ -92,14 +92,13 @@ def install_load_hooks(engine) -> None:
             value = state_dict[key]
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(e.shape):
                 continue  # torch reports the mismatch
-            lo, hi = b.shard_range(rank)
-            a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
+            pc = b.piece(e, rank)
             flat_value = value.detach().reshape(-1)
-            if master is not None and a < z:
+            if master is not None and pc.numel:
                 with torch.no_grad():
-                    master[a - lo:z - lo].copy_(flat_value[a - e.offset:z - e.offset])
+                    master[pc.shard_lo:pc.shard_hi].copy_(flat_value[pc.param_lo:pc.param_hi])
             if tuple(p.shape) != tuple(e.shape):  # a stage-3 shard: load only this rank's slice
-                state_dict[key] = flat_value[a - e.offset:z - e.offset] if a < z else flat_value[0:0]
+                state_dict[key] = flat_value[pc.param_lo:pc.param_hi]
 
     for module in engine.module.modules():
         if any(p is not None and id(p) in slots for p in module._parameters.values()):

@@ -30,6 +30,19 @@ class Entry:
     shape: torch.Size = torch.Size()  # the parameter's full shape (at stage 3 .data is a shard)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside one rank's shard of its bucket (empty: numel 0)."""
+    shard_lo: int  # [shard_lo, shard_hi) in shard coordinates (0..shard_numel)
+    shard_hi: int
+    param_lo: int  # the same elements in the flattened parameter
+    param_hi: int
+
+    @property
+    def numel(self) -> int:
+        return self.shard_hi - self.shard_lo
+
+
 @dataclass
 class Bucket:
     index: int
@@ -49,16 +62,42 @@ class Bucket:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
-    def owned_pieces(self, rank: int) -> list[tuple[int, int, int]]:
-        """(entry index, start, end) of every parameter's part inside `rank`'s shard, in shard
-        coordinates (0..shard_numel) and bucket order; parameters outside the shard are left out,
-        and so are alignment gaps and padding (no parameter, never stepped)."""
+    def piece(self, entry: Entry, rank: int) -> Piece:
+        """The part of `entry`'s parameter inside `rank`'s shard: the one place the shard
+        intersection is computed."""
         lo, hi = self.shard_range(rank)
+        a, z = max(entry.offset, lo), min(entry.offset + entry.numel, hi)
+        if a >= z:
+            return Piece(0, 0, 0, 0)
+        return Piece(a - lo, z - lo, a - entry.offset, z - entry.offset)
+
+    # What the module sees. These are the only writers of a managed parameter's .data: the rest
+    # of the engine moves bytes inside `flat` and `shard` and never swaps a parameter's storage.
+
+    def show_full(self) -> None:
+        """Every parameter of the bucket becomes its full-shape view into `flat` (stages 1-2
+        always; stage 3 while the bucket is gathered)."""
+        for e in self.entries:
+            e.param.data = self.flat[e.offset:e.offset + e.numel].view(e.shape)
+
+    def show_shard(self, rank: int) -> None:
+        """Stage 3 between uses: every parameter becomes its 1-D piece of `shard` (possibly
+        empty). The views are built once (this runs after every unit's forward and backward)."""
+        views = self.__dict__.get("_shard_views")
+        if views is None or views[0] is not self.shard:
+            views = (self.shard, [self.shard[p.shard_lo:p.shard_hi] for p in (self.piece(e, rank) for e in self.entries)])
+            self.__dict__["_shard_views"] = views
+        for e, view in zip(self.entries, views[1]):
+            e.param.data = view
+
+    def owned_pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """(entry index, shard_lo, shard_hi) of every parameter with a part inside `rank`'s shard,
+        in bucket order; alignment gaps and padding belong to no parameter and are left out."""
         pieces = []
         for i, e in enumerate(self.entries):
-            a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
-            if a < z:
-                pieces.append((i, a - lo, z - lo))
+            pc = self.piece(e, rank)
+            if pc.numel:
+                pieces.append((i, pc.shard_lo, pc.shard_hi))
         return pieces
 
 

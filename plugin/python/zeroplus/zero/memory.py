@@ -74,7 +74,7 @@ def optimizer_bytes(opt) -> dict[str, int]:
     param_ptrs = {t.untyped_storage().data_ptr() for b in opt.buckets for t in (b.flat, b.shard) if t is not None}
     masters = [m for m in opt.masters if m.untyped_storage().data_ptr() not in param_ptrs]
     return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
-            "optimizer_state": _tensor_bytes(_state_tensors(opt.inner.state)),
+            "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
             "communication_buffers": opt.reducer.communication_bytes(),
             "pooled_buffers": opt.reducer.pool.pooled_bytes}
 

@@ -79,14 +79,7 @@ class _UnitState:
         self.trainable = {id(p) for p in owned if p.requires_grad}
         self.has_frozen = any(not p.requires_grad for p in owned)
         self.grads_seen: set[int] = set()
-        # (param, released view) for every entry: the 1-D part of the parameter in this rank's shard.
-        self.released_views = []
-        for b in buckets:
-            lo, hi = b.shard_range(rank)
-            for e in b.entries:
-                a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
-                view = b.shard[a - lo:z - lo] if a < z else b.shard[0:0]
-                self.released_views.append((e.param, view))
+        self.rank = rank
 
 
 class ParameterGatherer:
@@ -366,8 +359,7 @@ class ParameterGatherer:
         _wait_all(works)
         del works
         for j, b in enumerate(st.buckets):
-            for e in b.entries:
-                e.param.data = b.flat[e.offset:e.offset + e.numel].view(e.shape)
+            b.show_full()
             self._flat_of_storage[b.flat.untyped_storage().data_ptr()] = (self.states.index(st), j)
         st.state = GATHERED
 
@@ -379,8 +371,8 @@ class ParameterGatherer:
             _wait_all(works)  # IN_FLIGHT: the gather must be done before its buffer is reused
         finally:
             del works  # a work keeps its tensors referenced: the buffer would not be pooled
-            for param, view in st.released_views:
-                param.data = view
+            for b in st.buckets:
+                b.show_shard(st.rank)
             for b in st.buckets:
                 if b.flat is not None:
                     flat, b.flat = b.flat, None

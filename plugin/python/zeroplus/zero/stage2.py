@@ -8,44 +8,35 @@ ZeroRedundancyOptimizer(..., stage=2) return. Units (one job each):
     loss_scaler.py   fp16 dynamic loss scaling (DeepSpeed rules)
     clipping.py      global norm across shards
     state.py         sharded and consolidated (plain torch.optim) state dicts
-    this file        construction, step (unscale, clip, inner step, write back, all-gather)
+    usage.py         which parameters had a gradient (agreed at step)
+    bucket_optimizer.py  one bucket's step over its segments
+    this file        construction, step (unscale, clip, the bucket loop, write back, all-gather)
 
-The user's param_groups stay the user's (LR schedulers and hyperparameter edits work); the inner
-optimizer (the user's class, or zeroplus's fused twin for Adam/AdamW/SGD) steps this rank's shard
-only: one fp32 master tensor per bucket, handed to the inner optimizer as one view per parameter
-piece inside the shard (a "segment"), so each parameter keeps its own optimizer state and step
-count, and a parameter no rank gave a gradient gets no update at all (usage.py: its segments'
-.grad stay None, as torch skips a None grad). The fused kernels take the segments as one
-multi-tensor call. Hyperparameters are copied from the user's groups into the inner groups before
-every step.
+The user's param_groups stay the user's (LR schedulers and hyperparameter edits work). Each
+bucket has an fp32 master of this rank's shard and a BucketOptimizer (bucket_optimizer.py): the
+user's class, or zeroplus's fused twin for Adam/AdamW/SGD, over one view of the master per
+parameter piece ("segment"), so each parameter keeps its own state and step count and a parameter
+no rank gave a gradient is not updated at all (usage.py). step() walks the buckets: fetch, step,
+store, write back, all-gather (overlapping the next bucket's step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..optim.fused import fused_class_for
 from . import clipping, comm, full_state, precision, state
+from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
 from .layout import plan_buckets
 from .loss_scaler import DynamicLossScaler, LossScalerOptions, StaticLossScaler
 from .memory import optimizer_bytes
 from .policies import EngineOptions
 
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One parameter's piece of this rank's shard of a bucket: what the inner optimizer steps."""
-    entry: int            # index into bucket.entries
-    lo: int               # [lo, hi) in shard coordinates
-    hi: int
-    master: torch.Tensor  # master[lo:hi], the view the inner optimizer owns
 _UNSUPPORTED_OPTIONS = ("differentiable",)  # masters are not part of an autograd graph
 
 
@@ -178,8 +169,8 @@ class Stage2Optimizer(torch.optim.Optimizer):
             else:
                 master = flat[lo:hi]  # fp32 training: the master IS this rank's slice of the parameters
             b.flat = flat
+            b.show_full()
             for e in b.entries:
-                e.param.data = flat[e.offset:e.offset + e.numel].view(e.param.shape)
                 e.param._zeroplus_managed = True
             masters.append(master)
         return masters
@@ -205,31 +196,20 @@ class Stage2Optimizer(torch.optim.Optimizer):
                 dist.broadcast(buf, src=src, group=self.process_group)
 
     def _build_inner(self, optimizer_class) -> None:
-        """The inner optimizer over segments: per bucket, one view of the master per parameter
-        piece this rank owns (Bucket.owned_pieces), in bucket order, grouped by param group."""
+        """One BucketOptimizer per bucket: the user's optimizer class (or its fused twin) over
+        this rank's segments of the bucket, with the hyperparameters of the bucket's group."""
         inner_class = fused_class_for(optimizer_class) or optimizer_class
-        self.segments: list[list[Segment]] = []
-        per_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
-        for b, master in zip(self.buckets, self.masters):
-            segs = [Segment(e_index, lo, hi, master[lo:hi]) for e_index, lo, hi in b.owned_pieces(self.rank)]
-            self.segments.append(segs)
-            per_group[b.group].extend(s.master for s in segs)
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": params}
-                  for g, params in zip(self.param_groups, per_group)]
-        self._inner_group_of = [gi for gi, params in enumerate(per_group) if params]
-        if not self._inner_group_of:
-            # This rank's shards hold only padding (a model smaller than the world): the inner
-            # optimizer still exists (hyperparameters, state dicts) over one empty tensor that
-            # never gets a gradient.
-            groups[0]["params"] = [torch.zeros(0, dtype=torch.float32, device=self.buckets[0].device)]
-            self._inner_group_of = [0]
-        self.inner = inner_class([groups[gi] for gi in self._inner_group_of])
-        # The user's groups show every hyperparameter the optimizer filled in, as torch's do.
-        for gi, inner_group in zip(self._inner_group_of, self.inner.param_groups):
-            for k, v in inner_group.items():
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self.bucket_optimizers = [BucketOptimizer(b, master, self.rank, inner_class, hyper[b.group])
+                                  for b, master in zip(self.buckets, self.masters)]
+        # The user's groups show every hyperparameter the optimizer fills in, as torch's do (taken
+        # from a scratch instance: a group may have no segment on this rank).
+        for g, h in zip(self.param_groups, hyper):
+            scratch = inner_class([{**h, "params": [torch.zeros(1)]}])
+            for k, v in scratch.param_groups[0].items():
                 if k != "params":
-                    self.param_groups[gi].setdefault(k, v)
-        self.defaults = {**self.inner.defaults, **self.defaults}
+                    g.setdefault(k, v)
+        self.defaults = {**scratch.defaults, **self.defaults}
 
     def add_param_group(self, param_group) -> None:
         if getattr(self, "_constructing", False):
@@ -347,48 +327,47 @@ class Stage2Optimizer(torch.optim.Optimizer):
             return loss
         if self.gradient_clipping > 0 and not self._clipped_this_step:
             self.clip_grad_norm_(self.gradient_clipping)
-        inv_scale = 1.0 / self._grad_scale()
-        for gi, inner_group in zip(self._inner_group_of, self.inner.param_groups):
-            for k, v in self.param_groups[gi].items():
-                if k != "params":
-                    inner_group[k] = v
-        base = usage.base
-        for b, (master, g, segs) in enumerate(zip(self.masters, self.reducer.shards, self.segments)):
-            if not segs:
-                continue
-            grad = g if g.dtype == master.dtype else g.to(master.dtype)
-            if inv_scale != 1.0:
-                grad = grad.mul(inv_scale) if grad is g else grad.mul_(inv_scale)
-            first = base[b]
-            for s in segs:
-                s.master.grad = grad[s.lo:s.hi] if stepped[first + s.entry] else None
-        try:
-            self.inner.step()
-        finally:
-            for segs in self.segments:
-                for s in segs:
-                    s.master.grad = None
+        self._step_buckets(stepped, 1.0 / self._grad_scale())
         if not external:
             self.scaler.update(False)
         self._clipped_this_step = False
         self._externally_unscaled = False
-        self._gather_parameters()
         return loss
 
-    def _gather_parameters(self) -> None:
+    def _step_buckets(self, stepped: list[bool], inv_scale: float) -> None:
+        """Bucket by bucket: fetch, step, store, then write the new master back into the
+        parameters and start the bucket's all-gather, which runs while the next bucket steps.
+        Hyperparameters are checked for every bucket first, so a bad one changes nothing."""
+        groups = self.param_groups
+        for bo in self.bucket_optimizers:
+            bo.check(groups[bo.bucket.group], bo.bucket.group)
+        self._before_publish()
+        base = self.reducer.usage.base
         works = []
-        for b, master in zip(self.buckets, self.masters):
-            lo, hi = b.shard_range(self.rank)
-            shard = b.flat[lo:hi]
-            if master.data_ptr() != shard.data_ptr():
-                shard.copy_(master)
-            if self.reducer.owner_collectives:  # gloo, 2 ranks: in place, one broadcast per owner
-                works.append(comm.broadcast_from_owners(b.flat, b.shard_numel, self.process_group, self.world_size))
-                continue
-            # A separate input: backends differ on whether an all-gather input may alias its output.
-            works.append((comm.all_gather(b.flat, shard.clone(), self.process_group, async_op=True)))
+        for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
+            bo.fetch()
+            bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
+            bo.store()
+            work = self._publish(i)
+            if work is not None:
+                works.append(work)
         for w in works:
             w.wait()
+
+    def _before_publish(self) -> None:
+        """Before any parameter changes (stage 3 releases gathered units)."""
+
+    def _publish(self, i: int):
+        """Bucket i's new master values into its parameters on every rank: the all-gather's work."""
+        b, master = self.buckets[i], self.masters[i]
+        lo, hi = b.shard_range(self.rank)
+        shard = b.flat[lo:hi]
+        if master.data_ptr() != shard.data_ptr():
+            shard.copy_(master)
+        if self.reducer.owner_collectives:  # gloo, 2 ranks: in place, one broadcast per owner
+            return comm.broadcast_from_owners(b.flat, b.shard_numel, self.process_group, self.world_size)
+        # A separate input: backends differ on whether an all-gather input may alias its output.
+        return comm.all_gather(b.flat, shard.clone(), self.process_group, async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.reducer.zero()

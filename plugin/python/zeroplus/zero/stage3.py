@@ -125,15 +125,12 @@ class Stage3Optimizer(Stage2Optimizer):
                 lo, hi = b.shard_range(self.rank)
                 if b.persistent:
                     b.flat = flat if flat.dtype == b.dtype else flat.to(b.dtype)
-                    for e in b.entries:
-                        e.param.data = b.flat[e.offset:e.offset + e.numel].view(e.shape)
+                    b.show_full()
                     master_src = flat[lo:hi]
                     own = b.flat[lo:hi]
                 else:
                     b.shard = flat[lo:hi].to(b.dtype, copy=True)
-                    for e in b.entries:
-                        a, z = max(e.offset, lo), min(e.offset + e.numel, hi)
-                        e.param.data = b.shard[a - lo:z - lo] if a < z else b.shard[0:0]
+                    b.show_shard(self.rank)
                     master_src = flat[lo:hi]
                     own = b.shard
                 for e in b.entries:
@@ -163,21 +160,23 @@ class Stage3Optimizer(Stage2Optimizer):
 
     # -- step ----------------------------------------------------------------------------------
 
-    def _gather_parameters(self) -> None:
+    def _before_publish(self) -> None:
         # The shards change now. A unit still gathered (held by a forward whose backward never
         # came, with reshard_after_forward=False) would keep the old values: release it, so the
         # next use gathers the new ones.
         self.gatherer.release_all()
-        works = []
-        for b, master in zip(self.buckets, self.masters):
-            lo, hi = b.shard_range(self.rank)
-            own = b.flat[lo:hi] if b.persistent else b.shard
-            if master.data_ptr() != own.data_ptr():
-                own.copy_(master)
-            if b.persistent:
-                works.append(comm.all_gather(b.flat, own.clone(), self.process_group, async_op=True))
-        for w in works:
-            w.wait()
+
+    def _publish(self, i: int):
+        """The new master into this rank's shard; only persistent buckets are all-gathered now
+        (the others at their next use)."""
+        b, master = self.buckets[i], self.masters[i]
+        lo, hi = b.shard_range(self.rank)
+        own = b.flat[lo:hi] if b.persistent else b.shard
+        if master.data_ptr() != own.data_ptr():
+            own.copy_(master)
+        if b.persistent:
+            return comm.all_gather(b.flat, own.clone(), self.process_group, async_op=True)
+        return None
 
     def memory_bytes(self) -> dict[str, int]:
         out = optimizer_bytes(self)

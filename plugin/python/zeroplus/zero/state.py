@@ -1,9 +1,9 @@
 """State dicts of the stage-2/3 optimizers.
 
 Two formats:
-  * sharded (what state_dict() returns by default): this rank's inner-optimizer state (one entry
-    per segment: a parameter's piece of this rank's shard, stage2.Segment), the user's
-    hyperparameters, the loss scaler, and a layout signature. Loading needs the same world size
+  * sharded (what state_dict() returns by default): this rank's optimizer state, one entry per
+    segment (a parameter's piece of this rank's shard, bucket_optimizer.Segment) numbered in
+    bucket order, each in the format of the user's optimizer class; the user's hyperparameters, the loss scaler, and a layout signature. Loading needs the same world size
     and model (checked: a mismatch raises ValueError, nothing is changed). Version 1 (one flat
     state per bucket shard, written before parameters had their own step counts) still loads.
   * consolidated (consolidate_state_dict(to) then state_dict() on rank `to`): the plain
@@ -46,10 +46,12 @@ def _hyperparameters(opt) -> list[dict]:
 
 
 def _inner_order(opt) -> list[tuple[int, object]]:
-    """(bucket index, segment) of every inner parameter, in the inner optimizer's order (the
-    order its state_dict numbers them)."""
-    where = {id(s.master): (b, s) for b, segs in enumerate(opt.segments) for s in segs}
-    return [where[id(t)] for g in opt.inner.param_groups for t in g["params"] if id(t) in where]
+    """(bucket index, segment) of every segment, in the order the sharded state numbers them."""
+    return [(b, s) for b, bo in enumerate(opt.bucket_optimizers) for s in bo.segments]
+
+
+def _segment_states(opt) -> list[dict]:
+    return [opt.bucket_optimizers[b].segment_state(s) for b, s in _inner_order(opt)]
 
 
 def _is_elementwise(value, numel: int) -> bool:
@@ -63,9 +65,8 @@ def _copy(value):
 
 
 def sharded_state_dict(opt) -> dict:
-    inner = opt.inner.state_dict()
     return {
-        "state": inner["state"],
+        "state": {i: st for i, st in enumerate(_segment_states(opt)) if st},
         "param_groups": _hyperparameters(opt),
         "zeroplus": {"format": FORMAT, "version": VERSION, "stage": opt.stage, "world_size": opt.world_size,
                      "rank": opt.rank, "layout": layout_signature(opt), "loss_scaler": opt.scaler.state_dict(),
@@ -87,25 +88,6 @@ def _check_groups(opt, state_dict) -> list[dict]:
     return groups
 
 
-def _apply_hyperparameters(opt, groups) -> None:
-    for saved, mine in zip(groups, opt.param_groups):
-        for k, v in saved.items():
-            if k != "params":
-                mine[k] = v
-
-
-def _inner_groups(opt) -> list[dict]:
-    """The inner optimizer's param_groups as its state_dict would list them, with the user's
-    current hyperparameters."""
-    out, next_index = [], 0
-    for gi, inner_group in zip(opt._inner_group_of, opt.inner.param_groups):
-        n = len(inner_group["params"])
-        out.append({**{k: v for k, v in opt.param_groups[gi].items() if k != "params"},
-                    "params": list(range(next_index, next_index + n))})
-        next_index += n
-    return out
-
-
 def load_state_dict(opt, state_dict) -> None:
     groups = _check_groups(opt, state_dict)
     meta = state_dict.get("zeroplus")
@@ -121,18 +103,32 @@ def load_state_dict(opt, state_dict) -> None:
         if meta["layout"] != layout_signature(opt):
             raise ValueError("load_state_dict: the sharded state was saved for another model or bucket layout "
                              "(parameters, shapes or reduce_bucket_size differ)")
-        inner_state = state_dict["state"] if meta["version"] == VERSION else _segments_from_v1(opt, state_dict["state"])
-        inner_sd = {"state": inner_state, "param_groups": _inner_groups(opt)}
+        segment_state = (state_dict["state"] if meta["version"] == VERSION
+                         else _segments_from_v1(opt, state_dict["state"]))
         scaler_state = meta.get("loss_scaler")
     else:
-        inner_sd = {"state": _shard_plain_state(opt, state_dict["state"]), "param_groups": _inner_groups(opt)}
+        segment_state = _shard_plain_state(opt, state_dict["state"])
         scaler_state = None
-    # Validate everything before changing anything: load into a copy of the inner optimizer's
-    # state first (torch's load_state_dict raises on mismatched groups).
-    inner_sd = copy.deepcopy(inner_sd)
-    opt.inner.load_state_dict(inner_sd)
-    _apply_hyperparameters(opt, groups)
-    # The inner groups take the loaded hyperparameters too (they are copied before every step).
+    # Check every segment's state before changing anything.
+    order = _inner_order(opt)
+    unknown = sorted(set(segment_state) - set(range(len(order))))
+    if unknown:
+        raise ValueError(f"load_state_dict: state has entries {unknown[:5]} beyond this rank's {len(order)} segments")
+    for i, (b, seg) in enumerate(order):
+        for key, value in (segment_state.get(i) or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != seg.hi - seg.lo:
+                raise ValueError(f"load_state_dict: state[{i}][{key!r}] has {value.numel()} elements, segment {i} "
+                                 f"(bucket {b}) has {seg.hi - seg.lo}")
+    segment_state = copy.deepcopy(segment_state)  # the caller's dict stays theirs
+    for saved, mine in zip(groups, opt.param_groups):  # the loaded hyperparameters
+        for k, v in saved.items():
+            if k != "params":
+                mine[k] = v
+    start = 0
+    for bo in opt.bucket_optimizers:
+        n = len(bo.segments)
+        bo.load_segment_states([segment_state.get(i) for i in range(start, start + n)], opt.param_groups[bo.bucket.group])
+        start += n
     if scaler_state is not None:
         opt.scaler.load_state_dict(scaler_state)
         opt.skipped_steps = int(meta.get("skipped_steps", 0))
@@ -141,7 +137,9 @@ def load_state_dict(opt, state_dict) -> None:
 def _segments_from_v1(opt, flat_state: dict) -> dict:
     """Version-1 sharded state (one flat state per bucket shard, in inner-group order of the
     buckets) -> one state per segment: elementwise tensors sliced, scalars copied."""
-    bucket_order = [b for gi in opt._inner_group_of for b, bucket in enumerate(opt.buckets) if bucket.group == gi]
+    # Version 1 had one inner optimizer over one master per bucket, listed group by group.
+    bucket_order = [b for gi in range(len(opt.param_groups)) for b, bucket in enumerate(opt.buckets)
+                    if bucket.group == gi]
     by_bucket = {b: flat_state[i] for i, b in enumerate(bucket_order) if i in flat_state}
     out = {}
     for i, (b, seg) in enumerate(_inner_order(opt)):
@@ -164,14 +162,14 @@ def _shard_plain_state(opt, plain_state: dict) -> dict:
         saved = plain_state.get(pi)
         if not saved:
             continue
-        start = bucket.shard_range(opt.rank)[0] + seg.lo - e.offset  # the piece inside the parameter
+        pc = bucket.piece(e, opt.rank)
         st = {}
         for key, value in saved.items():
             if _is_elementwise(value, e.numel):
                 if tuple(value.shape) != tuple(e.shape):
                     raise ValueError(f"load_state_dict: state[{pi}][{key!r}] has shape {tuple(value.shape)}, the "
                                      f"parameter has {tuple(e.shape)}")
-                st[key] = value.reshape(-1)[start:start + seg.hi - seg.lo].to(torch.float32, copy=True)
+                st[key] = value.reshape(-1)[pc.param_lo:pc.param_hi].to(torch.float32, copy=True)
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise ValueError(f"load_state_dict: state[{pi}][{key!r}] has {value.numel()} elements, the "
                                  f"parameter has {e.numel}")
@@ -189,11 +187,10 @@ def consolidated_state_dict(opt) -> dict:
     the per-parameter scalars such as step), then per bucket and elementwise key one tensor
     all-gather of the shards, each parameter's slice reshaped to the parameter."""
     index = _param_index(opt)
-    inner_state = opt.inner.state
     known: dict[int, dict] = {}  # parameter index -> {key: scalar value, or dtype for elementwise}
     for b, seg in _inner_order(opt):
         e = opt.buckets[b].entries[seg.entry]
-        for key, value in inner_state.get(seg.master, {}).items():
+        for key, value in opt.bucket_optimizers[b].segment_state(seg).items():
             known.setdefault(index[id(e.param)], {})[key] = (
                 value.dtype if _is_elementwise(value, seg.hi - seg.lo) else _copy(value))
     everyone = [None] * opt.world_size
@@ -214,8 +211,8 @@ def consolidated_state_dict(opt) -> dict:
         gathered = {}
         for key in sorted(keys):  # the same order on every rank
             shard = torch.zeros(bucket.shard_numel, dtype=keys[key], device=bucket.device)
-            for seg in opt.segments[b]:
-                value = inner_state.get(seg.master, {}).get(key)
+            for seg in opt.bucket_optimizers[b].segments:
+                value = opt.bucket_optimizers[b].segment_state(seg).get(key)
                 if value is not None:
                     shard[seg.lo:seg.hi].copy_(value.reshape(-1))
             full = torch.empty(bucket.numel, dtype=keys[key], device=bucket.device)

@@ -1,0 +1,111 @@
+"""One bucket's step: the user's optimizer over this rank's shard of one flat bucket.
+
+The engine's step walks the buckets (DeepSpeed's sub-groups) and runs, for each,
+
+    fetch → set gradients → step → store → write back + all-gather (the engine's part)
+
+so that an offload store can bring a bucket's master and optimizer state in (fetch) and write
+them out (store) while the other buckets stay where they are, and so that the all-gather of one
+bucket overlaps the step of the next. Today masters and state live in memory: fetch and store
+are nothing.
+
+Inside a bucket the optimizer steps *segments*: one view of the fp32 master per parameter piece
+this rank owns (Bucket.owned_pieces). Each parameter therefore keeps its own optimizer state and
+step count, exactly as torch.optim keeps them per parameter, and a parameter that no rank gave a
+gradient (usage.py) keeps `.grad = None` on its segments, which torch's optimizers, and
+zeroplus's fused twins, skip: no weight decay, no moment change, no step count. A bucket belongs
+to one param group, so its optimizer has one group, whose hyperparameters are copied from the
+user's group before every step (LR schedulers act on the user's groups).
+
+Ownership: the segments are views of `master`; the inner optimizer owns their state. A bucket
+whose shard holds only padding (a model smaller than the world) has no segments and no inner
+optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Bucket
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter's piece of this rank's shard of a bucket: what the inner optimizer steps."""
+    entry: int            # index into bucket.entries (its usage flag is usage.flag(bucket, entry))
+    lo: int               # [lo, hi) in shard coordinates
+    hi: int
+    master: torch.Tensor  # master[lo:hi], the tensor the inner optimizer holds as a parameter
+
+
+class BucketOptimizer:
+    def __init__(self, bucket: Bucket, master: torch.Tensor, rank: int, inner_class: type, hyperparameters: dict):
+        self.bucket = bucket
+        self.master = master
+        self.segments = [Segment(e, lo, hi, master[lo:hi]) for e, lo, hi in bucket.owned_pieces(rank)]
+        self.inner = (inner_class([{**hyperparameters, "params": [s.master for s in self.segments]}])
+                      if self.segments else None)
+
+    # -- the step of one bucket ------------------------------------------------------------------
+
+    def fetch(self) -> None:
+        """Master and optimizer state are where the step needs them (in memory: nothing to do)."""
+
+    def store(self) -> None:
+        """The step's results are where they live between steps (in memory: nothing to do)."""
+
+    def check(self, hyperparameters: dict, group_index: int) -> None:
+        """Hyperparameters the fused kernels would refuse raise here, before any bucket steps
+        (ValueError naming the field). torch's own classes check theirs only at construction."""
+        if self.inner is not None and hasattr(self.inner, "_zp_check_hparams"):
+            group = {**self.inner.param_groups[0], **{k: v for k, v in hyperparameters.items() if k != "params"}}
+            self.inner._zp_check_hparams(group_index, group)
+
+    def step(self, grad_shard: torch.Tensor, stepped: list[bool], first_flag: int, inv_scale: float,
+             hyperparameters: dict) -> None:
+        """One optimizer step of this rank's shard. grad_shard: the bucket's gradient shard (in
+        the gradient dtype, multiplied by the loss scale); stepped[first_flag + entry]: whether
+        the parameter of that entry is updated."""
+        if self.inner is None:
+            return
+        group = self.inner.param_groups[0]
+        for k, v in hyperparameters.items():
+            if k != "params":
+                group[k] = v
+        grad = grad_shard if grad_shard.dtype == self.master.dtype else grad_shard.to(self.master.dtype)
+        if inv_scale != 1.0:
+            grad = grad.mul(inv_scale) if grad is grad_shard else grad.mul_(inv_scale)
+        any_stepped = False
+        for s in self.segments:
+            if stepped[first_flag + s.entry]:
+                s.master.grad = grad[s.lo:s.hi]
+                any_stepped = True
+        if not any_stepped:
+            return
+        try:
+            self.inner.step()
+        finally:
+            for s in self.segments:
+                s.master.grad = None
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def segment_state(self, segment: Segment) -> dict:
+        return {} if self.inner is None else self.inner.state.get(segment.master, {})
+
+    def load_segment_states(self, states: list[dict | None], hyperparameters: dict) -> None:
+        """Replace the state of every segment (None or {}: no state) through torch's
+        load_state_dict, which casts loaded tensors the way the optimizer class expects."""
+        if self.inner is None:
+            return
+        group = {**{k: v for k, v in hyperparameters.items() if k != "params"},
+                 "params": list(range(len(self.segments)))}
+        self.inner.load_state_dict({"state": {i: st for i, st in enumerate(states) if st},
+                                    "param_groups": [group]})
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        if self.inner is None:
+            return []
+        return [v for st in self.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
