@@ -1,15 +1,15 @@
 """Stage-2 gradient path: bucket, reduce-scatter during backward, keep only the owned shard.
 
-Threading and ordering contract:
-  * Hooks run on the autograd thread. Each managed parameter has a post-accumulate-grad hook: it
-    copies the finished gradient into its bucket's communication buffer and frees it
+Threading and ordering contract (the hooks and the end-of-backward callback belong to the
+engine's BackwardPass, backward_pass.py; this class is its first participant):
+  * on_grad runs on the autograd thread from each managed parameter's post-accumulate-grad
+    hook: it copies the finished gradient into its bucket's communication buffer and frees it
     (`p.grad = None`), so a full gradient lives only until its bucket is sent.
   * Buckets are launched strictly in bucket order (DDP's rule): bucket i is sent only after
     buckets 0..i-1, so every rank issues the same collectives in the same order even when
     gradients arrive in a different order on different ranks. A bucket whose gradients are all in
     is sent asynchronously while backward continues.
-  * A callback queued on the autograd engine runs when backward ends: it sends the buckets still
-    open (a parameter that got no gradient contributes zeros, as with DDP's
+  * end_backward (the pass's end-of-backward callback) sends the buckets still open (a parameter that got no gradient contributes zeros, as with DDP's
     find_unused_parameters), waits for every reduce-scatter and adds the owned shards into the
     persistent accumulators. So after backward returns, `accum[b]` holds this rank's shard of the
     averaged gradient, summed over every backward since the last zero().
@@ -28,14 +28,13 @@ Threading and ordering contract:
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
 backward (or flush) and leaves the accumulators as they were before that pass. A backward that
 raised for any reason (autograd then drops the queued end-of-pass callback) leaves its pass open;
-the next backward, flush() or zero() closes it the same way.
+the BackwardPass closes it (abandon_backward) at the next backward, forward, flush or zero.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from . import comm
 from .buffer_pool import BufferPool
@@ -77,7 +76,6 @@ class GradientReducer:
         self.no_sync = False
         self.has_grads = False      # something was reduced since the last zero()
         self.local_pending = False  # gradients accumulated under no_sync, not reduced yet
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.slot]
         self._buffers: list[torch.Tensor | None] = []
         self._inflight = []
         self._reset_pass()
@@ -92,8 +90,7 @@ class GradientReducer:
         for entry in self._inflight:
             if entry[3] is not None:
                 self.pool.forget(entry[3])
-        self._in_pass = False
-        self._pass_task = None  # the autograd graph task (backward call) the open pass belongs to
+        self._in_pass = False  # a pass with collectives is open (not under no_sync)
         self._arrived = [[False] * len(b.entries) for b in self.buckets]
         self._pass_used: list[int] = []  # usage flags of the gradients this pass took
         self._remaining = [len(b.entries) for b in self.buckets]
@@ -144,20 +141,24 @@ class GradientReducer:
             self._arrived[b][e_index] = True
             self._remaining[b] -= 1
 
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
+    # -- BackwardPass participant ----------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        """Nothing to set up: a pass opens with its first gradient outside no_sync."""
+
+    def end_backward(self) -> None:
+        if self._in_pass:
+            self._finish_pass()
+
+    def abandon_backward(self) -> None:
+        if self._in_pass:
+            self._abandon_pass()
+
+    def on_grad(self, param: torch.nn.Parameter) -> None:
         if self.no_sync:
             self.local_pending = True
             return
-        task = torch._C._current_graph_task_id()
-        if self._in_pass and task != self._pass_task:
-            # The pass of an earlier backward is still open: that backward raised, and autograd
-            # dropped its queued _finish_pass. Without this the reducer would wait for it forever
-            # and every later step would silently do nothing.
-            self._abandon_pass()
-        if not self._in_pass:
-            self._in_pass = True
-            self._pass_task = task
-            Variable._execution_engine.queue_callback(self._finish_pass)
+        self._in_pass = True
         b, e_index = self.slot[param]
         if b < self._next:
             raise RuntimeError(
@@ -273,12 +274,12 @@ class GradientReducer:
     # -- outside backward ----------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Reduce gradients accumulated under no_sync (collective: every rank calls it)."""
+        """Reduce gradients accumulated under no_sync (collective: every rank calls it). The
+        engine closes a stale backward pass first (BackwardPass.close_stale)."""
         if self._in_pass:
             self._abandon_pass()  # a backward that raised left it open
         if self.local_pending:
             self._in_pass = True
-            self._pass_task = None
             self._finish_pass()
 
     def zero(self) -> None:
@@ -290,8 +291,3 @@ class GradientReducer:
             p.grad = None
         self.has_grads = False
         self.local_pending = False
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []

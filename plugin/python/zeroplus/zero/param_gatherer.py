@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from . import comm
+from .backward_pass import BackwardPass
 from .buffer_pool import BufferPool
 from .layout import Bucket
 from .units import Unit
@@ -83,8 +83,8 @@ class _UnitState:
 
 
 class ParameterGatherer:
-    def __init__(self, units: list[Unit], buckets: list[Bucket], group, rank: int, *, prefetch_elems: int,
-                 max_live_elems: int, reshard_after_forward: bool):
+    def __init__(self, units: list[Unit], buckets: list[Bucket], group, rank: int, backward: BackwardPass, *,
+                 prefetch_elems: int, max_live_elems: int, reshard_after_forward: bool):
         self.units = units
         self.group = group
         by_unit: dict[int, list[Bucket]] = {u.index: [] for u in units}
@@ -105,8 +105,6 @@ class ParameterGatherer:
         self._order = {"forward": [], "backward": []}   # prediction from the previous pass
         self._seen = {"forward": [], "backward": []}    # this pass
         self._on_track = {"forward": False, "backward": False}
-        self._in_backward = False
-        self._backward_task = None  # the autograd graph task (backward call) of the open backward
         self._in_forward = 0  # depth of root forward calls
         self._handles = []
         self._state_of_param: dict[int, _UnitState] = {}
@@ -119,7 +117,9 @@ class ParameterGatherer:
                 for e in b.entries:
                     if e.param.requires_grad:
                         self._state_of_param[id(e.param)] = st
-                        self._handles.append(e.param.register_post_accumulate_grad_hook(self._on_grad))
+        self._backward = backward
+        backward.attach(self, [e.param for st in self.states for b in st.buckets for e in b.entries
+                               if e.param.requires_grad])
         self._install_module_hooks()
 
     # -- hooks on modules ----------------------------------------------------------------------
@@ -154,9 +154,8 @@ class ParameterGatherer:
 
     def _make_root_pre(self, needs):
         def hook(_module, _args):
-            if self._in_backward and torch._C._current_graph_task_id() == -1:
-                self._end_backward()  # not inside a backward: the last one raised (see _pre_backward)
-            if self._in_forward == 0 and not self._in_backward:
+            self._backward.close_stale()  # a backward that raised left its pass open
+            if self._in_forward == 0 and not self._backward.running:
                 self._start_pass("forward")
             self._in_forward += 1
             ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -201,7 +200,7 @@ class ParameterGatherer:
             for i in needs:
                 self._release_forward(i)
             self._in_forward -= 1
-            if self._in_forward == 0 and not self._in_backward:
+            if self._in_forward == 0 and not self._backward.running:
                 self._end_pass("forward")
                 self._drop_unused_prefetches()
         return hook
@@ -216,16 +215,7 @@ class ParameterGatherer:
     # -- backward ------------------------------------------------------------------------------
 
     def _pre_backward(self, needs) -> None:
-        task = torch._C._current_graph_task_id()
-        if self._in_backward and task != self._backward_task:
-            # An earlier backward raised: autograd dropped its queued _end_backward, which
-            # would otherwise never run again (and nothing would be released).
-            self._end_backward()
-        if not self._in_backward:
-            self._in_backward = True
-            self._backward_task = task
-            self._start_pass("backward")
-            Variable._execution_engine.queue_callback(self._end_backward)
+        self._backward.enter()  # the first hook of a backward opens the pass (begin_backward)
         for i in needs:
             st = self.states[i]
             if not st.held:
@@ -233,16 +223,23 @@ class ParameterGatherer:
                 st.held = True
                 st.prefetched = False
 
-    def _on_grad(self, param) -> None:
-        # Runs after the gradient reducer's own hook (registered first) took the gradient.
+    # -- BackwardPass participant (attached after the reducer) ----------------------------------
+
+    def begin_backward(self) -> None:
+        self._start_pass("backward")
+
+    def on_grad(self, param) -> None:
+        # Runs after the gradient reducer's on_grad (attached first) took the gradient.
         st = self._state_of_param[id(param)]
         st.grads_seen.add(id(param))
         if st.held and not st.has_frozen and st.refs == 0 and len(st.grads_seen) == len(st.trainable):
             st.held = False
             self._release(st)
 
-    def _end_backward(self) -> None:
-        self._in_backward = False
+    def abandon_backward(self) -> None:
+        self.end_backward()  # releasing is all there is to undo
+
+    def end_backward(self) -> None:
         self._end_pass("backward")
         for st in self.states:
             st.grads_seen.clear()
@@ -274,7 +271,7 @@ class ParameterGatherer:
 
     def _acquire(self, i: int) -> None:
         st = self.states[i]
-        if self._in_backward:
+        if self._backward.running:
             # A forward inside backward (non-reentrant checkpointing recomputes a block): the
             # unit is held for backward like one its pre-backward hook gathered, and released
             # when its gradients are in. No forward reference: torch stops a recomputation
@@ -289,12 +286,12 @@ class ParameterGatherer:
 
     def _release_forward(self, i: int) -> None:
         st = self.states[i]
-        if self._in_backward and st.refs == 0:
+        if self._backward.running and st.refs == 0:
             return  # acquired inside backward (see _acquire): held until its gradients are in
         st.refs -= 1
         if st.refs > 0 or st.held:
             return
-        if not self.reshard_after_forward and torch.is_grad_enabled() and not self._in_backward:
+        if not self.reshard_after_forward and torch.is_grad_enabled() and not self._backward.running:
             st.held = True  # kept gathered for backward
             return
         self._release(st)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..optim.fused import fused_class_for
 from . import clipping, comm, full_state, precision, state
+from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
 from .layout import plan_buckets
@@ -89,6 +90,10 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._build_inner(optimizer_class)
         self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank,
                                        precision_policy.grad_accum_dtype, shard_gradients=self.stage >= 2)
+        # The one owner of backward-pass hooks and of the end-of-backward callback; the reducer
+        # is its first participant (stage 3 attaches the gatherer after it).
+        self.backward_pass = BackwardPass()
+        self.backward_pass.attach(self.reducer, list(self.reducer.slot))
         if self.mixed_precision == "fp16":
             static = precision_policy.static_loss_scale
             self.scaler = (StaticLossScaler() if static is not None
@@ -247,8 +252,13 @@ class Stage2Optimizer(torch.optim.Optimizer):
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16)."""
-        self.reducer.flush()
+        self._flush()
         return self.reducer.shards
+
+    def _flush(self) -> None:
+        """Close a backward pass that raised, then reduce what no_sync accumulated (collective)."""
+        self.backward_pass.close_stale()
+        self.reducer.flush()
 
     # -- clipping and step ---------------------------------------------------------------------
 
@@ -309,7 +319,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.reducer.flush()
+        self._flush()
         self._consolidated = None
         usage = self.reducer.usage
         # Which parameters this step updates (one small collective). Without a backward since
@@ -370,6 +380,7 @@ class Stage2Optimizer(torch.optim.Optimizer):
         return comm.all_gather(b.flat, shard.clone(), self.process_group, async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.backward_pass.close_stale()
         self.reducer.zero()
         self.reducer.usage.clear(set_to_none)
         self._clipped_this_step = False

@@ -153,7 +153,7 @@ class Stage3Optimizer(Stage2Optimizer):
 
     def _finish_construction(self) -> None:
         self.gatherer = ParameterGatherer(self.units, list(self.buckets) + self.frozen_buckets, self.process_group,
-                                          self.rank, prefetch_elems=self._prefetch_elems,
+                                          self.rank, self.backward_pass, prefetch_elems=self._prefetch_elems,
                                           max_live_elems=self._max_live,
                                           reshard_after_forward=self._reshard_after_forward)
         super()._finish_construction()
