@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
+from harness import run_pooled
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -142,7 +142,7 @@ def test_every_collective_dtype_and_op(world_size):
     sizes = [0, 1, 1001] if world_size != 2 else [0, 1, 1001, 1 << 20]
     per_op: dict[str, int] = {}
     for numel in sizes:
-        results = run_distributed(_run_all, world_size, numel, timeout=240)
+        results = run_pooled(_run_all, world_size, numel, timeout=240)
         cases = 0
         for out in results:
             for case, (mine, expected) in out.items():
@@ -189,6 +189,6 @@ def _premul_and_p2p(rank, world):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_premul_sum_p2p_and_coalescing(world_size):
-    for out in run_distributed(_premul_and_p2p, world_size):
+    for out in run_pooled(_premul_and_p2p, world_size):
         for case, (mine, expected) in out.items():
             torch.testing.assert_close(mine, expected, msg=case)
