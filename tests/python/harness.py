@@ -35,6 +35,16 @@ import traceback
 from typing import Any, Callable
 
 _CONTEXTS: dict[str, Any] = {}
+# The environment the forkserver was started with: its ranks get that one, not the caller's
+# current environment (pytest's per-test variable aside).
+_FORKSERVER_ENV: dict[str, str] = {}
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+_IMPORT_ENV = _environment()  # before any test changed it (monkeypatch.setenv)
 
 
 def _context(start_method: str):
@@ -47,6 +57,7 @@ def _context(start_method: str):
             # starts in a fraction of a second instead of seconds per rank (the fault matrix runs
             # dozens). The server runs no torch code, so no threads or state are forked with it.
             ctx.set_forkserver_preload(["torch", "torch.distributed", "zeroplus"])
+            _FORKSERVER_ENV.update(_environment())
         _CONTEXTS[start_method] = ctx
     return _CONTEXTS[start_method]
 
@@ -128,7 +139,7 @@ def run_distributed(
     load: str = "zeroplus",
     env: dict[str, str] | None = None,
     expected_exits: dict[int, int] | None = None,
-    start_method: str = "spawn",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Runs fn(rank, world_size, *args) on `world_size` spawned ranks; returns their results.
 
@@ -137,8 +148,15 @@ def run_distributed(
     expected_exits: {rank: exit code} for ranks that are meant to die (fault tests); their
         result is None, and any other outcome for them is a failure.
     start_method: "spawn" (a fresh interpreter per rank) or "forkserver" (ranks fork from a
-        server that has imported torch and zeroplus: much faster to start; for load="zeroplus").
+        server that has imported torch and zeroplus: seconds faster per run on two cores; for
+        load="zeroplus"). None: forkserver for load="zeroplus" without `env` while this process's
+        environment is still the one the forkserver started with (so every variable, including
+        those read at process start such as MALLOC_*, is what a spawned rank would see), spawn
+        otherwise.
     """
+    if start_method is None:
+        same_env = _environment() == (_FORKSERVER_ENV if "forkserver" in _CONTEXTS else _IMPORT_ENV)
+        start_method = "forkserver" if load == "zeroplus" and not env and same_env else "spawn"
     expected_exits = dict(expected_exits or {})
     if not callable(fn):
         raise TypeError(f"run_distributed: fn must be callable, got {type(fn).__name__}")
