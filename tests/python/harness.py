@@ -22,7 +22,9 @@ measurements of the whole process (peak RSS), multi-host and cgroup tests.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -240,6 +242,9 @@ def run_distributed(
 
 # --- Ranks that live for a whole test module ----------------------------------------------------
 
+_LIBC = ctypes.CDLL(None)  # glibc: malloc_trim
+
+
 class _RankState:
     """What a pooled rank restores around every case, so that a case sees what a fresh rank
     would: the default generator at torch's start-up seed, the environment, working directory,
@@ -278,6 +283,9 @@ class _RankState:
         torch.set_num_threads(self.threads)
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(True)
+        # An idle rank should not sit on the case's freed heap (GBs after a 1M-element case).
+        gc.collect()
+        _LIBC.malloc_trim(0)
 
 
 def _pool_rank(rank, world_size, backend, store_path, pg_timeout_s, env, tasks, results):

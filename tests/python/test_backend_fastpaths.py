@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_distributed, run_pooled
-from test_backend_collectives import _close, _run_all
+from test_backend_collectives import check_every_collective
 
 SHM_ON = {"ZEROPLUS_SHM": "on"}
 SHM_OFF = {"ZEROPLUS_SHM": "off"}
@@ -24,13 +24,7 @@ SMALL = {"ZEROPLUS_SHM": "on", "ZEROPLUS_BUCKET_BYTES": "20K", "ZEROPLUS_SHM_CHU
 def test_every_collective_with_fast_paths_toggled(env):
     # test_backend_collectives runs the same matrix with the defaults (shared memory on).
     for numel in [1001, 70000]:
-        results = run_pooled(_run_all, 2, numel, timeout=240, env=env)
-        for out in results:
-            for case, (mine, expected) in out.items():
-                _close(case, mine, expected, 2)
-        for case in results[0]:
-            if case[0] == "all_reduce":
-                assert torch.equal(results[0][case][0], results[1][case][0]), case
+        check_every_collective(2, numel, timeout=240, env=env)
 
 
 def _fused_stream(rank, world):
