@@ -94,6 +94,20 @@ def _stacks_of(procs: dict[int, Any], paths: dict[int, str]) -> dict[int, str]:
     return out
 
 
+# Read when the library loads or on first use, not per group: a rank forked from the preloaded
+# forkserver would not see them in time. ZEROPLUS_DEBUG is read per group, but what it logs
+# goes to the rank's stderr, which a forked rank shares with the forkserver instead of the
+# test's capture (capfd).
+_NEEDS_SPAWN = {"ZEROPLUS_LIBRARY", "ZEROPLUS_BUILD_DIR", "ZEROPLUS_CPU_ISA", "ZEROPLUS_DEBUG"}
+
+
+def _read_at_group_creation(name: str) -> bool:
+    """Whether zeroplus reads `name` when a group is created (configFromEnvironment,
+    process_group/core/config.cpp), so that setting it in a forked rank before
+    init_process_group is the same as setting it before the interpreter started."""
+    return (name.startswith("ZEROPLUS_") and name not in _NEEDS_SPAWN) or name == "GLOO_SOCKET_IFNAME"
+
+
 def _rank_threads(world_size: int) -> int:
     """Intra-op threads per rank: the ranks share the machine's cores, as under torchrun (which
     sets OMP_NUM_THREADS=1). Left at torch's default (one per core), 4 ranks x 2 threads on 2
@@ -151,14 +165,15 @@ def run_distributed(
         result is None, and any other outcome for them is a failure.
     start_method: "spawn" (a fresh interpreter per rank) or "forkserver" (ranks fork from a
         server that has imported torch and zeroplus: seconds faster per run on two cores; for
-        load="zeroplus"). None: forkserver for load="zeroplus" without `env` while this process's
-        environment is still the one the forkserver started with (so every variable, including
-        those read at process start such as MALLOC_*, is what a spawned rank would see), spawn
-        otherwise.
+        load="zeroplus"). None: forkserver for load="zeroplus" while this process's environment
+        is still the one the forkserver started with (so every variable, including those read at
+        process start such as MALLOC_*, is what a spawned rank would see) and `env` holds only
+        variables read when a group is created (_read_at_group_creation); spawn otherwise.
     """
     if start_method is None:
         same_env = _environment() == (_FORKSERVER_ENV if "forkserver" in _CONTEXTS else _IMPORT_ENV)
-        start_method = "forkserver" if load == "zeroplus" and not env and same_env else "spawn"
+        read_late = all(_read_at_group_creation(k) for k in (env or {}))
+        start_method = "forkserver" if load == "zeroplus" and read_late and same_env else "spawn"
     expected_exits = dict(expected_exits or {})
     if not callable(fn):
         raise TypeError(f"run_distributed: fn must be callable, got {type(fn).__name__}")
