@@ -43,6 +43,7 @@ fi
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
 export CCACHE_BASEDIR="$repo_root"
+export CCACHE_NOHASHDIR=1  # -g's compile directory out of the hash: hits across clones and worktrees
 export CCACHE_SLOPPINESS="pch_defines,time_macros,include_file_mtime,include_file_ctime"
 if [[ ! -f "$build_dir/build.ninja" ]]; then
   cmake -S "$repo_root" -B "$build_dir" -G Ninja \

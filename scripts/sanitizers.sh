@@ -11,6 +11,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 jobs="${ZEROPLUS_JOBS:-2}"
 
 export CCACHE_BASEDIR="$repo_root"
+export CCACHE_NOHASHDIR=1  # -g's compile directory out of the hash: hits across clones and worktrees
 export CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-5G}"
 
 # -O1 keeps stack traces exact and the tests quick; no -DNDEBUG, so asserts stay armed.

@@ -12,3 +12,16 @@ for path in (str(_HERE), str(_REPO / "plugin" / "python")):
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(_HERE), str(_REPO / "plugin" / "python")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 )
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _rank_pools():
+    """Pooled ranks (harness.run_pooled) live for one test module: the next module starts from
+    fresh processes, and idle ranks never outlive the module that used them."""
+    yield
+    import harness
+
+    harness.close_pools()

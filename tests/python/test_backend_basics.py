@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
+from harness import run_pooled
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
 OPS = ["SUM", "AVG", "MIN", "MAX", "PRODUCT"]
@@ -53,7 +53,7 @@ def _collectives(rank, world_size, numel):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("numel", [0, 1, 1001])
 def test_collectives_match_gloo(world_size, numel):
-    results = run_distributed(_collectives, world_size, numel, timeout=180)
+    results = run_pooled(_collectives, world_size, numel, timeout=180)
     for rank_out in results:
         for key, (mine, ref) in rank_out.items():
             assert mine.dtype == ref.dtype, key
@@ -84,7 +84,7 @@ def _async_work_and_future(rank, world_size):
 
 
 def test_work_future_and_result():
-    results = run_distributed(_async_work_and_future, 2)
+    results = run_pooled(_async_work_and_future, 2)
     for r in results:
         assert torch.equal(r, torch.full((1000,), 2.0))
 
@@ -102,7 +102,7 @@ def _many_in_flight(rank, world_size):
 
 def test_many_ops_in_flight_complete_in_order():
     world = 3
-    results = run_distributed(_many_in_flight, world)
+    results = run_pooled(_many_in_flight, world)
     expected = torch.stack([torch.full((17,), float(world * i + sum(range(world)))) for i in range(200)])
     for r in results:
         assert torch.equal(r, expected)
@@ -162,6 +162,6 @@ def _argument_checks(rank, world_size):
 
 
 def test_bad_arguments_are_rejected_with_clear_errors():
-    results = run_distributed(_argument_checks, 2)
+    results = run_pooled(_argument_checks, 2)
     assert len(results[0]) >= 23, sorted(results[0])
     assert len(results[1]) >= 24, sorted(results[1])

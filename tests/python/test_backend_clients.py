@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import run_distributed
+from harness import run_distributed, run_pooled
 
 
 def _objects(rank, world):
@@ -26,7 +26,7 @@ def _objects(rank, world):
 
 def test_object_collectives():
     world = 3
-    for rank, (gathered, objs, out, received) in enumerate(run_distributed(_objects, world)):
+    for rank, (gathered, objs, out, received) in enumerate(run_pooled(_objects, world)):
         assert gathered == [{"rank": r, "name": f"r{r}"} for r in range(world)]
         assert objs == ["hello-0", [0, 0, 0]]
         assert out == ([("g", r) for r in range(world)] if rank == 0 else None)
@@ -50,7 +50,7 @@ def _subgroups(rank, world):
 
 
 def test_new_group_subgroups_overlapping_and_non_members():
-    results = run_distributed(_subgroups, 3)
+    results = run_pooled(_subgroups, 3)
     assert results[0][:3] == (4.0, 3.0, 6.0)
     assert results[1][:3] == (2.0, 3.0, 6.0)
     assert results[2][:3] == (4.0, 3.0, 6.0)
@@ -110,7 +110,7 @@ def _ddp_join_uneven(rank, world):
 
 
 def test_ddp_join_with_uneven_inputs():
-    results = run_distributed(_ddp_join_uneven, 3)
+    results = run_pooled(_ddp_join_uneven, 3)
     for a, b in zip(results[0], results[2]):
         assert torch.equal(a, b)
 
@@ -137,7 +137,7 @@ def _ddp_unused(rank, world):
 
 
 def test_ddp_find_unused_parameters():
-    results = run_distributed(_ddp_unused, 2)
+    results = run_pooled(_ddp_unused, 2)
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -167,7 +167,7 @@ def _ddp_hooks(rank, world, hook_name):
 
 @pytest.mark.parametrize("hook_name", ["fp16", "bf16", "custom"])
 def test_ddp_comm_hooks(hook_name):
-    results = run_distributed(_ddp_hooks, 2, hook_name)
+    results = run_pooled(_ddp_hooks, 2, hook_name)
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -183,7 +183,7 @@ def _dcp_roundtrip(rank, world, path):
 
 
 def test_distributed_checkpoint_save_and_load(tmp_path):
-    for loaded in run_distributed(_dcp_roundtrip, 2, str(tmp_path / "ckpt")):
+    for loaded in run_pooled(_dcp_roundtrip, 2, str(tmp_path / "ckpt")):
         assert torch.equal(loaded["w"], torch.arange(10.0))
         assert loaded["step"].item() == 7
 
@@ -209,7 +209,7 @@ def _ddp_reference(rank, world):
 
 
 def test_fsdp2_fully_shard_on_cpu_matches_ddp():
-    fsdp = run_distributed(_fsdp2, 2)
-    ddp = run_distributed(_ddp_reference, 2)
+    fsdp = run_pooled(_fsdp2, 2)
+    ddp = run_pooled(_ddp_reference, 2)
     for a, b in zip(fsdp[0], ddp[0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

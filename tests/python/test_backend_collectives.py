@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
+from harness import run_pooled
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -137,25 +137,43 @@ def _close(case, mine, expected, world):
         assert torch.equal(mine, expected), case
 
 
+def _run_and_check(rank, world, numel):
+    """_run_all checked on the rank itself, so the results (GBs at 1M elements: every dtype x op,
+    both sides) never cross a pipe: returns the number of checked cases per op and a digest of
+    every allreduce result, for the bitwise comparison across ranks."""
+    import hashlib
+
+    per_op, digests = {}, {}
+    for case, (mine, expected) in _run_all(rank, world, numel).items():
+        _close(case, mine, expected, world)
+        per_op[case[0]] = per_op.get(case[0], 0) + 1
+        if case[0] == "all_reduce":
+            digests[case] = hashlib.sha256(mine.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return per_op, digests
+
+
+def check_every_collective(world_size, numel, **kwargs):
+    """Runs _run_and_check on pooled ranks; asserts every rank checked its cases and holds the
+    bitwise-identical allreduce results. Returns the per-op counts summed over ranks."""
+    results = run_pooled(_run_and_check, world_size, numel, **kwargs)
+    per_op: dict[str, int] = {}
+    for counts, _ in results:
+        for op, n in counts.items():
+            per_op[op] = per_op.get(op, 0) + n
+    assert sum(per_op.values()) > 100 * world_size
+    for _, digests in results[1:]:
+        assert digests == results[0][1], [c for c in digests if digests[c] != results[0][1].get(c)]
+    return per_op
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_every_collective_dtype_and_op(world_size):
     sizes = [0, 1, 1001] if world_size != 2 else [0, 1, 1001, 1 << 20]
     per_op: dict[str, int] = {}
     for numel in sizes:
-        results = run_distributed(_run_all, world_size, numel, timeout=240)
-        cases = 0
-        for out in results:
-            for case, (mine, expected) in out.items():
-                _close(case, mine, expected, world_size)
-                per_op[case[0]] = per_op.get(case[0], 0) + 1
-                cases += 1
-        assert cases > 100 * world_size
+        for op, n in check_every_collective(world_size, numel, timeout=240).items():
+            per_op[op] = per_op.get(op, 0) + n
     print(f"world size {world_size}, sizes {sizes}: checked (op: rank-results) {per_op}")
-    # bitwise-identical allreduce across ranks
-    for case in results[0]:
-        if case[0] == "all_reduce":
-            for other in results[1:]:
-                assert torch.equal(results[0][case][0], other[case][0]), case
 
 
 def _premul_and_p2p(rank, world):
@@ -189,6 +207,6 @@ def _premul_and_p2p(rank, world):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_premul_sum_p2p_and_coalescing(world_size):
-    for out in run_distributed(_premul_and_p2p, world_size):
+    for out in run_pooled(_premul_and_p2p, world_size):
         for case, (mine, expected) in out.items():
             torch.testing.assert_close(mine, expected, msg=case)

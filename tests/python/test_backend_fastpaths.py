@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
-from test_backend_collectives import _close, _run_all
+from harness import run_distributed, run_pooled
+from test_backend_collectives import check_every_collective
 
 SHM_ON = {"ZEROPLUS_SHM": "on"}
 SHM_OFF = {"ZEROPLUS_SHM": "off"}
@@ -24,13 +24,7 @@ SMALL = {"ZEROPLUS_SHM": "on", "ZEROPLUS_BUCKET_BYTES": "20K", "ZEROPLUS_SHM_CHU
 def test_every_collective_with_fast_paths_toggled(env):
     # test_backend_collectives runs the same matrix with the defaults (shared memory on).
     for numel in [1001, 70000]:
-        results = run_distributed(_run_all, 2, numel, timeout=240, env=env)
-        for out in results:
-            for case, (mine, expected) in out.items():
-                _close(case, mine, expected, 2)
-        for case in results[0]:
-            if case[0] == "all_reduce":
-                assert torch.equal(results[0][case][0], results[1][case][0]), case
+        check_every_collective(2, numel, timeout=240, env=env)
 
 
 def _fused_stream(rank, world):
@@ -72,7 +66,7 @@ def _fused_stream(rank, world):
 
 @pytest.mark.parametrize("world_size,env", [(2, {}), (3, {}), (2, SHM_OFF)], ids=["2_shm", "3_shm", "2_tcp"])
 def test_fused_async_allreduces_match_reference(world_size, env):
-    results = run_distributed(_fused_stream, world_size, timeout=180, env=dict(env, ZEROPLUS_BUCKET_BYTES="256K"))
+    results = run_pooled(_fused_stream, world_size, timeout=180, env=dict(env, ZEROPLUS_BUCKET_BYTES="256K"))
     for out in results:
         for i, (mine, exp) in enumerate(out):
             tol = 2e-2 * world_size if mine.dtype == torch.bfloat16 else 1e-6
@@ -96,7 +90,7 @@ def _coalesced_views(rank, world):
 @pytest.mark.parametrize("env", [SHM_ON, SHM_OFF], ids=["shm", "tcp"])
 def test_allreduce_coalesced_buckets(env):
     world = 2
-    for flat, scattered in run_distributed(_coalesced_views, world, env=dict(env, ZEROPLUS_BUCKET_BYTES="16K")):
+    for flat, scattered in run_pooled(_coalesced_views, world, env=dict(env, ZEROPLUS_BUCKET_BYTES="16K")):
         torch.testing.assert_close(flat, (torch.arange(10_000, dtype=torch.float32) * 2 + 1))
         for i, t in enumerate(scattered):
             torch.testing.assert_close(t, torch.full_like(t, i + 0.5))
@@ -112,10 +106,10 @@ def _with_options(rank, world, fields):
 
 
 def test_backend_options_are_forwarded_and_validated():
-    out = run_distributed(_with_options, 2, {"shm": "off", "bucket_bytes": 1 << 16, "fuse": False}, backend="gloo")
+    out = run_pooled(_with_options, 2, {"shm": "off", "bucket_bytes": 1 << 16, "fuse": False}, backend="gloo")
     assert torch.equal(out[0], torch.full((3,), 2.0))
     with pytest.raises(AssertionError, match="BackendOptions.shm='bogus' is invalid, expected auto, on or off"):
-        run_distributed(_with_options, 2, {"shm": "bogus"}, backend="gloo", timeout=60)
+        run_pooled(_with_options, 2, {"shm": "bogus"}, backend="gloo", timeout=60)
 
 
 def _mismatched_tuning(rank, world):
@@ -128,7 +122,7 @@ def _mismatched_tuning(rank, world):
 
 def test_ranks_with_different_tuning_fail_at_creation():
     # Only rank 1 sets the variable: the harness env applies to every rank, so set it inside.
-    out = run_distributed(_tuning_rank_dependent, 2, backend="gloo", timeout=60)
+    out = run_pooled(_tuning_rank_dependent, 2, backend="gloo", timeout=60)
     assert any(m and "tuning" in m for m in out), out
 
 

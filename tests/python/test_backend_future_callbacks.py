@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_distributed
+from harness import run_distributed, run_pooled
 
 TRANSPORTS = {"shm": {}, "tcp": {"ZEROPLUS_SHM": "off"}}
 
@@ -56,7 +56,7 @@ def _nested_from_then(rank, world_size):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_collectives_nested_in_future_callbacks(transport):
-    for out in run_distributed(_nested_from_then, 2, env=TRANSPORTS[transport], timeout=40, pg_timeout=20):
+    for out in run_pooled(_nested_from_then, 2, env=TRANSPORTS[transport], timeout=40, pg_timeout=20):
         assert torch.equal(out["wait_work"], torch.full((4,), 30.0))
         assert torch.equal(out["sync_op"], torch.full((3,), 1.0))
         assert torch.equal(out["future_wait"], torch.full((2,), 2.0))
@@ -88,7 +88,7 @@ def _interleaved_with_main_thread(rank, world_size):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_callbacks_keep_one_op_order_on_every_rank(transport):
-    for per_rank in run_distributed(_interleaved_with_main_thread, 2, env=TRANSPORTS[transport], timeout=40,
+    for per_rank in run_pooled(_interleaved_with_main_thread, 2, env=TRANSPORTS[transport], timeout=40,
                                     pg_timeout=20):
         for i, (reduced, broadcast) in enumerate(per_rank):
             assert torch.equal(reduced, torch.full((64 + i,), float(2 * i + 1)))

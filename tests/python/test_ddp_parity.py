@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from harness import run_distributed
+from harness import run_pooled
 
 
 def _model():
@@ -38,7 +38,7 @@ def _ddp_both_backends(rank, world_size, steps):
 
 
 def test_ddp_20_steps_equal_to_gloo():
-    results = run_distributed(_ddp_both_backends, 2, 20, timeout=180)
+    results = run_pooled(_ddp_both_backends, 2, 20, timeout=180)
     for mine, ref in results:
         assert len(mine) == len(ref)
         for a, b in zip(mine, ref):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zeroplus  # noqa: F401
-from harness import run_distributed
+from harness import run_pooled
 
 
 def _torch_partition(group_numels, world_size):
@@ -81,7 +81,7 @@ def _zero_vs_torch(rank, world_size, bucket_view):
 
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_stage1_fused_adamw_matches_plain_adamw(bucket_view):
-    for same_partition, err, loaded in run_distributed(_zero_vs_torch, 2, bucket_view, backend="gloo"):
+    for same_partition, err, loaded in run_pooled(_zero_vs_torch, 2, bucket_view, backend="gloo"):
         assert same_partition
         assert err <= 1e-6
         assert loaded

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import zeroplus  # noqa: F401
-from harness import run_distributed
+from harness import run_pooled
 
 
 def _model(seed=0):
@@ -72,7 +72,7 @@ def _checks(rank, world_size):
 
 
 def test_checks_raise_torch_errors_naming_the_argument():
-    (results,) = run_distributed(_checks, 1, backend="gloo", timeout=60)
+    (results,) = run_pooled(_checks, 1, backend="gloo", timeout=60)
     for exc, ours, theirs in results:
         assert ours is not None, f"expected {exc.__name__}"
         assert issubclass(ours[0], exc), ours
@@ -108,7 +108,7 @@ def _join(rank, world_size):
 
 @pytest.mark.parametrize("world_size,backend", [(2, "gloo"), (3, "gloo"), (3, "zeroplus")])
 def test_join_uneven_inputs_matches_torch(world_size, backend):
-    reports = run_distributed(_join, world_size, backend=backend, timeout=120)
+    reports = run_pooled(_join, world_size, backend=backend, timeout=120)
     for ours, theirs in reports:
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -150,13 +150,13 @@ def _overlap(rank, world_size, expect_error):
 
 
 def test_overlap_with_ddp_runs_on_zeroplus_backend():
-    for ours, ref in run_distributed(_overlap, 2, False, backend="zeroplus", timeout=120):
+    for ours, ref in run_pooled(_overlap, 2, False, backend="zeroplus", timeout=120):
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_overlap_with_ddp_refuses_gloo_clearly():
-    for message in run_distributed(_overlap, 2, True, backend="gloo", timeout=120):
+    for message in run_pooled(_overlap, 2, True, backend="gloo", timeout=120):
         assert message is not None and "Gloo" in message
 
 
@@ -183,6 +183,6 @@ def _ddp_training(rank, world_size, bucket_view):
 
 @pytest.mark.parametrize("bucket_view", [False, True])
 def test_ddp_training_matches_torch_zero(bucket_view):
-    for ours, theirs in run_distributed(_ddp_training, 3, bucket_view, backend="zeroplus", timeout=120):
+    for ours, theirs in run_pooled(_ddp_training, 3, bucket_view, backend="zeroplus", timeout=120):
         for a, b in zip(ours, theirs):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import run_pooled
 
 
 def _overlap_parity(rank, world_size, interleaved):
@@ -74,5 +74,5 @@ def _overlap_parity(rank, world_size, interleaved):
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["hook_with_zero_step", "interleaved"])
 def test_ddp_zero_overlap_matches_local_optimizer(interleaved):
-    for failures in run_distributed(_overlap_parity, 2, interleaved, timeout=45, pg_timeout=30):
+    for failures in run_pooled(_overlap_parity, 2, interleaved, timeout=45, pg_timeout=30):
         assert not failures, "\n".join(failures)

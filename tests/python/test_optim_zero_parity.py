@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zeroplus  # noqa: F401
-from harness import run_distributed
+from harness import run_pooled
 
 STEPS = 50
 ADD_GROUP_AT = 25
@@ -157,7 +157,7 @@ def _parity(rank, world_size, bucket_view):
 @pytest.mark.parametrize("backend", ["gloo", "zeroplus"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_with_torch_zero(world_size, backend, bucket_view):
-    reports = run_distributed(_parity, world_size, bucket_view, backend=backend, timeout=240)
+    reports = run_pooled(_parity, world_size, bucket_view, backend=backend, timeout=240)
     for name in OPTIMS:
         for rank, rep in enumerate(reports):
             r = rep[name]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_distributed
+from harness import run_pooled
 
 LR = 3e-3
 THRESHOLD = 100  # LayerNorm weights stay whole (the persistent path), everything else is sharded
@@ -55,7 +55,7 @@ def _checkpoint_policy_limit(rank, world):
 
 
 def test_checkpointing_with_prefetch_a_unit_policy_and_the_live_limit_match_ddp():
-    for diff, names, peak, max_live, stats, gather_reused, reduce_reused, live in run_distributed(
+    for diff, names, peak, max_live, stats, gather_reused, reduce_reused, live in run_pooled(
             _checkpoint_policy_limit, 2, timeout=420):
         assert diff < 1e-5
         # unit_classes: one unit per encoder layer, the root takes the rest (embedding, norm, head).
@@ -105,7 +105,7 @@ def _between_steps(rank, world, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_full_state_dict_is_a_copy_and_no_stale_gathered_weights_survive_a_step(stage):
-    for unchanged, after_step, direct in run_distributed(_between_steps, 2, stage, timeout=300):
+    for unchanged, after_step, direct in run_pooled(_between_steps, 2, stage, timeout=300):
         assert unchanged == 0.0
         assert after_step < 1e-5
         assert direct < 1e-5
@@ -122,7 +122,7 @@ def _buffers(rank, world):
 
 
 def test_buffers_take_rank0_values_at_initialize():
-    for live, saved in run_distributed(_buffers, 2, timeout=300):
+    for live, saved in run_pooled(_buffers, 2, timeout=300):
         assert live == saved == [1.0] * 5
 
 
@@ -168,7 +168,7 @@ def _after_failed_backward(rank, world, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_training_goes_on_correctly_after_a_backward_that_raised(stage):
-    for raised, diff, live in run_distributed(_after_failed_backward, 2, stage, timeout=300):
+    for raised, diff, live in run_pooled(_after_failed_backward, 2, stage, timeout=300):
         assert raised
         assert diff < 1e-5
         assert live == 0

@@ -9,7 +9,7 @@ state), then both copies train 10 stage-3 steps side by side and stay within 1e-
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import run_distributed, run_pooled
 
 LR = 3e-3
 STAGE3 = {"param_persistence_threshold": 100}
@@ -62,7 +62,7 @@ def _parity(rank, world, which):
 
 @pytest.mark.parametrize("which", ["init_gpt", "tied_gpt"])
 def test_model_built_under_init_context_matches_and_trains_like_the_plain_build(which):
-    for on_meta, exact, same_rng, exact_other, diff, moved in run_distributed(_parity, 2, which,
+    for on_meta, exact, same_rng, exact_other, diff, moved in run_pooled(_parity, 2, which,
                                                                                        timeout=300):
         assert on_meta  # between the context and initialize a parameter is a meta tensor
         assert exact, "values differ from the build without the context"
@@ -98,7 +98,7 @@ def _bad_input(rank, world):
 
 
 def test_init_context_bad_arguments_and_other_stages_are_refused():
-    for out in run_distributed(_bad_input, 2, timeout=180):
+    for out in run_pooled(_bad_input, 2, timeout=180):
         assert all(out), out
 
 

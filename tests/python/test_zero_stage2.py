@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import run_pooled
 
 STEPS = 30
 LR = 3e-3  # at 1e-2 this small model is chaotic enough that ulp-level differences reach 1e-4 by step 30
@@ -57,7 +57,7 @@ def _parity(rank, world, accumulate, clip, lr=LR):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("backend", ["zeroplus", "gloo"])
 def test_fp32_parameters_match_ddp_adamw(world, backend):
-    for diff, _ in run_distributed(_parity, world, 1, 0.0, backend=backend, timeout=420):
+    for diff, _ in run_pooled(_parity, world, 1, 0.0, backend=backend, timeout=420):
         assert diff < 1e-5
 
 
@@ -66,7 +66,7 @@ def test_accumulation_and_clipping_match_ddp(world):
     # lr 1e-3: the clip coefficient differs from torch's in the last bit (the norm is summed in
     # another order); at 3e-3 this model's 30-step trajectory amplifies that to ~1e-4, at 1e-3
     # both stay within 2e-7 (measured).
-    for diff, norms in run_distributed(_parity, world, 4, 0.5, 1e-3, backend="zeroplus", timeout=420):
+    for diff, norms in run_pooled(_parity, world, 4, 0.5, 1e-3, backend="zeroplus", timeout=420):
         assert diff < 1e-5
         assert len(norms) == STEPS
         for ours, theirs in norms:
@@ -109,7 +109,7 @@ def _mixed(rank, world, precision, use_opt_backward):
 
 @pytest.mark.parametrize("precision,use_opt_backward", [("bf16", False), ("fp16", True)])
 def test_mixed_precision_loss_tracks_ddp_autocast(precision, use_opt_backward):
-    for loss, ref_loss, scale in run_distributed(_mixed, 2, precision, use_opt_backward, timeout=420):
+    for loss, ref_loss, scale in run_pooled(_mixed, 2, precision, use_opt_backward, timeout=420):
         assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scale == (65536.0 if precision == "fp16" else 1.0)
 
@@ -143,7 +143,7 @@ def _overflow(rank, world, hysteresis):
     (2, [65536.0, 65536.0, 32768.0, 32768.0]),  # DeepSpeed's default: the first overflow is absorbed
 ])
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(hysteresis, expected_scales):
-    for changed, scales, skipped in run_distributed(_overflow, 2, hysteresis, timeout=120):
+    for changed, scales, skipped in run_pooled(_overflow, 2, hysteresis, timeout=120):
         assert changed == [True, False, False, True]
         assert scales == expected_scales
         assert skipped == 2
@@ -193,7 +193,7 @@ def _grad_scaler(rank, world):
 
 
 def test_zeroplus_grad_scaler_agrees_on_overflow_and_tracks_ddp():
-    for loss, ref_loss, scales, skipped, norms in run_distributed(_grad_scaler, 2, timeout=420):
+    for loss, ref_loss, scales, skipped, norms in run_pooled(_grad_scaler, 2, timeout=420):
         assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scales[4] == 65536.0 and scales[5] == 32768.0  # rank 0's inf halved the scale on every rank
         assert skipped == 1

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import run_pooled
 
 LR = 3e-3
 
@@ -63,7 +63,7 @@ def _state_round_trip(rank, world):
 
 
 def test_state_dict_round_trips_sharded_and_consolidated():
-    for diff, plain_ok in run_distributed(_state_round_trip, 2, timeout=240):
+    for diff, plain_ok in run_pooled(_state_round_trip, 2, timeout=240):
         assert diff == 0.0
         assert plain_ok
 
@@ -107,9 +107,9 @@ def _plain_reference(rank, world, path):
 
 def test_consolidated_state_reloads_at_another_world_size(tmp_path):
     path = str(tmp_path / "ckpt.pt")
-    run_distributed(_save_consolidated, 2, path, timeout=180)
-    ours = run_distributed(_consolidated_reload_other_world, 3, path, timeout=180)[0]
-    ref = run_distributed(_plain_reference, 3, path, backend="gloo", timeout=180)[0]
+    run_pooled(_save_consolidated, 2, path, timeout=180)
+    ours = run_pooled(_consolidated_reload_other_world, 3, path, timeout=180)[0]
+    ref = run_pooled(_plain_reference, 3, path, backend="gloo", timeout=180)[0]
     assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-5
 
 
@@ -165,7 +165,7 @@ def _bad_input(rank, world):
 
 
 def test_bad_input_is_rejected_naming_the_argument_and_changes_nothing():
-    errors, unchanged = run_distributed(_bad_input, 2, timeout=120)[0]
+    errors, unchanged = run_pooled(_bad_input, 2, timeout=120)[0]
     for name, message in errors.items():
         assert message is not None, f"{name}: no error raised"
     assert "stage" in errors["stage"] and "stage" in errors["stage0"]
@@ -204,7 +204,7 @@ def _memory(rank, world, stage, precision):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("stage,precision", [(1, None), (1, "bf16"), (2, None), (2, "bf16")])
 def test_model_state_bytes_match_the_zero_formula(world, stage, precision):
-    reports = run_distributed(_memory, world, stage, precision, timeout=240)
+    reports = run_pooled(_memory, world, stage, precision, timeout=240)
     for report, estimate in reports:
         assert report["model_state"] == pytest.approx(estimate["model_state"], rel=0.05), (report, estimate)
         assert report["parameters"] == pytest.approx(estimate["parameters"], rel=0.05)
@@ -237,7 +237,7 @@ def _zero_redundancy_stage2(rank, world):
 
 
 def test_zero_redundancy_optimizer_stage2_constructor():
-    for diff in run_distributed(_zero_redundancy_stage2, 2, timeout=120):
+    for diff in run_pooled(_zero_redundancy_stage2, 2, timeout=120):
         assert diff < 1e-6
 
 
@@ -302,7 +302,7 @@ def _stage1(rank, world, precision, tolerance):
 
 @pytest.mark.parametrize("precision,tolerance", [(None, 1e-6), ("bf16", 2e-2)])
 def test_stage1_keeps_the_module_and_matches_ddp(precision, tolerance):
-    for same_module, diff in run_distributed(_stage1, 2, precision, tolerance, timeout=240):
+    for same_module, diff in run_pooled(_stage1, 2, precision, tolerance, timeout=240):
         assert same_module
         assert diff < tolerance
 
@@ -320,5 +320,5 @@ def _module_identity(rank, world):
 
 
 def test_stage2_returns_the_users_module_and_a_torch_optimizer():
-    for flags in run_distributed(_module_identity, 2, timeout=120):
+    for flags in run_pooled(_module_identity, 2, timeout=120):
         assert all(flags), flags

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from harness import run_distributed
+from harness import run_distributed, run_pooled
 
 STEPS = 30
 LR = 3e-3
@@ -65,14 +65,14 @@ def _parity(rank, world, accumulate, clip, lr, checkpoint, knobs):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("backend", ["zeroplus", "gloo"])
 def test_fp32_parameters_match_ddp_adamw(world, backend):
-    for diff, _, stats in run_distributed(_parity, world, 1, 0.0, LR, False, STAGE3, backend=backend, timeout=420):
+    for diff, _, stats in run_pooled(_parity, world, 1, 0.0, LR, False, STAGE3, backend=backend, timeout=420):
         assert diff < 1e-5
         assert stats["prefetched"] > 0  # after the first step the recorded order drives prefetch
 
 
 def test_activation_checkpointing_and_no_prefetch_match_ddp():
     knobs = {**STAGE3, "prefetch_bucket_size": 0, "reshard_after_forward": False}
-    for diff, _, stats in run_distributed(_parity, 2, 1, 0.0, LR, True, knobs, timeout=420):
+    for diff, _, stats in run_pooled(_parity, 2, 1, 0.0, LR, True, knobs, timeout=420):
         assert diff < 1e-5
         assert stats["prefetched"] == 0
 
@@ -81,7 +81,7 @@ def test_accumulation_and_clipping_match_ddp():
     # lr 1e-3 for the same reason as the stage-2 test (the clip coefficient's last bit). Two
     # ranks only: 4 micro-steps x 30 steps x 4 ranks on two cores takes minutes, and the 4-rank
     # layouts are covered by the fp32 parity test.
-    for diff, norms, _ in run_distributed(_parity, 2, 4, 0.5, 1e-3, False, STAGE3, timeout=420):
+    for diff, norms, _ in run_pooled(_parity, 2, 4, 0.5, 1e-3, False, STAGE3, timeout=420):
         assert diff < 1e-5
         assert len(norms) == STEPS
         for ours, theirs in norms:
@@ -123,7 +123,7 @@ def _mixed(rank, world, precision, use_opt_backward):
 
 @pytest.mark.parametrize("precision,use_opt_backward", [("bf16", False), ("fp16", True)])
 def test_mixed_precision_loss_tracks_ddp_autocast(precision, use_opt_backward):
-    for loss, ref_loss, scale in run_distributed(_mixed, 2, precision, use_opt_backward, timeout=420):
+    for loss, ref_loss, scale in run_pooled(_mixed, 2, precision, use_opt_backward, timeout=420):
         assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scale == (65536.0 if precision == "fp16" else 1.0)
 
@@ -152,7 +152,7 @@ def _overflow(rank, world):
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_everywhere():
-    for changed, scales in run_distributed(_overflow, 2, timeout=180):
+    for changed, scales in run_pooled(_overflow, 2, timeout=180):
         assert changed == [True, False, True]
         assert scales == [65536.0, 32768.0, 32768.0]
 
@@ -201,7 +201,7 @@ def _reuse_branch_eval(rank, world):
 
 
 def test_reused_block_changing_branch_frozen_params_and_eval_match_ddp():
-    for diff, frozen_same, same_tokens, logits_diff, live in run_distributed(_reuse_branch_eval, 2, timeout=300):
+    for diff, frozen_same, same_tokens, logits_diff, live in run_pooled(_reuse_branch_eval, 2, timeout=300):
         assert diff < 1e-5
         assert frozen_same
         assert same_tokens and logits_diff < 1e-5
@@ -248,7 +248,7 @@ def _state_roundtrip(rank, world, precision):
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_full_state_dict_and_loading_a_full_dict(precision):
-    for full, keys_ok, shapes_ok, load_ok, step_diff in run_distributed(_state_roundtrip, 2, precision, timeout=300):
+    for full, keys_ok, shapes_ok, load_ok, step_diff in run_pooled(_state_roundtrip, 2, precision, timeout=300):
         assert full is True or full > 0
         assert keys_ok and shapes_ok and load_ok
         # fp32: one SGD step on the same batch matches a plain model; bf16: within bf16 rounding.
@@ -293,7 +293,7 @@ def _meta(rank, world):
 
 
 def test_meta_model_with_param_init_fn_matches_ddp():
-    for diff, tied in run_distributed(_meta, 2, timeout=300):
+    for diff, tied in run_pooled(_meta, 2, timeout=300):
         assert diff < 1e-5
         assert tied
 
@@ -317,7 +317,7 @@ def _memory(rank, world, precision):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_model_state_bytes_match_the_stage3_formula(world, precision):
-    for report, expected, psi in run_distributed(_memory, world, precision, timeout=300):
+    for report, expected, psi in run_pooled(_memory, world, precision, timeout=300):
         assert report["model_state"] == pytest.approx(16 * psi / world, rel=0.05)
         assert report["model_state"] == pytest.approx(expected["model_state"], rel=0.05)
         for key in ("parameters", "gradients", "optimizer_state"):
@@ -361,7 +361,7 @@ def _bad_input(rank, world):
 
 
 def test_bad_stage3_arguments_are_refused_before_anything_changes():
-    for untouched, managed, knobs in run_distributed(_bad_input, 2, timeout=180):
+    for untouched, managed, knobs in run_pooled(_bad_input, 2, timeout=180):
         assert untouched and not managed
         assert knobs == (1234, 99999, 50)
 
