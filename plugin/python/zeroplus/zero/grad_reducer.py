@@ -21,6 +21,10 @@ engine's BackwardPass, backward_pass.py; this class is its first participant):
     fp16 buckets are divided before the sum, as DDP and DeepSpeed do, so the sum cannot overflow.
     For N a power of two both orders give the same bits.
   * On gloo with 2 ranks the reduce-scatter is one `reduce` per owner (comm.owner_collectives).
+  * Stage 1 (gradients kept whole) with zero accumulators in the bucket dtype: gradients are
+    written straight into the accumulator, already multiplied by 1/N (DDP's copy into its bucket
+    is the same mul_out), and all-reduced in place: no bucket buffer, no pass after the sum, and
+    the same bits as DDP.
   * A bucket's input buffer, once its collective is done, goes to a BufferPool and is reused by
     the next pass (buffer_pool.py: no page faults per step, never more than the peak in use).
   * Which parameters had a gradient in a pass is committed to `usage` (usage.py) when the pass
@@ -84,13 +88,14 @@ class GradientReducer:
 
     def _reset_pass(self) -> None:
         # A pass that failed left bucket inputs behind: they are dropped, not pooled.
-        for buf in self._buffers:
-            if buf is not None:
+        for b, buf in enumerate(self._buffers):
+            if buf is not None and buf is not self.accum[b]:
                 self.pool.forget(buf)
         for entry in self._inflight:
             if entry[3] is not None:
                 self.pool.forget(entry[3])
         self._in_pass = False  # a pass with collectives is open (not under no_sync)
+        self._direct = None    # this pass all-reduces in place in the accumulators (decided at its first bucket)
         self._arrived = [[False] * len(b.entries) for b in self.buckets]
         self._pass_used: list[int] = []  # usage flags of the gradients this pass took
         self._remaining = [len(b.entries) for b in self.buckets]
@@ -99,7 +104,7 @@ class GradientReducer:
         self._inflight = []
 
     def communication_bytes(self) -> int:
-        live = [t for t in self._buffers if t is not None]
+        live = [t for b, t in enumerate(self._buffers) if t is not None and t is not self.accum[b]]
         live += [t for b, _, out, buf in self._inflight for t in (out, buf)
                  if t is not None and t is not self.accum[b]]  # an accumulator is not a buffer
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
@@ -116,8 +121,16 @@ class GradientReducer:
             gaps.append((pos, bucket.numel))
         return gaps
 
+    def _direct_pass(self) -> bool:
+        if self._direct is None:
+            self._direct = (not self.shard_gradients and not self.has_grads
+                            and all(a.dtype == b.dtype for a, b in zip(self.accum, self.buckets)))
+        return self._direct
+
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self._buffers[b]
+        if buf is None and self._direct_pass():
+            buf = self._buffers[b] = self.accum[b]  # zero since zero(): gaps and padding stay zero
         if buf is None:
             bucket = self.buckets[b]
             # Every element is written once per pass: by its gradient, by zeros for a parameter
@@ -132,7 +145,10 @@ class GradientReducer:
         grad = entry.param.grad
         region = self._buffer(b)[entry.offset:entry.offset + entry.numel]
         if grad is not None:
-            region.copy_(grad.reshape(-1))
+            if self._direct_pass() and self.world_size > 1:
+                torch.mul(grad.reshape(-1), 1.0 / self.world_size, out=region)
+            else:
+                region.copy_(grad.reshape(-1))
             entry.param.grad = None
             self._pass_used.append(self.usage.flag(b, e_index))
         elif not self._arrived[b][e_index]:
@@ -175,6 +191,12 @@ class GradientReducer:
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
         buf = self._buffer(b)
+        if self._direct_pass():
+            work = dist.all_reduce(buf, group=self.group, async_op=True)
+            self._inflight.append([b, work, buf, None])  # the accumulator: not a pooled input
+            self._buffers[b] = None
+            self._next = b + 1
+            return
         # fp16: pre-divide (DDP and DeepSpeed do too), the sum of averaged gradients cannot
         # overflow where the sum of raw ones might. Others: 1/N is applied when accumulating.
         if self.world_size > 1 and bucket.dtype == torch.float16:
@@ -233,7 +255,8 @@ class GradientReducer:
                     entry[1] = None
             for entry in self._inflight:  # all collectives succeeded: now update the accumulators
                 b = entry[0]
-                scale = 1.0 if self.buckets[b].dtype == torch.float16 else 1.0 / self.world_size
+                scale = (1.0 if self._direct or self.buckets[b].dtype == torch.float16
+                         else 1.0 / self.world_size)
                 if entry[2] is self.accum[b]:  # the result went straight into a zero accumulator
                     if scale != 1.0:
                         self.accum[b].mul_(scale)  # bitwise 0 + scale * sum, as add_ gives
