@@ -37,6 +37,8 @@ the BackwardPass closes it (abandon_backward) at the next backward, forward, flu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -44,6 +46,15 @@ from . import comm
 from .buffer_pool import BufferPool
 from .layout import Bucket
 from .usage import ParamUsage
+
+@dataclass
+class InFlight:
+    """One launched bucket collective of the open pass."""
+    bucket: int                  # bucket index
+    work: object | None          # the async work; None once waited on
+    out: torch.Tensor | None     # where this rank's result lands (the accumulator, a shard-sized tensor, or a view of buf)
+    buf: torch.Tensor | None     # the full-size input while it may still be read; None once recycled
+
 
 # Full-size bucket inputs allowed in flight at once (overlap needs two: one on the wire while the
 # next fills).
@@ -92,8 +103,8 @@ class GradientReducer:
             if buf is not None and buf is not self.accum[b]:
                 self.pool.forget(buf)
         for entry in self._inflight:
-            if entry[3] is not None:
-                self.pool.forget(entry[3])
+            if entry.buf is not None:
+                self.pool.forget(entry.buf)
         self._in_pass = False  # a pass with collectives is open (not under no_sync)
         self._direct = None    # this pass all-reduces in place in the accumulators (decided at its first bucket)
         self._arrived = [[False] * len(b.entries) for b in self.buckets]
@@ -105,8 +116,8 @@ class GradientReducer:
 
     def communication_bytes(self) -> int:
         live = [t for b, t in enumerate(self._buffers) if t is not None and t is not self.accum[b]]
-        live += [t for b, _, out, buf in self._inflight for t in (out, buf)
-                 if t is not None and t is not self.accum[b]]  # an accumulator is not a buffer
+        live += [t for e in self._inflight for t in (e.out, e.buf)
+                 if t is not None and t is not self.accum[e.bucket]]  # an accumulator is not a buffer
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}
         return sum(storages.values())  # `out` may be a view of `buf` (gloo's per-owner reduce)
 
@@ -193,7 +204,7 @@ class GradientReducer:
         buf = self._buffer(b)
         if self._direct_pass():
             work = dist.all_reduce(buf, group=self.group, async_op=True)
-            self._inflight.append([b, work, buf, None])  # the accumulator: not a pooled input
+            self._inflight.append(InFlight(b, work, buf, None))  # the accumulator: not a pooled input
             self._buffers[b] = None
             self._next = b + 1
             return
@@ -215,7 +226,7 @@ class GradientReducer:
             out = buf
             work = dist.all_reduce(buf, group=self.group, async_op=True)
         # The input stays referenced until the work is waited on (a backend may read it late).
-        self._inflight.append([b, work, out, buf])
+        self._inflight.append(InFlight(b, work, out, buf))
         self._buffers[b] = None
         self._next = b + 1
         self._retire_inputs()
@@ -226,20 +237,20 @@ class GradientReducer:
         and added to the accumulators only when the whole pass succeeded. Without this every
         bucket's full gradient would stay alive until backward ends: the full gradient size,
         transiently, which ZeRO-2/3 exist to avoid."""
-        live = [entry for entry in self._inflight if entry[3] is not None]
+        live = [entry for entry in self._inflight if entry.buf is not None]
         for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
-            entry[1].wait()
-            entry[1] = None  # the work references the input
-            if entry[2].untyped_storage().data_ptr() == entry[3].untyped_storage().data_ptr():
+            entry.work.wait()
+            entry.work = None  # the work references the input
+            if entry.out.untyped_storage().data_ptr() == entry.buf.untyped_storage().data_ptr():
                 # Per-owner reduce: the shard is a view of the input. Into a zero accumulator
                 # it goes directly, else it is kept aside until the pass succeeds.
-                b = entry[0]
-                entry[2] = (self.accum[b].copy_(entry[2]) if not self.has_grads and self.accum[b].dtype == entry[2].dtype
-                            else entry[2].clone())
+                b = entry.bucket
+                entry.out = (self.accum[b].copy_(entry.out) if not self.has_grads and self.accum[b].dtype == entry.out.dtype
+                            else entry.out.clone())
             self._recycle_input(entry)
 
     def _recycle_input(self, entry) -> None:
-        buf, entry[3] = entry[3], None
+        buf, entry.buf = entry.buf, None
         self.pool.give(buf)  # pooled only if nothing (the work, a view) still references it
 
     def _finish_pass(self) -> None:
@@ -250,20 +261,20 @@ class GradientReducer:
                         self._take_grad(b, e_index)  # no gradient this pass: zeros, or a no_sync leftover
                 self._launch(b)
             for entry in self._inflight:
-                if entry[1] is not None:
-                    entry[1].wait()
-                    entry[1] = None
+                if entry.work is not None:
+                    entry.work.wait()
+                    entry.work = None
             for entry in self._inflight:  # all collectives succeeded: now update the accumulators
-                b = entry[0]
+                b = entry.bucket
                 scale = (1.0 if self._direct or self.buckets[b].dtype == torch.float16
                          else 1.0 / self.world_size)
-                if entry[2] is self.accum[b]:  # the result went straight into a zero accumulator
+                if entry.out is self.accum[b]:  # the result went straight into a zero accumulator
                     if scale != 1.0:
                         self.accum[b].mul_(scale)  # bitwise 0 + scale * sum, as add_ gives
                 else:
-                    self.accum[b].add_(entry[2], alpha=scale)
-                entry[2] = None
-                if entry[3] is not None:
+                    self.accum[b].add_(entry.out, alpha=scale)
+                entry.out = None
+                if entry.buf is not None:
                     self._recycle_input(entry)
             self.usage.commit(self._pass_used)
             self.has_grads = True
@@ -287,12 +298,12 @@ class GradientReducer:
         """Wait for every collective this pass launched, ignoring their errors (the failure that
         ended the pass is what the caller sees): one still running may write into an accumulator."""
         for entry in self._inflight:
-            if entry[1] is not None:
+            if entry.work is not None:
                 try:
-                    entry[1].wait()
+                    entry.work.wait()
                 except Exception:
                     pass
-                entry[1] = None
+                entry.work = None
 
     # -- outside backward ----------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ sequence becomes the next prediction. Every rank must run the same modules in th
 
 from __future__ import annotations
 
+import enum
+
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
@@ -48,7 +50,16 @@ from .buffer_pool import BufferPool
 from .layout import Bucket
 from .units import Unit
 
-RELEASED, IN_FLIGHT, GATHERED = 0, 1, 2
+
+
+class Residency(enum.Enum):
+    """Where a unit's parameters are (see the module doc)."""
+    RELEASED = "released"    # .data is this rank's 1-D slice of each parameter
+    IN_FLIGHT = "in flight"  # an all-gather into the flat buffers was issued
+    GATHERED = "gathered"    # .data is the full parameter, a view into the flat buffer
+
+
+RELEASED, IN_FLIGHT, GATHERED = Residency.RELEASED, Residency.IN_FLIGHT, Residency.GATHERED
 
 
 def _wait_all(works) -> None:
