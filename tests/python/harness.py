@@ -117,8 +117,19 @@ def _rank_threads(world_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // world_size)
 
 
+def _interactive_sigint() -> None:
+    """A rank handles Ctrl-C as a training process started from a terminal does. A launcher that
+    ignores SIGINT (the suite run as a background job, nohup) passes SIG_IGN on to every child;
+    Python then installs no KeyboardInterrupt handler, the backend chains its interrupt handler
+    only over Python's default one (process_group/adapter/interrupt_watch.hpp), and the SIGINT
+    tests would test nothing. Must run before init_process_group."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _child(rank, world_size, fn, args, backend, store_path, pg_timeout_s, load, env, results):
     try:
+        _interactive_sigint()
         os.environ.update(env)
         _arm_stack_dump(f"{store_path}.stacks{rank}")
         import torch
@@ -306,6 +317,7 @@ class _RankState:
 def _pool_rank(rank, world_size, backend, store_path, pg_timeout_s, env, tasks, results):
     """A pooled rank: joins the group once, then runs cases from `tasks` until told to stop."""
     try:
+        _interactive_sigint()
         os.environ.update(env)
         _arm_stack_dump(f"{store_path}.stacks{rank}")
         import torch
