@@ -524,3 +524,23 @@ def close_pools() -> None:
     """Stops every pool run_pooled started."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+def run_cases_in_own_groups(rank: int, world_size: int, cases: dict) -> dict:
+    """Inside a rank: runs each `cases[key](rank, group)` in a process group of its own (created
+    and destroyed around it), so a case that fails on one rank only (collectives out of step)
+    breaks its own group, not the cases after it. Returns {key: ("ok", value) | ("error",
+    traceback)}; every rank must pass the same cases in the same order."""
+    import torch.distributed as dist
+
+    out = {}
+    for key, fn in cases.items():
+        group = dist.new_group(list(range(world_size)))
+        try:
+            out[key] = ("ok", fn(rank, group))
+        except Exception:  # noqa: BLE001 - reported per case
+            out[key] = ("error", traceback.format_exc())
+        finally:
+            dist.destroy_process_group(group)
+    return out
+

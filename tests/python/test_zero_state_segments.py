@@ -10,13 +10,13 @@ One 2-rank launch runs every case; a group per case keeps a failing case from br
 from __future__ import annotations
 
 import copy
-import traceback
+import functools
 
 import pytest
 import torch
 from torch import nn
 
-from harness import run_distributed
+from harness import run_cases_in_own_groups, run_distributed
 from test_zero_unused_params import BranchModel, _batch
 
 LR, WD = 1e-3, 0.1
@@ -135,18 +135,8 @@ CASES = {f"{fn.__name__[1:]}-stage{stage}": (fn, stage)
 
 
 def _all_cases(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
-    out = {}
-    for name, (fn, stage) in CASES.items():
-        group = dist.new_group(list(range(world)))
-        try:
-            out[name] = ("ok", fn(rank, group, stage))
-        except Exception:  # noqa: BLE001 - reported per case
-            out[name] = ("error", traceback.format_exc())
-        finally:
-            dist.destroy_process_group(group)
-    return out
+    return run_cases_in_own_groups(rank, world, {name: functools.partial(fn, stage=stage)
+                                                 for name, (fn, stage) in CASES.items()})
 
 
 @pytest.fixture(scope="module")

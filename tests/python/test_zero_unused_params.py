@@ -17,13 +17,13 @@ as its own test.
 from __future__ import annotations
 
 import copy
-import traceback
+import functools
 
 import pytest
 import torch
 from torch import nn
 
-from harness import run_distributed
+from harness import run_cases_in_own_groups, run_distributed
 
 LR, WD, STEPS = 1e-3, 0.1, 6
 STAGES = (1, 2, 3)
@@ -164,20 +164,11 @@ CASES = ([(stage, precision, name, True) for stage in STAGES for precision in PR
 
 
 def _all_cases(rank: int, world: int) -> dict:
-    import torch.distributed as dist
+    return run_cases_in_own_groups(rank, world, {case: functools.partial(_run_case_in, case=case) for case in CASES})
 
-    out = {}
-    for case in CASES:
-        # A group per case: a case that fails on one rank only (collectives out of step) breaks
-        # its own group, not the cases after it.
-        group = dist.new_group(list(range(world)))
-        try:
-            out[case] = _run_case(rank, group, *case)
-        except Exception:  # noqa: BLE001 - reported per case
-            out[case] = traceback.format_exc()
-        finally:
-            dist.destroy_process_group(group)
-    return out
+
+def _run_case_in(rank, group, case):
+    return _run_case(rank, group, *case)
 
 
 @pytest.fixture(scope="module")
@@ -192,9 +183,9 @@ def _case_id(case) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_unused_parameters_follow_ddp(results, case):
-    per_rank = [r[case] for r in results]
-    for r, res in enumerate(per_rank):
-        assert not isinstance(res, str), f"rank {r}:\n{res}"
+    for r, (status, res) in enumerate(r[case] for r in results):
+        assert status == "ok", f"rank {r}:\n{res}"
+    per_rank = [r[case][1] for r in results]
     stage, precision, name, set_to_none = case
     # The reference itself: every rank's DDP model is the same.
     assert per_rank[0]["ref_norms"] == pytest.approx(per_rank[1]["ref_norms"], rel=1e-6)
