@@ -86,7 +86,8 @@ def _build(name, args):
                                                config=config)
         return engine.module, engine, _DeepSpeedStep(engine)
     stage = int(name[-1])
-    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, mixed_precision=precision, **kw)
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, mixed_precision=precision,
+                                     **kw, **(json.loads(args.zero_kwargs) if stage == 3 else {}))
     return model, model, opt
 
 
@@ -155,6 +156,8 @@ def _worker(rank, world, store_path, backend, name, args, out_queue):
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, dist_init_required=False)
             deepspeed.utils.logger.setLevel(logging.WARNING)
         module, fwd, opt = _build(name, args)
+        built = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline_kib, dtype=torch.float64)
+        dist.all_reduce(built, op=dist.ReduceOp.MAX)
         gen = torch.Generator().manual_seed(rank)
         times = []
         for step in range(args.steps + 2):
@@ -170,7 +173,8 @@ def _worker(rank, world, store_path, backend, name, args, out_queue):
         memory = _memory(name, module, fwd, opt, tokens, targets)
         peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline_kib, dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out_queue.put({"rank": rank, "times": times, "memory": memory, "peak_rss_kib": peak.item()})
+        out_queue.put({"rank": rank, "times": times, "memory": memory, "peak_rss_kib": peak.item(),
+                       "built_rss_kib": built.item()})
     except Exception as e:  # reported, not hidden: the variant's row says why it could not run
         out_queue.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     finally:
@@ -215,6 +219,8 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--zero-kwargs", default="{}",
+                        help="JSON of extra zeroplus.initialize keywords for stage 3, e.g. '{\"prefetch_bucket_size\": 0}'")
     parser.add_argument("--deepspeed", action="store_true",
                         help="add DeepSpeed stage 3 (installed into the build directory once)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "zero_stage3"))
@@ -253,7 +259,9 @@ def main():
                      "model_state_mib": ok[-1]["memory"]["model_state"] / 2**20,
                      "per_param": ok[-1]["memory"]["model_state"] / psi,
                      "peak_gathered_mib": ok[-1]["memory"].get("peak_gathered_parameters", 0) / 2**20,
-                     "peak_rss_mib": max(r["peak_rss_kib"] for r in ok) / 1024})
+                     "peak_comm_mib": ok[-1]["memory"].get("peak_communication_buffers", 0) / 2**20,
+                     "peak_rss_mib": max(r["peak_rss_kib"] for r in ok) / 1024,
+                     "built_rss_mib": max(r["built_rss_kib"] for r in ok) / 1024})
     for row in rows:
         same = {r["variant"]: r for r in rows if r["world"] == row["world"] and r["backend"] == row["backend"]}
         for ref in ("ddp_adamw", "fsdp2"):
@@ -267,16 +275,16 @@ def main():
              f"{report['load_average_start'][0]:.1f} -> {report['load_average_end'][0]:.1f}. 16Ψ/N is the "
              f"stage-3 formula (bytes per parameter per rank: {16 / 2:.0f} at N=2, {16 / 4:.0f} at N=4).", "",
              "| ranks | backend | variant | step ms | / DDP | / FSDP2 | model-state MiB per rank | bytes/param | "
-             "peak gathered MiB | peak RSS growth MiB |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "peak gathered MiB | peak reduce-scatter buffers MiB | peak RSS growth MiB (after build) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['world']} | {r['backend']} | {r['variant']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['world']} | {r['backend']} | {r['variant']} | error: {r['error']} | | | | | | | |")
             continue
         lines.append(f"| {r['world']} | {r['backend']} | {r['variant']} | {r['step_ms']:.0f} | "
                      f"{r.get('vs_ddp_adamw', float('nan')):.2f} | {r.get('vs_fsdp2', float('nan')):.2f} | "
                      f"{r['model_state_mib']:.0f} | {r['per_param']:.2f} | {r['peak_gathered_mib']:.0f} | "
-                     f"{r['peak_rss_mib']:.0f} |")
+                     f"{r['peak_comm_mib']:.0f} | {r['peak_rss_mib']:.0f} ({r['built_rss_mib']:.0f}) |")
     text = "\n".join(lines) + "\n"
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"rows": rows, **report}, indent=1, default=str))

@@ -66,6 +66,37 @@ def test_checkpointing_with_prefetch_a_unit_policy_and_the_live_limit_match_ddp(
         assert live == 0
 
 
+def _default_prefetch_depth(rank, world):
+    import zeroplus
+    import zero_models as zm
+
+    peaks = {}
+    for label, knobs in (("default", {}), ("deepspeed_budget", {"prefetch_bucket_size": 50_000_000})):
+        model = zm.make_model(layers=4)
+        block = _sharded_numel(model.blocks.layers[0])
+        root = _sharded_numel(model) - 4 * block
+        model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, param_persistence_threshold=THRESHOLD,
+                                         unit_classes=[nn.TransformerEncoderLayer], **knobs)
+        for step in range(3):  # step 0 records the order, the next ones prefetch by it
+            x, y = zm.batch(step, rank)
+            zm.loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        peaks[label] = (opt.gatherer.peak_live_elems, opt.gatherer.stats["prefetched"])
+    return peaks, root, block
+
+
+def test_default_prefetch_runs_one_unit_ahead_and_an_element_budget_is_deepspeeds():
+    for peaks, root, block in run_pooled(_default_prefetch_depth, 2, timeout=300):
+        pad = block // 2  # room for the padding of each flat buffer
+        # Default (FSDP2's depth): the root, the block in use and the next one, never the model.
+        peak, prefetched = peaks["default"]
+        assert prefetched > 0 and peak <= root + 2 * block + pad, (peak, root, block)
+        # An explicit element budget is DeepSpeed's: 5e7 elements gather this whole model ahead.
+        peak, prefetched = peaks["deepspeed_budget"]
+        assert prefetched > 0 and peak >= root + 4 * block, (peak, root, block)
+
+
 def _between_steps(rank, world, stage):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

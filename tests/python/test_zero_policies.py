@@ -34,7 +34,7 @@ def test_defaults_are_deepspeeds_and_policies_are_frozen():
     assert options.reduce_bucket_elems == 1 << 22 and options.gradient_clipping == 0.0
     assert options.precision.compute_dtype is None and PrecisionPolicy("bf16").compute_dtype is torch.bfloat16
     assert (options.stage3.prefetch_bucket_size, options.stage3.max_live_parameters,
-            options.stage3.param_persistence_threshold) == (50_000_000, 1_000_000_000, 100_000)
+            options.stage3.param_persistence_threshold) == (None, 1_000_000_000, 100_000)
     with pytest.raises(AttributeError):
         options.reduce_bucket_elems = 5  # frozen: an engine's settings cannot change under it
 

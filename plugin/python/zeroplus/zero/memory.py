@@ -11,6 +11,7 @@ Categories (bytes on this rank):
                          the next step (never more than the peak of the buffers in use at once)
   gathered_parameters    stage 3: full parameters gathered right now (0 between steps)
   peak_gathered_parameters  stage 3: the most gathered at once so far (prefetch included)
+  peak_communication_buffers  stages 2-3: the most reduce-scatter inputs/outputs taken at once so far
   model_state            parameters + gradients + master_parameters + optimizer_state
 """
 
@@ -60,7 +61,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["optimizer_state"] = ours["optimizer_state"]
         report["communication_buffers"] = ours["communication_buffers"]
         report["pooled_buffers"] = ours["pooled_buffers"]
-        for key in ("gathered_parameters", "peak_gathered_parameters"):  # stage 3
+        for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers"):
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -76,7 +77,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
     return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
             "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
             "communication_buffers": opt.reducer.communication_bytes(),
-            "pooled_buffers": opt.reducer.pool.pooled_bytes}
+            "pooled_buffers": opt.reducer.pool.pooled_bytes,
+            "peak_communication_buffers": opt.reducer.pool.peak_bytes}
 
 
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,

@@ -29,8 +29,8 @@ When (hooks on the user's modules; all run on the thread that runs forward / bac
 Prefetch: every pass records the sequence of units it gathered (forward and backward
 separately). The next pass predicts with that sequence: while what it gathers matches the
 prediction, each gather also issues the next predicted units' all-gathers asynchronously, as far
-as prefetch_elems (elements gathered ahead and not yet used) and max_live_elems (all gathered
-elements) allow. A pass that departs from the prediction (a conditional branch) stops
+as prefetch_elems (elements gathered ahead and not yet used; None: one unit ahead, FSDP2's
+depth) and max_live_elems (all gathered elements) allow. A pass that departs from the prediction (a conditional branch) stops
 prefetching for the rest of that pass and gathers on demand, which is always correct; its own
 sequence becomes the next prediction. Every rank must run the same modules in the same order
 (as with DDP), so every rank issues the same collectives in the same order.
@@ -95,7 +95,7 @@ class _UnitState:
 
 class ParameterGatherer:
     def __init__(self, units: list[Unit], buckets: list[Bucket], group, rank: int, backward: BackwardPass, *,
-                 prefetch_elems: int, max_live_elems: int, reshard_after_forward: bool):
+                 prefetch_elems: int | None, max_live_elems: int, reshard_after_forward: bool):
         self.units = units
         self.group = group
         by_unit: dict[int, list[Bucket]] = {u.index: [] for u in units}
@@ -103,7 +103,7 @@ class ParameterGatherer:
             if not b.persistent:
                 by_unit[b.unit].append(b)
         self.states = [_UnitState(u, by_unit[u.index], rank) for u in units]
-        self.prefetch_elems = int(prefetch_elems)
+        self.prefetch_elems = None if prefetch_elems is None else int(prefetch_elems)
         self.max_live_elems = int(max_live_elems)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.live_elems = 0
@@ -320,22 +320,30 @@ class ParameterGatherer:
         if st.state == RELEASED:
             self._issue(st)
             self.stats["on_demand"] += 1
+        st.prefetched = False  # in use now: no longer "ahead"
         if self._on_track[kind]:
             self._prefetch(order, position + 1)
         self._complete(st)
 
     def _prefetch(self, order: list[int], start: int) -> None:
-        ahead = sum(s.numel for s in self.states if s.prefetched)
+        ahead = [s for s in self.states if s.prefetched]  # gathered ahead, not used yet
+        ahead_elems = sum(s.numel for s in ahead)
         for j in order[start:]:
             st = self.states[j]
             if st.state != RELEASED:
                 continue
-            if ahead + st.numel > self.prefetch_elems or self.live_elems + st.numel > self.max_live_elems:
+            if self.prefetch_elems is None:
+                if ahead:  # one unit ahead at most
+                    break
+            elif ahead_elems + st.numel > self.prefetch_elems:
+                break
+            if self.live_elems + st.numel > self.max_live_elems:
                 break
             self._issue(st)
             self.stats["prefetched"] += 1
             st.prefetched = True
-            ahead += st.numel
+            ahead.append(st)
+            ahead_elems += st.numel
 
     def _issue(self, st: _UnitState) -> None:
         st.works = []

@@ -17,7 +17,6 @@ from .loss_scaler import LossScalerOptions
 from .precision import COMPUTE_DTYPES
 
 DEFAULT_REDUCE_BUCKET_ELEMS = 1 << 22        # 16 MiB of fp32: large enough to be bandwidth-bound
-DEFAULT_PREFETCH_ELEMS = 50_000_000          # DeepSpeed's stage3_prefetch_bucket_size
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000      # DeepSpeed's stage3_param_persistence_threshold
 
@@ -50,8 +49,13 @@ class PrecisionPolicy:
 
 @dataclass(frozen=True)
 class Stage3Policy:
-    """Stage-3 parameter gathering (DeepSpeed's names and defaults; docs/zero.md "Stage 3")."""
-    prefetch_bucket_size: int = DEFAULT_PREFETCH_ELEMS
+    """Stage-3 parameter gathering (DeepSpeed's names; docs/zero.md "Stage 3").
+
+    prefetch_bucket_size None (the default) prefetches one unit ahead, FSDP2's depth: enough to
+    overlap the next unit's all-gather with this unit's compute, and it keeps the gathered peak
+    at two units. An int is DeepSpeed's element budget for what is gathered ahead (its default,
+    5e7, gathers a whole 50M-parameter model at once; 0 turns prefetch off)."""
+    prefetch_bucket_size: int | None = None
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
     param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
     reshard_after_forward: bool = True
@@ -60,6 +64,8 @@ class Stage3Policy:
 
     def __post_init__(self):
         for key in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
+            if key == "prefetch_bucket_size" and self.prefetch_bucket_size is None:
+                continue
             object.__setattr__(self, key, _count("Stage3Policy", key, getattr(self, key), 0))
         if not isinstance(self.reshard_after_forward, bool):
             raise TypeError(f"Stage3Policy: reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
