@@ -356,7 +356,7 @@ def _bad_input(rank, world):
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, lr=LR, config={
         "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1234, "stage3_max_live_parameters": 99999,
                               "stage3_param_persistence_threshold": 50, "stage3_max_reuse_distance": 10}})
-    knobs = (opt.gatherer.prefetch_elems, opt.gatherer.max_live_elems, opt._persist_threshold)
+    knobs = (opt.gatherer.prefetch_elems, opt.gatherer.max_live_elems, opt.placement.policy.param_persistence_threshold)
     return untouched, managed, knobs
 
 

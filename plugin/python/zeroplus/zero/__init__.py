@@ -6,8 +6,7 @@ from .sharded_init import init_context
 from .initialize import initialize
 from .loss_scaler import DynamicLossScaler, LossScalerOptions
 from .memory import estimate_memory, memory_report
-from .stage2 import Stage1Optimizer, Stage2Optimizer
-from .stage3 import Stage3Optimizer
+from .stages import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 from .policies import EngineOptions, PrecisionPolicy, Stage3Policy
 from ..optim import zero as _zero_redundancy
 

@@ -34,13 +34,13 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True, cpu: bool =
         raise TypeError(f"full_state_dict: cpu must be a bool, got {cpu!r}")
     engine = _engine(model)
     keep = not rank0_only or engine is None or engine.rank == 0
-    if engine is None or getattr(engine, "gatherer", None) is None:
+    if engine is None or engine.placement.gatherer is None:
         # Stages 1-2 (or a plain model): parameters are whole on every rank.
         sd = model.state_dict()
         if not keep:
             return {}
         return {k: _copy(v.detach(), cpu) for k, v in sd.items()}
-    gatherer = engine.gatherer
+    gatherer = engine.placement.gatherer
     by_tensor = {}  # id(parameter) -> full value
     for st in gatherer.states:
         if not st.buckets:
@@ -75,11 +75,11 @@ def install_load_hooks(engine) -> None:
     """Per module owning managed parameters: a load_state_dict pre-hook (see the module doc)."""
     slots = {}  # id(param) -> (bucket, entry, master or None)
     masters = {id(b): m for b, m in zip(engine.buckets, engine.masters)}
-    for b in list(engine.buckets) + list(getattr(engine, "frozen_buckets", [])):
+    for b in list(engine.buckets) + list(engine.placement.frozen_buckets):
         for e in b.entries:
             slots[id(e.param)] = (b, e, masters.get(id(b)))
     rank = engine.rank
-    gatherer = getattr(engine, "gatherer", None)
+    gatherer = engine.placement.gatherer
 
     def hook(module, state_dict, prefix, _local_metadata, _strict, _missing, _unexpected, _errors):
         if gatherer is not None:

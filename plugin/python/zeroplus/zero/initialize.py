@@ -18,8 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import config as config_mod
 from . import deferred
-from .stage2 import Stage1Optimizer, Stage2Optimizer
-from .stage3 import Stage3Optimizer
+from .stages import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 
 
 def _check_model(model) -> None:

@@ -1,23 +1,26 @@
-"""ZeRO stage 2: sharded gradients and optimizer state behind a torch.optim.Optimizer.
+"""The ZeRO engine of stages 1-3: sharded optimizer state behind a torch.optim.Optimizer.
 
-Stage2Optimizer is what zeroplus.initialize(..., stage=2) and
-ZeroRedundancyOptimizer(..., stage=2) return. Units (one job each):
+ZeroEngine is composed of one owner per concern; the stage classes (stages.py) only choose them:
 
-    layout.py        flat buckets: every trainable parameter becomes a view into a flat buffer
-    grad_reducer.py  hooks + overlapped reduce-scatter; persistent gradient shards
-    loss_scaler.py   fp16 dynamic loss scaling (DeepSpeed rules)
-    clipping.py      global norm across shards
-    state.py         sharded and consolidated (plain torch.optim) state dicts
-    usage.py         which parameters had a gradient (agreed at step)
-    bucket_optimizer.py  one bucket's step over its segments
-    this file        construction, step (unscale, clip, the bucket loop, write back, all-gather)
+    layout.py            flat buckets: every trainable parameter becomes a view into a flat buffer
+    replicated_params.py stages 1-2: parameters whole on every rank, all-gathered after each step
+    sharded_params.py    stage 3: parameters sharded, gathered unit by unit (param_gatherer.py)
+    grad_reducer.py      hooks + overlapped reduce-scatter (all-reduce at stage 1); gradient shards
+    backward_pass.py     the one owner of backward hooks and of the end-of-backward callback
+    loss_scaler.py       fp16 dynamic loss scaling (DeepSpeed rules)
+    clipping.py          global norm across shards
+    usage.py             which parameters had a gradient (agreed at step)
+    bucket_optimizer.py  one bucket's step over its segments (fetch -> step -> store)
+    state.py             sharded and consolidated (plain torch.optim) state dicts
+    this file            construction order, the step (unscale, clip, the bucket loop), zero_grad
 
 The user's param_groups stay the user's (LR schedulers and hyperparameter edits work). Each
 bucket has an fp32 master of this rank's shard and a BucketOptimizer (bucket_optimizer.py): the
 user's class, or zeroplus's fused twin for Adam/AdamW/SGD, over one view of the master per
 parameter piece ("segment"), so each parameter keeps its own state and step count and a parameter
 no rank gave a gradient is not updated at all (usage.py). step() walks the buckets: fetch, step,
-store, write back, all-gather (overlapping the next bucket's step).
+store, then the placement publishes the new values (an all-gather overlapping the next bucket's
+step at stages 1-2; this rank's shard at stage 3).
 """
 
 from __future__ import annotations
@@ -29,11 +32,10 @@ import torch
 import torch.distributed as dist
 
 from ..optim.fused import fused_class_for
-from . import clipping, comm, full_state, precision, state
+from . import clipping, full_state, precision, state
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
-from .layout import plan_buckets
 from .loss_scaler import DynamicLossScaler, LossScalerOptions, StaticLossScaler
 from .memory import optimizer_bytes
 from .policies import EngineOptions
@@ -41,14 +43,17 @@ from .policies import EngineOptions
 _UNSUPPORTED_OPTIONS = ("differentiable",)  # masters are not part of an autograd graph
 
 
-class Stage2Optimizer(torch.optim.Optimizer):
-    stage = 2
+class ZeroEngine(torch.optim.Optimizer):
+    stage: int  # set by the stage classes (stages.py)
 
     def __init__(self, params, optimizer_class, *, options: EngineOptions | None = None, process_group=None,
                  module=None, **defaults):
         """params and defaults as torch.optim takes them; options: the policies (policies.py),
         defaults when None; module: the model (needed by stage 3, and for buffers, mixed-precision
         input casts and model.no_sync() at stages 1-2)."""
+        if type(self) is ZeroEngine:
+            raise TypeError("ZeroEngine is built through a stage class: Stage1Optimizer, Stage2Optimizer or "
+                            "Stage3Optimizer (or zeroplus.initialize)")
         name = type(self).__name__
         options = EngineOptions() if options is None else options
         if not isinstance(options, EngineOptions):
@@ -81,12 +86,13 @@ class Stage2Optimizer(torch.optim.Optimizer):
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         if not any(trainable):
             raise ValueError(f"{name}: params has no parameter with requires_grad=True")
-        self._check_module(name, trainable)
+        self.placement = self._make_placement(options)
+        self.placement.check_module(name, trainable)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
-        self.buckets = self._plan_layout(trainable, options.reduce_bucket_elems)
-        self.masters = self._build_flat_buffers()
-        self._sync_unmanaged(trainable)
+        self.buckets = self.placement.plan_layout(trainable, options.reduce_bucket_elems)
+        self.masters = self.placement.build_flat_buffers()
+        self.placement.sync_unmanaged(trainable)
         self._build_inner(optimizer_class)
         self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank,
                                        precision_policy.grad_accum_dtype, shard_gradients=self.stage >= 2)
@@ -140,65 +146,18 @@ class Stage2Optimizer(torch.optim.Optimizer):
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: {optimizer_class.__name__} rejects the hyperparameters: {e}") from e
 
-    def _check_module(self, name: str, trainable) -> None:
-        """Stage-specific checks before anything is changed (stage 3 needs the module)."""
-
-    def _plan_layout(self, trainable, reduce_bucket_elems: int):
-        return plan_buckets(trainable, self.world_size, reduce_bucket_elems, self._dtype_of)
+    def _make_placement(self, options: EngineOptions):
+        """Where parameters live: ReplicatedParams (stages 1-2) or ShardedParams (stage 3)."""
+        raise NotImplementedError
 
     def _finish_construction(self) -> None:
-        """Set-up after the reducer exists: model load hooks (stage 3 adds the parameter gatherer)."""
+        """Set-up after the reducer exists: the placement's part (stage 3: the parameter
+        gatherer), then the model's load hooks."""
+        self.placement.attach()
         if self.module is not None:
             full_state.install_load_hooks(self)
             # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.
             object.__setattr__(self.module, "_zeroplus_engine", weakref.ref(self))
-
-    def _dtype_of(self, p: torch.Tensor) -> torch.dtype:
-        return self.compute_dtype or p.dtype
-
-    def _build_flat_buffers(self) -> list[torch.Tensor]:
-        """Flat buffers for the parameters (rank 0's values, broadcast) and this rank's fp32 masters.
-        With mixed precision the master starts from the full-precision value, not the rounded one."""
-        src = comm.group_src_rank(self.process_group, 0)
-        masters = []
-        for b in self.buckets:
-            staging_dtype = torch.float32 if self.compute_dtype is not None else b.dtype
-            flat = torch.zeros(b.numel, dtype=staging_dtype, device=b.device)
-            for e in b.entries:
-                flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            dist.broadcast(flat, src=src, group=self.process_group)
-            lo, hi = b.shard_range(self.rank)
-            if self.compute_dtype is not None or b.dtype != torch.float32:
-                master = flat[lo:hi].to(torch.float32, copy=True)
-                flat = flat.to(b.dtype)
-            else:
-                master = flat[lo:hi]  # fp32 training: the master IS this rank's slice of the parameters
-            b.flat = flat
-            b.show_full()
-            for e in b.entries:
-                e.param._zeroplus_managed = True
-            masters.append(master)
-        return masters
-
-    def _sync_unmanaged(self, trainable) -> None:
-        """Frozen parameters and (with a module) buffers: cast, then take rank 0's values, as DDP does."""
-        seen = {id(p) for grp in trainable for p in grp}
-        frozen = []
-        candidates = [p for g in self.param_groups for p in g["params"]]
-        if self.module is not None:
-            candidates += list(self.module.parameters())
-        for p in candidates:
-            if id(p) not in seen:
-                seen.add(id(p))
-                frozen.append(p)
-        src = comm.group_src_rank(self.process_group, 0)
-        for p in frozen:
-            if self.compute_dtype is not None and p.is_floating_point():
-                p.data = p.data.to(self.compute_dtype)
-            dist.broadcast(p.data, src=src, group=self.process_group)
-        if self.module is not None:
-            for buf in self.module.buffers():
-                dist.broadcast(buf, src=src, group=self.process_group)
 
     def _build_inner(self, optimizer_class) -> None:
         """One BucketOptimizer per bucket: the user's optimizer class (or its fused twin) over
@@ -351,33 +310,18 @@ class Stage2Optimizer(torch.optim.Optimizer):
         groups = self.param_groups
         for bo in self.bucket_optimizers:
             bo.check(groups[bo.bucket.group], bo.bucket.group)
-        self._before_publish()
+        self.placement.before_publish()
         base = self.reducer.usage.base
         works = []
         for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
             bo.fetch()
             bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
             bo.store()
-            work = self._publish(i)
+            work = self.placement.publish(i)
             if work is not None:
                 works.append(work)
         for w in works:
             w.wait()
-
-    def _before_publish(self) -> None:
-        """Before any parameter changes (stage 3 releases gathered units)."""
-
-    def _publish(self, i: int):
-        """Bucket i's new master values into its parameters on every rank: the all-gather's work."""
-        b, master = self.buckets[i], self.masters[i]
-        lo, hi = b.shard_range(self.rank)
-        shard = b.flat[lo:hi]
-        if master.data_ptr() != shard.data_ptr():
-            shard.copy_(master)
-        if self.reducer.owner_collectives:  # gloo, 2 ranks: in place, one broadcast per owner
-            return comm.broadcast_from_owners(b.flat, b.shard_numel, self.process_group, self.world_size)
-        # A separate input: backends differ on whether an all-gather input may alias its output.
-        return comm.all_gather(b.flat, shard.clone(), self.process_group, async_op=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.backward_pass.close_stale()
@@ -413,12 +357,4 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._consolidated = full if self.rank == to else None
 
     def memory_bytes(self) -> dict[str, int]:
-        return optimizer_bytes(self)
-
-
-class Stage1Optimizer(Stage2Optimizer):
-    """ZeRO stage 1 on the same engine: gradients are all-reduced and kept whole, the fp32 master
-    and optimizer state are sharded. zeroplus.initialize(stage=1) returns it at every precision
-    (zeroplus.ZeroRedundancyOptimizer is torch's interface, for a user's own DDP model)."""
-
-    stage = 1
+        return self.placement.add_memory(optimizer_bytes(self))

@@ -1,0 +1,62 @@
+"""The stage classes (zeroplus/zero/stages.py) on one process: each is the one engine composed
+with a parameter placement, not a subclass of another stage, and a one-rank group trains at every
+stage to the same parameters as torch.optim.AdamW (world size 1: the reducer and the gatherer run
+their whole path, the collectives are identities)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zeroplus.zero import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
+from zeroplus.zero.engine import ZeroEngine
+from zeroplus.zero.replicated_params import ReplicatedParams
+from zeroplus.zero.sharded_params import ShardedParams
+
+
+def test_stages_are_one_engine_composed_not_a_subclass_chain():
+    for cls in (Stage1Optimizer, Stage2Optimizer, Stage3Optimizer):
+        assert cls.__mro__[1] is ZeroEngine, cls.__mro__
+    assert not issubclass(Stage3Optimizer, Stage2Optimizer) and not issubclass(Stage1Optimizer, Stage2Optimizer)
+    with pytest.raises(TypeError, match="stage class"):
+        ZeroEngine([torch.nn.Parameter(torch.ones(2))], torch.optim.AdamW)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    import zeroplus  # noqa: F401  (registers the backend)
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("zeroplus", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage,placement", [(1, ReplicatedParams), (2, ReplicatedParams), (3, ShardedParams)])
+def test_each_stage_picks_its_placement_and_matches_torch(one_rank_group, stage, placement):
+    import zeroplus
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1)
+    assert type(opt.placement) is placement and opt.stage == stage
+    for step in range(3):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    full = zeroplus.full_state_dict(model)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v, rtol=0, atol=1e-6)
