@@ -25,3 +25,23 @@ def _rank_pools():
     import harness
 
     harness.close_pools()
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world-size-1 zeroplus group in this process, for unit tests of the ZeRO engine's parts
+    (collectives are identities, every code path around them runs). Destroyed after the module."""
+    import datetime
+    import tempfile
+
+    import torch.distributed as dist
+
+    import zeroplus  # noqa: F401  (registers the backend)
+
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("zeroplus", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

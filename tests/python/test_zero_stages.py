@@ -6,13 +6,9 @@ their whole path, the collectives are identities)."""
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from zeroplus.zero import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 from zeroplus.zero.engine import ZeroEngine
@@ -26,19 +22,6 @@ def test_stages_are_one_engine_composed_not_a_subclass_chain():
     assert not issubclass(Stage3Optimizer, Stage2Optimizer) and not issubclass(Stage1Optimizer, Stage2Optimizer)
     with pytest.raises(TypeError, match="stage class"):
         ZeroEngine([torch.nn.Parameter(torch.ones(2))], torch.optim.AdamW)
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import zeroplus  # noqa: F401  (registers the backend)
-
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("zeroplus", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stage,placement", [(1, ReplicatedParams), (2, ReplicatedParams), (3, ShardedParams)])
