@@ -364,6 +364,16 @@ class Stage2Optimizer(torch.optim.Optimizer):
         for w in works:
             w.wait()
 
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Write every rank's masters into the parameters, as the end of step() does (collective).
+        For code that changed masters outside step(): zeroplus.load_checkpoint."""
+        self._consolidated = None
+        self._before_publish()
+        works = [w for w in (self._publish(i) for i in range(len(self.buckets))) if w is not None]
+        for w in works:
+            w.wait()
+
     def _before_publish(self) -> None:
         """Before any parameter changes (stage 3 releases gathered units)."""
 
