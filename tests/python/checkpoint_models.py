@@ -3,6 +3,9 @@ a persistent buffer: every kind of entry a checkpoint holds)."""
 
 from __future__ import annotations
 
+import resource
+import signal
+
 import torch
 from torch import nn
 
@@ -76,3 +79,16 @@ def full_params(kind, model):
 def consolidated_optimizer(opt, rank):
     opt.consolidate_state_dict(to=0)
     return opt.state_dict() if rank == 0 else None
+
+
+def fsize_limited(fn, limit: int):
+    """fn() with RLIMIT_FSIZE at `limit` bytes (writes past it fail with EFBIG, as a full disk
+    fails with ENOSPC) and SIGXFSZ ignored, both restored after."""
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed rank
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        return fn()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)

@@ -13,15 +13,13 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
-import signal
 import time
 
 import pytest
 import torch
 from torch import nn
 
-from checkpoint_models import CkptNet, build, full_params, make, train
+from checkpoint_models import CkptNet, build, fsize_limited, full_params, make, train
 from harness import run_cases_in_own_groups, run_pooled
 
 
@@ -204,17 +202,6 @@ def case_extra_not_json(root, rank, group):
     return None, False
 
 
-def _fsize_limited(fn, limit: int):
-    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed rank
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        return fn()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, old_handler)
-
-
 def _disk_full(root, rank, group, name, limited_ranks):
     import zeroplus
 
@@ -228,7 +215,7 @@ def _disk_full(root, rank, group, name, limited_ranks):
         except Exception as e:  # noqa: BLE001 - the error is the result
             return f"{type(e).__name__}: {e}"
         return None
-    err = _fsize_limited(save, 1000) if rank in limited_ranks else save()
+    err = fsize_limited(save, 1000) if rank in limited_ranks else save()
     leftovers = sorted(os.listdir(root))
     loaded_err, _untouched = _load_fails(root, rank, group)  # via latest: must still be `first`
     with open(os.path.join(root, "latest")) as f:
@@ -296,7 +283,6 @@ def test_extra_must_be_json(results):
 @pytest.mark.parametrize("case", ["disk_full_everywhere", "disk_full_one_rank"])
 def test_disk_full_mid_save_keeps_previous_checkpoint(results, case):
     for rank, (err, (leftovers, loaded_err, latest)) in enumerate(_ok(results, case)):
-        print(f"rank {rank}: {err}")
         assert err is not None, f"rank {rank}: the save succeeded despite the file size limit"
         assert leftovers == ["first", "latest"], f"rank {rank}: {leftovers}"
         assert latest == "first"

@@ -12,8 +12,12 @@ Synchronous (async_=False, default): returns a finished CheckpointHandle after t
 complete and durable on every rank. async_=True: blocks only to snapshot this rank's shard into
 CPU memory (handle.snapshot_bytes), then writes in a background thread while training goes on;
 handle.wait() blocks until this rank's part is durable and the commit is done, and raises any
-error (OSError from the disk, CheckpointError naming the rank that failed). A new save first
-waits for the previous one (saves are serialised); its error, if any, stays with its handle.
+error (OSError from the disk, CheckpointError naming the rank that failed). On rank 0 wait()
+returns after `latest` names the new checkpoint; on other ranks as soon as the checkpoint is
+complete (loadable by its PATH), and `latest` follows a moment later. wait() is not collective.
+A new save first waits for the previous one (saves are serialised); its error, if any, stays
+with its handle. The background thread runs no collectives (ranks coordinate through files in
+the staging directory, commit.py), so training's collectives never interleave with it.
 """
 
 from __future__ import annotations
