@@ -63,7 +63,10 @@ def build(kind, stage, precision, group, seed, lr=1e-2, width=24, model=None):
 def train(call, opt, steps, rank, first_step=0):
     for step in range(first_step, first_step + steps):
         loss = loss_of(call, batch(step, rank))
-        loss.backward()
+        if hasattr(opt, "backward"):
+            opt.backward(loss)  # the engines: scaled by the loss scale under fp16
+        else:
+            loss.backward()
         opt.step()
         opt.zero_grad()
 

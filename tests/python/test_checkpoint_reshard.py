@@ -11,7 +11,7 @@ back, and after 2 more steps at M, A equals B (exactly in fp32; to bf16 rounding
 starts from bf16 parameters while A has the saved fp32 masters).
 
 Sampled matrix: every stage pair (s, t) in {1,2,3}^2, directions 2->1, 1->2, 2->3, 3->1(via zro),
-4->2, 3->4, 4->3, 2->4, 3->2, 2->2, plus bf16 twice and zeroplus.ZeroRedundancyOptimizer (torch's
+4->2, 3->4, 4->3, 2->4, 3->2, 2->2, plus bf16 twice, fp16 once (loss scaler state) and zeroplus.ZeroRedundancyOptimizer (torch's
 stage-1 partition) on either side. All cases run in one launch of 4 ranks.
 """
 
@@ -39,6 +39,7 @@ CASES = [
     (3, 1, 2, 1, None),
     (2, 3, 4, 2, "bf16"),
     (2, 2, 1, 3, "bf16"),
+    (2, 1, 3, 2, "fp16"),
     (2, "zro", 3, 2, None),
     (3, 3, 1, "zro", None),
     (2, "zro", 3, "zro", None),
@@ -96,10 +97,11 @@ def _run(rank, world, root, case):
         assert handle.wait() == os.path.join(path, "step3")
         full = full_params(skind, model)
         plain = consolidated_optimizer(opt, rank)
+        scaler = opt.scaler.state_dict() if precision == "fp16" else None  # fp16: the loss scale goes along
         if rank == 0:
-            handover[0] = (full, plain)
+            handover[0] = (full, plain, scaler)
     dist.broadcast_object_list(handover, src=0)
-    full, plain = handover[0]
+    full, plain, scaler = handover[0]
     out = {}
     if rank < m:
         model_a, call_a, opt_a = build(lkind, lstage, precision, load_group, seed=1, lr=1e-3)
@@ -113,6 +115,8 @@ def _run(rank, world, root, case):
         fresh.load_state_dict({k: v.float() for k, v in full.items()})
         model_b, call_b, opt_b = build(lkind, lstage, precision, load_group, seed=1, lr=1e-3, model=fresh)
         opt_b.load_state_dict(plain)
+        if scaler is not None:
+            opt_b.scaler.load_state_dict(scaler)
         train(call_a, opt_a, 2, rank, first_step=10)
         train(call_b, opt_b, 2, rank, first_step=10)
         pa, pb = full_params(lkind, model_a), full_params(lkind, model_b)
