@@ -202,6 +202,41 @@ def case_extra_not_json(root, rank, group):
     return None, False
 
 
+def case_unsavable_state_on_one_rank(root, rank, group):
+    """A failure after the collective start on one rank only (state that cannot be stored):
+    both ranks raise at once (rank 0 does not wait for the missing shard), nothing is left."""
+    import zeroplus
+
+    root = os.path.join(root, "unsavable")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    train(call, opt, 1, rank)
+    if rank == 1:  # fault injection: a non-elementwise state tensor too large for the manifest
+        bo = next(bo for bo in opt.bucket_optimizers if bo.segments)
+        bo.inner.state[bo.segments[0].master]["factor"] = torch.zeros(5000)
+    t0 = time.monotonic()
+    try:
+        zeroplus.save_checkpoint(os.path.join(root, "ck"), model, opt)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        err = f"{type(e).__name__}: {e}"
+    return err, (time.monotonic() - t0, sorted(os.listdir(root)))
+
+
+def case_unsavable_hyperparameter_on_rank0(root, rank, group):
+    import zeroplus
+
+    root = os.path.join(root, "unsavable_hyper")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    if rank == 0:
+        opt.param_groups[0]["note"] = object()
+    try:
+        zeroplus.save_checkpoint(os.path.join(root, "ck"), model, opt)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        err = f"{type(e).__name__}: {e}"
+    return err, os.path.exists(root) and sorted(os.listdir(root))
+
+
 def _disk_full(root, rank, group, name, limited_ranks):
     import zeroplus
 
@@ -287,3 +322,18 @@ def test_disk_full_mid_save_keeps_previous_checkpoint(results, case):
         assert leftovers == ["first", "latest"], f"rank {rank}: {leftovers}"
         assert latest == "first"
         assert loaded_err is None, f"rank {rank}: the previous checkpoint no longer loads: {loaded_err}"
+
+
+def test_failure_on_one_rank_after_the_start_fails_every_rank_at_once(results):
+    (err0, (secs0, left0)), (err1, (secs1, left1)) = _ok(results, "unsavable_state_on_one_rank")
+    assert err1 is not None and "TypeError" in err1 and "'factor'" in err1
+    assert err0 is not None and "rank 1 failed" in err0 and "'factor'" in err0
+    assert max(secs0, secs1) < 30, "a rank waited for a shard that was never coming"
+    assert left0 == left1 == []
+
+
+def test_rank0_failure_before_the_start_reaches_every_rank(results):
+    (err0, left0), (err1, left1) = _ok(results, "unsavable_hyperparameter_on_rank0")
+    assert err0 is not None and err0.startswith("TypeError") and "object" in err0
+    assert err1 is not None and "rank 0 could not start the save" in err1
+    assert not left0 and not left1

@@ -128,12 +128,16 @@ def _prepare(root: str, name: str) -> str:
         os.close(root_fd)
 
 
-def _agree_on_staging(rank: int, group, root: str, name: str) -> str:
+def _agree_on_staging(rank: int, group, root: str, name: str, make_meta) -> tuple[str, dict | None]:
+    """Rank 0 describes the model (make_meta) and creates the staging directory; every rank
+    learns its name, or raises rank 0's error (no rank is left waiting in a collective)."""
     from ..zero.comm import group_src_rank
 
     msg = [None]
+    meta = None
     if rank == 0:
         try:
+            meta = make_meta()
             msg[0] = ("ok", _prepare(root, name))
         except OSError as e:
             msg[0] = ("oserror", (e.errno, e.strerror or str(e), e.filename))
@@ -144,7 +148,7 @@ def _agree_on_staging(rank: int, group, root: str, name: str) -> str:
     dist.broadcast_object_list(msg, src=group_src_rank(group, 0), group=group)
     kind, value = msg[0]
     if kind == "ok":
-        return value
+        return value, meta
     if rank == 0:
         raise error
     if kind == "oserror":
@@ -152,11 +156,8 @@ def _agree_on_staging(rank: int, group, root: str, name: str) -> str:
     raise RuntimeError(f"checkpoint: rank 0 could not start the save: {value}")
 
 
-def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
-    state: dict[str, dict] = {}
-    for name, key, _lo, _hi, dtype, _f, _o in chunks:
-        if key not in ("param", "value"):
-            state.setdefault(name, {})[key] = dtype
+def _encode_scalars(scalars: dict) -> dict:
+    """Per-parameter optimizer scalars as manifest JSON (a copy: the snapshot of an async save)."""
     enc = {}
     for name, keys in scalars.items():
         for k, v in keys.items():
@@ -164,7 +165,15 @@ def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
                 raise TypeError(f"checkpoint: optimizer state {k!r} of {name!r} has shape {tuple(v.shape)}, neither "
                                 f"elementwise nor small; zeroplus checkpoints cannot reshard it")
             enc.setdefault(name, {})[k] = encode_value(v)
-    return {"rank": rank, "file": record, "chunks": chunks, "state": state, "scalars": enc}
+    return enc
+
+
+def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
+    state: dict[str, dict] = {}
+    for name, key, _lo, _hi, dtype, _f, _o in chunks:
+        if key not in ("param", "value"):
+            state.setdefault(name, {})[key] = dtype
+    return {"rank": rank, "file": record, "chunks": chunks, "state": state, "scalars": scalars}
 
 
 def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
@@ -185,18 +194,23 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
         previous, _previous = _previous, None
     if previous is not None:
         previous._done.wait()  # serialised; its error belongs to its own handle
-    meta = None
-    if rank == 0:
-        meta = {**adapter.meta(), "source": {**adapter.source(), "zeroplus_version": __version__,
+    def make_meta():
+        return {**adapter.meta(), "source": {**adapter.source(), "zeroplus_version": __version__,
                                             "torch_version": torch.__version__},
                 "optimizer": adapter.optimizer_meta(), "extra": extra}
-    staging = _agree_on_staging(rank, group, root, name)
+
+    staging, meta = _agree_on_staging(rank, group, root, name, make_meta)
     where = os.path.join(root, name)
-    pieces, scalars = adapter.pieces()
-    if async_:  # the snapshot: training may change every live tensor after we return
-        pieces = [(n, k, lo, hi, t.detach().to("cpu", copy=True)) for n, k, lo, hi, t in pieces]
-        scalars = {n: {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
-                   for n, d in scalars.items()}
+    # From here on a failure must reach rank 0 as a failure marker (commit.py), never as a rank
+    # that silently stops: rank 0 would wait for its shard until commit_timeout_s.
+    pieces, scalars, snapshot_error = [], {}, None
+    try:
+        pieces, scalars = adapter.pieces()
+        scalars = _encode_scalars(scalars)
+        if async_:  # the snapshot: training may change every live tensor after we return
+            pieces = [(n, k, lo, hi, t.detach().to("cpu", copy=True)) for n, k, lo, hi, t in pieces]
+    except Exception as e:  # noqa: BLE001 - handled in work()
+        snapshot_error = e
     snapshot = sum(t.numel() * t.element_size() for *_, t in pieces) if async_ else 0
     handle = CheckpointHandle(where, snapshot)
 
@@ -206,6 +220,8 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
             staging_fd = fsutil.open_dir(staging, dir_fd=root_fd)
             try:
                 try:
+                    if snapshot_error is not None:
+                        raise snapshot_error
                     record, chunks = write_shard(staging_fd, os.path.join(root, staging), rank, pieces, options.io)
                     commit.write_index(staging_fd, rank, _index(rank, record, chunks, scalars))
                 except BaseException as e:
