@@ -37,11 +37,14 @@ if not _report_requested():
     from .optim import ZeroRedundancyOptimizer  # noqa: E402
     from .topology import Topology, topology  # noqa: E402
     from .zero import GradScaler, estimate_memory, full_state_dict, init_context, initialize, memory_report  # noqa: E402
+    from . import checkpoint  # noqa: E402
+    from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ = [
     "__version__",
     "aio",
     "BackendOptions",
+    "checkpoint",
     "built_torch_version",
     "estimate_memory",
     "full_state_dict",
@@ -50,8 +53,10 @@ __all__ = [
     "initialize",
     "memory_report",
     "library_path",
+    "load_checkpoint",
     "load_library",
     "optim",
+    "save_checkpoint",
     "Topology",
     "topology",
     "ZeroRedundancyOptimizer",

@@ -323,6 +323,16 @@ class ZeroEngine(torch.optim.Optimizer):
         for w in works:
             w.wait()
 
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Write every rank's masters into the parameters, as the end of step() does (collective).
+        For code that changed masters outside step(): zeroplus.load_checkpoint."""
+        self._consolidated = None
+        self.placement.before_publish()
+        works = [w for w in (self.placement.publish(i) for i in range(len(self.buckets))) if w is not None]
+        for w in works:
+            w.wait()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.backward_pass.close_stale()
         self.reducer.zero()

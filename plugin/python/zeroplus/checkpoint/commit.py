@@ -1,0 +1,146 @@
+"""The cross-rank commit protocol of a save (no collectives: it also runs on background threads).
+
+    rank 0 (collective, before): mkdir ROOT/.NAME.tmp-<random> (0700)        -> "staging"
+    every rank: staging/rankNNNNN.bin (write_shard), then staging/rankNNNNN.json (its index:
+                file record, chunk table, optimizer scalars), each durable (fsutil);
+                on failure: staging/rankNNNNN.failed with the error text instead
+    rank 0:     waits until every rank left an index or a failure marker (commit_timeout_s), then
+                merges the indexes into manifest.json (durable), removes the indexes, renames
+                staging -> ROOT/NAME (fails if NAME is a non-empty directory), fsyncs ROOT, and
+                replaces ROOT/latest (temp -> fdatasync -> rename -> fsync ROOT).
+                Any failure: the staging directory is removed; ROOT/NAME and latest are untouched.
+    rank > 0:   its save is complete when ROOT/NAME/manifest.json exists; it failed when the
+                staging directory is gone without it.
+
+A crash at any point leaves either the previous state (no NAME, old latest) or a complete
+checkpoint NAME (manifest durable before the rename that makes NAME visible), possibly with
+latest still naming the previous one; leftover .NAME.tmp-* directories are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from . import fsutil
+from .format import (BLOCK_BYTES, FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dumps)
+
+_POLL_MAX_S = 0.05
+
+
+def index_name(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+def failed_name(rank: int) -> str:
+    return f"rank{rank:05d}.failed"
+
+
+def write_index(staging_fd: int, rank: int, index: dict) -> None:
+    fsutil.write_small_file(staging_fd, index_name(rank), json.dumps(index, separators=(",", ":")).encode())
+
+
+def write_failure(staging_fd: int, rank: int, error: BaseException) -> None:
+    """Best effort: tell rank 0 not to wait for this rank (a full disk may refuse this too)."""
+    try:
+        fsutil.write_small_file(staging_fd, failed_name(rank), f"{type(error).__name__}: {error}".encode()[:4000])
+    except OSError:
+        pass
+
+
+def _sleep(attempt: int) -> None:
+    time.sleep(min(_POLL_MAX_S, 0.001 * (2 ** min(attempt, 6))))
+
+
+def _gather_indexes(staging_fd: int, world_size: int, timeout_s: float, where: str) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    indexes: dict[int, dict] = {}
+    failures: dict[int, str] = {}
+    attempt = 0
+    while len(indexes) + len(failures) < world_size:
+        names = set(os.listdir(staging_fd))
+        for r in range(world_size):
+            if r in indexes or r in failures:
+                continue
+            if failed_name(r) in names:
+                fd = fsutil.open_read(staging_fd, failed_name(r))
+                try:
+                    failures[r] = fsutil.read_exact(fd, os.fstat(fd).st_size, 0, failed_name(r)).decode(errors="replace")
+                finally:
+                    os.close(fd)
+            elif index_name(r) in names:
+                fd = fsutil.open_read(staging_fd, index_name(r))
+                try:
+                    indexes[r] = json.loads(fsutil.read_exact(fd, os.fstat(fd).st_size, 0, index_name(r)))
+                finally:
+                    os.close(fd)
+        if len(indexes) + len(failures) < world_size:
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if r not in indexes and r not in failures]
+                raise TimeoutError(f"checkpoint: ranks {missing} did not finish writing {where} within "
+                                   f"{timeout_s:.0f} s (commit_timeout_s)")
+            _sleep(attempt)
+            attempt += 1
+    if failures:
+        r = min(failures)
+        raise CheckpointError(f"checkpoint: rank {r} failed to write its shard of {where}: {failures[r]}")
+    return [indexes[r] for r in range(world_size)]
+
+
+def build_manifest(meta: dict, indexes: list[dict]) -> dict:
+    tensors = {name: dict(t) for name, t in meta["tensors"].items()}
+    for t in tensors.values():
+        if t["kind"] == "param":
+            t["state"], t["scalars"] = {}, {}
+    files, chunks = [], []
+    for fi, ix in enumerate(indexes):
+        files.append(ix["file"])
+        for c in ix["chunks"]:
+            chunks.append(c[:5] + [fi, c[6]])
+        for name, keys in ix["state"].items():
+            tensors[name]["state"].update(keys)
+        for name, keys in ix["scalars"].items():
+            for k, v in keys.items():
+                tensors[name]["scalars"].setdefault(k, v)
+    return {"format": FORMAT, "version": VERSION, "source": meta["source"], "block_bytes": BLOCK_BYTES,
+            "files": files, "tensors": tensors, "aliases": meta["aliases"], "chunks": chunks,
+            "param_groups": meta["param_groups"], "optimizer": meta["optimizer"], "extra": meta["extra"]}
+
+
+def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: int, meta: dict,
+           timeout_s: float, where: str) -> None:
+    """Rank 0: everything after its own shard (see the module doc). Removes staging on failure."""
+    try:
+        indexes = _gather_indexes(staging_fd, world_size, timeout_s, where)
+        fsutil.write_small_file(staging_fd, MANIFEST, dumps(build_manifest(meta, indexes)))
+        for r in range(world_size):
+            fsutil.remove_quietly(staging_fd, index_name(r))
+        os.fsync(staging_fd)
+        try:
+            os.rename(staging, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+        except OSError as e:  # ENOTEMPTY/EEXIST: a checkpoint appeared there meanwhile; never replace it
+            raise FileExistsError(e.errno, "checkpoint: destination exists and is not empty; zeroplus never "
+                                           "overwrites a checkpoint", where) from None
+        os.fsync(root_fd)
+    except BaseException:
+        fsutil.remove_tree(root_fd, staging)
+        raise
+    fsutil.write_small_file(root_fd, LATEST, (name + "\n").encode(), replace=True)
+
+
+def wait_committed(root: str, staging: str, name: str, timeout_s: float) -> None:
+    """Rank > 0: until rank 0 made ROOT/NAME visible (success) or removed staging (failure)."""
+    where = os.path.join(root, name)
+    deadline = time.monotonic() + timeout_s
+    attempt = 0
+    while True:
+        if os.path.isfile(os.path.join(where, MANIFEST)):
+            return
+        # Checked after NAME: rank 0 renames staging -> NAME, so both missing means failure.
+        if not os.path.lexists(os.path.join(root, staging)) and not os.path.isfile(os.path.join(where, MANIFEST)):
+            raise CheckpointError(f"checkpoint: rank 0 did not commit {where} (see rank 0's error)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"checkpoint: rank 0 did not commit {where} within {timeout_s:.0f} s")
+        _sleep(attempt)
+        attempt += 1

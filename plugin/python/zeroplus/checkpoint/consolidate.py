@@ -1,0 +1,149 @@
+"""Offline tools over a checkpoint directory (no process group): consolidate and inspect.
+
+consolidate(path, out, fmt): one fp32 state dict of the model (the keys model.state_dict() has,
+tied parameters under every name; floating values as float32, the master where there is one),
+assembled one tensor at a time from the shards (each read verified against its checksums).
+  * fmt="torch": a torch.save file that torch.load(out, weights_only=True) reads;
+  * fmt="safetensors": written natively in the safetensors layout (8-byte header length, JSON
+    header, raw bytes), streaming: only one tensor is in memory at a time. The `safetensors`
+    package is not needed to write it; safetensors.torch.load_file reads it.
+The output is created exclusively next to `out` under a temporary name, fdatasync'ed and renamed
+into place; an existing `out` is never replaced (FileExistsError).
+
+inspect(path): the source (stage, world size, precision), tensors, bytes per file, and whether
+every block of every file matches its checksum.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+
+import torch
+
+from . import fsutil
+from .format import DTYPE_BYTES
+from .reader import CheckpointReader
+
+_SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def _out_dtype(saved: str) -> str:
+    return "float32" if saved in ("float16", "bfloat16", "float32", "float64") else saved
+
+
+def iter_tensors(reader: CheckpointReader):
+    """(name, full-shape tensor) of every tensor, params first, one at a time."""
+    m = reader.manifest
+    for name, t in m["tensors"].items():
+        key = "param" if t["kind"] == "param" else "value"
+        numel = t["numel"]
+        if numel == 0 or not reader.has(name, key):
+            value = torch.zeros(t["shape"], dtype=getattr(torch, _out_dtype(t["dtype"])))
+            if numel:
+                raise OSError(errno.EIO, f"checkpoint: no shard holds {name!r}", reader.path)
+        else:
+            value = reader.read_many([(name, key, 0, numel)])[0]
+            value = value.to(getattr(torch, _out_dtype(t["dtype"]))).reshape(t["shape"])
+        yield name, value
+
+
+def _keys(m: dict) -> dict[str, list[str]]:
+    """tensor name -> every state_dict key it appears under (itself, then its aliases)."""
+    out = {name: [name] for name in m["tensors"]}
+    for alias, target in m["aliases"].items():
+        out[target].append(alias)
+    return out
+
+
+def _create_output(out: str):
+    out = os.path.abspath(out)
+    parent, name = os.path.split(out)
+    dir_fd = fsutil.open_dir(parent or ".", own=False)
+    if os.path.lexists(out):
+        os.close(dir_fd)
+        raise FileExistsError(errno.EEXIST, "consolidate: output exists; refusing to replace it", out)
+    tmp = fsutil.temp_name(name)
+    return dir_fd, tmp, name, fsutil.create_exclusive(dir_fd, tmp)
+
+
+def consolidate(path, out, fmt: str = "torch") -> dict:
+    """See the module doc. Returns {"tensors": n, "bytes": output size}."""
+    if fmt not in ("torch", "safetensors"):
+        raise ValueError(f"consolidate: format must be 'torch' or 'safetensors', got {fmt!r}")
+    if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
+        raise TypeError(f"consolidate: out must be a non-empty path, got {out!r}")
+    with CheckpointReader(path) as reader:
+        dir_fd, tmp, name, fd = _create_output(os.fspath(out))
+        try:
+            try:
+                count = (_write_torch if fmt == "torch" else _write_safetensors)(reader, fd)
+                os.fdatasync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            fsutil.publish(dir_fd, tmp, name)
+        except BaseException:
+            fsutil.remove_quietly(dir_fd, tmp)
+            raise
+        finally:
+            os.close(dir_fd)
+    return {"tensors": count, "bytes": size}
+
+
+def _write_torch(reader: CheckpointReader, fd: int) -> int:
+    keys = _keys(reader.manifest)
+    state = {}
+    for name, value in iter_tensors(reader):
+        for k in keys[name]:
+            state[k] = value  # tied parameters: one tensor under every name (torch.save keeps the sharing)
+    with os.fdopen(os.dup(fd), "wb") as f:
+        torch.save(state, f)
+    return len(state)
+
+
+def _write_safetensors(reader: CheckpointReader, fd: int) -> int:
+    m = reader.manifest
+    keys = _keys(m)
+    header, offset, order = {}, 0, []
+    for name, t in m["tensors"].items():
+        dtype = _out_dtype(t["dtype"])
+        nbytes = t["numel"] * DTYPE_BYTES[dtype]
+        for k in keys[name]:
+            header[k] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": t["shape"], "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            order.append(name)
+    header["__metadata__"] = {"format": "pt", "zeroplus_source": json.dumps(m["source"])}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    fsutil.write_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
+    pos = 8 + len(raw)
+    values = iter_tensors(reader)
+    for name, value in values:
+        data = value.contiguous().view(torch.uint8).reshape(-1).numpy() if value.numel() else b""
+        for _ in keys[name]:
+            fsutil.write_all(fd, data, pos)
+            pos += len(data)
+    return len(header) - 1
+
+
+def inspect(path) -> dict:
+    """Summary of a checkpoint, with every file's checksums verified (ok: True/False + error)."""
+    with CheckpointReader(path) as reader:
+        m = reader.manifest
+        files = []
+        for fi, f in enumerate(m["files"]):
+            try:
+                reader.verify_file(fi)
+                status = "ok"
+            except OSError as e:
+                status = f"{type(e).__name__}: {e}"
+            files.append({"name": f["name"], "bytes": f["bytes"], "checksums": status})
+        return {"path": reader.path, "version": m["version"], "source": m["source"],
+                "tensors": {n: {"shape": t["shape"], "dtype": t["dtype"], "kind": t["kind"],
+                                "optimizer_state": sorted(t.get("state", {}))} for n, t in m["tensors"].items()},
+                "files": files, "bytes": sum(f["bytes"] for f in m["files"]),
+                "ok": all(f["checksums"] == "ok" for f in files), "extra": m.get("extra")}

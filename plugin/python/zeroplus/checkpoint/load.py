@@ -1,0 +1,111 @@
+"""zeroplus.load_checkpoint: any world size, any stage, validate everything before changing anything.
+
+    extra = zeroplus.load_checkpoint("ckpt/step100", model, opt)   # or "ckpt" (follows ckpt/latest)
+
+Collective over the optimizer's process group. Every rank:
+  1. reads and validates the manifest (format version, names, ranges; reader.py);
+  2. checks the model against it as model.load_state_dict(strict=True) would (missing and
+     unexpected keys, size mismatches: RuntimeError with torch's wording) and the param groups;
+  3. reads the element ranges it owns now (master or parameter, buffers, optimizer state),
+     verifying the checksum of every block it touches;
+then the ranks agree (one all_gather_object) that all of them succeeded. Only then is anything
+changed: the optimizer's state goes in through its own load_state_dict, masters/parameters and
+buffers are copied, and the engine publishes the masters into the (possibly sharded)
+parameters. On any error every rank raises and model and optimizer are untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .adapters import adapter_for
+from .format import decode_value
+from .reader import CheckpointReader
+
+
+def _check_model(manifest: dict, adapter, model) -> None:
+    current = adapter.model_shapes()
+    saved = {name: tuple(t["shape"]) for name, t in manifest["tensors"].items()}
+    saved.update({alias: saved[target] for alias, target in manifest["aliases"].items()})
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    errors = []
+    if unexpected:
+        errors.insert(0, "Unexpected key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in unexpected)))
+    if missing:
+        errors.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+    for k in current:
+        if k in saved and saved[k] != current[k]:
+            errors.append(f"size mismatch for {k}: copying a param with shape {torch.Size(saved[k])} from checkpoint, "
+                          f"the shape in current model is {torch.Size(current[k])}.")
+    if errors:
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(type(model).__name__,
+                                                                                  "\n\t".join(errors)))
+
+
+def _check_groups(manifest: dict, adapter) -> list[dict]:
+    saved, mine = manifest["param_groups"], adapter.opt.param_groups
+    if len(saved) != len(mine):
+        raise ValueError(f"load_checkpoint: the checkpoint has {len(saved)} param groups, the optimizer has {len(mine)}")
+    out = []
+    for i, (s, g) in enumerate(zip(saved, mine)):
+        names = [adapter.name_of[id(p)] for p in g["params"]]
+        if sorted(s["params"]) != sorted(names):
+            diff = sorted(set(s["params"]) ^ set(names))
+            raise ValueError(f"load_checkpoint: param group {i} holds other parameters in the checkpoint than in the "
+                             f"optimizer (differing: {diff[:5]})")
+        out.append({k: decode_value(v) for k, v in s.items() if k != "params"})
+    return out
+
+
+def _read_everything(reader: CheckpointReader, adapter) -> tuple[list, list, dict]:
+    m = reader.manifest
+    dests = adapter.destinations()
+    requests = [(n, "param" if m["tensors"][n]["kind"] == "param" else "value", lo, hi) for n, lo, hi, _ in dests]
+    ranges = adapter.optimizer_ranges()
+    state_requests, plan = [], []
+    for i, name, lo, hi in ranges:
+        t = m["tensors"][name]
+        keys = sorted(t.get("state", {}))
+        if not keys and not t.get("scalars"):
+            continue
+        plan.append((i, name, keys, len(state_requests)))
+        state_requests += [(name, k, lo, hi) for k in keys]
+    values = reader.read_many(requests + state_requests)
+    param_values, state_values = values[:len(requests)], values[len(requests):]
+    states = {}
+    for i, name, keys, at in plan:
+        st = {k: decode_value(v) for k, v in m["tensors"][name].get("scalars", {}).items()}
+        st.update({k: state_values[at + j] for j, k in enumerate(keys)})
+        states[i] = st
+    return dests, param_values, states
+
+
+def load_checkpoint(path, model, opt):
+    """Load a checkpoint saved by zeroplus.save_checkpoint into (model, opt); returns its extra."""
+    adapter = adapter_for(model, opt)
+    group = opt.process_group
+    error = None
+    try:
+        with CheckpointReader(path) as reader:
+            manifest = reader.manifest
+            _check_model(manifest, adapter, model)
+            groups = _check_groups(manifest, adapter)
+            dests, values, states = _read_everything(reader, adapter)
+    except Exception as e:  # noqa: BLE001 - agreed on below, then raised
+        error = e
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+    if failed:
+        raise RuntimeError(f"load_checkpoint: rank {failed[0][0]} could not load {path}: {failed[0][1]} (nothing was "
+                           f"changed)")
+    adapter.load_optimizer(states, groups, manifest["optimizer"])
+    with torch.no_grad():
+        for (_n, _lo, _hi, dest), value in zip(dests, values):
+            dest.copy_(value)
+    adapter.finish_load()
+    return manifest.get("extra")

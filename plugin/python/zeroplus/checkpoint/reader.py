@@ -1,0 +1,189 @@
+"""Reading a checkpoint: resolve the directory, parse the manifest, read verified element ranges.
+
+CheckpointReader(path) accepts a checkpoint directory (it holds manifest.json) or a root whose
+`latest` file names one. Reads are by value: read(name, key, lo, hi) returns the flat elements
+[lo, hi) of one value of one tensor, assembled from every chunk overlapping the range, after
+checking the CRC-32 of every block of every file it touched. Only the blocks that overlap the
+requested ranges are read (a rank loading its shard reads its shard, plus at most one partial
+block at each end of each range).
+
+Errors (all OSError subclasses naming the file): FileNotFoundError for a missing manifest or
+shard file, CheckpointCorruptError for a wrong size (truncated), a checksum mismatch or a range
+no chunk covers, CheckpointVersionError for a newer format, CheckpointError for a malformed
+manifest or a `latest` pointer that names anything but a plain sibling directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from collections import defaultdict
+
+import torch
+
+from . import fsutil
+from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, CheckpointError, check_dir_name,
+                     parse_manifest)
+
+_MAX_RUN_BLOCKS = 16  # one read call covers at most this many checksum blocks
+
+
+def resolve(path) -> str:
+    """The checkpoint directory `path` denotes (itself, or what its `latest` names)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"checkpoint: path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not path:
+        raise ValueError("checkpoint: path must not be empty")
+    if os.path.isfile(os.path.join(path, MANIFEST)) or not os.path.lexists(os.path.join(path, LATEST)):
+        return path
+    dir_fd = fsutil.open_dir(path, own=False)
+    try:
+        fd = fsutil.open_read(dir_fd, LATEST)
+        try:
+            name = fsutil.read_exact(fd, min(os.fstat(fd).st_size, 4096), 0, LATEST).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+    return os.path.join(path, check_dir_name(name, f"{os.path.join(path, LATEST)}"))
+
+
+class CheckpointReader:
+    def __init__(self, path):
+        self.path = resolve(path)
+        try:
+            self.dir_fd = fsutil.open_dir(self.path, own=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "checkpoint: no such checkpoint directory", self.path) from None
+        self._fds: dict[int, int] = {}
+        where = os.path.join(self.path, MANIFEST)
+        try:
+            fd = fsutil.open_read(self.dir_fd, MANIFEST)
+        except FileNotFoundError:
+            self.close()
+            raise FileNotFoundError(errno.ENOENT, "checkpoint: no manifest (not a checkpoint, or one whose save did "
+                                                  "not complete)", where) from None
+        try:
+            data = fsutil.read_exact(fd, os.fstat(fd).st_size, 0, where)
+        finally:
+            os.close(fd)
+        try:
+            self.manifest = parse_manifest(bytes(data), where)
+        except BaseException:
+            self.close()
+            raise
+        self.block = self.manifest["block_bytes"]
+        self._chunks = defaultdict(list)  # (name, key) -> [(lo, hi, dtype, file, offset)]
+        for name, key, lo, hi, dtype, fi, off in self.manifest["chunks"]:
+            self._chunks[(name, key)].append((lo, hi, dtype, fi, off))
+        for lst in self._chunks.values():
+            lst.sort()
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        if getattr(self, "dir_fd", None) is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def file_path(self, fi: int) -> str:
+        return os.path.join(self.path, self.manifest["files"][fi]["name"])
+
+    def _fd(self, fi: int) -> int:
+        if fi not in self._fds:
+            rec = self.manifest["files"][fi]
+            try:
+                fd = fsutil.open_read(self.dir_fd, rec["name"])
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "checkpoint: shard file listed in the manifest is missing",
+                                        self.file_path(fi)) from None
+            size = os.fstat(fd).st_size
+            if size != rec["bytes"]:
+                os.close(fd)
+                raise CheckpointCorruptError(errno.EIO, f"checkpoint: shard file has {size} bytes, the manifest "
+                                                        f"says {rec['bytes']} (truncated or torn)", self.file_path(fi))
+            self._fds[fi] = fd
+        return self._fds[fi]
+
+    def verify_file(self, fi: int) -> None:
+        """Every block of file fi against its checksum (inspect)."""
+        size = self.manifest["files"][fi]["bytes"]
+        self._read_blocks(fi, 0, -(-size // self.block))
+
+    def _read_blocks(self, fi: int, first: int, last: int) -> bytearray:
+        """Blocks [first, last) of file fi, each checked against its CRC-32."""
+        rec = self.manifest["files"][fi]
+        fd = self._fd(fi)
+        lo = first * self.block
+        hi = min(last * self.block, rec["bytes"])
+        data = fsutil.read_exact(fd, hi - lo, lo, self.file_path(fi))
+        view = memoryview(data)
+        for b in range(first, last):
+            a = (b - first) * self.block
+            if zlib.crc32(view[a:a + self.block]) != rec["block_crc32"][b]:
+                raise CheckpointCorruptError(errno.EIO, f"checkpoint: checksum mismatch in bytes [{b * self.block}, "
+                                                        f"{min((b + 1) * self.block, rec['bytes'])}) (corrupt file)",
+                                             self.file_path(fi))
+        return data
+
+    def has(self, name: str, key: str) -> bool:
+        return (name, key) in self._chunks
+
+    def read_many(self, requests: list[tuple[str, str, int, int]]) -> list[torch.Tensor]:
+        """For each (name, key, lo, hi): a CPU tensor of hi - lo elements in the saved dtype."""
+        out = []
+        by_file = defaultdict(list)  # file -> [(byte_lo, byte_hi, out tensor bytes view, out byte offset)]
+        for name, key, lo, hi in requests:
+            chunks = self._chunks.get((name, key), [])
+            dtype = chunks[0][2] if chunks else "float32"
+            t = torch.empty(hi - lo, dtype=getattr(torch, dtype))
+            out.append(t)
+            if hi <= lo:
+                continue
+            raw = t.view(torch.uint8)
+            covered = 0
+            for clo, chi, cdtype, fi, off in chunks:
+                a, z = max(lo, clo), min(hi, chi)
+                if a >= z:
+                    continue
+                if cdtype != dtype:
+                    raise CheckpointError(f"checkpoint: {name}/{key} is stored in two dtypes ({dtype}, {cdtype})")
+                es = DTYPE_BYTES[dtype]
+                by_file[fi].append((off + (a - clo) * es, off + (z - clo) * es, raw, (a - lo) * es))
+                covered += z - a
+            if covered != hi - lo:
+                raise CheckpointCorruptError(errno.EIO, f"checkpoint: elements [{lo}, {hi}) of {name!r} ({key}) are not "
+                                                        f"all in the shard files (the manifest is torn)",
+                                             os.path.join(self.path, MANIFEST))
+        for fi, pieces in by_file.items():
+            self._serve(fi, sorted(pieces, key=lambda p: p[0]))
+        return out
+
+    def _serve(self, fi: int, pieces) -> None:
+        """Read the blocks under `pieces` (sorted by byte_lo) in runs, copying each piece out."""
+        blocks = sorted({b for lo, hi, _, _ in pieces for b in range(lo // self.block, (hi - 1) // self.block + 1)})
+        runs, start = [], None
+        for i, b in enumerate(blocks):
+            if start is None:
+                start = b
+            end_here = i + 1 == len(blocks) or blocks[i + 1] != b + 1 or b + 1 - start >= _MAX_RUN_BLOCKS
+            if end_here:
+                runs.append((start, b + 1))
+                start = None
+        for first, last in runs:
+            data = self._read_blocks(fi, first, last)
+            base, top = first * self.block, first * self.block + len(data)
+            src = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+            for lo, hi, raw, at in pieces:
+                a, z = max(lo, base), min(hi, top)
+                if a < z:
+                    raw[at + (a - lo):at + (z - lo)].copy_(src[a - base:z - base])

@@ -1,0 +1,270 @@
+"""zeroplus.save_checkpoint: every rank writes what it owns; rank 0 commits the manifest.
+
+    handle = zeroplus.save_checkpoint("ckpt/step100", model, opt, extra={"step": 100})
+
+PATH is ROOT/NAME: the checkpoint becomes the directory NAME inside ROOT (created 0700 if
+missing), and ROOT/latest names it once it is complete. Saving to a PATH that already exists
+and is not empty raises FileExistsError before anything is written: zeroplus never overwrites a
+checkpoint (pick a new name per save, e.g. per step). Collective over the optimizer's process
+group (every rank calls it with the same PATH).
+
+Synchronous (async_=False, default): returns a finished CheckpointHandle after the checkpoint is
+complete and durable on every rank. async_=True: blocks only to snapshot this rank's shard into
+CPU memory (handle.snapshot_bytes), then writes in a background thread while training goes on;
+handle.wait() blocks until this rank's part is durable and the commit is done, and raises any
+error (OSError from the disk, CheckpointError naming the rank that failed). On rank 0 wait()
+returns after `latest` names the new checkpoint; on other ranks as soon as the checkpoint is
+complete (loadable by its PATH), and `latest` follows a moment later. wait() is not collective.
+A new save first waits for the previous one (saves are serialised); its error, if any, stays
+with its handle. The background thread runs no collectives (ranks coordinate through files in
+the staging directory, commit.py), so training's collectives never interleave with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from . import commit, fsutil
+from .adapters import adapter_for
+from .format import check_dir_name, check_json, encode_value
+from .shard_io import write_shard
+
+_MAX_SCALAR_ELEMS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """io: "aio" (zeroplus.aio io_uring engine) or "posix" (pwrite) for shard bytes;
+    commit_timeout_s: how long rank 0 waits for the other ranks' shards, and they for its commit."""
+    io: str = "aio"
+    commit_timeout_s: float = 1800.0
+
+    def __post_init__(self):
+        if self.io not in ("aio", "posix"):
+            raise ValueError(f"CheckpointOptions: io must be 'aio' or 'posix', got {self.io!r}")
+        if isinstance(self.commit_timeout_s, bool) or not isinstance(self.commit_timeout_s, (int, float)) \
+                or not self.commit_timeout_s > 0:
+            raise ValueError(f"CheckpointOptions: commit_timeout_s must be a positive number, got "
+                             f"{self.commit_timeout_s!r}")
+
+
+class CheckpointHandle:
+    """One save. wait() returns the checkpoint path or raises what went wrong (every call)."""
+
+    def __init__(self, path: str, snapshot_bytes: int):
+        self.path = path
+        self.snapshot_bytes = snapshot_bytes
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - stored, rethrown by wait()
+            self._error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint: save of {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "done")
+        return f"CheckpointHandle({self.path!r}, {state}, snapshot_bytes={self.snapshot_bytes})"
+
+
+_previous: CheckpointHandle | None = None
+_lock = threading.Lock()
+
+
+def _split(path) -> tuple[str, str]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"save_checkpoint: path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.path.abspath(os.fspath(path))
+    root, name = os.path.split(path.rstrip("/"))
+    try:
+        check_dir_name(name, "save_checkpoint: path")
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    return root, name
+
+
+def _prepare(root: str, name: str) -> str:
+    """Rank 0: refuse an existing checkpoint, create the private staging directory."""
+    os.makedirs(root, 0o700, exist_ok=True)
+    root_fd = fsutil.open_dir(root, own=False)
+    try:
+        try:
+            existing = fsutil.open_dir(name, dir_fd=root_fd, own=False)
+        except FileNotFoundError:
+            existing = None
+        except OSError as e:  # a file or a link
+            raise FileExistsError(17, "checkpoint: path exists and is not a directory", os.path.join(root, name)) from e
+        if existing is not None:
+            try:
+                if os.listdir(existing):
+                    raise FileExistsError(17, "checkpoint: path exists and is not empty; zeroplus never overwrites a "
+                                              "checkpoint (save under a new name)", os.path.join(root, name))
+            finally:
+                os.close(existing)
+        staging = fsutil.temp_name(name)
+        os.close(fsutil.make_private_dir(root_fd, staging))
+        return staging
+    finally:
+        os.close(root_fd)
+
+
+def _agree_on_staging(rank: int, group, root: str, name: str, make_meta) -> tuple[str, dict | None]:
+    """Rank 0 describes the model (make_meta) and creates the staging directory; every rank
+    learns its name, or raises rank 0's error (no rank is left waiting in a collective)."""
+    from ..zero.comm import group_src_rank
+
+    msg = [None]
+    meta = None
+    if rank == 0:
+        try:
+            meta = make_meta()
+            msg[0] = ("ok", _prepare(root, name))
+        except OSError as e:
+            msg[0] = ("oserror", (e.errno, e.strerror or str(e), e.filename))
+            error = e
+        except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised below
+            msg[0] = ("error", f"{type(e).__name__}: {e}")
+            error = e
+    dist.broadcast_object_list(msg, src=group_src_rank(group, 0), group=group)
+    kind, value = msg[0]
+    if kind == "ok":
+        return value, meta
+    if rank == 0:
+        raise error
+    if kind == "oserror":
+        raise OSError(*value)
+    raise RuntimeError(f"checkpoint: rank 0 could not start the save: {value}")
+
+
+def _encode_scalars(scalars: dict) -> dict:
+    """Per-parameter optimizer scalars as manifest JSON (a copy: the snapshot of an async save)."""
+    enc = {}
+    for name, keys in scalars.items():
+        for k, v in keys.items():
+            if isinstance(v, torch.Tensor) and v.numel() > _MAX_SCALAR_ELEMS:
+                raise TypeError(f"checkpoint: optimizer state {k!r} of {name!r} has shape {tuple(v.shape)}, neither "
+                                f"elementwise nor small; zeroplus checkpoints cannot reshard it")
+            enc.setdefault(name, {})[k] = encode_value(v)
+    return enc
+
+
+def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
+    state: dict[str, dict] = {}
+    for name, key, _lo, _hi, dtype, _f, _o in chunks:
+        if key not in ("param", "value"):
+            state.setdefault(name, {})[key] = dtype
+    return {"rank": rank, "file": record, "chunks": chunks, "state": state, "scalars": scalars}
+
+
+def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
+                    options: CheckpointOptions | None = None) -> CheckpointHandle:
+    """Save model and optimizer state to the directory `path` (see the module doc)."""
+    global _previous
+    options = CheckpointOptions() if options is None else options
+    if not isinstance(options, CheckpointOptions):
+        raise TypeError(f"save_checkpoint: options must be a CheckpointOptions, got {type(options).__name__}")
+    if not isinstance(async_, bool):
+        raise TypeError(f"save_checkpoint: async_ must be a bool, got {async_!r}")
+    check_json(extra, "extra")
+    root, name = _split(path)
+    adapter = adapter_for(model, opt)
+    group = opt.process_group
+    rank, world = adapter.rank, adapter.world_size
+    with _lock:
+        previous, _previous = _previous, None
+    if previous is not None:
+        previous._done.wait()  # serialised; its error belongs to its own handle
+    def make_meta():
+        return {**adapter.meta(), "source": {**adapter.source(), "zeroplus_version": __version__,
+                                            "torch_version": torch.__version__},
+                "optimizer": adapter.optimizer_meta(), "extra": extra}
+
+    staging, meta = _agree_on_staging(rank, group, root, name, make_meta)
+    where = os.path.join(root, name)
+    # From here on a failure must reach rank 0 as a failure marker (commit.py), never as a rank
+    # that silently stops: rank 0 would wait for its shard until commit_timeout_s.
+    pieces, scalars, snapshot_error = [], {}, None
+    try:
+        pieces, scalars = adapter.pieces()
+        scalars = _encode_scalars(scalars)
+        if async_:  # the snapshot: training may change every live tensor after we return
+            pieces = [(n, k, lo, hi, t.detach().to("cpu", copy=True)) for n, k, lo, hi, t in pieces]
+    except Exception as e:  # noqa: BLE001 - handled in work()
+        snapshot_error = e
+    snapshot = sum(t.numel() * t.element_size() for *_, t in pieces) if async_ else 0
+    handle = CheckpointHandle(where, snapshot)
+
+    def work():
+        root_fd = fsutil.open_dir(root, own=False)
+        try:
+            staging_fd = fsutil.open_dir(staging, dir_fd=root_fd)
+            try:
+                try:
+                    if snapshot_error is not None:
+                        raise snapshot_error
+                    record, chunks = write_shard(staging_fd, os.path.join(root, staging), rank, pieces, options.io)
+                    commit.write_index(staging_fd, rank, _index(rank, record, chunks, scalars))
+                except BaseException as e:
+                    commit.write_failure(staging_fd, rank, e)
+                    if rank != 0:
+                        raise
+                    own_error = e
+                else:
+                    own_error = None
+                if rank == 0:
+                    try:
+                        commit.commit(root_fd, staging, staging_fd, name, world, meta, options.commit_timeout_s, where)
+                    except BaseException:
+                        if own_error is not None:
+                            raise own_error from None
+                        raise
+            finally:
+                os.close(staging_fd)
+        finally:
+            os.close(root_fd)
+        if rank != 0:
+            commit.wait_committed(root, staging, name, options.commit_timeout_s)
+
+    if not async_:
+        handle._run(work)
+        _sync_outcome(handle, group, rank)
+        return handle
+    handle._thread = threading.Thread(target=handle._run, args=(work,), name="zeroplus-checkpoint", daemon=True)
+    with _lock:
+        _previous = handle
+    handle._thread.start()
+    return handle
+
+
+def _sync_outcome(handle: CheckpointHandle, group, rank: int) -> None:
+    """Synchronous save: every rank returns after rank 0's commit (latest included) and raises if
+    any rank failed."""
+    mine = None if handle._error is None else f"{type(handle._error).__name__}: {handle._error}"
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if handle._error is not None:
+        raise handle._error
+    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+    if failed:
+        handle._error = RuntimeError(f"checkpoint: rank {failed[0][0]} failed to save {handle.path}: {failed[0][1]}")
+        raise handle._error

@@ -1,0 +1,143 @@
+"""Writing one rank's shard file: bytes, block checksums, durability.
+
+write_shard(dir_fd, dir_path, rank, pieces, io) lays the pieces out back to back in
+rankNNNNN.bin, computing the CRC-32 of every BLOCK_BYTES block as the bytes go out, and makes the
+file durable under its final name (temp name -> fdatasync -> rename -> fsync dir; fsutil.py).
+Returns the file record and the chunk table the manifest needs.
+
+Bulk bytes go through zeroplus.aio.AioHandle (io="aio": io_uring, several requests in flight,
+the CRC of a piece computed while the engine writes it) into the temporary file this module
+created exclusively inside the checkpoint's private 0700 staging directory (nobody else can plant
+a link there); small pieces are coalesced into one buffer first. io="posix" uses pwrite on the
+same descriptor. Either way the file is fdatasync'ed through our own descriptor, and its inode is
+checked to be the one we created before it is renamed into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+
+import torch
+
+from . import fsutil
+from .format import BLOCK_BYTES, shard_file_name
+
+_COALESCE_BYTES = 1 << 20   # pieces smaller than this are packed into one write
+_FLUSH_BYTES = 8 << 20      # the coalescing buffer is written out at this size
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A CPU uint8 view of a contiguous 1-D tensor's bytes (bf16 has no numpy twin: view first)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous().view(torch.uint8)
+
+
+class _BlockCrc:
+    """CRC-32 of consecutive BLOCK_BYTES blocks of a byte stream fed in order."""
+
+    def __init__(self, block: int):
+        self.block, self.crcs, self.cur, self.fill = block, [], 0, 0
+
+    def feed(self, data: memoryview) -> None:
+        pos = 0
+        while pos < len(data):
+            take = min(self.block - self.fill, len(data) - pos)
+            self.cur = zlib.crc32(data[pos:pos + take], self.cur)
+            self.fill += take
+            pos += take
+            if self.fill == self.block:
+                self.crcs.append(self.cur)
+                self.cur, self.fill = 0, 0
+
+    def finish(self) -> list[int]:
+        if self.fill:
+            self.crcs.append(self.cur)
+            self.cur, self.fill = 0, 0
+        return self.crcs
+
+
+class _Sink:
+    """Where the bytes go: AioHandle queued writes or pwrite. Keeps written tensors alive."""
+
+    def __init__(self, fd: int, path: str, io: str):
+        self.fd, self.path = fd, path
+        self.handle = None
+        if io == "aio":
+            from ..aio import AioHandle
+
+            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct="off")
+        self.keep = []
+
+    def write(self, data: torch.Tensor, offset: int) -> None:
+        if self.handle is not None:
+            self.keep.append(data)
+            self.handle.async_pwrite(data, self.path, offset)
+        else:
+            fsutil.write_all(self.fd, data.numpy(), offset)
+
+    def finish(self) -> None:
+        if self.handle is not None:
+            try:
+                self.handle.wait()
+            finally:
+                self.keep.clear()
+
+
+def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio") -> tuple[dict, list]:
+    """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
+    The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
+    the temporary file is removed then, and nothing is left under the final name."""
+    final = shard_file_name(rank)
+    tmp = fsutil.temp_name(final)
+    fd = fsutil.create_exclusive(dir_fd, tmp)
+    try:
+        try:
+            sink = _Sink(fd, os.path.join(dir_path, tmp), io)
+            crc = _BlockCrc(BLOCK_BYTES)
+            chunks, offset = [], 0
+            pending, pending_at = [], 0
+            pending_bytes = 0
+
+            def flush():
+                nonlocal pending, pending_bytes
+                if pending:
+                    buf = torch.cat(pending) if len(pending) > 1 else pending[0]
+                    sink.write(buf, pending_at)
+                    pending, pending_bytes = [], 0
+
+            for name, key, lo, hi, tensor in pieces:
+                data = as_bytes(tensor.detach().reshape(-1))
+                n = data.numel()
+                chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
+                crc.feed(memoryview(data.numpy()))
+                if n < _COALESCE_BYTES:
+                    if not pending:
+                        pending_at = offset
+                    pending.append(data.clone() if sink.handle is not None else data)
+                    pending_bytes += n
+                    if pending_bytes >= _FLUSH_BYTES:
+                        flush()
+                else:
+                    flush()
+                    sink.write(data, offset)
+                offset += n
+                if not pending:
+                    pending_at = offset
+            flush()
+            sink.finish()
+            os.fdatasync(fd)
+            st = os.fstat(fd)
+            here = os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False)
+            if (here.st_ino, here.st_dev) != (st.st_ino, st.st_dev) or st.st_size != offset:
+                raise OSError(errno.EIO, f"checkpoint: shard file changed under the writer (size {st.st_size}, "
+                                         f"expected {offset})", tmp)
+        finally:
+            os.close(fd)
+        fsutil.publish(dir_fd, tmp, final)
+    except BaseException:
+        fsutil.remove_quietly(dir_fd, tmp)
+        raise
+    return {"name": final, "bytes": offset, "block_crc32": crc.finish()}, chunks

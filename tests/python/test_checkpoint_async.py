@@ -1,0 +1,142 @@
+"""save_checkpoint(..., async_=True): snapshot, then a background write that training overlaps.
+
+One 2-rank launch (one process group per case):
+  * overlap: 10 training steps run while the save is in flight; the checkpoint holds the state of
+    the moment of the call (a fresh model loading it and training the same 10 steps ends equal,
+    exactly, to the model that kept training), snapshot_bytes is this rank's shard size;
+  * error: a file size limit on one rank makes both ranks' wait() raise (the limited rank its
+    OSError, the other the commit failure naming the rank); the previous checkpoint still loads;
+  * serialised: two saves in a row: the second starts after the first finished; latest names the
+    second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+
+import pytest
+import torch
+
+from checkpoint_models import build, fsize_limited, full_params, train
+from harness import run_cases_in_own_groups, run_pooled
+
+
+@contextlib.contextmanager
+def _slow_disk(seconds: float):
+    """Shard writes start `seconds` late (a slow disk), so training surely runs during them."""
+    from zeroplus.checkpoint import save
+
+    real = save.write_shard
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+    save.write_shard = slow
+    try:
+        yield
+    finally:
+        save.write_shard = real
+
+
+def case_overlap(root, rank, group):
+    import zeroplus
+
+    model, call, opt = build("engine", 3, None, group, seed=0)
+    train(call, opt, 3, rank)
+    with _slow_disk(0.5):
+        handle = zeroplus.save_checkpoint(os.path.join(root, "overlap"), model, opt, extra={"step": 3}, async_=True)
+        train(call, opt, 10, rank, first_step=3)
+        overlapped = not handle.done()
+        path = handle.wait()
+    shard = os.path.getsize(os.path.join(path, f"rank{rank:05d}.bin"))
+    model_b, call_b, opt_b = build("engine", 3, None, group, seed=1, lr=1e-3)
+    extra = zeroplus.load_checkpoint(path, model_b, opt_b)
+    train(call_b, opt_b, 10, rank, first_step=3)
+    a, b = full_params("engine", model), full_params("engine", model_b)
+    return extra, handle.snapshot_bytes, shard, [k for k in a if not torch.equal(a[k], b[k])], overlapped
+
+
+def case_error(root, rank, group):
+    import zeroplus
+
+    root = os.path.join(root, "error")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    zeroplus.save_checkpoint(os.path.join(root, "first"), model, opt)
+
+    def save_and_wait():
+        handle = zeroplus.save_checkpoint(os.path.join(root, "second"), model, opt, async_=True)
+        try:
+            handle.wait()
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return f"{type(e).__name__}: {e}"
+        return None
+    err = fsize_limited(save_and_wait, 1000) if rank == 1 else save_and_wait()
+    model_b, _c, opt_b = build("engine", 2, None, group, seed=1)
+    zeroplus.load_checkpoint(root, model_b, opt_b)
+    with open(os.path.join(root, "latest")) as f:
+        return err, f.read().strip(), sorted(os.listdir(root))
+
+
+def case_serialised(root, rank, group):
+    import zeroplus
+
+    root = os.path.join(root, "serial")
+    model, call, opt = build("engine", 1, None, group, seed=0)
+    h1 = zeroplus.save_checkpoint(os.path.join(root, "one"), model, opt, async_=True)
+    train(call, opt, 1, rank)
+    h2 = zeroplus.save_checkpoint(os.path.join(root, "two"), model, opt, async_=True)
+    first_done_when_second_started = h1.done()
+    h2.wait()
+    h1.wait()
+    if rank != 0:
+        return first_done_when_second_started, None  # latest is rank 0's to update, after wait() on rank > 0
+    with open(os.path.join(root, "latest")) as f:
+        return first_done_when_second_started, f.read().strip()
+
+
+def _all(rank, world, root):
+    cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
+    return run_cases_in_own_groups(rank, world, cases)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("async"))
+    t0 = time.monotonic()
+    out = run_pooled(_all, 2, root, timeout=300)
+    print(f"\nasync checkpoint cases on 2 ranks: {time.monotonic() - t0:.1f} s")
+    return out
+
+
+def _ok(results, case):
+    values = []
+    for rank in range(2):
+        status, value = results[rank][case]
+        assert status == "ok", f"rank {rank}:\n{value}"
+        values.append(value)
+    return values
+
+
+def test_async_save_overlaps_training(results):
+    for extra, snapshot, shard, differ, overlapped in _ok(results, "overlap"):
+        assert overlapped, "the save finished before training went on: the case tests nothing"
+        assert extra == {"step": 3}
+        assert snapshot == shard > 0
+        assert differ == [], f"training after loading the async checkpoint differs in {differ}"
+
+
+def test_async_save_error_raises_at_wait(results):
+    (err0, latest0, names0), (err1, latest1, names1) = _ok(results, "error")
+    assert err1 is not None and "File too large" in err1
+    assert err0 is not None and "rank 1 failed" in err0
+    assert latest0 == latest1 == "first"
+    assert names0 == names1 == ["first", "latest"]
+
+
+def test_async_saves_are_serialised(results):
+    for rank, (first_done, latest) in enumerate(_ok(results, "serialised")):
+        assert first_done
+        assert latest == ("two" if rank == 0 else None)

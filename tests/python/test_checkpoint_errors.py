@@ -1,0 +1,339 @@
+"""Checkpoints on bad input and failing disks: every error names the file or key, and leaves the
+model, the optimizer and the previous checkpoint untouched.
+
+One 2-rank launch (stage 2, fp32) runs every case in its own process group: a corrupted byte, a
+truncated file, a missing shard, a manifest from a newer version, names escaping the directory
+(in the manifest and in `latest`), a mismatched model (missing/unexpected keys, size mismatch),
+a save over an existing checkpoint, a non-JSON extra, and RLIMIT_FSIZE (EFBIG, the same path as
+ENOSPC) hit mid-save on every rank and on one rank only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from checkpoint_models import CkptNet, build, fsize_limited, full_params, make, train
+from harness import run_cases_in_own_groups, run_pooled
+
+
+def _state(model, opt):
+    """Everything a failed load must leave alone: full parameters, sharded optimizer state, lr."""
+    sd = opt.state_dict()
+    state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+             for i, st in sd["state"].items()}
+    return full_params("engine", model), state, [g["lr"] for g in opt.param_groups]
+
+
+def _same(a, b) -> bool:
+    pa, sa, la = a
+    pb, sb, lb = b
+    return (la == lb and pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+            and sa.keys() == sb.keys()
+            and all(torch.equal(sa[i][k], sb[i][k]) if isinstance(sa[i][k], torch.Tensor) else sa[i][k] == sb[i][k]
+                    for i in sa for k in sa[i]))
+
+
+def _saved(root, name, rank, group, steps=2):
+    """A trained model, saved to root/name; returns (model, opt, path)."""
+    import zeroplus
+
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    train(call, opt, steps, rank)
+    path = os.path.join(root, name)
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": steps})
+    return model, opt, path
+
+
+def _load_fails(path, rank, group, model=None):
+    """load_checkpoint into a fresh model; returns (error text, whether state was untouched)."""
+    import zeroplus
+
+    model = make(1) if model is None else model
+    model, call, opt = build("engine", 2, None, group, seed=1, lr=1e-3, model=model)
+    before = _state(model, opt)
+    try:
+        zeroplus.load_checkpoint(path, model, opt)
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        return f"{type(e).__name__}: {e}", _same(before, _state(model, opt))
+    return None, _same(before, _state(model, opt))
+
+
+def _edit_manifest(path, rank, group, fn):
+    import torch.distributed as dist
+
+    if rank == 0:
+        with open(os.path.join(path, "manifest.json")) as f:
+            m = json.load(f)
+        fn(m)
+        os.chmod(os.path.join(path, "manifest.json"), 0o600)
+        with open(os.path.join(path, "manifest.json"), "w") as f:
+            json.dump(m, f)
+    dist.barrier(group=group)
+
+
+def _on_rank0(rank, group, fn):
+    import torch.distributed as dist
+
+    if rank == 0:
+        fn()
+    dist.barrier(group=group)
+
+
+def case_corrupt_byte(root, rank, group):
+    _m, _o, path = _saved(root, "corrupt", rank, group)
+
+    def flip():
+        f = os.path.join(path, "rank00001.bin")
+        data = bytearray(open(f, "rb").read())
+        data[len(data) // 2] ^= 0x40
+        os.chmod(f, 0o600)
+        open(f, "wb").write(data)
+    _on_rank0(rank, group, flip)
+    return _load_fails(path, rank, group)
+
+
+def case_truncated(root, rank, group):
+    _m, _o, path = _saved(root, "truncated", rank, group)
+    _on_rank0(rank, group, lambda: os.truncate(os.path.join(path, "rank00000.bin"),
+                                               os.path.getsize(os.path.join(path, "rank00000.bin")) - 1))
+    return _load_fails(path, rank, group)
+
+
+def case_missing_file(root, rank, group):
+    _m, _o, path = _saved(root, "missing", rank, group)
+    _on_rank0(rank, group, lambda: os.unlink(os.path.join(path, "rank00001.bin")))
+    return _load_fails(path, rank, group)
+
+
+def case_no_manifest(root, rank, group):
+    _m, _o, path = _saved(root, "nomanifest", rank, group)
+    _on_rank0(rank, group, lambda: os.unlink(os.path.join(path, "manifest.json")))
+    return _load_fails(path, rank, group)
+
+
+def case_newer_version(root, rank, group):
+    _m, _o, path = _saved(root, "newer", rank, group)
+    _edit_manifest(path, rank, group, lambda m: m.update(version=99))
+    return _load_fails(path, rank, group)
+
+
+def case_escaping_file_name(root, rank, group):
+    _m, _o, path = _saved(root, "escape", rank, group)
+    _edit_manifest(path, rank, group, lambda m: m["files"][1].update(name="../escape2/rank00001.bin"))
+    return _load_fails(path, rank, group)
+
+
+def case_escaping_latest(root, rank, group):
+    _m, _o, path = _saved(root, "latest_root/ck", rank, group)
+
+    def point_outside():
+        with open(os.path.join(root, "latest_root", "latest"), "w") as f:
+            f.write("../escape\n")
+    _on_rank0(rank, group, point_outside)
+    return _load_fails(os.path.join(root, "latest_root"), rank, group)
+
+
+class Wider(CkptNet):
+    def __init__(self):
+        super().__init__(width=32)
+
+
+class WithExtra(CkptNet):
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(2, 2)
+
+
+class Fewer(CkptNet):
+    def __init__(self):
+        super().__init__()
+        del self.frozen
+
+    def forward(self, x):
+        return self.head(self.lin2(nn.functional.gelu(self.lin1(self.emb(x)))))
+
+
+def case_size_mismatch(root, rank, group):
+    _m, _o, path = _saved(root, "size", rank, group)
+    torch.manual_seed(1)
+    return _load_fails(path, rank, group, model=Wider())
+
+
+def case_missing_keys(root, rank, group):
+    _m, _o, path = _saved(root, "keys", rank, group)
+    torch.manual_seed(1)
+    return _load_fails(path, rank, group, model=WithExtra())
+
+
+def case_unexpected_keys(root, rank, group):
+    _m, _o, path = _saved(root, "unexpected", rank, group)
+    torch.manual_seed(1)
+    return _load_fails(path, rank, group, model=Fewer())
+
+
+def case_exists(root, rank, group):
+    import zeroplus
+
+    model, opt, path = _saved(root, "exists", rank, group)
+    try:
+        zeroplus.save_checkpoint(path, model, opt)
+        err = None
+    except FileExistsError as e:
+        err = f"FileExistsError: {e}"
+    still, _changed = _load_fails(path, rank, group)  # None: it still loads
+    return err, still is None
+
+
+def case_extra_not_json(root, rank, group):
+    import zeroplus
+
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    try:
+        zeroplus.save_checkpoint(os.path.join(root, "badextra"), model, opt, extra={"step": 1, "when": object()})
+    except TypeError as e:
+        return f"TypeError: {e}", not os.path.exists(os.path.join(root, "badextra"))
+    return None, False
+
+
+def case_unsavable_state_on_one_rank(root, rank, group):
+    """A failure after the collective start on one rank only (state that cannot be stored):
+    both ranks raise at once (rank 0 does not wait for the missing shard), nothing is left."""
+    import zeroplus
+
+    root = os.path.join(root, "unsavable")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    train(call, opt, 1, rank)
+    if rank == 1:  # fault injection: a non-elementwise state tensor too large for the manifest
+        bo = next(bo for bo in opt.bucket_optimizers if bo.segments)
+        bo.inner.state[bo.segments[0].master]["factor"] = torch.zeros(5000)
+    t0 = time.monotonic()
+    try:
+        zeroplus.save_checkpoint(os.path.join(root, "ck"), model, opt)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        err = f"{type(e).__name__}: {e}"
+    return err, (time.monotonic() - t0, sorted(os.listdir(root)))
+
+
+def case_unsavable_hyperparameter_on_rank0(root, rank, group):
+    import zeroplus
+
+    root = os.path.join(root, "unsavable_hyper")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    if rank == 0:
+        opt.param_groups[0]["note"] = object()
+    try:
+        zeroplus.save_checkpoint(os.path.join(root, "ck"), model, opt)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        err = f"{type(e).__name__}: {e}"
+    return err, os.path.exists(root) and sorted(os.listdir(root))
+
+
+def _disk_full(root, rank, group, name, limited_ranks):
+    import zeroplus
+
+    root = os.path.join(root, name)
+    model, opt, first = _saved(root, "first", rank, group)
+    train(model, opt, 1, rank, first_step=5)
+
+    def save():
+        try:
+            zeroplus.save_checkpoint(os.path.join(root, "second"), model, opt)
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            return f"{type(e).__name__}: {e}"
+        return None
+    err = fsize_limited(save, 1000) if rank in limited_ranks else save()
+    leftovers = sorted(os.listdir(root))
+    loaded_err, _untouched = _load_fails(root, rank, group)  # via latest: must still be `first`
+    with open(os.path.join(root, "latest")) as f:
+        latest = f.read().strip()
+    return err, (leftovers, loaded_err, latest)
+
+
+def _all(rank, world, root):
+    cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
+    cases["disk_full_everywhere"] = functools.partial(_disk_full, root, name="full_all", limited_ranks=(0, 1))
+    cases["disk_full_one_rank"] = functools.partial(_disk_full, root, name="full_one", limited_ranks=(1,))
+    return run_cases_in_own_groups(rank, world, cases)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("errors"))
+    t0 = time.monotonic()
+    out = run_pooled(_all, 2, root, timeout=300)
+    print(f"\ncheckpoint error cases on 2 ranks: {time.monotonic() - t0:.1f} s")
+    return out
+
+
+def _ok(results, case):
+    values = []
+    for rank in range(2):
+        status, value = results[rank][case]
+        assert status == "ok", f"rank {rank}:\n{value}"
+        values.append(value)
+    return values
+
+
+@pytest.mark.parametrize("case, words", [
+    ("corrupt_byte", ["checksum mismatch", "rank00001.bin"]),
+    ("truncated", ["truncated", "rank00000.bin"]),
+    ("missing_file", ["rank00001.bin"]),
+    ("no_manifest", ["manifest.json", "not a checkpoint"]),
+    ("newer_version", ["version 99", "upgrade zeroplus"]),
+    ("escaping_file_name", ["escape"]),
+    ("escaping_latest", ["escape", "latest"]),
+    ("size_mismatch", ["size mismatch for lin1.weight", "torch.Size([24, 8])", "torch.Size([32, 8])"]),
+    ("missing_keys", ['Missing key(s) in state_dict: "extra.weight", "extra.bias"']),
+    ("unexpected_keys", ['Unexpected key(s) in state_dict: "frozen"']),
+])
+def test_bad_checkpoint_is_refused_and_changes_nothing(results, case, words):
+    for rank, (err, untouched) in enumerate(_ok(results, case)):
+        assert err is not None, f"rank {rank}: the load succeeded"
+        for w in words:
+            assert w in err, f"rank {rank}: {w!r} not in {err!r}"
+        assert untouched, f"rank {rank}: a failed load changed the model or the optimizer"
+
+
+def test_save_refuses_to_overwrite(results):
+    for err, still_loads in _ok(results, "exists"):
+        assert err is not None and "never overwrites" in err
+        assert still_loads
+
+
+def test_extra_must_be_json(results):
+    for err, nothing_written in _ok(results, "extra_not_json"):
+        assert err is not None and "extra['when']" in err and "object" in err
+        assert nothing_written
+
+
+@pytest.mark.parametrize("case", ["disk_full_everywhere", "disk_full_one_rank"])
+def test_disk_full_mid_save_keeps_previous_checkpoint(results, case):
+    for rank, (err, (leftovers, loaded_err, latest)) in enumerate(_ok(results, case)):
+        assert err is not None, f"rank {rank}: the save succeeded despite the file size limit"
+        assert leftovers == ["first", "latest"], f"rank {rank}: {leftovers}"
+        assert latest == "first"
+        assert loaded_err is None, f"rank {rank}: the previous checkpoint no longer loads: {loaded_err}"
+
+
+def test_failure_on_one_rank_after_the_start_fails_every_rank_at_once(results):
+    (err0, (secs0, left0)), (err1, (secs1, left1)) = _ok(results, "unsavable_state_on_one_rank")
+    assert err1 is not None and "TypeError" in err1 and "'factor'" in err1
+    assert err0 is not None and "rank 1 failed" in err0 and "'factor'" in err0
+    assert max(secs0, secs1) < 30, "a rank waited for a shard that was never coming"
+    assert left0 == left1 == []
+
+
+def test_rank0_failure_before_the_start_reaches_every_rank(results):
+    (err0, left0), (err1, left1) = _ok(results, "unsavable_hyperparameter_on_rank0")
+    assert err0 is not None and err0.startswith("TypeError") and "object" in err0
+    assert err1 is not None and "rank 0 could not start the save" in err1
+    assert not left0 and not left1
