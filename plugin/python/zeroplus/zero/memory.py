@@ -12,6 +12,10 @@ Categories (bytes on this rank):
   gathered_parameters    stage 3: full parameters gathered right now (0 between steps)
   peak_gathered_parameters  stage 3: the most gathered at once so far (prefetch included)
   model_state            parameters + gradients + master_parameters + optimizer_state
+  offload_buffers        with offload_optimizer on NVMe: the swapper's pooled record buffers
+                         (optimizer state in memory while a bucket is read, stepped or written)
+  offload_peak_buffers   the most such buffers held at once so far
+  offload_disk           bytes the swap files take on disk
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["optimizer_state"] = ours["optimizer_state"]
         report["communication_buffers"] = ours["communication_buffers"]
         report["pooled_buffers"] = ours["pooled_buffers"]
-        for key in ("gathered_parameters", "peak_gathered_parameters"):  # stage 3
+        for key in ("gathered_parameters", "peak_gathered_parameters", "offload_buffers", "offload_peak_buffers",
+                    "offload_disk"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -73,10 +78,15 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
 def optimizer_bytes(opt) -> dict[str, int]:
     param_ptrs = {t.untyped_storage().data_ptr() for b in opt.buckets for t in (b.flat, b.shard) if t is not None}
     masters = [m for m in opt.masters if m.untyped_storage().data_ptr() not in param_ptrs]
-    return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
-            "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
-            "communication_buffers": opt.reducer.communication_bytes(),
-            "pooled_buffers": opt.reducer.pool.pooled_bytes}
+    out = {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
+           "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
+           "communication_buffers": opt.reducer.communication_bytes(),
+           "pooled_buffers": opt.reducer.pool.pooled_bytes}
+    store = getattr(opt, "offload", None)
+    if store is not None:
+        out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
+                   offload_disk=store.disk_bytes())
+    return out
 
 
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,

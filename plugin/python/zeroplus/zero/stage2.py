@@ -28,6 +28,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..offload import attach_optimizer_store, prepare_optimizer_store
 from ..optim.fused import fused_class_for
 from . import clipping, comm, full_state, precision, state
 from .backward_pass import BackwardPass
@@ -82,6 +83,10 @@ class Stage2Optimizer(torch.optim.Optimizer):
         if not any(trainable):
             raise ValueError(f"{name}: params has no parameter with requires_grad=True")
         self._check_module(name, trainable)
+        # Offload settings are checked and the swap directory made before anything is changed.
+        device = getattr(self, "_target_device", None) or next(p.device for grp in trainable for p in grp)
+        self._offload_prepared = prepare_optimizer_store(options.offload_optimizer, options.offload_param, self.rank,
+                                                         device, name)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
         self.buckets = self._plan_layout(trainable, options.reduce_bucket_elems)
@@ -207,6 +212,8 @@ class Stage2Optimizer(torch.optim.Optimizer):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self.bucket_optimizers = [BucketOptimizer(b, master, self.rank, inner_class, hyper[b.group])
                                   for b, master in zip(self.buckets, self.masters)]
+        # Offload (zeroplus.offload): a store behind every bucket's fetch/store, or None.
+        self.offload = attach_optimizer_store(self._offload_prepared, self.bucket_optimizers)
         # The user's groups show every hyperparameter the optimizer fills in, as torch's do (taken
         # from a scratch instance: a group may have no segment on this rank).
         for g, h in zip(self.param_groups, hyper):
@@ -354,15 +361,23 @@ class Stage2Optimizer(torch.optim.Optimizer):
         self._before_publish()
         base = self.reducer.usage.base
         works = []
-        for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
-            bo.fetch()
-            bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
-            bo.store()
-            work = self._publish(i)
-            if work is not None:
-                works.append(work)
-        for w in works:
-            w.wait()
+        if self.offload is not None:
+            self.offload.begin_step()
+        try:
+            for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
+                bo.fetch()
+                bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
+                bo.store()
+                work = self._publish(i)
+                if work is not None:
+                    works.append(work)
+            for w in works:
+                w.wait()
+        finally:
+            # After the step's last collective: waits for the writes and raises a swap error
+            # (every rank finished the step, so none is left waiting in a collective).
+            if self.offload is not None:
+                self.offload.end_step()
 
     def _before_publish(self) -> None:
         """Before any parameter changes (stage 3 releases gathered units)."""
