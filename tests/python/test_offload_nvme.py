@@ -88,8 +88,9 @@ def _parity_case(stage, precision, optimizer):
         report = __import__("zeroplus").memory_report(model, opt)
         records = opt.offload.record_bytes()
         on_disk = sum(records)
-        resident_state = report["optimizer_state"]
-        in_memory_state = __import__("zeroplus").memory_report(ref, ref_opt)["optimizer_state"]
+        resident_state = report["optimizer_state"] + report["master_parameters"]
+        in_memory = __import__("zeroplus").memory_report(ref, ref_opt)
+        in_memory_state = in_memory["optimizer_state"] + in_memory["master_parameters"]
         # State dicts read through the swap files: sharded and consolidated equal the in-memory ones.
         saved = ref_opt.state_dict()
         sharded_equal = _same_state(opt.state_dict(), saved)
@@ -99,12 +100,15 @@ def _parity_case(stage, precision, optimizer):
         # A fresh offloaded engine loads the sharded state (written to its files) and continues
         # exactly like a fresh in-memory one loaded the same way (with bf16 the model's state
         # dict holds rounded weights, so the loaded masters differ from the trained ones).
+        # One step first, so that loading the model writes the masters into existing records.
         model2, opt2 = _build(stage, precision, group, _nvme(root), optimizer=optimizer)
         ref2, ref_opt2 = _build(stage, precision, group, optimizer=optimizer)
         for m, o in ((model2, opt2), (ref2, ref_opt2)):
+            _train(m, o, rank, 1)
             m.load_state_dict(ref.state_dict())
             o.load_state_dict(saved)
-        resident_after_load = __import__("zeroplus").memory_report(model2, opt2)["optimizer_state"]
+        after_load = __import__("zeroplus").memory_report(model2, opt2)
+        resident_after_load = after_load["optimizer_state"] + after_load["master_parameters"]
         _train(ref2, ref_opt2, rank, 3, start=STEPS)
         _train(model2, opt2, rank, 3, start=STEPS)
         swap_dir = opt.offload.directory.path
@@ -185,11 +189,11 @@ def _fault_swap_out(rank, group):
     return dict(errors=errors, same=_same_params(model, ref) and same_state, peak=peak)
 
 
-def _fault_corrupt(rank, group):
+def _fault_corrupt(rank, group, precision):
     """A flipped byte in a swap file of rank 0: that step raises on rank 0 naming the file and the
     bucket, the bucket is not stepped, later steps raise again; load_state_dict repairs it."""
     root = tempfile.mkdtemp(prefix="zp-offload-")
-    model, opt = _build(2, None, group, _nvme(root))
+    model, opt = _build(2, precision, group, _nvme(root))
     _train(model, opt, rank, 3)
     saved = opt.state_dict()
     bucket = 3
@@ -226,7 +230,9 @@ def _fault_corrupt(rank, group):
 
 
 def _fault_cases(rank, world):
-    return run_cases_in_own_groups(rank, world, {"swap_out": _fault_swap_out, "corrupt": _fault_corrupt})
+    return run_cases_in_own_groups(rank, world, {
+        "swap_out": _fault_swap_out, "corrupt": lambda r, g: _fault_corrupt(r, g, None),
+        "corrupt_bf16": lambda r, g: _fault_corrupt(r, g, "bf16")})
 
 
 def test_swap_faults_are_reported_and_training_continues():
@@ -242,14 +248,16 @@ def test_swap_faults_are_reported_and_training_continues():
     assert results[0]["swap_out"][1]["errors"] == []
     assert out["same"] and results[0]["swap_out"][1]["same"], "state was lost or changed by the failed writes"
 
-    bad = results[0]["corrupt"][1]
-    assert [e[0] for e in bad["errors"]] == [3, 4], bad["errors"]
-    for _step, code, text, filename in bad["errors"]:
-        assert filename == bad["path"] and "bucket 3" in text and "checksum" in text and "not stepped" in text, text
-    assert bad["unchanged"], "a bucket whose record was refused was stepped"
-    assert bad["read_error"] is not None and "bucket 3" in bad["read_error"]
-    assert bad["after"] == [True, True]
-    assert results[1]["corrupt"][1]["errors"] == []
+    for key in ("corrupt", "corrupt_bf16"):
+        bad = results[0][key][1]
+        assert [e[0] for e in bad["errors"]] == [3, 4], (key, bad["errors"])
+        for _step, code, text, filename in bad["errors"]:
+            assert filename == bad["path"] and "bucket 3" in text and "checksum" in text, (key, text)
+            assert "not stepped" in text and code == 74, (key, text)
+        assert bad["unchanged"], f"{key}: a bucket whose record was refused was stepped"
+        assert bad["read_error"] is not None and "bucket 3" in bad["read_error"], key
+        assert bad["after"] == [True, True], key
+        assert results[1][key][1]["errors"] == [], key
     print(f"\n[test_offload_nvme] faults: {time.perf_counter() - _T0:.1f}s")
 
 

@@ -46,6 +46,11 @@ class BucketOptimizer:
     def __init__(self, bucket: Bucket, master: torch.Tensor, rank: int, inner_class: type, hyperparameters: dict):
         self.bucket = bucket
         self.master = master
+        self.rank = rank
+        # Mixed precision: the master is a copy of its own, which an offload store may keep in
+        # a file; fp32: it is this rank's slice of the parameters, which stay in memory.
+        param_storages = {t.untyped_storage().data_ptr() for t in (bucket.flat, bucket.shard) if t is not None}
+        self.offloads_master = master.untyped_storage().data_ptr() not in param_storages
         self.segments = [Segment(e, lo, hi, master[lo:hi]) for e, lo, hi in bucket.owned_pieces(rank)]
         self.inner = (inner_class([{**hyperparameters, "params": [s.master for s in self.segments]}])
                       if self.segments else None)
@@ -55,6 +60,20 @@ class BucketOptimizer:
 
     def attach_store(self, store) -> None:
         self.store_ = store
+
+    def param_shard(self) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters (compute dtype)."""
+        if self.bucket.shard is not None:
+            return self.bucket.shard
+        lo, hi = self.bucket.shard_range(self.rank)
+        return self.bucket.flat[lo:hi]
+
+    def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """master[lo:hi] = values (a model state dict is being loaded), wherever the master is."""
+        if self.store_ is not None:
+            self.store_.write_master(self, lo, hi, values)
+        else:
+            self.master[lo:hi].copy_(values)
 
     # -- the step of one bucket ------------------------------------------------------------------
 
