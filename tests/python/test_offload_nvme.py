@@ -82,6 +82,8 @@ def _parity_case(stage, precision, optimizer):
         ref, ref_opt = _build(stage, precision, group, optimizer=optimizer)
         model, opt = _build(stage, precision, group, _nvme(root), optimizer=optimizer)
         n_buckets = len(opt.buckets)
+        psi = sum(e.numel for b in opt.buckets for e in b.entries)
+        max_bucket = max(b.numel for b in opt.buckets)
         _train(ref, ref_opt, rank, STEPS)
         _train(model, opt, rank, STEPS)
         same_params = _same_params(model, ref)
@@ -123,7 +125,8 @@ def _parity_case(stage, precision, optimizer):
                     n_buckets=n_buckets, peak=report["offload_peak_buffers"], max_record=max(records),
                     on_disk=on_disk, disk=report["offload_disk"], resident=resident_state,
                     in_memory=in_memory_state, after_load=resident_after_load, mode=mode, file_modes=file_modes,
-                    left=left)
+                    left=left, estimate=__import__("zeroplus").estimate_memory(
+                        psi, 2, stage, precision, "adam" if optimizer is torch.optim.AdamW else "sgd", "nvme", 2, max_bucket))
     return case
 
 
@@ -152,6 +155,12 @@ def test_offloaded_runs_equal_in_memory_runs_and_memory_is_bounded():
             assert r["disk"] >= r["on_disk"], (rank, key, r)
             assert r["mode"] == 0o700 and r["file_modes"] == {0o600}, (rank, key, r)
             assert r["left"] == [], (rank, key, r)
+            if key[0] == 2:  # stage 2: every bucket is at most the largest one, as the estimate assumes
+                est = r["estimate"]
+                # Payload without the 4 KiB headers (which dominate in so tiny a model).
+                payload, est_payload = r["on_disk"] - 4096 * r["n_buckets"], est["master_parameters"] + est["optimizer_state"]
+                assert abs(est_payload - payload) <= 0.05 * payload, (rank, key, est_payload, payload)
+                assert est["offload_buffers"] >= r["peak"] * 0.9, (rank, key, est, r["peak"])
     print(f"\n[test_offload_nvme] parity: {time.perf_counter() - _T0:.1f}s")
 
 
@@ -311,6 +320,30 @@ def test_offload_settings_resolve():
     assert (p.aio.block_size, p.aio.queue_depth, p.aio.threads) == (1 << 21, 16, 2)
     assert not s.options.offload_param.enabled and s.options.offload_param.buffer_count == 5
     assert "lr" in s.optimizer_defaults and "offload_optimizer" not in s.optimizer_defaults
+
+
+def test_estimate_memory_offload_columns():
+    import zeroplus
+
+    base = zeroplus.estimate_memory(1e9, 8, 2, "bf16")
+    off = zeroplus.estimate_memory(1e9, 8, 2, "bf16", offload_optimizer="nvme", buffer_count=4, bucket_elems=1 << 22)
+    moved = base["master_parameters"] + base["optimizer_state"]
+    assert off["nvme"] == moved + 4096 * -(-1e9 // (1 << 22))
+    assert off["offload_buffers"] == 4 * (4096 + (1 << 22) // 8 * 12)  # whole pages already
+    assert off["resident"] == base["model_state"] - moved + off["offload_buffers"]
+    fp32 = zeroplus.estimate_memory(1e9, 8, 2, None, offload_optimizer="nvme")
+    assert fp32["nvme"] < moved and fp32["master_parameters"] == 0  # fp32: the master is the parameters
+    assert zeroplus.estimate_memory(1e9, 8, 2, "bf16", offload_optimizer="cpu")["resident"] == base["model_state"]
+    for kw, match in (({"offload_optimizer": "disk"}, "offload_optimizer"), ({"buffer_count": 0}, "buffer_count"),
+                      ({"bucket_elems": 1.5}, "bucket_elems")):
+        with pytest.raises(ValueError, match=match):
+            zeroplus.estimate_memory(1e9, 8, 2, **kw)
+    with pytest.raises(ValueError, match="stage=0"):
+        zeroplus.estimate_memory(1e9, 8, 0, offload_optimizer="nvme")
+    out = subprocess.run([os.sys.executable, "-m", "zeroplus.estimate", "--params", "1.3e9", "--world-size", "8",
+                          "--offload-optimizer", "nvme"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "resident" in out.stdout and "nvme" in out.stdout
 
 
 # -- the swap directory ---------------------------------------------------------------------------
