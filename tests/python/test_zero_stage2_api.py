@@ -148,7 +148,9 @@ def _bad_input(rank, world):
                                                                          mixed_precision="bf16", momentum=0.9))
     expect("negative_lr", ValueError, lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=-1.0))
     expect("offload", ValueError, lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=2,
-                                                              offload_optimizer={"device": "cpu"}))
+                                                              offload_optimizer={"device": "nvme"}))
+    expect("offload_path", FileNotFoundError, lambda: zeroplus.initialize(
+        model, torch.optim.AdamW, stage=2, offload_optimizer={"device": "nvme", "nvme_path": "/nonexistent/zp"}))
     mixed = zm.make_model()
     mixed.head = torch.nn.Linear(32, 64, bias=False).to("meta")
     expect("devices", ValueError, lambda: zeroplus.initialize(mixed, torch.optim.AdamW, stage=2))
@@ -179,7 +181,8 @@ def test_bad_input_is_rejected_naming_the_argument_and_changes_nothing():
     assert "devices" in errors["devices"]
     assert "momentum" in errors["bad_hyperparameter"] and "AdamW" in errors["bad_hyperparameter"]
     assert "learning rate" in errors["negative_lr"]
-    assert "offload_optimizer" in errors["offload"]
+    assert "offload_optimizer" in errors["offload"] and "nvme_path" in errors["offload"]
+    assert "/nonexistent/zp" in errors["offload_path"]
     assert "max_norm" in errors["max_norm"] and "max_norm" in errors["max_norm_neg"]
     assert "already" in errors["twice"]
     assert unchanged

@@ -1,6 +1,8 @@
 """python -m zeroplus.estimate --params 1.3e9 --world-size 8 [--mixed-precision bf16] [--optimizer adam]
+                             [--offload-optimizer nvme --buffer-count 4 --bucket-elems 4194304]
 
-Prints the ZeRO model-state bytes per rank for stages 0-3 (zeroplus.estimate_memory)."""
+Prints the ZeRO model-state bytes per rank for stages 0-3 (zeroplus.estimate_memory); with
+--offload-optimizer nvme also what stays in memory and what the swap files take (stages 1-3)."""
 
 from __future__ import annotations
 
@@ -22,18 +24,34 @@ def main(argv=None) -> int:
                         help="compute dtype (default bf16; 'none' for fp32 training)")
     parser.add_argument("--fp32", action="store_true", help="fp32 training (no master copy)")
     parser.add_argument("--optimizer", default="adam", help="adam | adamw | sgd | sgd_nomomentum | adagrad")
+    parser.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none",
+                        help="optimizer offload (docs/offload.md); nvme adds the resident and nvme columns")
+    parser.add_argument("--buffer-count", type=int, default=4, help="offload_optimizer.buffer_count")
+    parser.add_argument("--bucket-elems", type=int, default=1 << 22,
+                        help="elements per bucket (reduce_bucket_size; stage 3: the largest gather unit)")
     args = parser.parse_args(argv)
     precision = None if args.fp32 else args.mixed_precision
+    offload = args.offload_optimizer
+
+    def row(stage):
+        return estimate_memory(args.params, args.world_size, stage, precision, args.optimizer,
+                               offload if stage else "none", args.buffer_count, args.bucket_elems)
     try:
-        rows = [(s, estimate_memory(args.params, args.world_size, s, precision, args.optimizer)) for s in range(4)]
+        rows = [(s, row(s)) for s in range(4)]
     except ValueError as e:
         parser.error(str(e))
     print(f"model-state GiB per rank: {args.params:.3g} parameters, {args.world_size} ranks, "
           f"{precision or 'fp32'}, {args.optimizer}")
-    print(f"{'stage':>5} {'params':>10} {'grads':>10} {'master':>10} {'optim':>10} {'total':>10}")
+    extra = offload == "nvme"
+    print(f"{'stage':>5} {'params':>10} {'grads':>10} {'master':>10} {'optim':>10} {'total':>10}"
+          + (f" {'resident':>10} {'nvme':>10}" if extra else ""))
     for s, r in rows:
         print(f"{s:>5} {_gib(r['parameters'])} {_gib(r['gradients'])} {_gib(r['master_parameters'])} "
-              f"{_gib(r['optimizer_state'])} {_gib(r['model_state'])}")
+              f"{_gib(r['optimizer_state'])} {_gib(r['model_state'])}"
+              + (f" {_gib(r['resident'])} {_gib(r['nvme'])}" if extra else ""))
+    if extra:
+        print("resident: model state left in memory + the swapper's buffers; nvme: swap files on disk "
+              "(stage 0 has no offload)")
     return 0
 
 

@@ -7,7 +7,9 @@ The engine's step walks the buckets (DeepSpeed's sub-groups) and runs, for each,
 so that an offload store can bring a bucket's master and optimizer state in (fetch) and write
 them out (store) while the other buckets stay where they are, and so that the all-gather of one
 bucket overlaps the step of the next. Today masters and state live in memory: fetch and store
-are nothing.
+are nothing unless an offload store is attached (attach_store: zeroplus.offload's NVMe
+swapper), which keeps the bucket's optimizer state in a file between steps: fetch reads it,
+store writes it back, and the state accessors below read through it.
 
 Inside a bucket the optimizer steps *segments*: one view of the fp32 master per parameter piece
 this rank owns (Bucket.owned_pieces). Each parameter therefore keeps its own optimizer state and
@@ -44,17 +46,48 @@ class BucketOptimizer:
     def __init__(self, bucket: Bucket, master: torch.Tensor, rank: int, inner_class: type, hyperparameters: dict):
         self.bucket = bucket
         self.master = master
+        self.rank = rank
+        # Mixed precision: the master is a copy of its own, which an offload store may keep in
+        # a file; fp32: it is this rank's slice of the parameters, which stay in memory.
+        param_storages = {t.untyped_storage().data_ptr() for t in (bucket.flat, bucket.shard) if t is not None}
+        self.offloads_master = master.untyped_storage().data_ptr() not in param_storages
         self.segments = [Segment(e, lo, hi, master[lo:hi]) for e, lo, hi in bucket.owned_pieces(rank)]
         self.inner = (inner_class([{**hyperparameters, "params": [s.master for s in self.segments]}])
                       if self.segments else None)
+        self.store_ = None          # an offload store (zeroplus.offload), or None: state in memory
+        self._fetched = True        # False: the store could not produce the state; do not step
+        self._segment_index = {id(s): i for i, s in enumerate(self.segments)}
+
+    def attach_store(self, store) -> None:
+        self.store_ = store
+
+    def param_shard(self) -> torch.Tensor:
+        """This rank's shard of the bucket's parameters (compute dtype)."""
+        if self.bucket.shard is not None:
+            return self.bucket.shard
+        lo, hi = self.bucket.shard_range(self.rank)
+        return self.bucket.flat[lo:hi]
+
+    def write_master(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """master[lo:hi] = values (a model state dict is being loaded), wherever the master is."""
+        if self.store_ is not None:
+            self.store_.write_master(self, lo, hi, values)
+        else:
+            self.master[lo:hi].copy_(values)
 
     # -- the step of one bucket ------------------------------------------------------------------
 
     def fetch(self) -> None:
-        """Master and optimizer state are where the step needs them (in memory: nothing to do)."""
+        """Master and optimizer state are where the step needs them (in memory: nothing to do).
+        A store that cannot read the state keeps the error for its end of step; the bucket then
+        does not step."""
+        if self.store_ is not None:
+            self._fetched = self.store_.fetch(self)
 
     def store(self) -> None:
         """The step's results are where they live between steps (in memory: nothing to do)."""
+        if self.store_ is not None and self._fetched:
+            self.store_.store(self)
 
     def check(self, hyperparameters: dict, group_index: int) -> None:
         """Hyperparameters the fused kernels would refuse raise here, before any bucket steps
@@ -68,7 +101,7 @@ class BucketOptimizer:
         """One optimizer step of this rank's shard. grad_shard: the bucket's gradient shard (in
         the gradient dtype, multiplied by the loss scale); stepped[first_flag + entry]: whether
         the parameter of that entry is updated."""
-        if self.inner is None:
+        if self.inner is None or not self._fetched:
             return
         group = self.inner.param_groups[0]
         for k, v in hyperparameters.items():
@@ -93,7 +126,13 @@ class BucketOptimizer:
     # -- state -------------------------------------------------------------------------------------
 
     def segment_state(self, segment: Segment) -> dict:
-        return {} if self.inner is None else self.inner.state.get(segment.master, {})
+        if self.inner is None:
+            return {}
+        live = self.inner.state.get(segment.master, {})
+        if self.store_ is None:
+            return live
+        swapped = self.store_.segment_states(self).get(self._segment_index[id(segment)])
+        return {**live, **swapped} if swapped else live
 
     def load_segment_states(self, states: list[dict | None], hyperparameters: dict) -> None:
         """Replace the state of every segment (None or {}: no state) through torch's
@@ -104,6 +143,8 @@ class BucketOptimizer:
                  "params": list(range(len(self.segments)))}
         self.inner.load_state_dict({"state": {i: st for i, st in enumerate(states) if st},
                                     "param_groups": [group]})
+        if self.store_ is not None:
+            self.store_.after_load(self)
 
     def state_tensors(self) -> list[torch.Tensor]:
         if self.inner is None:

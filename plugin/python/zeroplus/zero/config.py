@@ -22,6 +22,12 @@ The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names 
     gradient_clipping                          > 0: step() clips to this global norm unless
                                                clip_grad_norm_ was called for the step
     data_types.grad_accum_dtype                "fp32", "bf16", "fp16": gradient shard dtype
+    zero_optimization.offload_optimizer, .offload_param
+                                               offload (zeroplus.offload.policy: device none|cpu|
+                                               nvme, nvme_path, buffer_count, ...), also taken as
+                                               keyword arguments of zeroplus.initialize
+    aio.block_size, .queue_depth, .intra_op_parallelism (.thread_count)
+                                               the swap files' I/O engine (docs/aio.md)
 
 Keys DeepSpeed uses for its own engine's loop (train_batch_size, train_micro_batch_size_per_gpu,
 gradient_accumulation_steps, steps_per_print, wall_clock_breakdown, ...) have no meaning when the
@@ -40,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..offload.policy import parse_aio, parse_offload
 from .loss_scaler import LossScalerOptions
 from .policies import DEFAULT_REDUCE_BUCKET_ELEMS, EngineOptions, PrecisionPolicy, Stage3Policy
 from .precision import COMPUTE_DTYPES
@@ -51,13 +58,13 @@ _IGNORED_TOP_LEVEL = {
     "wandb", "csv_monitor", "comms_logger", "flops_profiler", "scheduler", "communication_data_type",
     "seq_parallel_communication_data_type",
 }
-_KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types"}
+_KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types", "aio"}
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
               "reduce_scatter", "allgather_partitions", "round_robin_gradients", "elastic_checkpoint",
               "load_from_fp32_weights", "ignore_unused_parameters", "sub_group_size",
               "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold",
               "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-              "stage3_gather_fp16_weights_on_model_save"}
+              "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param"}
 # Stage-3 keyword arguments of zeroplus.initialize and their DeepSpeed config names (None: no
 # config name, keyword only).
 STAGE3_KEYWORDS = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
@@ -139,10 +146,8 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     if unknown:
         raise ValueError(f"zeroplus.initialize: config has unknown keys {unknown}")
 
-    for key in ("offload_optimizer", "offload_param"):
-        if key in optimizer_defaults:
-            raise ValueError(f"zeroplus.initialize: {key}= is not built yet (CPU/NVMe offload comes with the offload "
-                             f"work); nothing was changed")
+    offload_args = {k: optimizer_defaults.pop(k) for k in ("offload_optimizer", "offload_param")
+                    if k in optimizer_defaults}
     # Optimizer: class and hyperparameters.
     opt_cfg = _section(cfg, "optimizer", {"type", "params"})
     cfg_class = _optimizer_class_from_name(opt_cfg["type"]) if "type" in opt_cfg else None
@@ -224,6 +229,24 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     if not _is_number(clip) or clip < 0:
         raise ValueError(f"zeroplus.initialize: config['gradient_clipping'] must be >= 0, got {clip!r}")
 
+    try:
+        aio = parse_aio(cfg.get("aio"))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"zeroplus.initialize: config['aio']: {str(e).removeprefix('aio: ')}") from e
+    offload = {}
+    for key in ("offload_optimizer", "offload_param"):
+        arg, cfg_value = offload_args.get(key), zero_cfg.get(key)
+        if arg is not None and cfg_value is not None and arg != cfg_value:
+            raise ValueError(f"zeroplus.initialize: {key}={arg!r} conflicts with config['zero_optimization']"
+                             f"[{key!r}]={cfg_value!r}")
+        try:
+            offload[key] = parse_offload(key, arg if arg is not None else cfg_value, aio)
+        except (TypeError, ValueError) as e:
+            where = f"{key}=" if arg is not None else f"config['zero_optimization'][{key!r}]"
+            raise type(e)(f"zeroplus.initialize: {where}: {e}") from e
+    if offload["offload_param"].enabled and stage != 3:
+        raise ValueError(f"zeroplus.initialize: offload_param applies to stage 3 only, got stage={stage}")
+
     accum = _section(cfg, "data_types", {"grad_accum_dtype"}).get("grad_accum_dtype")
     if accum is not None and accum not in _DTYPE_NAMES:
         raise ValueError(f"zeroplus.initialize: config['data_types']['grad_accum_dtype'] must be one of "
@@ -235,7 +258,7 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
             precision=PrecisionPolicy(mixed_precision=precision, loss_scaler=loss_scaler,
                                       static_loss_scale=static_loss_scale,
                                       grad_accum_dtype=_DTYPE_NAMES[accum] if accum is not None else None),
-            stage3=Stage3Policy(**stage3_args))
+            stage3=Stage3Policy(**stage3_args), **offload)
     except (TypeError, ValueError) as e:
         raise type(e)(f"zeroplus.initialize: {e}") from e
     return ZeroSettings(stage=stage, optimizer_class=opt_class, optimizer_defaults=defaults, options=options,

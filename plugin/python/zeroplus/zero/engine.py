@@ -31,6 +31,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..offload import attach_optimizer_store, prepare_optimizer_store
 from ..optim.fused import fused_class_for
 from . import clipping, full_state, precision, state
 from .backward_pass import BackwardPass
@@ -88,6 +89,10 @@ class ZeroEngine(torch.optim.Optimizer):
             raise ValueError(f"{name}: params has no parameter with requires_grad=True")
         self.placement = self._make_placement(options)
         self.placement.check_module(name, trainable)
+        # Offload settings are checked and the swap directory made before anything is changed.
+        device = self.placement.target_device or next(p.device for grp in trainable for p in grp)
+        self._offload_prepared = prepare_optimizer_store(options.offload_optimizer, options.offload_param, self.rank,
+                                                         device, name)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
         self.buckets = self.placement.plan_layout(trainable, options.reduce_bucket_elems)
@@ -166,6 +171,8 @@ class ZeroEngine(torch.optim.Optimizer):
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self.bucket_optimizers = [BucketOptimizer(b, master, self.rank, inner_class, hyper[b.group])
                                   for b, master in zip(self.buckets, self.masters)]
+        # Offload (zeroplus.offload): a store behind every bucket's fetch/store, or None.
+        self.offload = attach_optimizer_store(self._offload_prepared, self.bucket_optimizers)
         # The user's groups show every hyperparameter the optimizer fills in, as torch's do (taken
         # from a scratch instance: a group may have no segment on this rank).
         for g, h in zip(self.param_groups, hyper):
@@ -313,15 +320,23 @@ class ZeroEngine(torch.optim.Optimizer):
         self.placement.before_publish()
         base = self.reducer.usage.base
         works = []
-        for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
-            bo.fetch()
-            bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
-            bo.store()
-            work = self.placement.publish(i)
-            if work is not None:
-                works.append(work)
-        for w in works:
-            w.wait()
+        if self.offload is not None:
+            self.offload.begin_step()
+        try:
+            for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
+                bo.fetch()
+                bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
+                bo.store()
+                work = self.placement.publish(i)
+                if work is not None:
+                    works.append(work)
+            for w in works:
+                w.wait()
+        finally:
+            # After the step's last collective: waits for the writes and raises a swap error
+            # (every rank finished the step, so none is left waiting in a collective).
+            if self.offload is not None:
+                self.offload.end_step()
 
     @torch.no_grad()
     def publish_masters(self) -> None:

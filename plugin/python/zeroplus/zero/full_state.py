@@ -73,11 +73,11 @@ def _copy(value: torch.Tensor, cpu: bool) -> torch.Tensor:
 
 def install_load_hooks(engine) -> None:
     """Per module owning managed parameters: a load_state_dict pre-hook (see the module doc)."""
-    slots = {}  # id(param) -> (bucket, entry, master or None)
-    masters = {id(b): m for b, m in zip(engine.buckets, engine.masters)}
+    slots = {}  # id(param) -> (bucket, entry, the bucket's BucketOptimizer or None: frozen)
+    owners = {id(b): bo for b, bo in zip(engine.buckets, engine.bucket_optimizers)}
     for b in list(engine.buckets) + list(engine.placement.frozen_buckets):
         for e in b.entries:
-            slots[id(e.param)] = (b, e, masters.get(id(b)))
+            slots[id(e.param)] = (b, e, owners.get(id(b)))
     rank = engine.rank
     gatherer = engine.placement.gatherer
 
@@ -88,15 +88,15 @@ def install_load_hooks(engine) -> None:
             key = prefix + name
             if p is None or id(p) not in slots or key not in state_dict:
                 continue
-            b, e, master = slots[id(p)]
+            b, e, owner = slots[id(p)]
             value = state_dict[key]
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(e.shape):
                 continue  # torch reports the mismatch
             pc = b.piece(e, rank)
             flat_value = value.detach().reshape(-1)
-            if master is not None and pc.numel:
+            if owner is not None and pc.numel:  # the master, wherever it lives (offload)
                 with torch.no_grad():
-                    master[pc.shard_lo:pc.shard_hi].copy_(flat_value[pc.param_lo:pc.param_hi])
+                    owner.write_master(pc.shard_lo, pc.shard_hi, flat_value[pc.param_lo:pc.param_hi])
             if tuple(p.shape) != tuple(e.shape):  # a stage-3 shard: load only this rank's slice
                 state_dict[key] = flat_value[pc.param_lo:pc.param_hi]
 

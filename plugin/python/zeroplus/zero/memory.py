@@ -13,11 +13,17 @@ Categories (bytes on this rank):
   peak_gathered_parameters  stage 3: the most gathered at once so far (prefetch included)
   peak_communication_buffers  stages 2-3: the most reduce-scatter inputs/outputs taken at once so far
   model_state            parameters + gradients + master_parameters + optimizer_state
+  offload_buffers        with offload_optimizer on NVMe: the swapper's pooled record buffers
+                         (optimizer state in memory while a bucket is read, stepped or written)
+  offload_peak_buffers   the most such buffers held at once so far
+  offload_disk           bytes the swap files take on disk
 """
 
 from __future__ import annotations
 
 import torch
+
+from .policies import DEFAULT_REDUCE_BUCKET_ELEMS
 
 _BYTES = {None: 4, "fp32": 4, "bf16": 2, "fp16": 2}
 _STATE_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "sgd_nomomentum": 0, "adagrad": 4}
@@ -61,7 +67,8 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["optimizer_state"] = ours["optimizer_state"]
         report["communication_buffers"] = ours["communication_buffers"]
         report["pooled_buffers"] = ours["pooled_buffers"]
-        for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers"):
+        for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
+                    "offload_buffers", "offload_peak_buffers", "offload_disk"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -74,19 +81,32 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
 def optimizer_bytes(opt) -> dict[str, int]:
     param_ptrs = {t.untyped_storage().data_ptr() for b in opt.buckets for t in (b.flat, b.shard) if t is not None}
     masters = [m for m in opt.masters if m.untyped_storage().data_ptr() not in param_ptrs]
-    return {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
-            "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
-            "communication_buffers": opt.reducer.communication_bytes(),
-            "pooled_buffers": opt.reducer.pool.pooled_bytes,
-            "peak_communication_buffers": opt.reducer.pool.peak_bytes}
+    out = {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
+           "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
+           "communication_buffers": opt.reducer.communication_bytes(),
+           "pooled_buffers": opt.reducer.pool.pooled_bytes}
+    store = getattr(opt, "offload", None)
+    if store is not None:
+        out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
+                   offload_disk=store.disk_bytes())
+    return out
 
 
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,
-                    optimizer: str = "adam") -> dict[str, float]:
+                    optimizer: str = "adam", offload_optimizer: str = "none", buffer_count: int = 4,
+                    bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS) -> dict[str, float]:
     """Model-state bytes per rank by the ZeRO paper's accounting: parameters and gradients in the
     compute dtype (2 bytes with mixed precision, else 4), an fp32 master copy only with mixed
     precision (4), optimizer state (Adam: 8). Stage 1 shards master + state, stage 2 also
-    gradients, stage 3 also parameters. Mixed-precision Adam gives 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
+    gradients, stage 3 also parameters. Mixed-precision Adam gives 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N.
+
+    offload_optimizer="nvme" (stages 1-3) adds the columns of docs/offload.md: `nvme` (bytes of
+    the swap files: master, with mixed precision, and optimizer state, plus a 4 KiB header per
+    bucket), `offload_buffers` (the swapper's pool in memory: buffer_count records of a bucket of
+    bucket_elems elements: reduce_bucket_size, or the largest parameter when one is larger; at
+    stage 3 the largest gather unit's elements) and `resident`
+    (model state left in memory + offload_buffers). "cpu" on CPU training changes nothing
+    (`nvme` 0, `resident` = model_state)."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -97,6 +117,13 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         raise ValueError(f"estimate_memory: mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}")
     if optimizer not in _STATE_BYTES:
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}")
+    if offload_optimizer not in ("none", "cpu", "nvme"):
+        raise ValueError(f"estimate_memory: offload_optimizer must be 'none', 'cpu' or 'nvme', got {offload_optimizer!r}")
+    if offload_optimizer == "nvme" and stage == 0:
+        raise ValueError("estimate_memory: offload_optimizer='nvme' needs a ZeRO stage (1-3), got stage=0")
+    for key, value in (("buffer_count", buffer_count), ("bucket_elems", bucket_elems)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"estimate_memory: {key} must be an int >= 1, got {value!r}")
     n, psi = world_size, float(num_params)
     p = g = _BYTES[mixed_precision]
     m = 4 if mixed_precision in ("bf16", "fp16") else 0
@@ -106,4 +133,14 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     per = {"parameters": p, "gradients": g, "master_parameters": m, "optimizer_state": k}
     out = {key: psi * per[key] / (n if shard[key] else 1) for key in per}
     out["model_state"] = sum(out.values())
+    if offload_optimizer == "nvme":
+        moved = out["master_parameters"] + out["optimizer_state"]
+        buckets = -(-psi // bucket_elems) if psi else 0
+        shard = -(-bucket_elems // n)
+        out["nvme"] = moved + 4096 * buckets
+        record = -(-(4096 + shard * (m + k)) // 4096) * 4096  # buffers are whole pages
+        out["offload_buffers"] = float(min(buffer_count, max(buckets, 1)) * record)
+        out["resident"] = out["model_state"] - moved + out["offload_buffers"]
+    else:
+        out["nvme"], out["offload_buffers"], out["resident"] = 0.0, 0.0, out["model_state"]
     return out

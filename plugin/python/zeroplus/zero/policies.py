@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..offload.policy import DEFAULT_PARAM_BUFFERS, OffloadPolicy
 from .loss_scaler import LossScalerOptions
 from .precision import COMPUTE_DTYPES
 
@@ -81,6 +82,9 @@ class EngineOptions:
     gradient_clipping: float = 0.0  # > 0: step() clips to this global norm unless clip_grad_norm_ ran
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
+    offload_optimizer: OffloadPolicy = field(default_factory=lambda: OffloadPolicy(what="offload_optimizer"))
+    offload_param: OffloadPolicy = field(default_factory=lambda: OffloadPolicy(what="offload_param",
+                                                                              buffer_count=DEFAULT_PARAM_BUFFERS))
 
     def __post_init__(self):
         bucket = self.reduce_bucket_elems
@@ -93,3 +97,9 @@ class EngineOptions:
             raise TypeError(f"EngineOptions: precision must be a PrecisionPolicy, got {type(self.precision).__name__}")
         if not isinstance(self.stage3, Stage3Policy):
             raise TypeError(f"EngineOptions: stage3 must be a Stage3Policy, got {type(self.stage3).__name__}")
+        for key in ("offload_optimizer", "offload_param"):
+            policy = getattr(self, key)
+            if not isinstance(policy, OffloadPolicy):
+                raise TypeError(f"EngineOptions: {key} must be an OffloadPolicy, got {type(policy).__name__}")
+            if policy.what != key:
+                raise ValueError(f"EngineOptions: {key} got an OffloadPolicy for {policy.what!r}")

@@ -23,6 +23,7 @@ from .layout import plan_buckets
 class ReplicatedParams:
     frozen_buckets = ()  # frozen parameters are not flattened at stages 1-2
     gatherer = None            # nothing is ever gathered
+    target_device = None       # parameters stay where the user put them
 
     def __init__(self, engine):
         self.engine = engine

@@ -1,0 +1,243 @@
+"""One rank's private swap directory under nvme_path, and the swap files inside it.
+
+    <nvme_path>/zeroplus-swap-<host>-<pid>-<random>-rank<r>/     mode 0700, owned by us
+        optimizer-b00003.swp                                      mode 0600, one per bucket
+
+Security and lifetime contract:
+  * nvme_path itself must be a directory (a symlink to one is fine: it is the user's choice);
+    everything below it is created by us, exclusively, and never through a symlink: the rank
+    directory with mkdir (which fails on any existing name) and a random name, then opened
+    O_DIRECTORY|O_NOFOLLOW and verified with fstat (a directory, owned by our uid, mode 0700);
+    files with openat(dir_fd, name, O_CREAT|O_EXCL|O_NOFOLLOW, 0600).
+  * AioHandle opens files by path. The path handed to it goes through /proc/self/fd/<dir_fd>
+    (where /proc is mounted), so it names the directory we verified even if a component of
+    nvme_path is replaced afterwards; nobody else can add or replace an entry inside a 0700
+    directory we own.
+  * close() (also run by a finalizer at garbage collection and interpreter exit) unlinks the
+    files relative to dir_fd and removes the directory. A crashed run leaves its directory:
+    the next SwapDirectory created under the same nvme_path by the same user on the same host
+    removes every `zeroplus-swap-<host>-<pid>-...` directory whose pid is no longer alive
+    (only entries that are real directories owned by us; their contents are unlinked without
+    following links).
+Errors are OSError subclasses naming the path; nothing outside the rank directory is touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import socket
+import stat
+import weakref
+
+PREFIX = "zeroplus-swap-"
+_STALE = re.compile(r"^zeroplus-swap-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-[0-9a-f]{16}-rank\d+$")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def _remove_tree_at(parent_fd: int, name: str) -> None:
+    """Removes directory `name` (one level of plain files, as we create them) relative to
+    parent_fd without following any link; skips it unless it is a directory owned by us."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return
+        for entry in os.listdir(fd):
+            try:
+                os.unlink(entry, dir_fd=fd)
+            except IsADirectoryError:
+                _remove_tree_at(fd, entry)
+                try:
+                    os.rmdir(entry, dir_fd=fd)
+                except OSError:
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent_fd)
+    except OSError:
+        pass
+
+
+def _cleanup(parent_fd: int, dir_fd: int, name: str, files: set) -> None:
+    """Finalizer: must not reference the SwapDirectory (it would keep it alive)."""
+    for f in list(files):
+        try:
+            os.unlink(f, dir_fd=dir_fd)
+        except OSError:
+            pass
+    files.clear()
+    _remove_tree_at(parent_fd, name)
+    for fd in (dir_fd, parent_fd):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class SwapDirectory:
+    """This rank's swap directory (see the module doc). Not thread-safe: one owner."""
+
+    def __init__(self, nvme_path: str, rank: int, what: str = "offload_optimizer"):
+        self.nvme_path = os.path.abspath(os.fspath(nvme_path))
+        self.what = what
+        try:
+            parent_fd = os.open(self.nvme_path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(e.errno, f"{what}: nvme_path {self.nvme_path!r} does not exist", self.nvme_path) \
+                from None
+        except NotADirectoryError as e:
+            raise NotADirectoryError(e.errno, f"{what}: nvme_path {self.nvme_path!r} is not a directory",
+                                     self.nvme_path) from None
+        try:
+            self.reclaimed = self._reclaim_stale(parent_fd)
+            name = f"{PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}-rank{int(rank)}"
+            path = os.path.join(self.nvme_path, name)
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+            except OSError as e:
+                raise type(e)(e.errno, f"{what}: cannot create the swap directory {path!r}: {e.strerror}", path) \
+                    from None
+            try:
+                dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+                st = os.fstat(dir_fd)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                    os.close(dir_fd)
+                    raise PermissionError(errno.EPERM, f"{what}: swap directory {path!r} is not a directory we own",
+                                          path)
+                if stat.S_IMODE(st.st_mode) != 0o700:  # a umask cannot widen mkdir's mode, only narrow it
+                    os.fchmod(dir_fd, 0o700)
+            except BaseException:
+                _remove_tree_at(parent_fd, name)
+                raise
+        except BaseException:
+            os.close(parent_fd)
+            raise
+        self.name = name
+        self.path = path
+        self._parent_fd = parent_fd
+        self._dir_fd = dir_fd
+        self._files: set[str] = set()
+        proc = f"/proc/self/fd/{dir_fd}"
+        self._io_root = proc if os.path.isdir(proc) and os.path.samestat(os.stat(proc), os.fstat(dir_fd)) else path
+        self._finalizer = weakref.finalize(self, _cleanup, parent_fd, dir_fd, name, self._files)
+
+    def _reclaim_stale(self, parent_fd: int) -> list[str]:
+        """Removes directories of our dead processes on this host (see the module doc)."""
+        host, removed = _host(), []
+        try:
+            names = os.listdir(parent_fd)
+        except OSError:
+            return removed
+        for name in names:
+            m = _STALE.match(name)
+            if m is None or m.group("host") != host:
+                continue
+            pid = int(m.group("pid"))
+            if pid == os.getpid() or _alive(pid):
+                continue
+            try:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                _remove_tree_at(parent_fd, name)
+                removed.append(name)
+        return removed
+
+    # -- files -------------------------------------------------------------------------------------
+
+    def create(self, name: str, size: int) -> str:
+        """Creates `name` exclusively (0600), reserves `size` bytes (ENOSPC shows here, not in a
+        later write) and returns the path to hand to AioHandle."""
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"SwapDirectory.create: bad file name {name!r}")
+        path = os.path.join(self.path, name)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self._dir_fd)
+        except OSError as e:
+            raise type(e)(e.errno, f"{self.what}: cannot create swap file {path!r}: {e.strerror}", path) from None
+        self._files.add(name)
+        try:
+            self._reserve(fd, size, path)
+        except BaseException:
+            os.close(fd)
+            self.remove(name)
+            raise
+        os.close(fd)
+        return self.io_path(name)
+
+    def grow(self, name: str, size: int) -> None:
+        """Reserves `size` bytes for an existing file of ours (a record that grew)."""
+        path = os.path.join(self.path, name)
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        try:
+            self._reserve(fd, size, path)
+        finally:
+            os.close(fd)
+
+    def _reserve(self, fd: int, size: int, path: str) -> None:
+        if size <= 0:
+            return
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise type(e)(e.errno, f"{self.what}: cannot reserve {size} bytes for swap file {path!r}: "
+                                       f"{e.strerror}", path) from None
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+
+    def remove(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        self._files.discard(name)
+
+    def io_path(self, name: str) -> str:
+        return f"{self._io_root}/{name}"
+
+    def display_path(self, name: str) -> str:
+        """The path users see in error messages."""
+        return os.path.join(self.path, name)
+
+    def disk_bytes(self) -> int:
+        """Bytes allocated on disk by our files."""
+        total = 0
+        for name in self._files:
+            try:
+                total += os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False).st_blocks * 512
+            except OSError:
+                pass
+        return total
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Removes the files and the directory; idempotent."""
+        self._finalizer()

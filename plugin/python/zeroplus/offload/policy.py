@@ -1,0 +1,184 @@
+"""Offload policies: where optimizer state (and, at stage 3, parameters) live between steps.
+
+Parsed once, from the keyword arguments of zeroplus.initialize (`offload_optimizer={...}`,
+`offload_param={...}`) or from a DeepSpeed config (`zero_optimization.offload_optimizer` /
+`.offload_param`, and the top-level `aio` block), with DeepSpeed's key names:
+
+    device        "none" | "cpu" | "nvme"            (DeepSpeed's default: "none")
+    nvme_path     directory for the swap files       (required for "nvme")
+    buffer_count  pooled I/O buffers, each one bucket's record (offload_optimizer: 4; param: 5)
+    pin_memory    accepted; NVMe buffers are always page-locked where RLIMIT_MEMLOCK allows
+    pipeline_read / pipeline_write
+                  read the next bucket while this one steps / write without waiting (default
+                  true here: DeepSpeed's false only makes swapping slower)
+    fast_init     accepted, no effect (records are written at the first step)
+    ratio         fraction of the state offloaded; only 1.0 is built
+    buffer_size, max_in_cpu   (offload_param) accepted, checked, unused until parameter offload
+
+A bad value raises ValueError/TypeError naming the key, so a typo never silently changes
+nothing. OffloadPolicy is frozen; defaults are defined here and only here. Nothing in this file
+touches the file system: nvme_store.py creates the directory when an engine is built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+DEVICES = ("none", "cpu", "nvme")
+DEFAULT_OPTIMIZER_BUFFERS = 4   # DeepSpeed's offload_optimizer.buffer_count
+DEFAULT_PARAM_BUFFERS = 5       # DeepSpeed's offload_param.buffer_count
+DEFAULT_BLOCK_SIZE = 1 << 20    # aio.block_size (DeepSpeed's default)
+DEFAULT_QUEUE_DEPTH = 32        # aio.queue_depth (DeepNVMe's tuned optimum; DeepSpeed's config says 8)
+
+_COMMON_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory"}
+_OPTIMIZER_KEYS = _COMMON_KEYS | {"pipeline_read", "pipeline_write", "fast_init", "ratio", "pipeline"}
+_PARAM_KEYS = _COMMON_KEYS | {"buffer_size", "max_in_cpu"}
+_AIO_KEYS = {"block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
+             "overlap_events", "use_gds"}
+
+
+@dataclass(frozen=True)
+class AioPolicy:
+    """The I/O engine's knobs (DeepSpeed's top-level `aio` block; see docs/aio.md)."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    queue_depth: int = DEFAULT_QUEUE_DEPTH
+    threads: int = 1
+
+    def __post_init__(self):
+        for key, minimum in (("block_size", 4096), ("queue_depth", 1), ("threads", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"AioPolicy: {key} must be an int, got {value!r}")
+            if value < minimum:
+                raise ValueError(f"AioPolicy: {key} must be >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Where one kind of state lives between steps. `what` is "offload_optimizer" or
+    "offload_param" (used in error messages and to pick the defaults)."""
+    what: str = "offload_optimizer"
+    device: str = "none"
+    nvme_path: str | None = None
+    buffer_count: int = DEFAULT_OPTIMIZER_BUFFERS
+    pin_memory: bool = False
+    pipeline_read: bool = True
+    pipeline_write: bool = True
+    aio: AioPolicy = AioPolicy()
+
+    def __post_init__(self):
+        if self.what not in ("offload_optimizer", "offload_param"):
+            raise ValueError(f"OffloadPolicy: what must be 'offload_optimizer' or 'offload_param', got {self.what!r}")
+        w = self.what
+        if self.device not in DEVICES:
+            raise ValueError(f"{w}: device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.device == "nvme":
+            if self.nvme_path is None:
+                raise ValueError(f"{w}: device 'nvme' needs nvme_path (a directory for the swap files)")
+        if self.nvme_path is not None:
+            if not isinstance(self.nvme_path, (str, os.PathLike)):
+                raise TypeError(f"{w}: nvme_path must be a str or os.PathLike, got {type(self.nvme_path).__name__}")
+            path = os.fspath(self.nvme_path)
+            if not path or "\0" in path:
+                raise ValueError(f"{w}: nvme_path must be a non-empty path, got {path!r}")
+            object.__setattr__(self, "nvme_path", path)
+        count = self.buffer_count
+        if isinstance(count, bool) or not isinstance(count, (int, float)) or not math.isfinite(count) \
+                or count != int(count) or count < 1:
+            raise ValueError(f"{w}: buffer_count must be an integer >= 1, got {count!r}")
+        object.__setattr__(self, "buffer_count", int(count))
+        for key in ("pin_memory", "pipeline_read", "pipeline_write"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"{w}: {key} must be true or false, got {getattr(self, key)!r}")
+        if not isinstance(self.aio, AioPolicy):
+            raise TypeError(f"{w}: aio must be an AioPolicy, got {type(self.aio).__name__}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def _number(what: str, key: str, value, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{what}: {key} must be a number >= {minimum:g}, got {value!r}")
+    return value
+
+
+def parse_aio(block) -> AioPolicy:
+    """The DeepSpeed `aio` block (None: defaults)."""
+    if block is None:
+        return AioPolicy()
+    if not isinstance(block, dict):
+        raise TypeError(f"aio: must be a dict, got {type(block).__name__}")
+    unknown = sorted(set(block) - _AIO_KEYS)
+    if unknown:
+        raise ValueError(f"aio: unknown keys {unknown}; known: {sorted(_AIO_KEYS)}")
+    if block.get("use_gds"):
+        raise ValueError("aio: use_gds=true is not supported (zeroplus has no GPUDirect Storage path)")
+    for key in ("single_submit", "overlap_events", "use_gds"):
+        if key in block and not isinstance(block[key], bool):
+            raise TypeError(f"aio: {key} must be true or false, got {block[key]!r}")
+    threads = block.get("intra_op_parallelism", block.get("thread_count", 1))
+    if "intra_op_parallelism" in block and "thread_count" in block and block["thread_count"] != threads:
+        raise ValueError(f"aio: intra_op_parallelism={threads!r} conflicts with thread_count={block['thread_count']!r}")
+    values = {"block_size": block.get("block_size", DEFAULT_BLOCK_SIZE),
+              "queue_depth": block.get("queue_depth", DEFAULT_QUEUE_DEPTH), "threads": threads}
+    for key, value in values.items():
+        name = "intra_op_parallelism" if key == "threads" else key
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value != int(value):
+            raise ValueError(f"aio: {name} must be an integer, got {value!r}")
+    try:
+        return AioPolicy(**{k: int(v) for k, v in values.items()})
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"aio: {str(e).removeprefix('AioPolicy: ')}") from e
+
+
+def parse_offload(what: str, block, aio: AioPolicy | None = None) -> OffloadPolicy:
+    """OffloadPolicy from a kwargs/config dict with DeepSpeed's keys (None: no offload)."""
+    if what not in ("offload_optimizer", "offload_param"):
+        raise ValueError(f"parse_offload: what must be 'offload_optimizer' or 'offload_param', got {what!r}")
+    aio = AioPolicy() if aio is None else aio
+    if block is None:
+        return OffloadPolicy(what=what, buffer_count=_default_buffers(what), aio=aio)
+    if isinstance(block, OffloadPolicy):
+        if block.what != what:
+            raise ValueError(f"{what}: got an OffloadPolicy for {block.what!r}")
+        return block
+    if not isinstance(block, dict):
+        raise TypeError(f"{what}: must be a dict (DeepSpeed's keys) or None, got {type(block).__name__}")
+    known = _OPTIMIZER_KEYS if what == "offload_optimizer" else _PARAM_KEYS
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; known: {sorted(known)}")
+    device = block.get("device", "none")
+    if device is None:
+        device = "none"
+    if not isinstance(device, str):
+        raise TypeError(f"{what}: device must be a string, got {device!r}")
+    if what == "offload_optimizer":
+        ratio = _number(what, "ratio", block.get("ratio", 1.0), 0.0)
+        if ratio != 1.0:
+            raise ValueError(f"{what}: ratio={ratio!r}: partial offload is not built; only 1.0 (everything) is")
+        if "fast_init" in block and not isinstance(block["fast_init"], bool):
+            raise TypeError(f"{what}: fast_init must be true or false, got {block['fast_init']!r}")
+        if "pipeline" in block and not isinstance(block["pipeline"], bool):
+            raise TypeError(f"{what}: pipeline must be true or false, got {block['pipeline']!r}")
+    else:
+        _number(what, "buffer_size", block.get("buffer_size", 1e8), 1)
+        _number(what, "max_in_cpu", block.get("max_in_cpu", 1e9), 0)
+    pipeline = block.get("pipeline", True)
+    try:
+        return OffloadPolicy(what=what, device=device.lower(), nvme_path=block.get("nvme_path"),
+                             buffer_count=block.get("buffer_count", _default_buffers(what)),
+                             pin_memory=block.get("pin_memory", False),
+                             pipeline_read=block.get("pipeline_read", pipeline),
+                             pipeline_write=block.get("pipeline_write", pipeline), aio=aio)
+    except TypeError as e:
+        raise TypeError(str(e)) from None
+
+
+def _default_buffers(what: str) -> int:
+    return DEFAULT_OPTIMIZER_BUFFERS if what == "offload_optimizer" else DEFAULT_PARAM_BUFFERS

@@ -1,0 +1,113 @@
+"""One bucket's swap record: a 4 KiB header, then the payload (optimizer state tensors).
+
+    bytes [0, 4096)      header: 9 little-endian int64 words, the rest zero
+                           0 magic "ZPSWAP01"   1 format version   2 bucket index   3 rank
+                           4 generation (how many times this bucket was written; the
+                             swapper knows which one it expects)
+                           5 payload bytes     6 crc32 of the payload
+                           7 crc32 of the layout (which tensors, in which order)
+                           8 crc32 of words 0-7
+    bytes [4096, ...)    payload: the layout's slots back to back, each 64-byte aligned
+
+A record is accepted only if every header word matches what the reader expects and the payload's
+crc32 matches: a torn write (O_DIRECT requests complete in any order), a stale file (a write
+that never happened), a flipped bit or another bucket's file is refused, never read as state.
+The header being page-sized keeps the payload page-aligned in the (page-aligned) pool buffer
+and in the file, so one O_DIRECT transfer moves the whole record.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+HEADER_BYTES = 4096
+SLOT_ALIGN = 64
+MAGIC = int.from_bytes(b"ZPSWAP01", "little")
+VERSION = 1
+_WORDS = struct.Struct("<9q")
+_HEAD8 = struct.Struct("<8q")
+
+
+class RecordError(ValueError):
+    """A record that fails its checks (the swapper turns it into an OSError naming the file)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    segment: int          # index into the bucket optimizer's segments
+    key: str              # state key ("exp_avg", ...)
+    dtype: torch.dtype
+    numel: int
+    offset: int           # bytes from the start of the payload
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Layout:
+    slots: tuple[Slot, ...]
+    payload_bytes: int
+
+    @staticmethod
+    def build(entries: list[tuple[int, str, torch.dtype, int]]) -> "Layout":
+        """entries: (segment, key, dtype, numel) in payload order."""
+        slots, offset = [], 0
+        for segment, key, dtype, numel in entries:
+            slot = Slot(segment, key, dtype, numel, offset)
+            slots.append(slot)
+            offset += -(-slot.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        return Layout(tuple(slots), offset)
+
+    @property
+    def record_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+    @property
+    def digest(self) -> int:
+        text = ";".join(f"{s.segment},{s.key},{s.dtype},{s.numel},{s.offset}" for s in self.slots)
+        return zlib.crc32(text.encode())
+
+    def view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+        """The slot's tensor inside `buffer` (a uint8 pool buffer holding the record)."""
+        start = HEADER_BYTES + slot.offset
+        return buffer[start:start + slot.nbytes].view(slot.dtype)
+
+
+def _crc(buffer: torch.Tensor, start: int, length: int) -> int:
+    # zlib releases the GIL for large inputs, so an I/O thread's Python work is not blocked.
+    return zlib.crc32(memoryview(buffer.numpy())[start:start + length])
+
+
+def seal(buffer: torch.Tensor, layout: Layout, bucket: int, rank: int, generation: int) -> None:
+    """Writes the header of the record held in `buffer` (payload already in place)."""
+    words = [MAGIC, VERSION, bucket, rank, generation, layout.payload_bytes,
+             _crc(buffer, HEADER_BYTES, layout.payload_bytes), layout.digest]
+    words.append(zlib.crc32(_HEAD8.pack(*words)))
+    header = buffer[:HEADER_BYTES].numpy()
+    header[:] = 0
+    header[:_WORDS.size] = memoryview(_WORDS.pack(*words)).cast("B")
+
+
+def check(buffer: torch.Tensor, layout: Layout, bucket: int, rank: int, generation: int) -> None:
+    """Raises RecordError saying what is wrong with the record held in `buffer`."""
+    words = list(_WORDS.unpack(bytes(buffer[:_WORDS.size].numpy())))
+    if words[0] != MAGIC:
+        raise RecordError("not a zeroplus swap record (bad magic): torn, overwritten or never written")
+    if words[8] != zlib.crc32(_HEAD8.pack(*words[:8])):
+        raise RecordError("header checksum mismatch (torn or corrupted header)")
+    if words[1] != VERSION:
+        raise RecordError(f"record format version {words[1]}, expected {VERSION}")
+    if words[2] != bucket or words[3] != rank:
+        raise RecordError(f"record of bucket {words[2]} rank {words[3]}, expected bucket {bucket} rank {rank}")
+    if words[4] != generation:
+        raise RecordError(f"record generation {words[4]}, expected {generation} (a stale or lost write)")
+    if words[5] != layout.payload_bytes or words[7] != layout.digest:
+        raise RecordError("record layout differs from the optimizer state's")
+    if _crc(buffer, HEADER_BYTES, layout.payload_bytes) != words[6]:
+        raise RecordError("payload checksum mismatch (torn write or corrupted data)")

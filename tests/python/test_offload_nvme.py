@@ -1,0 +1,398 @@
+"""Optimizer-state offload to NVMe (zeroplus.offload): parity, memory bound, faults, files.
+
+Every distributed case trains the in-memory engine and the NVMe-offloaded engine side by side in
+one rank on the same batches (2 ranks, pooled) and requires bitwise-equal parameters and
+optimizer state: the swapper moves bytes and must never change one. The model is the tiny tied
+GPT with small buckets (11 buckets at stage 2), so with buffer_count=2 most of the state is on
+disk at any moment. Faults are injected per rank: RLIMIT_FSIZE on one rank makes its swap-out
+fail with EFBIG (what a full disk looks like to a write that the preallocation did not cover),
+and bytes flipped in a swap file must be refused.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+
+import pytest
+import torch
+
+from harness import run_cases_in_own_groups, run_pooled
+
+STEPS = 20
+LR = 3e-3
+SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 3000}}
+_T0 = time.perf_counter()
+
+
+def _nvme(path, **extra):
+    return {"device": "nvme", "nvme_path": path, "buffer_count": 2, **extra}
+
+
+def _train(model, opt, rank, steps, start=0, on_step=None):
+    import zero_models as zm
+
+    for step in range(start, start + steps):
+        x, y = zm.batch(step, rank)
+        opt.backward(zm.loss_fn(model, x, y))
+        opt.clip_grad_norm_(1.0)
+        if on_step is None:
+            opt.step()
+        else:
+            on_step(step, opt)
+        opt.zero_grad()
+
+
+def _build(stage, precision, group, offload=None, optimizer=torch.optim.AdamW):
+    import zeroplus
+    import zero_models as zm
+
+    kw = {} if offload is None else {"offload_optimizer": offload}
+    if optimizer is torch.optim.SGD:
+        kw["momentum"] = 0.9
+    return zeroplus.initialize(zm.make_model(), optimizer, stage=stage, lr=LR, mixed_precision=precision,
+                               process_group=group, config=SMALL_BUCKETS, **kw)
+
+
+def _same_params(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _same_state(sa, sb) -> bool:
+    if sorted(sa["state"]) != sorted(sb["state"]):
+        return False
+    for i, st in sa["state"].items():
+        other = sb["state"][i]
+        if sorted(st) != sorted(other) or not all(torch.equal(torch.as_tensor(st[k]), torch.as_tensor(other[k]))
+                                                  for k in st):
+            return False
+    return True
+
+
+# -- parity, memory, state dicts ------------------------------------------------------------------
+
+def _parity_case(stage, precision, optimizer, **knobs):
+    def case(rank, group):
+        root = tempfile.mkdtemp(prefix="zp-offload-")
+        ref, ref_opt = _build(stage, precision, group, optimizer=optimizer)
+        model, opt = _build(stage, precision, group, _nvme(root, **knobs), optimizer=optimizer)
+        n_buckets = len(opt.buckets)
+        psi = sum(e.numel for b in opt.buckets for e in b.entries)
+        max_bucket = max(b.numel for b in opt.buckets)
+        _train(ref, ref_opt, rank, STEPS)
+        _train(model, opt, rank, STEPS)
+        same_params = _same_params(model, ref)
+        report = __import__("zeroplus").memory_report(model, opt)
+        records = opt.offload.record_bytes()
+        on_disk = sum(records)
+        resident_state = report["optimizer_state"] + report["master_parameters"]
+        in_memory = __import__("zeroplus").memory_report(ref, ref_opt)
+        in_memory_state = in_memory["optimizer_state"] + in_memory["master_parameters"]
+        # State dicts read through the swap files: sharded and consolidated equal the in-memory ones.
+        saved = ref_opt.state_dict()
+        sharded_equal = _same_state(opt.state_dict(), saved)
+        opt.consolidate_state_dict(0)
+        ref_opt.consolidate_state_dict(0)
+        consolidated_equal = rank != 0 or _same_state(opt.state_dict(), ref_opt.state_dict())
+        # A fresh offloaded engine loads the sharded state (written to its files) and continues
+        # exactly like a fresh in-memory one loaded the same way (with bf16 the model's state
+        # dict holds rounded weights, so the loaded masters differ from the trained ones).
+        # One step first, so that loading the model writes the masters into existing records.
+        model2, opt2 = _build(stage, precision, group, _nvme(root), optimizer=optimizer)
+        ref2, ref_opt2 = _build(stage, precision, group, optimizer=optimizer)
+        for m, o in ((model2, opt2), (ref2, ref_opt2)):
+            _train(m, o, rank, 1)
+            m.load_state_dict(ref.state_dict())
+            o.load_state_dict(saved)
+        after_load = __import__("zeroplus").memory_report(model2, opt2)
+        resident_after_load = after_load["optimizer_state"] + after_load["master_parameters"]
+        _train(ref2, ref_opt2, rank, 3, start=STEPS)
+        _train(model2, opt2, rank, 3, start=STEPS)
+        swap_dir = opt.offload.directory.path
+        mode = stat.S_IMODE(os.stat(swap_dir).st_mode)
+        file_modes = {stat.S_IMODE(os.stat(os.path.join(swap_dir, f)).st_mode) for f in os.listdir(swap_dir)}
+        opt.offload.close()
+        opt2.offload.close()
+        left = os.listdir(root)
+        os.rmdir(root)
+        return dict(params=same_params,
+                    continued=_same_params(model2, ref2), sharded=sharded_equal, consolidated=consolidated_equal,
+                    n_buckets=n_buckets, peak=report["offload_peak_buffers"], max_record=max(records),
+                    on_disk=on_disk, disk=report["offload_disk"], resident=resident_state,
+                    in_memory=in_memory_state, after_load=resident_after_load, mode=mode, file_modes=file_modes,
+                    left=left, buffers=opt.offload.policy.buffer_count, estimate=__import__("zeroplus").estimate_memory(
+                        psi, 2, stage, precision, "adam" if optimizer is torch.optim.AdamW else "sgd", "nvme", 2, max_bucket))
+    return case
+
+
+def _parity_cases(rank, world):
+    cases = {(s, p, o.__name__): _parity_case(s, p, o) for s in (2, 3) for p in (None, "bf16")
+             for o in (torch.optim.AdamW,)}
+    cases[(2, None, "SGD")] = _parity_case(2, None, torch.optim.SGD)  # another key set (momentum_buffer)
+    cases[(1, "bf16", "AdamW")] = _parity_case(1, "bf16", torch.optim.AdamW)
+    # No read-ahead, every write waited for, one buffer: the unpipelined path.
+    cases[(2, "bf16", "AdamW-1buf")] = _parity_case(2, "bf16", torch.optim.AdamW, buffer_count=1, pipeline=False)
+    return run_cases_in_own_groups(rank, world, cases)
+
+
+def test_offloaded_runs_equal_in_memory_runs_and_memory_is_bounded():
+    results = run_pooled(_parity_cases, 2, timeout=600)
+    for rank, per_rank in enumerate(results):
+        for key, (status, r) in per_rank.items():
+            assert status == "ok", f"rank {rank} case {key}:\n{r}"
+            assert r["params"], (rank, key)
+            assert r["sharded"] and r["consolidated"], (rank, key)
+            assert r["continued"], (rank, key)
+            # The bound is meaningful: more buckets than buffers, more state than the buffers.
+            assert r["n_buckets"] > 2 and r["on_disk"] > 2 * r["max_record"], (rank, key, r)
+            bound = r["buffers"] * (-(-r["max_record"] // 4096) * 4096)
+            assert 0 < r["peak"] <= bound, (rank, key, r["peak"], bound)
+            # Between steps the engine holds only per-parameter scalars (Adam's step), not the state.
+            assert r["resident"] <= 64 * 4 and r["after_load"] <= 64 * 4, (rank, key, r)
+            assert r["in_memory"] > 8 * r["resident"], (rank, key, r)
+            assert r["disk"] >= r["on_disk"], (rank, key, r)
+            assert r["mode"] == 0o700 and r["file_modes"] == {0o600}, (rank, key, r)
+            assert r["left"] == [], (rank, key, r)
+            if key[0] == 2 and r["buffers"] == 2:  # stage 2: buckets at most the largest one, as estimated
+                est = r["estimate"]
+                # Payload without the 4 KiB headers (which dominate in so tiny a model).
+                payload, est_payload = r["on_disk"] - 4096 * r["n_buckets"], est["master_parameters"] + est["optimizer_state"]
+                assert abs(est_payload - payload) <= 0.05 * payload, (rank, key, est_payload, payload)
+                assert est["offload_buffers"] >= r["peak"] * 0.9, (rank, key, est, r["peak"])
+    print(f"\n[test_offload_nvme] parity: {time.perf_counter() - _T0:.1f}s")
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+def _fault_swap_out(rank, group):
+    """Rank 1's swap-out fails (EFBIG) in steps 4 and 5; it reports the file and bucket, keeps
+    the state, and continues: after 10 steps both ranks equal the in-memory run bitwise."""
+    root = tempfile.mkdtemp(prefix="zp-offload-")
+    ref, ref_opt = _build(2, None, group)
+    model, opt = _build(2, None, group, _nvme(root))
+    errors = []
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def step(s, o):
+        if rank == 1 and s == 4:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+        try:
+            o.step()
+        except OSError as e:
+            errors.append((s, e.errno, str(e), e.filename))
+        finally:
+            if rank == 1 and s == 5:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)  # space freed
+    try:
+        _train(ref, ref_opt, rank, 10)
+        _train(model, opt, rank, 10, on_step=step)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    peak = opt.offload.peak_buffer_bytes
+    same_state = _same_state(opt.state_dict(), ref_opt.state_dict())
+    opt.offload.close()
+    return dict(errors=errors, same=_same_params(model, ref) and same_state, peak=peak)
+
+
+def _fault_corrupt(rank, group, precision):
+    """A flipped byte in a swap file of rank 0: that step raises on rank 0 naming the file and the
+    bucket, the bucket is not stepped, later steps raise again; load_state_dict repairs it."""
+    root = tempfile.mkdtemp(prefix="zp-offload-")
+    model, opt = _build(2, precision, group, _nvme(root))
+    _train(model, opt, rank, 3)
+    saved = opt.state_dict()
+    bucket = 3
+    path = os.path.join(opt.offload.directory.path, f"optimizer-b{bucket:05d}.swp")
+    if rank == 0:
+        with open(path, "r+b") as f:
+            f.seek(4096 + 100)
+            byte = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([byte[0] ^ 0x40]))
+    torch.distributed.barrier(group)
+    errors = []
+    rank0_shard = slice(*opt.buckets[bucket].shard_range(0))
+    shard_before = opt.buckets[bucket].flat[rank0_shard].clone()
+
+    def step(s, o):
+        try:
+            o.step()
+        except OSError as e:
+            errors.append((s, e.errno, str(e), e.filename))
+    _train(model, opt, rank, 2, start=3, on_step=step)
+    unchanged = torch.equal(shard_before, opt.buckets[bucket].flat[rank0_shard])
+    # State dicts refuse to read it as well.
+    try:
+        opt.state_dict()
+        read_error = None
+    except OSError as e:
+        read_error = str(e)
+    opt.load_state_dict(saved)  # rewrites every record
+    after = []
+    _train(model, opt, rank, 2, start=5, on_step=lambda s, o: after.append(o.step() is None))
+    opt.offload.close()
+    return dict(errors=errors, unchanged=unchanged, read_error=read_error, after=after, path=path)
+
+
+def _fault_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {
+        "swap_out": _fault_swap_out, "corrupt": lambda r, g: _fault_corrupt(r, g, None),
+        "corrupt_bf16": lambda r, g: _fault_corrupt(r, g, "bf16")})
+
+
+def test_swap_faults_are_reported_and_training_continues():
+    results = run_pooled(_fault_cases, 2, timeout=300)
+    for rank, per_rank in enumerate(results):
+        for key, (status, r) in per_rank.items():
+            assert status == "ok", f"rank {rank} case {key}:\n{r}"
+    out = results[1]["swap_out"][1]
+    assert [e[0] for e in out["errors"]] == [4, 5], out["errors"]
+    for _step, code, text, filename in out["errors"]:
+        assert code == 27 and "optimizer-b" in filename and "bucket" in text and "rank 1" in text, text
+        assert "kept in memory" in text, text
+    assert results[0]["swap_out"][1]["errors"] == []
+    assert out["same"] and results[0]["swap_out"][1]["same"], "state was lost or changed by the failed writes"
+
+    for key in ("corrupt", "corrupt_bf16"):
+        bad = results[0][key][1]
+        assert [e[0] for e in bad["errors"]] == [3, 4], (key, bad["errors"])
+        for _step, code, text, filename in bad["errors"]:
+            assert filename == bad["path"] and "bucket 3" in text and "checksum" in text, (key, text)
+            assert "not stepped" in text and code == 74, (key, text)
+        assert bad["unchanged"], f"{key}: a bucket whose record was refused was stepped"
+        assert bad["read_error"] is not None and "bucket 3" in bad["read_error"], key
+        assert bad["after"] == [True, True], key
+        assert results[1][key][1]["errors"] == [], key
+    print(f"\n[test_offload_nvme] faults: {time.perf_counter() - _T0:.1f}s")
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block, match", [
+    ({"device": "disk", "nvme_path": "/x"}, "device must be one of"),
+    ({"device": "nvme"}, "needs nvme_path"),
+    ({"device": "nvme", "nvme_path": "/x", "buffer_count": 0}, "buffer_count"),
+    ({"device": "nvme", "nvme_path": "/x", "buffer_count": 2.5}, "buffer_count"),
+    ({"device": "nvme", "nvme_path": "/x", "ratio": 0.5}, "ratio"),
+    ({"device": "nvme", "nvme_path": "/x", "nvme_pth": "/y"}, "unknown keys \\['nvme_pth'\\]"),
+    ({"device": "nvme", "nvme_path": ""}, "nvme_path"),
+])
+def test_bad_offload_settings_name_the_key(block, match):
+    from zeroplus.zero import config
+
+    with pytest.raises(ValueError, match=match):
+        config.resolve(torch.optim.AdamW, 2, None, None, {"lr": 1e-3, "offload_optimizer": block})
+    with pytest.raises(ValueError, match="config\\['zero_optimization'\\]\\['offload_optimizer'\\].*" + match):
+        config.resolve(torch.optim.AdamW, 2, None, {"zero_optimization": {"offload_optimizer": block}}, {"lr": 1e-3})
+
+
+def test_offload_settings_resolve():
+    from zeroplus.zero import config
+
+    with pytest.raises(TypeError, match="offload_optimizer.*pin_memory must be true or false"):
+        config.resolve(torch.optim.AdamW, 2, None, None,
+                       {"offload_optimizer": {"device": "cpu", "pin_memory": "yes"}})
+    with pytest.raises(TypeError, match="offload_optimizer=: offload_optimizer: must be a dict"):
+        config.resolve(torch.optim.AdamW, 2, None, None, {"offload_optimizer": "nvme"})
+    with pytest.raises(ValueError, match="offload_param applies to stage 3 only"):
+        config.resolve(torch.optim.AdamW, 2, None, None, {"offload_param": {"device": "cpu"}})
+    with pytest.raises(ValueError, match="conflicts with config"):
+        config.resolve(torch.optim.AdamW, 2, None, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+                       {"offload_optimizer": {"device": "none"}})
+    with pytest.raises(ValueError, match="config\\['aio'\\]: unknown keys"):
+        config.resolve(torch.optim.AdamW, 2, None, {"aio": {"block_sise": 1}}, {})
+    with pytest.raises(ValueError, match="config\\['aio'\\]: block_size must be >= 4096"):
+        config.resolve(torch.optim.AdamW, 2, None, {"aio": {"block_size": 512}}, {})
+    s = config.resolve(None, None, None, {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme",
+                                                                "buffer_count": 6, "pin_memory": True,
+                                                                "pipeline_read": False, "fast_init": False}},
+        "aio": {"block_size": 1 << 21, "queue_depth": 16, "intra_op_parallelism": 2, "single_submit": False,
+                "overlap_events": True}}, {})
+    p = s.options.offload_optimizer
+    assert (p.device, p.nvme_path, p.buffer_count, p.pin_memory, p.pipeline_read, p.pipeline_write) == \
+        ("nvme", "/nvme", 6, True, False, True)
+    assert (p.aio.block_size, p.aio.queue_depth, p.aio.threads) == (1 << 21, 16, 2)
+    assert not s.options.offload_param.enabled and s.options.offload_param.buffer_count == 5
+    assert "lr" in s.optimizer_defaults and "offload_optimizer" not in s.optimizer_defaults
+
+
+def test_estimate_memory_offload_columns():
+    import zeroplus
+
+    base = zeroplus.estimate_memory(1e9, 8, 2, "bf16")
+    off = zeroplus.estimate_memory(1e9, 8, 2, "bf16", offload_optimizer="nvme", buffer_count=4, bucket_elems=1 << 22)
+    moved = base["master_parameters"] + base["optimizer_state"]
+    assert off["nvme"] == moved + 4096 * -(-1e9 // (1 << 22))
+    assert off["offload_buffers"] == 4 * (4096 + (1 << 22) // 8 * 12)  # whole pages already
+    assert off["resident"] == base["model_state"] - moved + off["offload_buffers"]
+    fp32 = zeroplus.estimate_memory(1e9, 8, 2, None, offload_optimizer="nvme")
+    assert fp32["nvme"] < moved and fp32["master_parameters"] == 0  # fp32: the master is the parameters
+    assert zeroplus.estimate_memory(1e9, 8, 2, "bf16", offload_optimizer="cpu")["resident"] == base["model_state"]
+    for kw, match in (({"offload_optimizer": "disk"}, "offload_optimizer"), ({"buffer_count": 0}, "buffer_count"),
+                      ({"bucket_elems": 1.5}, "bucket_elems")):
+        with pytest.raises(ValueError, match=match):
+            zeroplus.estimate_memory(1e9, 8, 2, **kw)
+    with pytest.raises(ValueError, match="stage=0"):
+        zeroplus.estimate_memory(1e9, 8, 0, offload_optimizer="nvme")
+    out = subprocess.run([os.sys.executable, "-m", "zeroplus.estimate", "--params", "1.3e9", "--world-size", "8",
+                          "--offload-optimizer", "nvme"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "resident" in out.stdout and "nvme" in out.stdout
+
+
+# -- the swap directory ---------------------------------------------------------------------------
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_swap_directory_is_private_exclusive_cleaned_and_reclaims_stale(tmp_path):
+    from zeroplus.offload.nvme_store import SwapDirectory, _host
+
+    pid = _dead_pid()
+    stale = tmp_path / f"zeroplus-swap-{_host()}-{pid}-{'a' * 16}-rank0"
+    stale.mkdir(mode=0o700)
+    (stale / "optimizer-b00000.swp").write_bytes(b"x" * 10)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    planted = tmp_path / f"zeroplus-swap-{_host()}-{pid}-{'b' * 16}-rank1"
+    planted.symlink_to(victim, target_is_directory=True)
+    alive = tmp_path / f"zeroplus-swap-{_host()}-{os.getppid()}-{'c' * 16}-rank0"
+    alive.mkdir(mode=0o700)
+
+    d = SwapDirectory(str(tmp_path), 0)
+    assert d.reclaimed == [stale.name] and not stale.exists()
+    assert (victim / "keep.txt").read_text() == "mine" and planted.is_symlink() and alive.exists()
+    st = os.stat(d.path)
+    assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    io_path = d.create("optimizer-b00000.swp", 10000)
+    assert os.path.samefile(io_path, os.path.join(d.path, "optimizer-b00000.swp"))
+    assert stat.S_IMODE(os.stat(io_path).st_mode) == 0o600 and os.stat(io_path).st_size >= 10000
+    with pytest.raises(FileExistsError, match="optimizer-b00000.swp"):
+        d.create("optimizer-b00000.swp", 10)
+    # A symlink planted under a file's name is never followed (O_EXCL|O_NOFOLLOW).
+    os.symlink(victim / "keep.txt", os.path.join(d.path, "optimizer-b00001.swp"))
+    with pytest.raises(FileExistsError):
+        d.create("optimizer-b00001.swp", 10)
+    assert (victim / "keep.txt").read_text() == "mine"
+    d.close()
+    assert not os.path.exists(d.path) and (victim / "keep.txt").read_text() == "mine"
+    d.close()  # idempotent
+
+    with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
+        SwapDirectory(str(tmp_path / "missing"), 0)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        SwapDirectory(str(tmp_path / "file"), 0)
