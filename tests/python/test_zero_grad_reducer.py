@@ -55,8 +55,13 @@ def test_two_passes_sum_into_the_accumulators_and_free_each_grad(one_rank_group,
     for p, a, b in zip(params, g1, g2):
         torch.testing.assert_close(_accumulated(reducer, buckets, p), a + b, rtol=0, atol=0)
     assert reducer.has_grads
-    reducer.zero()
-    assert all(acc.abs().sum() == 0 for acc in reducer.accum) and not reducer.has_grads
+    reducer.zero(set_to_none=False)  # zero_grad(set_to_none=False): zero tensors that still exist
+    assert all(acc is not None and acc.abs().sum() == 0 for acc in reducer.accum) and not reducer.has_grads
+    reducer.zero()  # zero_grad's default: the gradient memory is freed, as torch frees .grad
+    assert reducer.accum == [None, None] and not reducer.has_grads
+    _pass(reducer, params, g1)  # and allocated again by the next pass
+    for p, a in zip(params, g1):
+        torch.testing.assert_close(_accumulated(reducer, buckets, p), a, rtol=0, atol=0)
 
 
 def test_usage_records_only_parameters_that_had_a_gradient(one_rank_group):
@@ -77,7 +82,7 @@ def test_no_sync_keeps_grads_local_until_flush(one_rank_group):
     reducer.no_sync = True
     _pass(reducer, params, g)
     assert all(p.grad is not None for p in params) and reducer.local_pending
-    assert all(acc.abs().sum() == 0 for acc in reducer.accum)
+    assert reducer.accum == [None, None]  # nothing reduced: no gradient memory yet
     reducer.no_sync = False
     reducer.flush()
     assert not reducer.local_pending and all(p.grad is None for p in params)
@@ -96,10 +101,15 @@ def test_an_abandoned_pass_leaves_the_accumulators_as_they_were(one_rank_group):
     reducer.abandon_backward()
     for acc, old in zip(reducer.accum, before):
         assert torch.equal(acc, old)
+    # A pass abandoned with no gradients before it leaves none (its results went straight in).
+    reducer.zero()
+    _pass(reducer, params[:2], [torch.full((24,), 7.0), torch.full((10,), 7.0)], end=False)
+    reducer.abandon_backward()
+    assert reducer.accum == [None, None]
     # The next pass works normally.
     _pass(reducer, params, g)
     for p, want in zip(params, g):
-        torch.testing.assert_close(_accumulated(reducer, buckets, p), 2 * want, rtol=0, atol=0)
+        torch.testing.assert_close(_accumulated(reducer, buckets, p), want, rtol=0, atol=0)
 
 
 def test_a_second_gradient_after_its_bucket_was_sent_is_refused(one_rank_group):
@@ -118,8 +128,8 @@ def test_a_second_gradient_after_its_bucket_was_sent_is_refused(one_rank_group):
 def test_accumulation_dtype_is_honoured(one_rank_group):
     params = [torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))]
     reducer, buckets = _reducer(params, accum_dtype=torch.float32)
-    assert all(acc.dtype == torch.float32 for acc in reducer.accum)
     g = torch.randn(8).to(torch.bfloat16)
     _pass(reducer, params, [g])
+    assert all(acc.dtype == torch.float32 for acc in reducer.accum)
     _pass(reducer, params, [g])
     torch.testing.assert_close(reducer.accum[0][:8], 2 * g.float(), rtol=0, atol=0)

@@ -297,7 +297,7 @@ class ZeroEngine(torch.optim.Optimizer):
         if self.mixed_precision == "fp16" and not external and self._overflow():
             self.scaler.update(True)
             self.skipped_steps += 1
-            self.reducer.zero()
+            self.reducer.zero(set_to_none=False)
             usage.clear(set_to_none=False)
             self._clipped_this_step = False
             return loss
@@ -350,7 +350,7 @@ class ZeroEngine(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.backward_pass.close_stale()
-        self.reducer.zero()
+        self.reducer.zero(set_to_none)
         self.reducer.usage.clear(set_to_none)
         self._clipped_this_step = False
         self._externally_unscaled = False

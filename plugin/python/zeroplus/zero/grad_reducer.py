@@ -11,8 +11,12 @@ engine's BackwardPass, backward_pass.py; this class is its first participant):
     is sent asynchronously while backward continues.
   * end_backward (the pass's end-of-backward callback) sends the buckets still open (a parameter that got no gradient contributes zeros, as with DDP's
     find_unused_parameters), waits for every reduce-scatter and adds the owned shards into the
-    persistent accumulators. So after backward returns, `accum[b]` holds this rank's shard of the
-    averaged gradient, summed over every backward since the last zero().
+    accumulators. So after backward returns, `accum[b]` holds this rank's shard of the averaged
+    gradient, summed over every backward since the last zero().
+  * Accumulators exist only while gradients do, as torch's `.grad` tensors: zero(set_to_none=True)
+    (zero_grad's default) frees them and a pass allocates each one (zeros) when its first result
+    arrives, so the next forward runs without the 4Ψ/N bytes of gradient shards (FSDP2 does the
+    same). zero(set_to_none=False) keeps them as zeros.
   * Under no_sync() the hooks leave gradients in `p.grad` (local accumulation, as DDP). The next
     backward outside no_sync sends the accumulated value; `flush()` sends what is pending when a
     step comes without such a backward.
@@ -75,13 +79,11 @@ class GradientReducer:
         for b in buckets:
             for e_index, e in enumerate(b.entries):
                 self.slot[e.param] = (b.index, e_index)
-        # Persistent gradients (the "2Ψ/N" of the ZeRO formula at stage 2): this rank's slice of
-        # every bucket, in the accumulation dtype; the whole bucket at stage 1.
-        self.accum = [torch.zeros(b.shard_numel if shard_gradients else b.numel, dtype=accum_dtype or b.dtype,
-                                  device=b.device) for b in buckets]
-        # The owned shard of each bucket's gradient (views into accum).
-        self.shards = (self.accum if shard_gradients else
-                       [a[slice(*b.shard_range(rank))] for a, b in zip(self.accum, buckets)])
+        # Gradients (the "2Ψ/N" of the ZeRO formula at stage 2): this rank's slice of every
+        # bucket, in the accumulation dtype; the whole bucket at stage 1. None while no gradient
+        # exists (see the module doc); _accum(b) allocates.
+        self.accum_dtypes = [accum_dtype or b.dtype for b in buckets]
+        self.accum: list[torch.Tensor | None] = [None] * len(buckets)
         self.owner_collectives = comm.owner_collectives(group)
         self.pool = BufferPool()  # full-size bucket inputs, reused by the next bucket of that size
         # Where each bucket's communication buffer is not covered by a parameter (alignment gaps,
@@ -94,6 +96,22 @@ class GradientReducer:
         self._buffers: list[torch.Tensor | None] = []
         self._inflight = []
         self._reset_pass()
+
+    def _accum(self, b: int) -> torch.Tensor:
+        acc = self.accum[b]
+        if acc is None:
+            bucket = self.buckets[b]
+            acc = self.accum[b] = torch.zeros(bucket.shard_numel if self.shard_gradients else bucket.numel,
+                                              dtype=self.accum_dtypes[b], device=bucket.device)
+        return acc
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """The owned shard of each bucket's gradient (views into the accumulators, allocated as
+        zeros where no gradient exists)."""
+        if self.shard_gradients:
+            return [self._accum(b) for b in range(len(self.buckets))]
+        return [self._accum(b)[slice(*bucket.shard_range(self.rank))] for b, bucket in enumerate(self.buckets)]
 
     # -- one backward pass ---------------------------------------------------------------------
 
@@ -135,13 +153,13 @@ class GradientReducer:
     def _direct_pass(self) -> bool:
         if self._direct is None:
             self._direct = (not self.shard_gradients and not self.has_grads
-                            and all(a.dtype == b.dtype for a, b in zip(self.accum, self.buckets)))
+                            and all(d == b.dtype for d, b in zip(self.accum_dtypes, self.buckets)))
         return self._direct
 
     def _buffer(self, b: int) -> torch.Tensor:
         buf = self._buffers[b]
         if buf is None and self._direct_pass():
-            buf = self._buffers[b] = self.accum[b]  # zero since zero(): gaps and padding stay zero
+            buf = self._buffers[b] = self._accum(b)  # zero since zero(): gaps and padding stay zero
         if buf is None:
             bucket = self.buckets[b]
             # Every element is written once per pass: by its gradient, by zeros for a parameter
@@ -214,13 +232,13 @@ class GradientReducer:
             buf.div_(self.world_size)
         # Accumulators that are zero (no gradients since zero()) take the result directly: no
         # second shard-sized output per bucket alive until the pass ends.
-        direct = self.shard_gradients and not self.has_grads and self.accum[b].dtype == bucket.dtype
+        direct = self.shard_gradients and not self.has_grads and self.accum_dtypes[b] == bucket.dtype
         if self.shard_gradients and self.owner_collectives:
             lo, hi = bucket.shard_range(self.rank)
             out = buf[lo:hi]
             work = comm.reduce_to_owners(buf, bucket.shard_numel, self.group, self.world_size)
         elif self.shard_gradients:
-            out = self.accum[b] if direct else torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
+            out = self._accum(b) if direct else torch.empty(bucket.shard_numel, dtype=bucket.dtype, device=bucket.device)
             work = comm.reduce_scatter(out, buf, self.group, async_op=True)
         else:
             out = buf
@@ -245,8 +263,8 @@ class GradientReducer:
                 # Per-owner reduce: the shard is a view of the input. Into a zero accumulator
                 # it goes directly, else it is kept aside until the pass succeeds.
                 b = entry.bucket
-                entry.out = (self.accum[b].copy_(entry.out) if not self.has_grads and self.accum[b].dtype == entry.out.dtype
-                            else entry.out.clone())
+                entry.out = (self._accum(b).copy_(entry.out)
+                             if not self.has_grads and self.accum_dtypes[b] == entry.out.dtype else entry.out.clone())
             self._recycle_input(entry)
 
     def _recycle_input(self, entry) -> None:
@@ -272,7 +290,7 @@ class GradientReducer:
                     if scale != 1.0:
                         self.accum[b].mul_(scale)  # bitwise 0 + scale * sum, as add_ gives
                 else:
-                    self.accum[b].add_(entry.out, alpha=scale)
+                    self._accum(b).add_(entry.out, alpha=scale)
                 entry.out = None
                 if entry.buf is not None:
                     self._recycle_input(entry)
@@ -287,11 +305,10 @@ class GradientReducer:
 
     def _abandon_pass(self) -> None:
         """End a pass that failed: wait for what it launched, put the accumulators back as they
-        were (zero, where results went straight into them) and forget its buffers."""
+        were (no gradient: freed, where results went straight into them) and forget its buffers."""
         self._drain()
         if not self.has_grads:
-            for acc in self.accum:
-                acc.zero_()
+            self.accum = [None] * len(self.buckets)
         self._reset_pass()
 
     def _drain(self) -> None:
@@ -316,11 +333,16 @@ class GradientReducer:
             self._in_pass = True
             self._finish_pass()
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
+        """zero_grad: free the accumulators (set_to_none) or keep them as zeros."""
         if self._in_pass:
             self._abandon_pass()  # a backward that raised left it open
-        for acc in self.accum:
-            acc.zero_()
+        if set_to_none:
+            self.accum = [None] * len(self.buckets)
+        else:
+            for acc in self.accum:
+                if acc is not None:
+                    acc.zero_()
         for p in self.slot:
             p.grad = None
         self.has_grads = False

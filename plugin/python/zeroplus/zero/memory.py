@@ -84,7 +84,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
     out = {"gradients": _tensor_bytes(opt.reducer.accum), "master_parameters": _tensor_bytes(masters),
            "optimizer_state": _tensor_bytes([t for bo in opt.bucket_optimizers for t in bo.state_tensors()]),
            "communication_buffers": opt.reducer.communication_bytes(),
-           "pooled_buffers": opt.reducer.pool.pooled_bytes}
+           "pooled_buffers": opt.reducer.pool.pooled_bytes,
+           "peak_communication_buffers": opt.reducer.pool.peak_bytes}
     store = getattr(opt, "offload", None)
     if store is not None:
         out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
