@@ -38,6 +38,8 @@ def _saver(root: str, child: int, store: str, ready) -> None:
 
     dist.init_process_group("zeroplus", store=dist.FileStore(store, 1), rank=0, world_size=1)
     model, opt = zeroplus.initialize(make(0, WIDTH), torch.optim.AdamW, stage=2, lr=1e-3)
+    # 4 KiB checksum blocks: ~250 per file, so verifying a file takes many read runs
+    options = zeroplus.checkpoint.CheckpointOptions(block_bytes=4096)
     step = 0
     ready.set()
     while True:
@@ -45,7 +47,7 @@ def _saver(root: str, child: int, store: str, ready) -> None:
             for t in list(model.parameters()) + list(model.buffers()):
                 t.fill_(float(step))
         zeroplus.save_checkpoint(os.path.join(root, f"c{child:03d}_{step:06d}"), model, opt,
-                                 extra={"step": step, "child": child})
+                                 extra={"step": step, "child": child}, options=options)
         step += 1
 
 

@@ -11,7 +11,7 @@ cli.py). Guarantees and the format: docs/checkpoints.md.
 from .format import CheckpointCorruptError, CheckpointError, CheckpointVersionError
 from .load import load_checkpoint
 from .reader import CheckpointReader
-from .save import CheckpointHandle, CheckpointOptions, save_checkpoint
+from .save import CheckpointHandle, CheckpointOptions, release_snapshot_memory, save_checkpoint
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointHandle", "CheckpointOptions", "CheckpointReader",
-           "CheckpointVersionError", "load_checkpoint", "save_checkpoint"]
+           "CheckpointVersionError", "load_checkpoint", "release_snapshot_memory", "save_checkpoint"]

@@ -24,7 +24,7 @@ import os
 import time
 
 from . import fsutil
-from .format import (BLOCK_BYTES, FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dumps)
+from .format import FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dumps
 
 _POLL_MAX_S = 0.05
 
@@ -103,7 +103,7 @@ def build_manifest(meta: dict, indexes: list[dict]) -> dict:
         for name, keys in ix["scalars"].items():
             for k, v in keys.items():
                 tensors[name]["scalars"].setdefault(k, v)
-    return {"format": FORMAT, "version": VERSION, "source": meta["source"], "block_bytes": BLOCK_BYTES,
+    return {"format": FORMAT, "version": VERSION, "source": meta["source"], "block_bytes": meta["block_bytes"],
             "files": files, "tensors": tensors, "aliases": meta["aliases"], "chunks": chunks,
             "param_groups": meta["param_groups"], "optimizer": meta["optimizer"], "extra": meta["extra"]}
 

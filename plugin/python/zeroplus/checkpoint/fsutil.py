@@ -141,14 +141,18 @@ def remove_tree(dir_fd: int, name: str) -> None:
 
 
 def read_exact(fd: int, length: int, offset: int, name: str) -> bytearray:
-    """length bytes at offset; a short file is a truncated checkpoint (EOFError-like OSError)."""
+    """length bytes at offset; a short file is a truncated checkpoint (an OSError naming it)."""
     buf = bytearray(length)
-    view = memoryview(buf)
-    done = 0
+    read_into(fd, memoryview(buf), offset, name)
+    return buf
+
+
+def read_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+    """Fill `view` from offset, retrying short reads; end of file first: truncated (OSError)."""
+    done, length = 0, len(view)
     while done < length:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
             raise OSError(errno.EIO, f"checkpoint: file is truncated: wanted {length} bytes at offset {offset}, "
                                      f"it ends at {offset + done}", name)
         done += n
-    return buf
