@@ -40,14 +40,15 @@ def _same(a, b) -> bool:
                     for i in sa for k in sa[i]))
 
 
-def _saved(root, name, rank, group, steps=2):
+def _saved(root, name, rank, group, steps=2, **options):
     """A trained model, saved to root/name; returns (model, opt, path)."""
     import zeroplus
+    from zeroplus.checkpoint import CheckpointOptions
 
     model, call, opt = build("engine", 2, None, group, seed=0)
     train(call, opt, steps, rank)
     path = os.path.join(root, name)
-    zeroplus.save_checkpoint(path, model, opt, extra={"step": steps})
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": steps}, options=CheckpointOptions(**options))
     return model, opt, path
 
 
@@ -86,8 +87,8 @@ def _on_rank0(rank, group, fn):
     dist.barrier(group=group)
 
 
-def case_corrupt_byte(root, rank, group):
-    _m, _o, path = _saved(root, "corrupt", rank, group)
+def case_corrupt_byte(root, rank, group, block_bytes=4 << 20):
+    _m, _o, path = _saved(root, f"corrupt{block_bytes}", rank, group, block_bytes=block_bytes)
 
     def flip():
         f = os.path.join(path, "rank00001.bin")
@@ -260,6 +261,8 @@ def _disk_full(root, rank, group, name, limited_ranks):
 
 def _all(rank, world, root):
     cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
+    # 64-byte blocks: the corrupt byte sits in a block read straight into the destination tensor
+    cases["corrupt_byte_small_blocks"] = functools.partial(case_corrupt_byte, root, block_bytes=64)
     cases["disk_full_everywhere"] = functools.partial(_disk_full, root, name="full_all", limited_ranks=(0, 1))
     cases["disk_full_one_rank"] = functools.partial(_disk_full, root, name="full_one", limited_ranks=(1,))
     return run_cases_in_own_groups(rank, world, cases)
@@ -285,6 +288,7 @@ def _ok(results, case):
 
 @pytest.mark.parametrize("case, words", [
     ("corrupt_byte", ["checksum mismatch", "rank00001.bin"]),
+    ("corrupt_byte_small_blocks", ["checksum mismatch", "rank00001.bin"]),
     ("truncated", ["truncated", "rank00000.bin"]),
     ("missing_file", ["rank00001.bin"]),
     ("no_manifest", ["manifest.json", "not a checkpoint"]),

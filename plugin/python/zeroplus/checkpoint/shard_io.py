@@ -113,7 +113,6 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                 data = as_bytes(tensor.detach().reshape(-1))
                 n = data.numel()
                 chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
-                crc.feed(memoryview(data.numpy()))
                 if n < _COALESCE_BYTES:
                     if not pending:
                         pending_at = offset
@@ -123,7 +122,8 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                         flush()
                 else:
                     flush()
-                    sink.write(data, offset)
+                    sink.write(data, offset)  # queued first: the engine writes while we checksum
+                crc.feed(memoryview(data.numpy()))
                 offset += n
                 if not pending:
                     pending_at = offset
