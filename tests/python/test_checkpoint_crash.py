@@ -2,7 +2,8 @@
 
 * kill -9: a child saving in a loop (every value of step k is k, so a checkpoint verifies itself)
   is SIGKILLed at random points, KILLS times; after each kill the checkpoint `latest` names is
-  complete (every checksum), holds one step's values throughout, and never goes backwards; at
+  complete (every checksum), holds one step's values throughout, and never goes backwards, and
+  the staging directories of killed saves do not pile up (the next save removes them); at
   the end load_checkpoint (2 ranks, stage 3: another world size and stage) loads it.
 * consolidate: `python -m zeroplus.checkpoint consolidate` output loads with
   torch.load(weights_only=True) into a fresh plain model that gives the trained model's logits;
@@ -101,6 +102,9 @@ def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
         leftovers = {n for n in os.listdir(root) if n.startswith(".")}  # staging directories of cut saves
         mid_save += bool(leftovers - staged)
         staged = leftovers
+        # A save removes the staging directories of killed saves: at most this child's and, when
+        # it was killed before its first save started, the previous child's are left.
+        assert len(leftovers) <= 2, f"stale staging directories pile up: {sorted(leftovers)}"
     extra_and_ok = run_pooled(_load_latest, 2, root, timeout=120)
     for extra, ok in extra_and_ok:
         assert extra["step"] == previous[1] and ok

@@ -141,3 +141,25 @@ def test_fuzzed_values_decode_or_raise_checkpoint_error():
             decode_value(gen())
         except CheckpointError:
             pass
+
+
+def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
+    import os
+
+    from zeroplus.checkpoint import fsutil
+
+    root = fsutil.open_dir(str(tmp_path))
+    try:
+        names = {k: fsutil.temp_name(k) for k in ("killed", "in_flight", "mine")}
+        fds = {k: fsutil.make_private_dir(root, n) for k, n in names.items()}
+        os.close(fsutil.create_exclusive(fds["killed"], "rank00000.bin"))
+        fsutil.lock(fds["in_flight"])  # a save in flight holds its lock
+        os.mkdir(tmp_path / ".user.tmp-notours")  # not a name zeroplus generates
+        (tmp_path / "ckpt").mkdir()
+        removed = fsutil.remove_stale_temp_dirs(root, keep=names["mine"])
+        assert removed == [names["killed"]]
+        assert sorted(os.listdir(tmp_path)) == sorted([names["in_flight"], names["mine"], ".user.tmp-notours", "ckpt"])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        os.close(root)

@@ -16,7 +16,9 @@ Torch-free and distribution-free: the writer and reader call these with explicit
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
 import secrets
 import stat
 
@@ -49,8 +51,44 @@ def make_private_dir(parent_fd: int, name: str) -> int:
     return open_dir(name, dir_fd=parent_fd)
 
 
+_TEMP = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
+
+
 def temp_name(final: str) -> str:
     return f".{final}.tmp-{secrets.token_hex(8)}"
+
+
+def lock(fd: int, wait: bool = True) -> bool:
+    """flock(LOCK_EX) on fd (a staging directory: held by the save that owns it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+
+
+def remove_stale_temp_dirs(dir_fd: int, keep: str) -> list[str]:
+    """Remove the temporary directories zeroplus left in dir_fd when a save was killed: names it
+    generates (temp_name), owned by this user, and not locked by a save in flight (the save's
+    rank 0 holds a flock on its staging directory until it commits or cleans up). Returns them."""
+    removed = []
+    for entry in os.listdir(dir_fd):
+        if entry == keep or not _TEMP.match(entry):
+            continue
+        try:
+            fd = open_dir(entry, dir_fd=dir_fd)  # a directory of ours, or skipped
+        except OSError:
+            continue
+        try:
+            stale = lock(fd, wait=False)
+        finally:
+            os.close(fd)  # the lock goes with it; a save starting now creates its own directory
+        if stale:
+            remove_tree(dir_fd, entry)
+            removed.append(entry)
+    if removed:
+        os.fsync(dir_fd)
+    return removed
 
 
 def create_exclusive(dir_fd: int, name: str) -> int:

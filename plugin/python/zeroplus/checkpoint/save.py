@@ -144,8 +144,10 @@ def _split(path) -> tuple[str, str]:
     return root, name
 
 
-def _prepare(root: str, name: str) -> str:
-    """Rank 0: refuse an existing checkpoint, create the private staging directory."""
+def _prepare(root: str, name: str) -> tuple[str, int]:
+    """Rank 0: refuse an existing checkpoint, create the private staging directory and lock it
+    (returns its name and the locked descriptor, held until the save ends), and remove the
+    staging directories of saves that were killed (fsutil.remove_stale_temp_dirs)."""
     os.makedirs(root, 0o700, exist_ok=True)
     root_fd = fsutil.open_dir(root, own=False)
     try:
@@ -163,33 +165,44 @@ def _prepare(root: str, name: str) -> str:
             finally:
                 os.close(existing)
         staging = fsutil.temp_name(name)
-        os.close(fsutil.make_private_dir(root_fd, staging))
-        return staging
+        lock_fd = fsutil.make_private_dir(root_fd, staging)
+        fsutil.lock(lock_fd)
+        try:
+            fsutil.remove_stale_temp_dirs(root_fd, keep=staging)
+        except OSError:
+            pass  # housekeeping only: a leftover we cannot remove is never read
+        return staging, lock_fd
     finally:
         os.close(root_fd)
 
 
-def _agree_on_staging(rank: int, group, root: str, name: str, make_meta) -> tuple[str, dict | None]:
+def _agree_on_staging(rank: int, group, root: str, name: str, make_meta) -> tuple[str, dict | None, int | None]:
     """Rank 0 describes the model (make_meta) and creates the staging directory; every rank
     learns its name, or raises rank 0's error (no rank is left waiting in a collective)."""
     from ..zero.comm import group_src_rank
 
     msg = [None]
-    meta = None
+    meta, lock_fd = None, None
     if rank == 0:
         try:
             meta = make_meta()
-            msg[0] = ("ok", _prepare(root, name))
+            staging, lock_fd = _prepare(root, name)
+            msg[0] = ("ok", staging)
         except OSError as e:
             msg[0] = ("oserror", (e.errno, e.strerror or str(e), e.filename))
             error = e
         except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised below
             msg[0] = ("error", f"{type(e).__name__}: {e}")
             error = e
-    dist.broadcast_object_list(msg, src=group_src_rank(group, 0), group=group)
+    try:
+        dist.broadcast_object_list(msg, src=group_src_rank(group, 0), group=group)
+    except BaseException:
+        if lock_fd is not None:  # the staging directory stays behind, unlocked: the next save removes it
+            os.close(lock_fd)
+        raise
     kind, value = msg[0]
     if kind == "ok":
-        return value, meta
+        return value, meta, lock_fd
     if rank == 0:
         raise error
     if kind == "oserror":
@@ -240,7 +253,7 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                                             "torch_version": torch.__version__},
                 "optimizer": adapter.optimizer_meta(), "extra": extra, "block_bytes": options.block_bytes}
 
-    staging, meta = _agree_on_staging(rank, group, root, name, make_meta)
+    staging, meta, lock_fd = _agree_on_staging(rank, group, root, name, make_meta)
     where = os.path.join(root, name)
     # From here on a failure must reach rank 0 as a failure marker (commit.py), never as a rank
     # that silently stops: rank 0 would wait for its shard until commit_timeout_s.
@@ -256,6 +269,13 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
     handle = CheckpointHandle(where, snapshot)
 
     def work():
+        try:
+            _work()
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # releases the staging directory's lock (rank 0)
+
+    def _work():
         root_fd = fsutil.open_dir(root, own=False)
         try:
             staging_fd = fsutil.open_dir(staging, dir_fd=root_fd)
