@@ -1,7 +1,7 @@
 """Crash consistency and the offline tools of zeroplus checkpoints.
 
-* kill -9: a child saving in a loop (every value of step k is k, so a checkpoint verifies itself)
-  is SIGKILLed at random points, KILLS times; after each kill the checkpoint `latest` names is
+* kill -9: a child saving in a loop (every value of step k is k, so a checkpoint verifies itself;
+  three names in turn, so most saves replace a checkpoint) is SIGKILLed at random points, KILLS times; after each kill the checkpoint `latest` names is
   complete (every checksum), holds one step's values throughout, and never goes backwards, and
   the staging directories of killed saves do not pile up (the next save removes them); at
   the end load_checkpoint (2 ranks, stage 3: another world size and stage) loads it.
@@ -47,7 +47,8 @@ def _saver(root: str, child: int, store: str, ready) -> None:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 t.fill_(float(step))
-        zeroplus.save_checkpoint(os.path.join(root, f"c{child:03d}_{step:06d}"), model, opt,
+        # Three names in turn: most saves replace a complete checkpoint (the atomic swap is killed too)
+        zeroplus.save_checkpoint(os.path.join(root, f"c{child:03d}_{step % 3}"), model, opt,
                                  extra={"step": step, "child": child}, options=options)
         step += 1
 

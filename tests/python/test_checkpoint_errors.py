@@ -180,16 +180,33 @@ def case_unexpected_keys(root, rank, group):
 
 
 def case_exists(root, rank, group):
+    """A save over a complete checkpoint replaces it (swapped in whole); a save over a directory
+    that is not a checkpoint is refused and leaves its files alone."""
+    import torch.distributed as dist
+
     import zeroplus
 
     model, opt, path = _saved(root, "exists", rank, group)
+    train(model, opt, 2, rank, first_step=20)
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": 4})
+    model_b, _call, opt_b = build("engine", 2, None, group, seed=1)
+    extra = zeroplus.load_checkpoint(path, model_b, opt_b)
+    a, b = full_params("engine", model), full_params("engine", model_b)
+    replaced = extra == {"step": 4} and all(torch.equal(a[k], b[k]) for k in a)
+    leftovers = sorted(n for n in os.listdir(root) if n.startswith(".exists"))
+
+    foreign = os.path.join(root, "foreign")
+    if rank == 0:
+        os.makedirs(foreign)
+        with open(os.path.join(foreign, "notes.txt"), "w") as f:
+            f.write("mine")
+    dist.barrier(group=group)
     try:
-        zeroplus.save_checkpoint(path, model, opt)
+        zeroplus.save_checkpoint(foreign, model, opt)
         err = None
     except FileExistsError as e:
         err = f"FileExistsError: {e}"
-    still, _changed = _load_fails(path, rank, group)  # None: it still loads
-    return err, still is None
+    return err, (replaced, leftovers, sorted(os.listdir(foreign)), open(os.path.join(foreign, "notes.txt")).read())
 
 
 def case_extra_not_json(root, rank, group):
@@ -307,10 +324,12 @@ def test_bad_checkpoint_is_refused_and_changes_nothing(results, case, words):
         assert untouched, f"rank {rank}: a failed load changed the model or the optimizer"
 
 
-def test_save_refuses_to_overwrite(results):
-    for err, still_loads in _ok(results, "exists"):
-        assert err is not None and "never overwrites" in err
-        assert still_loads
+def test_save_replaces_a_checkpoint_whole_and_refuses_other_directories(results):
+    for err, (replaced, leftovers, foreign, notes) in _ok(results, "exists"):
+        assert replaced, "the second save to the same path did not replace the checkpoint"
+        assert leftovers == []
+        assert err is not None and "not a zeroplus checkpoint" in err
+        assert foreign == ["notes.txt"] and notes == "mine"
 
 
 def test_extra_must_be_json(results):

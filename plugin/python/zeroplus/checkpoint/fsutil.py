@@ -15,6 +15,7 @@ Torch-free and distribution-free: the writer and reader call these with explicit
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -194,3 +195,19 @@ def read_into(fd: int, view: memoryview, offset: int, name: str) -> None:
             raise OSError(errno.EIO, f"checkpoint: file is truncated: wanted {length} bytes at offset {offset}, "
                                      f"it ends at {offset + done}", name)
         done += n
+
+
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def exchange(dir_fd: int, a: str, b: str) -> None:
+    """Atomically swap the entries a and b of dir_fd (renameat2 RENAME_EXCHANGE): at every
+    instant each name is one of the two complete directories. OSError if the kernel, the C
+    library or the file system cannot."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "checkpoint: renameat2 is not available in this C library")
+    if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"checkpoint: renameat2(RENAME_EXCHANGE) failed: {os.strerror(err)}", b)

@@ -3,10 +3,11 @@
     handle = zeroplus.save_checkpoint("ckpt/step100", model, opt, extra={"step": 100})
 
 PATH is ROOT/NAME: the checkpoint becomes the directory NAME inside ROOT (created 0700 if
-missing), and ROOT/latest names it once it is complete. Saving to a PATH that already exists
-and is not empty raises FileExistsError before anything is written: zeroplus never overwrites a
-checkpoint (pick a new name per save, e.g. per step). Collective over the optimizer's process
-group (every rank calls it with the same PATH).
+missing), and ROOT/latest names it once it is complete. A PATH holding a complete zeroplus
+checkpoint is replaced by writing the new one aside and swapping the two atomically, so PATH is
+always one complete checkpoint (never one written over in place); a PATH that exists, is not
+empty and is not a zeroplus checkpoint raises FileExistsError before anything is written.
+Collective over the optimizer's process group (every rank calls it with the same PATH).
 
 Synchronous (async_=False, default): returns a finished CheckpointHandle after the checkpoint is
 complete and durable on every rank. async_=True: blocks only to snapshot this rank's shard into
@@ -159,9 +160,9 @@ def _prepare(root: str, name: str) -> tuple[str, int]:
             raise FileExistsError(17, "checkpoint: path exists and is not a directory", os.path.join(root, name)) from e
         if existing is not None:
             try:
-                if os.listdir(existing):
-                    raise FileExistsError(17, "checkpoint: path exists and is not empty; zeroplus never overwrites a "
-                                              "checkpoint (save under a new name)", os.path.join(root, name))
+                if os.listdir(existing) and not commit.is_checkpoint(root_fd, name):
+                    raise FileExistsError(17, "checkpoint: path exists, is not empty and is not a zeroplus checkpoint; "
+                                              "refusing to replace it", os.path.join(root, name))
             finally:
                 os.close(existing)
         staging = fsutil.temp_name(name)
