@@ -101,6 +101,16 @@ _lock = threading.Lock()
 _snapshot_buffer: torch.Tensor | None = None
 
 
+def wait_for_pending_save() -> None:
+    """Block until this process's async save in flight (if any) has finished (its error stays
+    with its handle). load_checkpoint calls it: a load right after save_checkpoint(async_=True)
+    of the same path sees the finished checkpoint."""
+    with _lock:
+        previous = _previous
+    if previous is not None:
+        previous._done.wait()
+
+
 def release_snapshot_memory() -> int:
     """Free the memory kept for async snapshots (after waiting for a save in flight); returns
     the bytes released. The next async save allocates it again."""
