@@ -6,8 +6,8 @@ One 2-rank launch (one process group per case):
     exactly, to the model that kept training), snapshot_bytes is this rank's shard size;
   * error: a file size limit on one rank makes both ranks' wait() raise (the limited rank its
     OSError, the other the commit failure naming the rank); the previous checkpoint still loads;
-  * serialised: two saves in a row: the second starts after the first finished; latest names the
-    second.
+  * serialised: two saves in a row: the second starts after the first finished; a load of the
+    second right away (no wait()) waits for it; latest names the second.
 """
 
 from __future__ import annotations
@@ -89,6 +89,10 @@ def case_serialised(root, rank, group):
     train(call, opt, 1, rank)
     h2 = zeroplus.save_checkpoint(os.path.join(root, "two"), model, opt, async_=True)
     first_done_when_second_started = h1.done()
+    # No wait(): a load of the same path waits for this process's save in flight (rank 0 ends
+    # its commit before it; the other ranks wait in the load's collective for rank 0).
+    model_b, _c, opt_b = build("engine", 1, None, group, seed=1)
+    zeroplus.load_checkpoint(os.path.join(root, "two"), model_b, opt_b)
     h2.wait()
     h1.wait()
     if rank != 0:

@@ -1,8 +1,9 @@
 """Crash consistency and the offline tools of zeroplus checkpoints.
 
-* kill -9: a child saving in a loop (every value of step k is k, so a checkpoint verifies itself)
-  is SIGKILLed at random points, KILLS times; after each kill the checkpoint `latest` names is
-  complete (every checksum), holds one step's values throughout, and never goes backwards; at
+* kill -9: a child saving in a loop (every value of step k is k, so a checkpoint verifies itself;
+  three names in turn, so most saves replace a checkpoint) is SIGKILLed at random points, KILLS times; after each kill the checkpoint `latest` names is
+  complete (every checksum), holds one step's values throughout, and never goes backwards, and
+  the staging directories of killed saves do not pile up (the next save removes them); at
   the end load_checkpoint (2 ranks, stage 3: another world size and stage) loads it.
 * consolidate: `python -m zeroplus.checkpoint consolidate` output loads with
   torch.load(weights_only=True) into a fresh plain model that gives the trained model's logits;
@@ -38,14 +39,17 @@ def _saver(root: str, child: int, store: str, ready) -> None:
 
     dist.init_process_group("zeroplus", store=dist.FileStore(store, 1), rank=0, world_size=1)
     model, opt = zeroplus.initialize(make(0, WIDTH), torch.optim.AdamW, stage=2, lr=1e-3)
+    # 4 KiB checksum blocks: ~250 per file, so verifying a file takes many read runs
+    options = zeroplus.checkpoint.CheckpointOptions(block_bytes=4096)
     step = 0
     ready.set()
     while True:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 t.fill_(float(step))
-        zeroplus.save_checkpoint(os.path.join(root, f"c{child:03d}_{step:06d}"), model, opt,
-                                 extra={"step": step, "child": child})
+        # Three names in turn: most saves replace a complete checkpoint (the atomic swap is killed too)
+        zeroplus.save_checkpoint(os.path.join(root, f"c{child:03d}_{step % 3}"), model, opt,
+                                 extra={"step": step, "child": child}, options=options)
         step += 1
 
 
@@ -99,6 +103,9 @@ def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
         leftovers = {n for n in os.listdir(root) if n.startswith(".")}  # staging directories of cut saves
         mid_save += bool(leftovers - staged)
         staged = leftovers
+        # A save removes the staging directories of killed saves: at most this child's and, when
+        # it was killed before its first save started, the previous child's are left.
+        assert len(leftovers) <= 2, f"stale staging directories pile up: {sorted(leftovers)}"
     extra_and_ok = run_pooled(_load_latest, 2, root, timeout=120)
     for extra, ok in extra_and_ok:
         assert extra["step"] == previous[1] and ok

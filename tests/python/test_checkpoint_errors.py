@@ -40,14 +40,15 @@ def _same(a, b) -> bool:
                     for i in sa for k in sa[i]))
 
 
-def _saved(root, name, rank, group, steps=2):
+def _saved(root, name, rank, group, steps=2, **options):
     """A trained model, saved to root/name; returns (model, opt, path)."""
     import zeroplus
+    from zeroplus.checkpoint import CheckpointOptions
 
     model, call, opt = build("engine", 2, None, group, seed=0)
     train(call, opt, steps, rank)
     path = os.path.join(root, name)
-    zeroplus.save_checkpoint(path, model, opt, extra={"step": steps})
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": steps}, options=CheckpointOptions(**options))
     return model, opt, path
 
 
@@ -86,8 +87,8 @@ def _on_rank0(rank, group, fn):
     dist.barrier(group=group)
 
 
-def case_corrupt_byte(root, rank, group):
-    _m, _o, path = _saved(root, "corrupt", rank, group)
+def case_corrupt_byte(root, rank, group, block_bytes=4 << 20):
+    _m, _o, path = _saved(root, f"corrupt{block_bytes}", rank, group, block_bytes=block_bytes)
 
     def flip():
         f = os.path.join(path, "rank00001.bin")
@@ -179,16 +180,33 @@ def case_unexpected_keys(root, rank, group):
 
 
 def case_exists(root, rank, group):
+    """A save over a complete checkpoint replaces it (swapped in whole); a save over a directory
+    that is not a checkpoint is refused and leaves its files alone."""
+    import torch.distributed as dist
+
     import zeroplus
 
     model, opt, path = _saved(root, "exists", rank, group)
+    train(model, opt, 2, rank, first_step=20)
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": 4})
+    model_b, _call, opt_b = build("engine", 2, None, group, seed=1)
+    extra = zeroplus.load_checkpoint(path, model_b, opt_b)
+    a, b = full_params("engine", model), full_params("engine", model_b)
+    replaced = extra == {"step": 4} and all(torch.equal(a[k], b[k]) for k in a)
+    leftovers = sorted(n for n in os.listdir(root) if n.startswith(".exists"))
+
+    foreign = os.path.join(root, "foreign")
+    if rank == 0:
+        os.makedirs(foreign)
+        with open(os.path.join(foreign, "notes.txt"), "w") as f:
+            f.write("mine")
+    dist.barrier(group=group)
     try:
-        zeroplus.save_checkpoint(path, model, opt)
+        zeroplus.save_checkpoint(foreign, model, opt)
         err = None
     except FileExistsError as e:
         err = f"FileExistsError: {e}"
-    still, _changed = _load_fails(path, rank, group)  # None: it still loads
-    return err, still is None
+    return err, (replaced, leftovers, sorted(os.listdir(foreign)), open(os.path.join(foreign, "notes.txt")).read())
 
 
 def case_extra_not_json(root, rank, group):
@@ -260,6 +278,8 @@ def _disk_full(root, rank, group, name, limited_ranks):
 
 def _all(rank, world, root):
     cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
+    # 64-byte blocks: the corrupt byte sits in a block read straight into the destination tensor
+    cases["corrupt_byte_small_blocks"] = functools.partial(case_corrupt_byte, root, block_bytes=64)
     cases["disk_full_everywhere"] = functools.partial(_disk_full, root, name="full_all", limited_ranks=(0, 1))
     cases["disk_full_one_rank"] = functools.partial(_disk_full, root, name="full_one", limited_ranks=(1,))
     return run_cases_in_own_groups(rank, world, cases)
@@ -285,6 +305,7 @@ def _ok(results, case):
 
 @pytest.mark.parametrize("case, words", [
     ("corrupt_byte", ["checksum mismatch", "rank00001.bin"]),
+    ("corrupt_byte_small_blocks", ["checksum mismatch", "rank00001.bin"]),
     ("truncated", ["truncated", "rank00000.bin"]),
     ("missing_file", ["rank00001.bin"]),
     ("no_manifest", ["manifest.json", "not a checkpoint"]),
@@ -303,10 +324,12 @@ def test_bad_checkpoint_is_refused_and_changes_nothing(results, case, words):
         assert untouched, f"rank {rank}: a failed load changed the model or the optimizer"
 
 
-def test_save_refuses_to_overwrite(results):
-    for err, still_loads in _ok(results, "exists"):
-        assert err is not None and "never overwrites" in err
-        assert still_loads
+def test_save_replaces_a_checkpoint_whole_and_refuses_other_directories(results):
+    for err, (replaced, leftovers, foreign, notes) in _ok(results, "exists"):
+        assert replaced, "the second save to the same path did not replace the checkpoint"
+        assert leftovers == []
+        assert err is not None and "not a zeroplus checkpoint" in err
+        assert foreign == ["notes.txt"] and notes == "mine"
 
 
 def test_extra_must_be_json(results):

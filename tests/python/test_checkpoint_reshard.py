@@ -83,6 +83,7 @@ def _run(rank, world, root, case):
     import torch.distributed as dist
 
     import zeroplus
+    from zeroplus.checkpoint import CheckpointOptions
 
     n, s, m, t, precision = case
     (skind, sstage), (lkind, lstage) = _split(s), _split(t)
@@ -93,7 +94,9 @@ def _run(rank, world, root, case):
     if rank < n:
         model, call, opt = build(skind, sstage, precision, save_group, seed=0)
         train(call, opt, 3, rank)
-        handle = zeroplus.save_checkpoint(os.path.join(path, "step3"), model, opt, extra={"step": 3, "tag": "x"})
+        # 64-byte checksum blocks: reads span many blocks, chunk boundaries and runs (4 MiB in use)
+        handle = zeroplus.save_checkpoint(os.path.join(path, "step3"), model, opt, extra={"step": 3, "tag": "x"},
+                                          options=CheckpointOptions(block_bytes=64))
         assert handle.wait() == os.path.join(path, "step3")
         full = full_params(skind, model)
         plain = consolidated_optimizer(opt, rank)

@@ -4,14 +4,25 @@
     extra = zeroplus.load_checkpoint("ckpt", model, opt)      # follows ckpt/latest
 
 Format (format.py), the write path (shard_io.py, commit.py, save.py), the read path (reader.py,
-load.py), what each optimizer owns (adapters.py) and the CLI (`python -m zeroplus.checkpoint`,
-cli.py). Guarantees and the format: docs/checkpoints.md.
+load.py), what each optimizer owns (adapters.py), torch.distributed.checkpoint storage classes
+(dcp_storage.py), offline consolidation and inspection (consolidate.py) and their command line
+(`python -m zeroplus.checkpoint`, __main__.py). Guarantees and the format: docs/checkpoints.md.
 """
 
 from .format import CheckpointCorruptError, CheckpointError, CheckpointVersionError
 from .load import load_checkpoint
 from .reader import CheckpointReader
-from .save import CheckpointHandle, CheckpointOptions, save_checkpoint
+from .save import CheckpointHandle, CheckpointOptions, release_snapshot_memory, save_checkpoint
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointHandle", "CheckpointOptions", "CheckpointReader",
-           "CheckpointVersionError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["AioStorageReader", "AioStorageWriter", "CheckpointCorruptError", "CheckpointError", "CheckpointHandle",
+           "CheckpointOptions", "CheckpointReader", "CheckpointVersionError", "load_checkpoint",
+           "release_snapshot_memory", "save_checkpoint"]
+
+
+def __getattr__(name: str):
+    # torch.distributed.checkpoint costs ~0.1 s to import: only for the users of these classes.
+    if name in ("AioStorageReader", "AioStorageWriter"):
+        from . import dcp_storage
+
+        return getattr(dcp_storage, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

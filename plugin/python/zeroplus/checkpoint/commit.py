@@ -6,25 +6,28 @@
                 on failure: staging/rankNNNNN.failed with the error text instead
     rank 0:     waits until every rank left an index or a failure marker (commit_timeout_s), then
                 merges the indexes into manifest.json (durable), removes the indexes, renames
-                staging -> ROOT/NAME (fails if NAME is a non-empty directory), fsyncs ROOT, and
-                replaces ROOT/latest (temp -> fdatasync -> rename -> fsync ROOT).
+                staging -> ROOT/NAME, or, when NAME is a complete zeroplus checkpoint, swaps the
+                two atomically (renameat2 RENAME_EXCHANGE) and removes the old one afterwards
+                (any other non-empty NAME is refused), fsyncs ROOT, and replaces ROOT/latest
+                (temp -> fdatasync -> rename -> fsync ROOT).
                 Any failure: the staging directory is removed; ROOT/NAME and latest are untouched.
     rank > 0:   its save is complete when ROOT/NAME/manifest.json exists; it failed when the
                 staging directory is gone without it.
 
-A crash at any point leaves either the previous state (no NAME, old latest) or a complete
-checkpoint NAME (manifest durable before the rename that makes NAME visible), possibly with
+A crash at any point leaves either the previous state (no NAME or the old NAME, old latest) or
+a complete checkpoint NAME (manifest durable before the rename that makes NAME visible), possibly with
 latest still naming the previous one; leftover .NAME.tmp-* directories are never read.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
 
 from . import fsutil
-from .format import (BLOCK_BYTES, FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dumps)
+from .format import FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dumps
 
 _POLL_MAX_S = 0.05
 
@@ -103,9 +106,28 @@ def build_manifest(meta: dict, indexes: list[dict]) -> dict:
         for name, keys in ix["scalars"].items():
             for k, v in keys.items():
                 tensors[name]["scalars"].setdefault(k, v)
-    return {"format": FORMAT, "version": VERSION, "source": meta["source"], "block_bytes": BLOCK_BYTES,
+    return {"format": FORMAT, "version": VERSION, "source": meta["source"], "block_bytes": meta["block_bytes"],
             "files": files, "tensors": tensors, "aliases": meta["aliases"], "chunks": chunks,
             "param_groups": meta["param_groups"], "optimizer": meta["optimizer"], "extra": meta["extra"]}
+
+
+def is_checkpoint(root_fd: int, name: str) -> bool:
+    """NAME is a directory holding a manifest that parses as a zeroplus checkpoint (of any version)."""
+    try:
+        fd = fsutil.open_dir(name, dir_fd=root_fd, own=False)
+    except OSError:
+        return False
+    try:
+        mf = fsutil.open_read(fd, MANIFEST)
+        try:
+            head = fsutil.read_exact(mf, min(os.fstat(mf).st_size, 1 << 24), 0, MANIFEST)
+        finally:
+            os.close(mf)
+        return json.loads(head).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
 
 
 def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: int, meta: dict,
@@ -117,15 +139,23 @@ def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: i
         for r in range(world_size):
             fsutil.remove_quietly(staging_fd, index_name(r))
         os.fsync(staging_fd)
+        replaced = False
         try:
-            os.rename(staging, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-        except OSError as e:  # ENOTEMPTY/EEXIST: a checkpoint appeared there meanwhile; never replace it
-            raise FileExistsError(e.errno, "checkpoint: destination exists and is not empty; zeroplus never "
-                                           "overwrites a checkpoint", where) from None
+            os.rename(staging, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)  # NAME absent or an empty dir
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_checkpoint(root_fd, name):
+                raise FileExistsError(e.errno, "checkpoint: destination exists and is not a zeroplus checkpoint; "
+                                               "refusing to replace it", where) from None
+            # A complete checkpoint is there: swap the new one in atomically (NAME is always one
+            # complete checkpoint or the other); the old one now sits under the staging name.
+            fsutil.exchange(root_fd, staging, name)
+            replaced = True
         os.fsync(root_fd)
     except BaseException:
         fsutil.remove_tree(root_fd, staging)
         raise
+    if replaced:
+        fsutil.remove_tree(root_fd, staging)
     fsutil.write_small_file(root_fd, LATEST, (name + "\n").encode(), replace=True)
 
 

@@ -117,22 +117,35 @@ def encode_value(value):
 
 
 def decode_value(value):
+    """encode_value's inverse; malformed input raises CheckpointError (it comes from a file)."""
+    try:
+        return _decode(value)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint: manifest has a malformed value ({type(e).__name__}: {e})") from None
+
+
+def _decode(value):
     if isinstance(value, list):
-        return [decode_value(v) for v in value]
+        return [_decode(v) for v in value]
     if isinstance(value, dict):
         if "__tuple__" in value:
-            return tuple(decode_value(v) for v in value["__tuple__"])
+            return tuple(_decode(v) for v in value["__tuple__"])
         if "__dict__" in value:
-            return {k: decode_value(v) for k, v in value["__dict__"].items()}
+            return {k: _decode(v) for k, v in value["__dict__"].items()}
         if "__float__" in value:
             return float(value["__float__"])
         if "__tensor__" in value:
             import torch
 
             dtype = value["__tensor__"]
-            if dtype not in DTYPE_BYTES:
+            if not _str_in(dtype, DTYPE_BYTES):
                 raise CheckpointError(f"checkpoint: manifest has a tensor of unknown dtype {dtype!r}")
-            return torch.tensor(value["data"], dtype=getattr(torch, dtype)).reshape(value["shape"])
+            try:
+                return torch.tensor(value["data"], dtype=getattr(torch, dtype)).reshape(value["shape"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise CheckpointError(f"checkpoint: manifest has a malformed tensor value ({e})") from None
         raise CheckpointError(f"checkpoint: manifest has an untagged object {sorted(value)[:3]}")
     return value
 
@@ -151,6 +164,11 @@ def _need(cond: bool, where: str, what: str) -> None:
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_in(v, container) -> bool:
+    """v is a str key of container (a dict from JSON may hold any type where a name belongs)."""
+    return isinstance(v, str) and v in container
 
 
 def parse_manifest(data: bytes, where: str) -> dict:
@@ -173,35 +191,38 @@ def parse_manifest(data: bytes, where: str) -> dict:
     _need(m["block_bytes"] > 0, where, "block_bytes must be positive")
     sizes = []
     for i, f in enumerate(m["files"]):
-        _need(isinstance(f, dict) and isinstance(f.get("name"), str) and _FILE_NAME.match(f["name"]) is not None,
-              where, f"files[{i}] has name {f.get('name') if isinstance(f, dict) else f!r}, expected rankNNNNN.bin "
-                     f"(refusing a name that could escape the checkpoint directory)")
+        name = f.get("name") if isinstance(f, dict) else f
+        _need(isinstance(f, dict) and isinstance(name, str) and _FILE_NAME.match(name) is not None, where,
+              f"files[{i}] has name {name!r}, expected rankNNNNN.bin (refusing a name that could escape the "
+              f"checkpoint directory)")
         _need(_int(f.get("bytes")) and f["bytes"] >= 0, where, f"files[{i}].bytes is invalid")
         crcs = f.get("block_crc32")
         nblocks = -(-f["bytes"] // m["block_bytes"])
         _need(isinstance(crcs, list) and len(crcs) == nblocks and all(_int(c) for c in crcs), where,
               f"files[{i}].block_crc32 must list {nblocks} checksums")
         sizes.append(f["bytes"])
-    for name, t in m["tensors"].items():
-        _need(isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(d) and d >= 0 for d in t["shape"]),
-              where, f"tensor {name!r} has an invalid shape")
-        _need(t.get("dtype") in DTYPE_BYTES, where, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}")
-        _need(t.get("kind") in ("param", "buffer"), where, f"tensor {name!r} has unknown kind {t.get('kind')!r}")
-        _need(isinstance(t.get("state", {}), dict) and isinstance(t.get("scalars", {}), dict), where,
-              f"tensor {name!r} has invalid optimizer state fields")
+    tensors = m["tensors"]
+    for name, t in tensors.items():
+        ok = isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(d) and d >= 0 for d in t["shape"])
+        _need(ok, where, f"tensor {name!r} has an invalid shape")
+        _need(_str_in(t.get("dtype"), DTYPE_BYTES), where, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}")
+        _need(_str_in(t.get("kind"), ("param", "buffer")), where, f"tensor {name!r} has unknown kind {t.get('kind')!r}")
+        state, scalars = t.get("state", {}), t.get("scalars", {})
+        _need(isinstance(state, dict) and all(_str_in(v, DTYPE_BYTES) for v in state.values())
+              and isinstance(scalars, dict), where, f"tensor {name!r} has invalid optimizer state fields")
         t["numel"] = math.prod(t["shape"])
     for alias, target in m["aliases"].items():
-        _need(target in m["tensors"], where, f"alias {alias!r} names unknown tensor {target!r}")
+        _need(_str_in(target, tensors), where, f"alias {alias!r} names unknown tensor {target!r}")
     for i, c in enumerate(m["chunks"]):
         ok = isinstance(c, list) and len(c) == 7
         if ok:
             name, key, lo, hi, dtype, fi, off = c
-            ok = (name in m["tensors"] and isinstance(key, str) and _int(lo) and _int(hi) and 0 <= lo < hi
-                  and hi <= m["tensors"][name]["numel"] and dtype in DTYPE_BYTES and _int(fi)
+            ok = (_str_in(name, tensors) and isinstance(key, str) and _int(lo) and _int(hi) and 0 <= lo < hi
+                  and hi <= tensors[name]["numel"] and _str_in(dtype, DTYPE_BYTES) and _int(fi)
                   and 0 <= fi < len(sizes) and _int(off) and off >= 0
                   and off + (hi - lo) * DTYPE_BYTES[dtype] <= sizes[fi])
         _need(ok, where, f"chunks[{i}] = {c!r} is out of range (tensor, element range, file or byte offset)")
     for i, g in enumerate(m["param_groups"]):
         _need(isinstance(g, dict) and isinstance(g.get("params"), list)
-              and all(p in m["tensors"] for p in g["params"]), where, f"param_groups[{i}] is invalid")
+              and all(_str_in(p, tensors) for p in g["params"]), where, f"param_groups[{i}] is invalid")
     return m

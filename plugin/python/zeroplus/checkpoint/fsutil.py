@@ -15,8 +15,11 @@ Torch-free and distribution-free: the writer and reader call these with explicit
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import os
+import re
 import secrets
 import stat
 
@@ -49,8 +52,44 @@ def make_private_dir(parent_fd: int, name: str) -> int:
     return open_dir(name, dir_fd=parent_fd)
 
 
+_TEMP = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
+
+
 def temp_name(final: str) -> str:
     return f".{final}.tmp-{secrets.token_hex(8)}"
+
+
+def lock(fd: int, wait: bool = True) -> bool:
+    """flock(LOCK_EX) on fd (a staging directory: held by the save that owns it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False
+
+
+def remove_stale_temp_dirs(dir_fd: int, keep: str) -> list[str]:
+    """Remove the temporary directories zeroplus left in dir_fd when a save was killed: names it
+    generates (temp_name), owned by this user, and not locked by a save in flight (the save's
+    rank 0 holds a flock on its staging directory until it commits or cleans up). Returns them."""
+    removed = []
+    for entry in os.listdir(dir_fd):
+        if entry == keep or not _TEMP.match(entry):
+            continue
+        try:
+            fd = open_dir(entry, dir_fd=dir_fd)  # a directory of ours, or skipped
+        except OSError:
+            continue
+        try:
+            stale = lock(fd, wait=False)
+        finally:
+            os.close(fd)  # the lock goes with it; a save starting now creates its own directory
+        if stale:
+            remove_tree(dir_fd, entry)
+            removed.append(entry)
+    if removed:
+        os.fsync(dir_fd)
+    return removed
 
 
 def create_exclusive(dir_fd: int, name: str) -> int:
@@ -141,14 +180,34 @@ def remove_tree(dir_fd: int, name: str) -> None:
 
 
 def read_exact(fd: int, length: int, offset: int, name: str) -> bytearray:
-    """length bytes at offset; a short file is a truncated checkpoint (EOFError-like OSError)."""
+    """length bytes at offset; a short file is a truncated checkpoint (an OSError naming it)."""
     buf = bytearray(length)
-    view = memoryview(buf)
-    done = 0
+    read_into(fd, memoryview(buf), offset, name)
+    return buf
+
+
+def read_into(fd: int, view: memoryview, offset: int, name: str) -> None:
+    """Fill `view` from offset, retrying short reads; end of file first: truncated (OSError)."""
+    done, length = 0, len(view)
     while done < length:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
             raise OSError(errno.EIO, f"checkpoint: file is truncated: wanted {length} bytes at offset {offset}, "
                                      f"it ends at {offset + done}", name)
         done += n
-    return buf
+
+
+_RENAME_EXCHANGE = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def exchange(dir_fd: int, a: str, b: str) -> None:
+    """Atomically swap the entries a and b of dir_fd (renameat2 RENAME_EXCHANGE): at every
+    instant each name is one of the two complete directories. OSError if the kernel, the C
+    library or the file system cannot."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "checkpoint: renameat2 is not available in this C library")
+    if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"checkpoint: renameat2(RENAME_EXCHANGE) failed: {os.strerror(err)}", b)

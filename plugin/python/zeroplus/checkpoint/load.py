@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .adapters import adapter_for
 from .format import decode_value
 from .reader import CheckpointReader
+from .save import wait_for_pending_save
 
 
 def _check_model(manifest: dict, adapter, model) -> None:
@@ -86,6 +87,7 @@ def load_checkpoint(path, model, opt):
     """Load a checkpoint saved by zeroplus.save_checkpoint into (model, opt); returns its extra."""
     adapter = adapter_for(model, opt)
     group = opt.process_group
+    wait_for_pending_save()  # an async save of this process finishes first (it may be this path)
     error = None
     try:
         with CheckpointReader(path) as reader:

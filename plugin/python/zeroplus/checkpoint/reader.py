@@ -58,6 +58,7 @@ class CheckpointReader:
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no such checkpoint directory", self.path) from None
         self._fds: dict[int, int] = {}
+        self._bounce: bytearray | None = None
         where = os.path.join(self.path, MANIFEST)
         try:
             fd = fsutil.open_read(self.dir_fd, MANIFEST)
@@ -116,24 +117,36 @@ class CheckpointReader:
 
     def verify_file(self, fi: int) -> None:
         """Every block of file fi against its checksum (inspect)."""
-        size = self.manifest["files"][fi]["bytes"]
-        self._read_blocks(fi, 0, -(-size // self.block))
+        blocks = -(-self.manifest["files"][fi]["bytes"] // self.block)
+        self._fd(fi)  # the size check, also for an empty file
+        for first in range(0, blocks, _MAX_RUN_BLOCKS):
+            self._read_blocks(fi, first, min(blocks, first + _MAX_RUN_BLOCKS))
 
-    def _read_blocks(self, fi: int, first: int, last: int) -> bytearray:
-        """Blocks [first, last) of file fi, each checked against its CRC-32."""
+    def _verify(self, fi: int, first: int, view) -> None:
+        """view holds file fi's bytes from block `first` on, whole blocks (the file's last may be
+        short): each must match its CRC-32."""
         rec = self.manifest["files"][fi]
-        fd = self._fd(fi)
-        lo = first * self.block
-        hi = min(last * self.block, rec["bytes"])
-        data = fsutil.read_exact(fd, hi - lo, lo, self.file_path(fi))
-        view = memoryview(data)
-        for b in range(first, last):
-            a = (b - first) * self.block
+        for i, a in enumerate(range(0, len(view), self.block)):
+            b = first + i
             if zlib.crc32(view[a:a + self.block]) != rec["block_crc32"][b]:
                 raise CheckpointCorruptError(errno.EIO, f"checkpoint: checksum mismatch in bytes [{b * self.block}, "
                                                         f"{min((b + 1) * self.block, rec['bytes'])}) (corrupt file)",
                                              self.file_path(fi))
-        return data
+
+    def _read_blocks(self, fi: int, first: int, last: int, into=None) -> memoryview:
+        """Blocks [first, last) of file fi, each checked against its CRC-32: into `into` (a
+        writable buffer of exactly their size) or a buffer reused by the next call."""
+        rec = self.manifest["files"][fi]
+        fd = self._fd(fi)
+        lo = first * self.block
+        hi = min(last * self.block, rec["bytes"])
+        if into is None:
+            if self._bounce is None or len(self._bounce) < hi - lo:
+                self._bounce = bytearray(hi - lo)
+            into = memoryview(self._bounce)[:hi - lo]
+        fsutil.read_into(fd, into, lo, self.file_path(fi))
+        self._verify(fi, first, into)
+        return into
 
     def has(self, name: str, key: str) -> bool:
         return (name, key) in self._chunks
@@ -169,21 +182,24 @@ class CheckpointReader:
         return out
 
     def _serve(self, fi: int, pieces) -> None:
-        """Read the blocks under `pieces` (sorted by byte_lo) in runs, copying each piece out."""
-        blocks = sorted({b for lo, hi, _, _ in pieces for b in range(lo // self.block, (hi - 1) // self.block + 1)})
-        runs, start = [], None
-        for i, b in enumerate(blocks):
-            if start is None:
-                start = b
-            end_here = i + 1 == len(blocks) or blocks[i + 1] != b + 1 or b + 1 - start >= _MAX_RUN_BLOCKS
-            if end_here:
-                runs.append((start, b + 1))
-                start = None
-        for first, last in runs:
-            data = self._read_blocks(fi, first, last)
-            base, top = first * self.block, first * self.block + len(data)
-            src = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-            for lo, hi, raw, at in pieces:
-                a, z = max(lo, base), min(hi, top)
-                if a < z:
-                    raw[at + (a - lo):at + (z - lo)].copy_(src[a - base:z - base])
+        """Fill each piece (file bytes [lo, hi) -> raw[at:]): the blocks wholly inside it are read
+        straight into the destination and checked there (no second copy); the partial blocks at
+        its ends go through the bounce buffer."""
+        size, bs = self.manifest["files"][fi]["bytes"], self.block
+        for lo, hi, raw, at in pieces:
+            b, last = lo // bs, (hi - 1) // bs
+            while b <= last:
+                start, end = b * bs, min((b + 1) * bs, size)
+                if start >= lo and end <= hi:  # whole blocks: a run of them, read in place
+                    k = b
+                    while k < last and k + 1 - b < _MAX_RUN_BLOCKS and min((k + 2) * bs, size) <= hi:
+                        k += 1
+                    stop = min((k + 1) * bs, size)
+                    dst = raw[at + (start - lo):at + (stop - lo)]
+                    self._read_blocks(fi, b, k + 1, into=memoryview(dst.numpy()))
+                    b = k + 1
+                else:
+                    data = self._read_blocks(fi, b, b + 1)
+                    a, z = max(lo, start), min(hi, end)
+                    raw[at + (a - lo):at + (z - lo)].copy_(torch.frombuffer(data, dtype=torch.uint8)[a - start:z - start])
+                    b += 1

@@ -1,7 +1,7 @@
 """Writing one rank's shard file: bytes, block checksums, durability.
 
 write_shard(dir_fd, dir_path, rank, pieces, io) lays the pieces out back to back in
-rankNNNNN.bin, computing the CRC-32 of every BLOCK_BYTES block as the bytes go out, and makes the
+rankNNNNN.bin, computing the CRC-32 of every `block_bytes` block as the bytes go out, and makes the
 file durable under its final name (temp name -> fdatasync -> rename -> fsync dir; fsutil.py).
 Returns the file record and the chunk table the manifest needs.
 
@@ -22,7 +22,7 @@ import zlib
 import torch
 
 from . import fsutil
-from .format import BLOCK_BYTES, shard_file_name
+from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default block size)
 
 _COALESCE_BYTES = 1 << 20   # pieces smaller than this are packed into one write
 _FLUSH_BYTES = 8 << 20      # the coalescing buffer is written out at this size
@@ -36,7 +36,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _BlockCrc:
-    """CRC-32 of consecutive BLOCK_BYTES blocks of a byte stream fed in order."""
+    """CRC-32 of consecutive `block` byte blocks of a byte stream fed in order."""
 
     def __init__(self, block: int):
         self.block, self.crcs, self.cur, self.fill = block, [], 0, 0
@@ -86,7 +86,8 @@ class _Sink:
                 self.keep.clear()
 
 
-def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio") -> tuple[dict, list]:
+def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
+                block_bytes: int = BLOCK_BYTES) -> tuple[dict, list]:
     """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
     the temporary file is removed then, and nothing is left under the final name."""
@@ -96,7 +97,7 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
     try:
         try:
             sink = _Sink(fd, os.path.join(dir_path, tmp), io)
-            crc = _BlockCrc(BLOCK_BYTES)
+            crc = _BlockCrc(block_bytes)
             chunks, offset = [], 0
             pending, pending_at = [], 0
             pending_bytes = 0
@@ -112,7 +113,6 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                 data = as_bytes(tensor.detach().reshape(-1))
                 n = data.numel()
                 chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
-                crc.feed(memoryview(data.numpy()))
                 if n < _COALESCE_BYTES:
                     if not pending:
                         pending_at = offset
@@ -122,7 +122,8 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                         flush()
                 else:
                     flush()
-                    sink.write(data, offset)
+                    sink.write(data, offset)  # queued first: the engine writes while we checksum
+                crc.feed(memoryview(data.numpy()))
                 offset += n
                 if not pending:
                     pending_at = offset

@@ -1,0 +1,239 @@
+"""Checkpoint save/load side by side: zeroplus, torch.save/torch.load per rank, DCP, fio; one run.
+
+    .venv/bin/python bench/checkpoint/bench_checkpoint.py [--params 44e6] [--ranks 2] [--reps 3]
+        [--dir DIR] [--out bench/results/checkpoint-latest]
+
+Each rank holds the sharded state of a ZeRO stage-2 AdamW run (zeroplus.initialize, fp32): its
+shard of the fp32 masters plus exp_avg and exp_avg_sq, 12 bytes per parameter / ranks, so the
+default 44M parameters make ~530 MB over 2 ranks. Every variant writes those same bytes, per rank,
+to a fresh directory under DIR (default: a temporary directory on the file system of /tmp):
+
+  zeroplus_aio     zeroplus.save_checkpoint (io_uring through zeroplus.aio; fdatasync of every
+                   file, fsync of the directories, manifest, latest) / load_checkpoint
+  zeroplus_posix   the same with CheckpointOptions(io="posix") (pwrite)
+  torch_save       torch.save({"optimizer": opt.state_dict(), "masters": opt.masters}) per rank (the
+                   engine's sharded state dict and master shards), no fsync (torch's default) /
+                   torch.load, opt.load_state_dict, masters copied back, opt.publish_masters()
+  torch_save_sync  the same followed by os.fsync of the file (the durability zeroplus gives)
+  dcp              torch.distributed.checkpoint.save with FileSystemWriter of the same tensors under
+                   per-rank keys (so each rank writes its own, as sharded tensors would) / dcp.load
+                   in place into the live tensors, opt.publish_masters()
+  async_stall      zeroplus.save_checkpoint(async_=True): time until the call returns (what training
+                   waits for), against zeroplus_aio's synchronous save
+
+Variants run interleaved per repetition; a time is the slowest rank's, the figure the median over
+repetitions. Reads come from the page cache (the bench does not drop caches on a shared machine).
+fio's sequential 1 MiB write bandwidth (with a final fsync) on the same directory is the ceiling.
+Writes OUT.json and OUT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "plugin" / "python"))  # the tree's zeroplus (spawned ranks inherit sys.path)
+VARIANTS = ["zeroplus_aio", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
+
+
+def _model(params: int) -> torch.nn.Module:
+    width = 4096
+    layers = max(1, round(params / (width * width)))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+
+def _max(t: float) -> float:
+    x = torch.tensor([t], dtype=torch.float64)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return float(x.item())
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return _max(time.perf_counter() - t0)
+
+
+def _dcp_state(opt, rank: int) -> dict:
+    out = {}
+    for b, bo in enumerate(opt.bucket_optimizers):
+        for i, seg in enumerate(bo.segments):
+            out[f"r{rank}.b{b}.s{i}.master"] = seg.master
+            for k, v in bo.segment_state(seg).items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    out[f"r{rank}.b{b}.s{i}.{k}"] = v
+    return out
+
+
+def _rank(rank: int, world: int, args, store_path: str, results) -> None:
+    import zeroplus
+    import torch.distributed.checkpoint as dcp
+    from zeroplus.checkpoint import CheckpointOptions
+
+    torch.set_num_threads(1)
+    dist.init_process_group("zeroplus", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    model, opt = zeroplus.initialize(_model(int(args.params)), torch.optim.AdamW, stage=2, lr=1e-4)
+    x = torch.randn(2, 4096)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    shard_bytes = sum(t.numel() * t.element_size() for t in _dcp_state(opt, rank).values())
+    sizes = torch.tensor([shard_bytes], dtype=torch.float64)
+    dist.all_reduce(sizes)
+    total_bytes = int(sizes.item())
+    base = args.dir
+    times = {f"{v}_{op}": [] for v in VARIANTS for op in ("save", "load")}
+    times["async_stall"] = []
+    times["async_total"] = []
+    for rep in range(args.reps):
+        for v in VARIANTS:
+            d = os.path.join(base, f"{v}_{rep}")
+            if v.startswith("zeroplus"):
+                o = CheckpointOptions(io="aio" if v == "zeroplus_aio" else "posix")
+                times[f"{v}_save"].append(_timed(lambda: zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt,
+                                                                                   options=o)))
+                times[f"{v}_load"].append(_timed(lambda: zeroplus.load_checkpoint(d, model, opt)))
+            elif v.startswith("torch_save"):
+                f = os.path.join(d, f"rank{rank}.pt")
+                if rank == 0:
+                    os.makedirs(d)
+                dist.barrier()
+
+                def save():
+                    torch.save({"optimizer": opt.state_dict(), "masters": opt.masters}, f)
+                    if v == "torch_save_sync":
+                        fd = os.open(f, os.O_RDONLY)
+                        os.fsync(fd)
+                        os.close(fd)
+                times[f"{v}_save"].append(_timed(save))
+                def load():
+                    sd = torch.load(f, weights_only=False)
+                    opt.load_state_dict(sd["optimizer"])
+                    with torch.no_grad():
+                        for m, saved in zip(opt.masters, sd["masters"]):
+                            m.copy_(saved)
+                    opt.publish_masters()
+                times[f"{v}_load"].append(_timed(load))
+            else:
+                state = _dcp_state(opt, rank)
+                times["dcp_save"].append(_timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(d))))
+                def dcp_load():
+                    dcp.load(state, storage_reader=dcp.FileSystemReader(d))  # in place, into the live tensors
+                    opt.publish_masters()
+                times["dcp_load"].append(_timed(dcp_load))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+            dist.barrier()
+        d = os.path.join(base, f"async_{rep}")
+        handles = []
+        stall = _timed(lambda: handles.append(zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt, async_=True)))
+        t0 = time.perf_counter()
+        handles[0].wait()
+        times["async_stall"].append(stall)
+        times["async_total"].append(_max(time.perf_counter() - t0) + stall)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        dist.barrier()
+    if rank == 0:
+        results.put({"times": times, "total_bytes": total_bytes, "shard_bytes": shard_bytes,
+                     "snapshot_bytes": handles[0].snapshot_bytes})
+    dist.destroy_process_group()
+
+
+def _fio(directory: str, size_mb: int) -> float | None:
+    if shutil.which("fio") is None:
+        return None
+    out = subprocess.run(["fio", "--name=ckpt", f"--directory={directory}", "--rw=write", "--bs=1M",
+                          f"--size={size_mb}M", "--numjobs=1", "--end_fsync=1", "--ioengine=psync",
+                          "--output-format=json"], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return None
+    job = json.loads(out.stdout)["jobs"][0]["write"]
+    for f in pathlib.Path(directory).glob("ckpt*"):
+        f.unlink()
+    return job["bw_bytes"] / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=float, default=44e6)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint-latest"))
+    args = ap.parse_args()
+    own_dir = args.dir is None
+    args.dir = tempfile.mkdtemp(prefix="zeroplus-ckpt-bench-") if own_dir else args.dir
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store = os.path.join(args.dir, "store")
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, args, store, results)) for r in range(args.ranks)]
+    for p in procs:
+        p.start()
+    res = None
+    while res is None:
+        try:
+            res = results.get(timeout=1.0)
+        except Exception:  # noqa: BLE001 - queue.Empty: is every rank still alive?
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit("bench_checkpoint: a rank failed (its traceback is above)")
+    for p in procs:
+        p.join()
+    gb = res["total_bytes"] / 1e9
+    fio = _fio(args.dir, max(64, int(res["shard_bytes"] / 2**20)))
+    if own_dir:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in res["times"].items() if v}
+    rows = []
+    for v in VARIANTS:
+        rows.append((v, med[f"{v}_save"], gb / med[f"{v}_save"], med[f"{v}_load"], gb / med[f"{v}_load"]))
+    zs = med["zeroplus_aio_save"]
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "ranks": args.ranks,
+              "params": int(args.params), "total_bytes": res["total_bytes"], "reps": args.reps,
+              "median_s": med, "raw_s": res["times"], "fio_write_GBps": fio,
+              "snapshot_bytes_rank0": res["snapshot_bytes"],
+              "ratios": {"save_vs_torch_save": med["torch_save_save"] / zs,
+                         "save_vs_torch_save_sync": med["torch_save_sync_save"] / zs,
+                         "save_vs_dcp": med["dcp_save"] / zs,
+                         "save_GBps_vs_fio": (gb / zs) / fio if fio else None,
+                         "async_stall_vs_sync_save": med["async_stall"] / zs,
+                         "load_vs_torch_load": med["torch_save_load"] / med["zeroplus_aio_load"],
+                         "load_vs_dcp": med["dcp_load"] / med["zeroplus_aio_load"]}}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [f"# Checkpoint save/load, {args.ranks} ranks, {gb:.3f} GB sharded state (median of {args.reps})", "",
+             "| variant | save s | save GB/s | load s | load GB/s |", "|---|---|---|---|---|"]
+    lines += [f"| {v} | {s:.3f} | {sg:.2f} | {l:.3f} | {lg:.2f} |" for v, s, sg, l, lg in rows]
+    lines += ["", f"async save: the call blocks {med['async_stall']:.3f} s (snapshot of "
+              f"{res['snapshot_bytes'] / 1e6:.0f} MB on rank 0), {med['async_total']:.3f} s until wait() returns", "",
+              f"fio sequential write (1 MiB, end fsync): {fio:.2f} GB/s" if fio else "fio: not available", "",
+              "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in report["ratios"].items() if v is not None]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

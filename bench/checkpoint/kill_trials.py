@@ -1,0 +1,138 @@
+"""kill -9 trials of zeroplus checkpoints: the 200-trial version of tests/python/test_checkpoint_crash.py.
+
+    .venv/bin/python bench/checkpoint/kill_trials.py [--trials 200] [--width 4096] [--out PATH]
+
+A child process (world size 1, stage 2, AdamW) saves in a loop under three names in turn (so
+most saves replace a complete checkpoint by the atomic swap), every parameter, buffer and the
+`extra` step equal to the step number. The parent SIGKILLs it at a random point 0-300 ms after it
+is ready, TRIALS times. After each kill it checks that the checkpoint `latest` names passes
+`inspect` (every checksum), that every value in it equals its `extra` step, that (child, step)
+never goes backwards, and that staging directories of killed saves do not pile up. Prints and
+writes PATH.json / PATH.md: trials, how many kills landed inside a save (a new staging directory
+was left), failures (must be 0), wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "plugin" / "python"))
+
+
+def _saver(root: str, child: int, store: str, width: int, ready) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zeroplus
+
+    dist.init_process_group("zeroplus", store=dist.FileStore(store, 1), rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 8))
+    model.register_buffer("scale", torch.ones(1))
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=1e-3)
+    options = zeroplus.checkpoint.CheckpointOptions(block_bytes=4096)
+    step = 0
+    ready.set()
+    while True:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.fill_(float(step))
+        zeroplus.save_checkpoint(os.path.join(root, f"c{child:04d}_{step % 3}"), model, opt,
+                                 extra={"step": step, "child": child}, options=options)
+        step += 1
+
+
+def _verify(root: str):
+    import torch
+
+    from zeroplus.checkpoint.consolidate import inspect, iter_tensors
+    from zeroplus.checkpoint.reader import CheckpointReader
+
+    summary = inspect(root)
+    if not summary["ok"]:
+        raise AssertionError(f"checksums: {summary['files']}")
+    extra = summary["extra"]
+    with CheckpointReader(root) as reader:
+        for name, value in iter_tensors(reader):
+            if not torch.all(value == float(extra["step"])):
+                raise AssertionError(f"{name} is not all {extra['step']}")
+    return extra["child"], extra["step"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint-kill-latest"))
+    args = ap.parse_args()
+    import zeroplus  # noqa: F401  (the parent verifies; the library must load here too)
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "zeroplus"])
+    rng = random.Random(args.seed)
+    work = tempfile.mkdtemp(prefix="zeroplus-kill-")
+    root = os.path.join(work, "ckpts")
+    t0 = time.monotonic()
+    trials = verified = inside = 0
+    failures, previous, staged, max_left = [], None, set(), 0
+    child = 0
+    try:
+        while trials < args.trials:
+            child += 1
+            ready = ctx.Event()
+            p = ctx.Process(target=_saver, args=(root, child, os.path.join(work, f"store{child}"), args.width, ready),
+                            daemon=True)
+            p.start()
+            if not ready.wait(120):
+                p.kill()
+                sys.exit(f"child {child} did not start")
+            time.sleep(rng.uniform(0.0, 0.3))
+            p.kill()
+            p.join()
+            trials += 1
+            if not os.path.exists(os.path.join(root, "latest")):
+                continue
+            try:
+                got = _verify(root)
+                if previous is not None and got < previous:
+                    raise AssertionError(f"latest went backwards: {previous} -> {got}")
+                previous = got
+                verified += 1
+            except Exception as e:  # noqa: BLE001 - counted and reported
+                failures.append(f"trial {trials}: {type(e).__name__}: {e}")
+            left = {n for n in os.listdir(root) if n.startswith(".")}
+            inside += bool(left - staged)
+            staged = left
+            max_left = max(max_left, len(left))
+            if trials % 20 == 0:
+                print(f"{trials} trials, {verified} verified, {len(failures)} failures", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    wall = time.monotonic() - t0
+    report = {"trials": trials, "verified": verified, "kills_inside_a_save": inside, "failures": failures,
+              "max_staging_dirs_left": max_left, "wall_s": round(wall, 1), "seed": args.seed, "width": args.width}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    text = (f"kill -9 trials: {trials}, verified after the kill: {verified}, kills inside a save: {inside}, "
+            f"failures: {len(failures)}, staging directories left at most: {max_left}, {wall:.0f} s")
+    out.with_suffix(".md").write_text(text + "\n" + "".join(f"* {f}\n" for f in failures))
+    print(text)
+    for f in failures:
+        print(f)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

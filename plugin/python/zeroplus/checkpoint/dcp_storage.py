@@ -1,0 +1,157 @@
+"""torch.distributed.checkpoint storage through zeroplus: AioStorageWriter / AioStorageReader.
+
+    import torch.distributed.checkpoint as dcp
+    dcp.save(state_dict, storage_writer=zeroplus.checkpoint.AioStorageWriter(path))
+    dcp.load(state_dict, storage_reader=zeroplus.checkpoint.AioStorageReader(path))
+
+They are torch's FileSystemWriter / FileSystemReader (same plans, same on-disk layout, so either
+side reads the other's checkpoints, and DCP reshards as it always does) over a file system layer
+that adds what DCP's lacks:
+  * every file is created exclusively (O_CREAT|O_EXCL|O_NOFOLLOW, relative to a directory
+    descriptor opened O_DIRECTORY|O_NOFOLLOW): a planted symlink or an existing data file of an
+    earlier save makes the save fail instead of writing through it or over it;
+  * data bytes are written through zeroplus.aio.AioHandle (io_uring, several requests in flight
+    while DCP serialises the next item), then fdatasync'ed through our own descriptor, whose inode
+    is checked to be the one the engine wrote;
+  * every rename (DCP's `.metadata.tmp` -> `.metadata`, the commit point) is followed by an fsync
+    of the directory, so a crash after dcp.save returned cannot lose the metadata;
+  * reads open files with O_NOFOLLOW.
+sync_files=True is forced (it is what makes a save durable).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+
+from . import fsutil
+
+
+class _AioWriteStream(io.RawIOBase):
+    """A write-only stream whose writes are queued on an AioHandle at increasing offsets (each
+    write's bytes copied first: the caller may reuse its buffer); close() waits for them and
+    fdatasyncs. tell() is the bytes written so far (DCP records item offsets with it)."""
+
+    def __init__(self, fd: int, path: str):
+        from ..aio import AioHandle
+
+        super().__init__()
+        self._fd, self._path, self._offset = fd, path, 0
+        self._handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct="off")
+        self._keep: list[torch.Tensor] = []
+        self._kept = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = len(view)
+        if n:
+            t = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+            self._handle.async_pwrite(t, self._path, self._offset)
+            self._keep.append(t)
+            self._kept += n
+            if self._kept >= 256 << 20:  # bound the copies in flight
+                self._drain()
+        self._offset += n
+        return n
+
+    def _drain(self) -> None:
+        try:
+            self._handle.wait()
+        finally:
+            self._keep.clear()
+            self._kept = 0
+
+    def tell(self) -> int:
+        return self._offset
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._drain()
+            os.fdatasync(self._fd)
+            st = os.fstat(self._fd)
+            here = os.stat(self._path, follow_symlinks=False)
+            if (here.st_ino, here.st_dev) != (st.st_ino, st.st_dev) or st.st_size != self._offset:
+                raise OSError(errno.EIO, "dcp storage: file changed under the writer", self._path)
+        finally:
+            os.close(self._fd)
+            super().close()
+
+
+class _DurableFileSystem(FileSystem):
+    """DCP's FileSystem with exclusive, symlink-refusing creation, aio writes and durable renames."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        path = Path(path)
+        dir_fd = fsutil.open_dir(str(path.parent), own=False)
+        try:
+            if mode == "wb":
+                fd = fsutil.create_exclusive(dir_fd, path.name)
+                stream = _AioWriteStream(fd, str(path))
+                try:
+                    yield stream
+                except BaseException:
+                    try:
+                        stream.close()
+                    finally:
+                        fsutil.remove_quietly(dir_fd, path.name)
+                    raise
+                stream.close()  # waits for the data and fdatasyncs it
+                os.fsync(dir_fd)  # the new directory entry
+            elif mode == "rb":
+                with os.fdopen(fsutil.open_read(dir_fd, path.name), "rb") as f:
+                    yield f
+            else:
+                raise ValueError(f"dcp storage: unsupported stream mode {mode!r}")
+        finally:
+            os.close(dir_fd)
+
+    def rename(self, path, new_path) -> None:
+        path, new_path = Path(path), Path(new_path)
+        if path.parent != new_path.parent:
+            raise ValueError(f"dcp storage: rename across directories ({path} -> {new_path})")
+        dir_fd = fsutil.open_dir(str(path.parent), own=False)
+        try:
+            fsutil.publish(dir_fd, path.name, new_path.name, replace=True)
+        finally:
+            os.close(dir_fd)
+
+    def mkdir(self, path) -> None:
+        os.makedirs(path, 0o700, exist_ok=True)
+
+
+class AioStorageWriter(FileSystemWriter):
+    """torch.distributed.checkpoint.FileSystemWriter over zeroplus's durable file layer (module
+    doc). Same arguments as FileSystemWriter; sync_files is always True."""
+
+    def __init__(self, path, *args, **kwargs):
+        kwargs["sync_files"] = True
+        super().__init__(path, *args, **kwargs)
+        self.fs = _DurableFileSystem()
+        self.path = self.fs.init_path(path)
+
+
+class AioStorageReader(FileSystemReader):
+    """torch.distributed.checkpoint.FileSystemReader opening files with O_NOFOLLOW."""
+
+    def __init__(self, path, *args, **kwargs):
+        super().__init__(path, *args, **kwargs)
+        self.fs = _DurableFileSystem()
+        self.path = self.fs.init_path(path)

@@ -1,0 +1,165 @@
+"""The checkpoint manifest parser and value encoding (no process group, no files).
+
+parse_manifest is the one place untrusted bytes enter a load, so it is fuzzed here: thousands of
+seeded mutations of a valid manifest (fields deleted, retyped, set to extreme or escaping values,
+bytes flipped or cut) must each either parse into something whose every range is in bounds, or
+raise CheckpointError (an OSError) naming the manifest; never another exception.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from zeroplus.checkpoint.format import (CheckpointError, CheckpointVersionError, DTYPE_BYTES, decode_value, dumps,
+                                        encode_value, parse_manifest)
+
+TRIALS = 3000
+
+
+def _valid() -> dict:
+    return {
+        "format": "zeroplus-checkpoint", "version": 1, "block_bytes": 64,
+        "source": {"stage": 2, "world_size": 2},
+        "files": [{"name": "rank00000.bin", "bytes": 100, "block_crc32": [1, 2]},
+                  {"name": "rank00001.bin", "bytes": 40, "block_crc32": [3]}],
+        "tensors": {"w": {"shape": [3, 5], "dtype": "float32", "kind": "param", "trainable": True,
+                          "state": {"exp_avg": "float32"}, "scalars": {"step": encode_value(torch.tensor(3.0))}},
+                    "b": {"shape": [5], "dtype": "bfloat16", "kind": "buffer"}},
+        "aliases": {"w2": "w"},
+        "chunks": [["w", "param", 0, 15, "float32", 0, 0], ["w", "exp_avg", 0, 10, "float32", 1, 0],
+                   ["b", "value", 0, 5, "bfloat16", 0, 60]],
+        "param_groups": [{"lr": 0.1, "params": ["w"]}],
+        "optimizer": {}, "extra": {"step": 3},
+    }
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+_WEIRD = [None, True, -1, 0, 1, 2 ** 63, -2 ** 63, 1.5, float("nan"), "", "../x", "rank00000.bin", "/etc/passwd",
+          [], [1, 2], {}, {"a": 1}, ["w"], "float32", "w", "param"]
+
+
+def _mutate(m: dict, rng: random.Random) -> dict:
+    m = copy.deepcopy(m)
+    for _ in range(rng.randint(1, 3)):
+        paths = [p for p in _paths(m) if p]
+        path = rng.choice(paths)
+        parent = m
+        for k in path[:-1]:
+            parent = parent[k]
+        op = rng.random()
+        if op < 0.3 and isinstance(parent, dict):
+            del parent[path[-1]]
+        elif op < 0.4 and isinstance(parent, list):
+            parent.pop(path[-1])
+        else:
+            parent[path[-1]] = copy.deepcopy(rng.choice(_WEIRD))
+    return m
+
+
+def _check_bounds(m: dict) -> None:
+    sizes = [f["bytes"] for f in m["files"]]
+    for name, key, lo, hi, dtype, fi, off in m["chunks"]:
+        assert 0 <= lo < hi <= m["tensors"][name]["numel"]
+        assert off + (hi - lo) * DTYPE_BYTES[dtype] <= sizes[fi]
+    for f in m["files"]:
+        assert "/" not in f["name"] and ".." not in f["name"]
+
+
+def test_valid_manifest_parses():
+    m = parse_manifest(dumps(_valid()), "manifest.json")
+    _check_bounds(m)
+    assert m["tensors"]["w"]["numel"] == 15
+
+
+def test_newer_version_is_refused():
+    with pytest.raises(CheckpointVersionError, match="version 2, newer"):
+        parse_manifest(dumps({**_valid(), "version": 2}), "m.json")
+
+
+def test_fuzzed_manifests_parse_or_raise_checkpoint_error():
+    rng = random.Random(2026)
+    base = _valid()
+    accepted = 0
+    for trial in range(TRIALS):
+        if trial % 10 == 9:  # raw byte damage: flips and cuts
+            data = bytearray(dumps(base))
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            data = bytes(data[:rng.randint(0, len(data))]) if rng.random() < 0.3 else bytes(data)
+        else:
+            data = json.dumps(_mutate(base, rng), allow_nan=True).encode()
+        try:
+            m = parse_manifest(data, "manifest.json")
+        except CheckpointError as e:
+            assert "manifest.json" in str(e) or "checkpoint:" in str(e)
+            continue
+        _check_bounds(m)
+        accepted += 1
+    assert accepted < TRIALS  # the mutations do hit the checks
+
+
+def test_values_round_trip():
+    values = [(0.9, 0.999), [1, (2, 3)], {"a": (1,)}, float("inf"), float("nan"), None, "s", 3,
+              torch.tensor(5.0), torch.tensor([1, 2], dtype=torch.int64), torch.tensor(1.5, dtype=torch.bfloat16)]
+    for v in values:
+        back = decode_value(json.loads(json.dumps(encode_value(v))))
+        if isinstance(v, torch.Tensor):
+            assert back.dtype == v.dtype and back.shape == v.shape and torch.equal(back, v)
+        elif isinstance(v, float) and math.isnan(v):
+            assert math.isnan(back)
+        else:
+            assert back == v and type(back) is type(v)
+
+
+def test_fuzzed_values_decode_or_raise_checkpoint_error():
+    rng = random.Random(7)
+    tags = ["__tuple__", "__dict__", "__float__", "__tensor__", "data", "shape", "other"]
+    for _ in range(TRIALS):
+        def gen(depth=0):
+            r = rng.random()
+            if depth > 2 or r < 0.4:
+                return copy.deepcopy(rng.choice(_WEIRD))
+            if r < 0.6:
+                return [gen(depth + 1) for _ in range(rng.randint(0, 3))]
+            return {rng.choice(tags): gen(depth + 1) for _ in range(rng.randint(1, 3))}
+        try:
+            decode_value(gen())
+        except CheckpointError:
+            pass
+
+
+def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
+    import os
+
+    from zeroplus.checkpoint import fsutil
+
+    root = fsutil.open_dir(str(tmp_path))
+    try:
+        names = {k: fsutil.temp_name(k) for k in ("killed", "in_flight", "mine")}
+        fds = {k: fsutil.make_private_dir(root, n) for k, n in names.items()}
+        os.close(fsutil.create_exclusive(fds["killed"], "rank00000.bin"))
+        fsutil.lock(fds["in_flight"])  # a save in flight holds its lock
+        os.mkdir(tmp_path / ".user.tmp-notours")  # not a name zeroplus generates
+        (tmp_path / "ckpt").mkdir()
+        removed = fsutil.remove_stale_temp_dirs(root, keep=names["mine"])
+        assert removed == [names["killed"]]
+        assert sorted(os.listdir(tmp_path)) == sorted([names["in_flight"], names["mine"], ".user.tmp-notours", "ckpt"])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        os.close(root)
