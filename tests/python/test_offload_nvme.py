@@ -11,6 +11,7 @@ and bytes flipped in a swap file must be refused.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import signal
@@ -170,8 +171,10 @@ def test_offloaded_runs_equal_in_memory_runs_and_memory_is_bounded():
 # -- faults ---------------------------------------------------------------------------------------
 
 def _fault_swap_out(rank, group):
-    """Rank 1's swap-out fails (EFBIG) in steps 4 and 5; it reports the file and bucket, keeps
-    the state, and continues: after 10 steps both ranks equal the in-memory run bitwise."""
+    """Rank 1 cannot create its swap files in step 0 (the reservation fails) and its swap-out
+    fails in steps 4 and 5 (EFBIG: RLIMIT_FSIZE); it reports the file and bucket each time,
+    keeps the state, and continues: after 10 steps both ranks equal the in-memory run bitwise.
+    The swap directory goes away with the optimizer."""
     root = tempfile.mkdtemp(prefix="zp-offload-")
     ref, ref_opt = _build(2, None, group)
     model, opt = _build(2, None, group, _nvme(root))
@@ -180,14 +183,14 @@ def _fault_swap_out(rank, group):
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     def step(s, o):
-        if rank == 1 and s == 4:
+        if rank == 1 and s in (0, 4):
             resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
         try:
             o.step()
         except OSError as e:
             errors.append((s, e.errno, str(e), e.filename))
         finally:
-            if rank == 1 and s == 5:
+            if rank == 1 and s in (0, 5):
                 resource.setrlimit(resource.RLIMIT_FSIZE, old)  # space freed
     try:
         _train(ref, ref_opt, rank, 10)
@@ -197,8 +200,13 @@ def _fault_swap_out(rank, group):
         signal.signal(signal.SIGXFSZ, old_handler)
     peak = opt.offload.peak_buffer_bytes
     same_state = _same_state(opt.state_dict(), ref_opt.state_dict())
-    opt.offload.close()
-    return dict(errors=errors, same=_same_params(model, ref) and same_state, peak=peak)
+    same = _same_params(model, ref) and same_state
+    had_dir = len(os.listdir(root)) == 1
+    del model, opt
+    gc.collect()  # the engine's reference cycles (hooks): the finalizer removes the directory
+    left = os.listdir(root)
+    os.rmdir(root)
+    return dict(errors=errors, same=same, peak=peak, had_dir=had_dir, left=left)
 
 
 def _fault_corrupt(rank, group, precision):
@@ -253,10 +261,12 @@ def test_swap_faults_are_reported_and_training_continues():
         for key, (status, r) in per_rank.items():
             assert status == "ok", f"rank {rank} case {key}:\n{r}"
     out = results[1]["swap_out"][1]
-    assert [e[0] for e in out["errors"]] == [4, 5], out["errors"]
-    for _step, code, text, filename in out["errors"]:
+    assert [e[0] for e in out["errors"]] == [0, 4, 5], out["errors"]
+    for step, code, text, filename in out["errors"]:
         assert code == 27 and "optimizer-b" in filename and "bucket" in text and "rank 1" in text, text
-        assert "kept in memory" in text, text
+        assert "kept in memory" in text and ("creating" if step == 0 else "writing") in text, text
+    for r in (0, 1):
+        assert results[r]["swap_out"][1]["had_dir"] and results[r]["swap_out"][1]["left"] == []
     assert results[0]["swap_out"][1]["errors"] == []
     assert out["same"] and results[0]["swap_out"][1]["same"], "state was lost or changed by the failed writes"
 
