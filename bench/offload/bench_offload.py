@@ -3,7 +3,7 @@
     python bench/offload/bench_offload.py [--worlds 1,2] [--stage 3] [--dim 768] [--layers 15]
         [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--nvme-path DIR] [--out PATH]
 
-A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.6M parameters) with AdamW (lr 3e-4,
+A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.8M parameters) with AdamW (lr 3e-4,
 wd 0.01), one torch thread per rank. Every rank builds both variants from the same weights and
 runs them interleaved, one step of each per round, on its own synthetic batches:
   in_memory      zeroplus.initialize(stage=S)
