@@ -335,6 +335,29 @@ def test_offload_settings_resolve():
     assert "lr" in s.optimizer_defaults and "offload_optimizer" not in s.optimizer_defaults
 
 
+def test_what_is_built_is_accepted_and_the_rest_refused(tmp_path):
+    from zeroplus.offload import prepare_optimizer_store
+    from zeroplus.offload.policy import parse_offload
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    none_p = parse_offload("offload_param", None)
+    cpu_o, cpu_p = parse_offload("offload_optimizer", {"device": "cpu"}), parse_offload("offload_param", {"device": "cpu"})
+    nvme_o = parse_offload("offload_optimizer", {"device": "nvme", "nvme_path": str(tmp_path)})
+    nvme_p = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path)})
+    # CPU training: 'cpu' is a no-op for both (no store, nothing created).
+    assert prepare_optimizer_store(cpu_o, cpu_p, 0, cpu, "E") is None and os.listdir(tmp_path) == []
+    prepared = prepare_optimizer_store(nvme_o, none_p, 0, cpu, "E")
+    assert prepared is not None and len(os.listdir(tmp_path)) == 1
+    prepared[2].close()
+    for opt_p, par_p, device, match in ((nvme_o, nvme_p, cpu, "offload_param device 'nvme'"),
+                                        (cpu_o, none_p, cuda, "offload_optimizer device 'cpu' with parameters on cuda"),
+                                        (nvme_o, none_p, cuda, "offload_optimizer device 'nvme'"),
+                                        (parse_offload("offload_optimizer", None), cpu_p, cuda, "offload_param")):
+        with pytest.raises(NotImplementedError, match=match):
+            prepare_optimizer_store(opt_p, par_p, 0, device, "E")
+    assert os.listdir(tmp_path) == []  # refusals create nothing
+
+
 def test_estimate_memory_offload_columns():
     import zeroplus
 

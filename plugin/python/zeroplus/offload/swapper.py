@@ -218,6 +218,7 @@ class OptimizerSwapper:
             else:
                 h.dirty = True  # resident: written with the bucket's next store
         self._raise_errors()
+
     def after_load(self, bo) -> None:
         """The optimizer's state was just replaced in memory (load_state_dict): write it out,
         with the master it has now."""
