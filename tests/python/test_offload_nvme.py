@@ -11,6 +11,7 @@ and bytes flipped in a swap file must be refused.
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import signal
@@ -170,8 +171,10 @@ def test_offloaded_runs_equal_in_memory_runs_and_memory_is_bounded():
 # -- faults ---------------------------------------------------------------------------------------
 
 def _fault_swap_out(rank, group):
-    """Rank 1's swap-out fails (EFBIG) in steps 4 and 5; it reports the file and bucket, keeps
-    the state, and continues: after 10 steps both ranks equal the in-memory run bitwise."""
+    """Rank 1 cannot create its swap files in step 0 (the reservation fails) and its swap-out
+    fails in steps 4 and 5 (EFBIG: RLIMIT_FSIZE); it reports the file and bucket each time,
+    keeps the state, and continues: after 10 steps both ranks equal the in-memory run bitwise.
+    The swap directory goes away with the optimizer."""
     root = tempfile.mkdtemp(prefix="zp-offload-")
     ref, ref_opt = _build(2, None, group)
     model, opt = _build(2, None, group, _nvme(root))
@@ -180,14 +183,14 @@ def _fault_swap_out(rank, group):
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     def step(s, o):
-        if rank == 1 and s == 4:
+        if rank == 1 and s in (0, 4):
             resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
         try:
             o.step()
         except OSError as e:
             errors.append((s, e.errno, str(e), e.filename))
         finally:
-            if rank == 1 and s == 5:
+            if rank == 1 and s in (0, 5):
                 resource.setrlimit(resource.RLIMIT_FSIZE, old)  # space freed
     try:
         _train(ref, ref_opt, rank, 10)
@@ -197,8 +200,13 @@ def _fault_swap_out(rank, group):
         signal.signal(signal.SIGXFSZ, old_handler)
     peak = opt.offload.peak_buffer_bytes
     same_state = _same_state(opt.state_dict(), ref_opt.state_dict())
-    opt.offload.close()
-    return dict(errors=errors, same=_same_params(model, ref) and same_state, peak=peak)
+    same = _same_params(model, ref) and same_state
+    had_dir = len(os.listdir(root)) == 1
+    del model, opt
+    gc.collect()  # the engine's reference cycles (hooks): the finalizer removes the directory
+    left = os.listdir(root)
+    os.rmdir(root)
+    return dict(errors=errors, same=same, peak=peak, had_dir=had_dir, left=left)
 
 
 def _fault_corrupt(rank, group, precision):
@@ -253,10 +261,12 @@ def test_swap_faults_are_reported_and_training_continues():
         for key, (status, r) in per_rank.items():
             assert status == "ok", f"rank {rank} case {key}:\n{r}"
     out = results[1]["swap_out"][1]
-    assert [e[0] for e in out["errors"]] == [4, 5], out["errors"]
-    for _step, code, text, filename in out["errors"]:
+    assert [e[0] for e in out["errors"]] == [0, 4, 5], out["errors"]
+    for step, code, text, filename in out["errors"]:
         assert code == 27 and "optimizer-b" in filename and "bucket" in text and "rank 1" in text, text
-        assert "kept in memory" in text, text
+        assert "kept in memory" in text and ("creating" if step == 0 else "writing") in text, text
+    for r in (0, 1):
+        assert results[r]["swap_out"][1]["had_dir"] and results[r]["swap_out"][1]["left"] == []
     assert results[0]["swap_out"][1]["errors"] == []
     assert out["same"] and results[0]["swap_out"][1]["same"], "state was lost or changed by the failed writes"
 
@@ -325,6 +335,29 @@ def test_offload_settings_resolve():
     assert "lr" in s.optimizer_defaults and "offload_optimizer" not in s.optimizer_defaults
 
 
+def test_what_is_built_is_accepted_and_the_rest_refused(tmp_path):
+    from zeroplus.offload import prepare_optimizer_store
+    from zeroplus.offload.policy import parse_offload
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    none_p = parse_offload("offload_param", None)
+    cpu_o, cpu_p = parse_offload("offload_optimizer", {"device": "cpu"}), parse_offload("offload_param", {"device": "cpu"})
+    nvme_o = parse_offload("offload_optimizer", {"device": "nvme", "nvme_path": str(tmp_path)})
+    nvme_p = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path)})
+    # CPU training: 'cpu' is a no-op for both (no store, nothing created).
+    assert prepare_optimizer_store(cpu_o, cpu_p, 0, cpu, "E") is None and os.listdir(tmp_path) == []
+    prepared = prepare_optimizer_store(nvme_o, none_p, 0, cpu, "E")
+    assert prepared is not None and len(os.listdir(tmp_path)) == 1
+    prepared[2].close()
+    for opt_p, par_p, device, match in ((nvme_o, nvme_p, cpu, "offload_param device 'nvme'"),
+                                        (cpu_o, none_p, cuda, "offload_optimizer device 'cpu' with parameters on cuda"),
+                                        (nvme_o, none_p, cuda, "offload_optimizer device 'nvme'"),
+                                        (parse_offload("offload_optimizer", None), cpu_p, cuda, "offload_param")):
+        with pytest.raises(NotImplementedError, match=match):
+            prepare_optimizer_store(opt_p, par_p, 0, device, "E")
+    assert os.listdir(tmp_path) == []  # refusals create nothing
+
+
 def test_estimate_memory_offload_columns():
     import zeroplus
 
@@ -347,6 +380,41 @@ def test_estimate_memory_offload_columns():
                           "--offload-optimizer", "nvme"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "resident" in out.stdout and "nvme" in out.stdout
+
+
+def test_record_refuses_torn_stale_flipped_and_misplaced_data():
+    from zeroplus.offload import record
+
+    layout = record.Layout.build([(-1, "master", torch.float32, 3000), (0, "exp_avg", torch.float32, 1000),
+                                  (1, "exp_avg_sq", torch.float32, 2000)])
+    buf = torch.zeros(layout.record_bytes, dtype=torch.uint8)
+    buf[record.HEADER_BYTES:].view(torch.float32)[:layout.payload_bytes // 4].copy_(
+        torch.randn(layout.payload_bytes // 4))
+    record.seal(buf, layout, bucket=5, rank=1, generation=7)
+    record.check(buf, layout, 5, 1, 7)
+
+    def refused(mutate, match, **expect):
+        bad = buf.clone()
+        mutate(bad)
+        with pytest.raises(record.RecordError, match=match):
+            record.check(bad, layout, expect.get("bucket", 5), 1, expect.get("generation", 7))
+
+    refused(lambda b: None, "generation 7, expected 8", generation=8)  # a write that never happened
+    refused(lambda b: None, "bucket 5 rank 1, expected bucket 4", bucket=4)
+    refused(lambda b: b.__setitem__(record.HEADER_BYTES + 5000, b[record.HEADER_BYTES + 5000] ^ 1), "checksum")
+
+    def swap_blocks(b):  # the same bytes, two 4 KiB blocks in each other's place: only W sees it
+        x, y = record.HEADER_BYTES, record.HEADER_BYTES + 4096
+        first = b[x:x + 4096].clone()
+        b[x:x + 4096] = b[y:y + 4096]
+        b[y:y + 4096] = first
+    refused(swap_blocks, "checksum")
+    refused(lambda b: b[record.HEADER_BYTES + 8192:record.HEADER_BYTES + 12288].zero_(), "checksum")  # torn
+    refused(lambda b: b[:8].zero_(), "magic")
+    refused(lambda b: b.__setitem__(40, b[40] ^ 1), "header checksum")
+    other = record.Layout.build([(0, "exp_avg", torch.float32, 6000)])
+    with pytest.raises(record.RecordError, match="layout"):
+        record.check(buf, other, 5, 1, 7)
 
 
 # -- the swap directory ---------------------------------------------------------------------------

@@ -24,11 +24,12 @@ def prepare_optimizer_store(policy: OffloadPolicy, param_policy: OffloadPolicy, 
     directory, before the engine changes anything; returns what attach_optimizer_store needs
     (None: optimizer state stays in memory).
 
-    device 'cpu' on CPU training is a no-op: the state is in host memory already. Offload of
-    CUDA training and parameter offload are refused (not built)."""
-    if param_policy.enabled:
-        raise NotImplementedError(f"{who}: offload_param device {param_policy.device!r} is not built yet "
-                                  f"(parameter offload); nothing was changed")
+    device 'cpu' on CPU training is a no-op, for the optimizer state and for the parameters:
+    they are in host memory already. Offload of CUDA training and parameter offload to NVMe are
+    refused (not built)."""
+    if param_policy.device == "nvme" or (param_policy.device == "cpu" and device.type != "cpu"):
+        raise NotImplementedError(f"{who}: offload_param device {param_policy.device!r} with parameters on "
+                                  f"{device.type} is not built yet (parameter offload); nothing was changed")
     if not policy.enabled:
         return None
     if device.type != "cpu":

@@ -40,6 +40,7 @@ Not thread-safe: the engine calls it from the training thread only.
 from __future__ import annotations
 
 import errno as errno_mod
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,11 @@ class OptimizerSwapper:
         self._cache: tuple | None = None  # (index, generation, {segment: {key: tensor}}) for state_dict
         self.bytes_read = 0
         self.bytes_written = 0
+        # Seconds the training thread spent waiting for reads / writes, and checksumming
+        # (sealing and checking records): the swap's cost inside step() (bench/offload).
+        self.read_wait_s = 0.0
+        self.write_wait_s = 0.0
+        self.checksum_s = 0.0
 
     # -- the step ----------------------------------------------------------------------------------
 
@@ -145,7 +151,9 @@ class OptimizerSwapper:
             return
         buf = self._gather(bo, h, layout, tensors)
         h.generation += 1
+        t0 = time.perf_counter()
         record.seal(buf, layout, h.index, self.rank, h.generation)
+        self.checksum_s += time.perf_counter() - t0
         self._unbind_state(h)
         h.dirty = True
         try:
@@ -210,6 +218,7 @@ class OptimizerSwapper:
             else:
                 h.dirty = True  # resident: written with the bucket's next store
         self._raise_errors()
+
     def after_load(self, bo) -> None:
         """The optimizer's state was just replaced in memory (load_state_dict): write it out,
         with the master it has now."""
@@ -240,6 +249,11 @@ class OptimizerSwapper:
 
     def disk_bytes(self) -> int:
         return self.directory.disk_bytes()
+
+    @property
+    def engine(self) -> str:
+        """The I/O engine in use: "io_uring" or "threads" (docs/aio.md "Fallbacks")."""
+        return self._reader.get_engine()
 
     def record_bytes(self) -> list[int]:
         return [h.layout.record_bytes if h.layout else 0 for h in self._homes]
@@ -425,9 +439,13 @@ class OptimizerSwapper:
                     h.buffer = self._acquire(h.layout.record_bytes)
                     h.reading = True
                     self._read_into(h, h.buffer)
+            t0 = time.perf_counter()
             self._reader.wait()
+            t1 = time.perf_counter()
             h.reading = False
             record.check(h.buffer, h.layout, h.index, self.rank, h.generation)
+            self.read_wait_s += t1 - t0
+            self.checksum_s += time.perf_counter() - t1
             return True
         except (OSError, record.RecordError) as e:
             h.reading = False
@@ -457,9 +475,11 @@ class OptimizerSwapper:
         writing = [h for h in self._homes if h.writing]
         if not writing:
             return
+        t0 = time.perf_counter()
         try:
             self._writer.wait()
         except OSError as e:
+            self.write_wait_s += time.perf_counter() - t0
             # wait() reports the first failure only: every write of the batch stays dirty (in
             # memory) and is written again at its bucket's next store.
             failed = self._by_path.get(e.filename)
@@ -468,6 +488,7 @@ class OptimizerSwapper:
             for h in writing:
                 h.writing = False
             return
+        self.write_wait_s += time.perf_counter() - t0
         for h in writing:
             h.writing = h.dirty = False
             self.bytes_written += h.layout.record_bytes

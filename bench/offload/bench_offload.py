@@ -1,0 +1,231 @@
+"""Optimizer offload to NVMe beside the in-memory step: time split, swap bandwidth, bit-exactness.
+
+    python bench/offload/bench_offload.py [--worlds 1,2] [--stage 3] [--dim 768] [--layers 15]
+        [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--nvme-path DIR] [--out PATH]
+
+A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.8M parameters) with AdamW (lr 3e-4,
+wd 0.01), one torch thread per rank. Every rank builds both variants from the same weights and
+runs them interleaved, one step of each per round, on its own synthetic batches:
+  in_memory      zeroplus.initialize(stage=S)
+  nvme           the same with offload_optimizer={"device": "nvme", "nvme_path": DIR,
+                 "buffer_count": N}: fp32 master (bf16) and optimizer state in swap files
+A round's time is the slower rank's. Per variant: forward+backward ("compute") and opt.step()
+medians; for nvme, inside the step, the training thread's waits for swap-in reads and swap-out
+writes and the checksum time (zeroplus.offload's counters), bytes read and written per step and
+their rate over the step, the bytes on disk, and whether the parameters equal the in-memory run
+bit for bit after the last round. fio (O_DIRECT, 1 MiB, iodepth 32, io_uring) on the same
+directory gives the device's figure when fio is installed. Writes PATH.json and PATH.md.
+DeepSpeed's offload is not run here (see docs/offload.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The ranks are spawned: they re-import this module, so the source tree's package is found there too.
+if str(ROOT / "plugin" / "python") not in sys.path:
+    sys.path.insert(0, str(ROOT / "plugin" / "python"))
+VOCAB = 256
+
+
+def _fio(directory: str, rw: str) -> float | None:
+    """fio's O_DIRECT sequential bandwidth in GB/s (1e9) on `directory`, or None without fio."""
+    if shutil.which("fio") is None:
+        return None
+    path = os.path.join(directory, "fio-offload-bench")
+    try:
+        out = subprocess.run(["fio", "--name=b", f"--filename={path}", f"--rw={rw}", "--bs=1M", "--iodepth=32",
+                              "--ioengine=io_uring", "--direct=1", "--size=1G", "--runtime=10", "--time_based=0",
+                              "--output-format=json"], capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            return None
+        job = json.loads(out.stdout)["jobs"][0]
+        return job["read" if "read" in rw else "write"]["bw_bytes"] / 1e9
+    finally:
+        if os.path.exists(path) and rw == "read":
+            os.unlink(path)
+
+
+def _build(args, offload, rank):
+    import zeroplus
+    from tiny_gpt import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
+    kw = {} if offload is None else {"offload_optimizer": offload}
+    precision = None if args.precision == "fp32" else args.precision
+    return zeroplus.initialize(model, torch.optim.AdamW, stage=args.stage, lr=3e-4, weight_decay=0.01,
+                               mixed_precision=precision, **kw)
+
+
+def _slowest(x: float) -> float:
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _worker(rank, world, store_path, args, out_queue):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import zeroplus  # noqa: F401  (registers backend "zeroplus")
+    from tiny_gpt import synthetic_batch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("zeroplus", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1800))
+    try:
+        offload = {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": args.buffer_count}
+        variants = {"in_memory": _build(args, None, rank), "nvme": _build(args, offload, rank)}
+        swapper = variants["nvme"][1].offload
+        rows = {name: {"compute": [], "step": []} for name in variants}
+        swap = {"read_wait": [], "write_wait": [], "checksum": [], "bytes_read": [], "bytes_written": []}
+        gen = {name: torch.Generator().manual_seed(rank) for name in variants}
+        for round_ in range(args.steps + 1):  # round 0 creates the state: not timed
+            for name, (model, opt) in variants.items():
+                tokens, targets = synthetic_batch(args.batch, args.context, VOCAB, gen[name])
+                before = (swapper.read_wait_s, swapper.write_wait_s, swapper.checksum_s, swapper.bytes_read,
+                          swapper.bytes_written)
+                dist.barrier()
+                t0 = time.perf_counter()
+                logits = model(tokens)
+                F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+                t1 = time.perf_counter()
+                opt.step()
+                opt.zero_grad()
+                t2 = time.perf_counter()
+                compute, step = _slowest(t1 - t0), _slowest(t2 - t1)
+                if round_ == 0:
+                    continue
+                rows[name]["compute"].append(compute)
+                rows[name]["step"].append(step)
+                if name == "nvme":
+                    after = (swapper.read_wait_s, swapper.write_wait_s, swapper.checksum_s, swapper.bytes_read,
+                             swapper.bytes_written)
+                    for key, a, b in zip(swap, after, before):
+                        swap[key].append(_slowest(a - b))
+        same = all(torch.equal(p, q) for p, q in zip(variants["in_memory"][0].parameters(),
+                                                       variants["nvme"][0].parameters()))
+        same = _slowest(0.0 if same else 1.0) == 0.0
+        report = zeroplus.memory_report(*variants["nvme"])
+        ref_report = zeroplus.memory_report(*variants["in_memory"])
+        out_queue.put({"rank": rank, "rows": rows, "swap": swap, "bit_exact": same,
+                       "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
+                       "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
+                       "engine": swapper.engine})
+        swapper.close()
+    except Exception as e:  # reported, not hidden
+        out_queue.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world, args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(d, "store"), args, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=7200) for _ in procs]
+        for p in procs:
+            p.join()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        return {"error": errors[0]}
+    out = next(r for r in results if r["rank"] == 0)
+    out["disk_bytes_all_ranks"] = sum(r["disk_bytes"] for r in results)
+    return out
+
+
+def _gbps(v):
+    return "n/a (no fio)" if v is None else f"{v:.2f} GB/s"
+
+
+def _engine(results):
+    return next((r["engine"] for r in results.values() if "engine" in r), "?")
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="1,2")
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=15)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--buffer-count", type=int, default=4)
+    parser.add_argument("--nvme-path", default=tempfile.gettempdir())
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_gpt import TinyGPT
+
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads,
+                                             context=args.context).parameters())
+    fio = {"write": _fio(args.nvme_path, "write")}  # first: it creates the file the read reads
+    fio["read"] = _fio(args.nvme_path, "read")
+    results = {}
+    for world in [int(w) for w in args.worlds.split(",")]:
+        print(f"[bench_offload] {psi / 1e6:.1f}M parameters, stage {args.stage}, {args.precision}, world {world} ...",
+              flush=True)
+        results[world] = run_world(world, args)
+    lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
+             f"AdamW, buffer_count {args.buffer_count}, {args.steps} timed rounds (medians, slowest rank)", "",
+             f"nvme_path {args.nvme_path}; fio O_DIRECT 1 MiB QD32 io_uring: read {_gbps(fio['read'])}, "
+             f"write {_gbps(fio['write'])}; swap engine {_engine(results)}", "",
+             "| ranks | variant | compute s | step s | step / in-memory step | swap-in wait s | swap-out wait s | "
+             "checksum s | GB moved per step | GB/s over the step | disk GB (all ranks) | bit-exact |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for world, r in results.items():
+        if "error" in r:
+            lines.append(f"| {world} | — | error: {r['error']} |")
+            continue
+        ref_step = _med(r["rows"]["in_memory"]["step"])
+        for name in ("in_memory", "nvme"):
+            row = r["rows"][name]
+            step = _med(row["step"])
+            if name == "nvme":
+                s = r["swap"]
+                moved = (_med(s["bytes_read"]) + _med(s["bytes_written"])) / 1e9
+                extra = (f"{_med(s['read_wait']):.3f} | {_med(s['write_wait']):.3f} | {_med(s['checksum']):.3f} | "
+                         f"{moved:.3f} | {moved / step:.2f} | {r['disk_bytes_all_ranks'] / 1e9:.3f} | "
+                         f"{'yes' if r['bit_exact'] else 'NO'}")
+            else:
+                extra = "— | — | — | — | — | — | —"
+            lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
+                         f"{extra} |")
+    table = "\n".join(lines)
+    print(table)
+    out = pathlib.Path(args.out + "-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "params": psi, "fio_gbps": fio,
+                                                    "results": results}, indent=1, default=str))
+    out.with_suffix(".md").write_text(table + "\n")
+    print(f"[bench_offload] wrote {out}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
