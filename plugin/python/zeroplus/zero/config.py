@@ -1,5 +1,9 @@
 """zeroplus.initialize's settings: keyword arguments merged with a DeepSpeed-style config.
 
+zeroplus.initialize first passes the config through ds_config.prepare (key table, "auto" values,
+warnings for DeepSpeed-internal keys, the scheduler and batch keys taken out); resolve reads
+what is left.
+
 The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names and meanings):
 
     optimizer.type / optimizer.params          optimizer class ("Adam", "AdamW", "SGD", or any
@@ -51,7 +55,7 @@ _IGNORED_TOP_LEVEL = {
     "wandb", "csv_monitor", "comms_logger", "flops_profiler", "scheduler", "communication_data_type",
     "seq_parallel_communication_data_type",
 }
-_KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types"}
+_KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types", "aio"}
 _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
               "reduce_scatter", "allgather_partitions", "round_robin_gradients", "elastic_checkpoint",
               "load_from_fp32_weights", "ignore_unused_parameters", "sub_group_size",
