@@ -2,7 +2,9 @@
 # Idempotent set-up of a fresh Debian 12 + Python 3.11 machine for building and testing zeroplus.
 # Installs the Debian packages the build needs and a virtual environment at $ZEROPLUS_VENV
 # (default: .venv in the repository) holding torch==2.13.0 (CPU), scikit-build-core (the build
-# backend of `pip install --no-build-isolation .`, pyproject.toml), pytest and numpy.
+# backend of `pip install --no-build-isolation .`, pyproject.toml), pytest and numpy, and the
+# frameworks the integration tests drive (tests/python/test_integration_*.py; docs/integrations.md):
+# transformers, accelerate and lightning at pinned versions known to work with torch 2.13 CPU.
 # A second run checks what is there and returns in about a second.
 set -euo pipefail
 
@@ -40,5 +42,14 @@ if [[ ! -f "$stamp" ]]; then
   echo "[setup] installing torch==$torch_version, scikit-build-core, pytest, numpy into $venv"
   "$venv/bin/python" -m pip install -q "torch==$torch_version" "scikit-build-core>=0.10" pytest numpy
   touch "$stamp"
+fi
+# Pinned, installed with torch held at its version (a framework must never pull another torch).
+# The integration tests fail, not skip, when these are missing under CI.
+integration_packages=(transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6)
+integration_stamp="$venv/.zeroplus-setup-integrations-$(IFS=-; echo "${integration_packages[*]}")"
+if [[ ! -f "$integration_stamp" ]]; then
+  echo "[setup] installing ${integration_packages[*]} into $venv"
+  "$venv/bin/python" -m pip install -q "${integration_packages[@]}" "torch==$torch_version"
+  touch "$integration_stamp"
 fi
 echo "[setup] ok: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"

@@ -62,17 +62,27 @@ def _checks(rank, world_size):
             except Exception as e:  # noqa: BLE001
                 got.append((type(e), str(e)))
         out.append((exc, got[0], got[1]))
-    z = Z([torch.randn(2, requires_grad=True)], torch.optim.SGD, lr=0.1)
+    # state_dict() before any step answers without consolidation (accelerate's prepare calls it),
+    # in torch's consolidated format; after a step it needs consolidation again (torch's error,
+    # with zeroplus's hint appended).
+    w = torch.randn(2, requires_grad=True)
+    z, t = Z([w], torch.optim.SGD, lr=0.1), TorchZero([w], torch.optim.SGD, lr=0.1)
+    t.consolidate_state_dict(to=0)
+    early = (z.state_dict(), t.state_dict())
+    w.grad = torch.ones(2)
+    z.step()
     try:
         z.state_dict()
         out.append((RuntimeError, None, None))
     except RuntimeError as e:
-        out.append((RuntimeError, (RuntimeError, str(e)), (RuntimeError, str(e))))
-    return out
+        torch_text = str(e).split(" zeroplus: ")[0]
+        out.append((RuntimeError, (RuntimeError, torch_text), (RuntimeError, torch_text)))
+    return out, early
 
 
 def test_checks_raise_torch_errors_naming_the_argument():
-    (results,) = run_pooled(_checks, 1, backend="gloo", timeout=60)
+    ((results, early),) = run_pooled(_checks, 1, backend="gloo", timeout=60)
+    assert early[0] == early[1]
     for exc, ours, theirs in results:
         assert ours is not None, f"expected {exc.__name__}"
         assert issubclass(ours[0], exc), ours

@@ -17,6 +17,17 @@ the plain torch.optim format, the Join hook and torch's errors. What zeroplus ch
     class, so isinstance checks and state_dicts are unchanged; any other class, or options the
     kernels do not support, run torch's generic implementation.
 
+State dicts (what frameworks need, beyond torch's contract; docs/integrations.md):
+
+  * `state_dict()` before any rank stepped or loaded state needs no communication: every rank
+    knows the (empty) state and the param groups, so it answers at once, in torch's format. This
+    is what accelerate's `prepare` (and so HF's Trainer) calls on every optimizer.
+  * `consolidate_state_dict(to=None)` keeps the consolidated state on every rank (one
+    all_gather_object instead of torch's one broadcast per rank), for callers that run
+    `state_dict()` on every rank (accelerate's `save_state`); `to=<rank>` is torch's.
+  * an unconsolidated `state_dict()` raises torch's RuntimeError, with the line that fixes it
+    for HF's Trainer and accelerate appended.
+
 overlap_with_ddp=True keeps torch's machinery (functional local optimizer, DDP comm hooks
 hook_with_zero_step / hook_with_zero_step_interleaved). Those hooks refuse the Gloo backend with
 torch's RuntimeError ("Gloo backend using Overlapping DDP with ZeRO may meet hangs"); they run on
@@ -69,6 +80,7 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         **defaults: Any,
     ):
         self._zp_sync = None  # set before torch's __init__, which calls _build_param_buckets()
+        self._zp_stateless = True  # no rank has stepped or loaded state yet (step/load are collective)
         # The DDP-overlap path maps torch classes to functional twins; leave that mapping alone.
         if not overlap_with_ddp and isinstance(optimizer_class, type):
             optimizer_class = fused_class_for(optimizer_class) or optimizer_class
@@ -129,3 +141,67 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                 flat, ws = self._zp_sync.buckets(), self.world_size
                 self._buckets = [flat[d * ws:(d + 1) * ws] for d in range(self._zp_sync.num_devices())]
         self._zp_sync.run()
+
+    # -- state dicts -----------------------------------------------------------------------------
+
+    def step(self, closure=None, **kwargs):
+        self._zp_stateless = False
+        return super().step(closure, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if any(v is not None for v in state_dict.get("state", {}).values()):
+            self._zp_stateless = False
+        super().load_state_dict(state_dict)
+
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """torch's consolidate_state_dict(to); to=None consolidates on every rank."""
+        if to is not None:
+            return super().consolidate_state_dict(to)
+        self._check_overlap_initialized()
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, _to_cpu(self.optim.state_dict()), group=self.process_group)
+        self._all_state_dicts = gathered
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self._all_state_dicts and self._zp_stateless:
+            return self._stateless_state_dict()
+        try:
+            return super().state_dict()
+        except RuntimeError as e:
+            if "has not been consolidated" not in str(e):
+                raise
+            raise RuntimeError(f"{e} zeroplus: HF Trainer: use zeroplus.integrations.transformers.ZeroPlusTrainer or "
+                               f"add callbacks=[zeroplus.integrations.transformers.ConsolidateOnSave()]; accelerate: "
+                               f"zeroplus.integrations.accelerate.prepare(...) (it consolidates before save_state); "
+                               f"docs/integrations.md") from None
+
+    def _stateless_state_dict(self) -> dict[str, Any]:
+        """torch's consolidated format with empty state, built locally: each rank's local
+        state_dict would hold its groups' hyperparameters and local indices, no state."""
+        self._sync_param_groups(self.param_groups, self.optim.param_groups)
+        locals_ = []
+        for rank_groups in self._partition_parameters():
+            index, groups = 0, []
+            for group in rank_groups:
+                n = len(group["params"])
+                groups.append({**{k: v for k, v in group.items() if k != "params"},
+                               "params": list(range(index, index + n))})
+                index += n
+            locals_.append({"state": {}, "param_groups": groups})
+        self._all_state_dicts = locals_
+        try:
+            return super().state_dict()
+        finally:
+            self._all_state_dicts = []  # a later state_dict() after a step still needs consolidation
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

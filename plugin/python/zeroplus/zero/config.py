@@ -1,5 +1,9 @@
 """zeroplus.initialize's settings: keyword arguments merged with a DeepSpeed-style config.
 
+zeroplus.initialize first passes the config through ds_config.prepare (key table, "auto" values,
+warnings for DeepSpeed-internal keys, the scheduler and batch keys taken out); resolve reads
+what is left.
+
 The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names and meanings):
 
     optimizer.type / optimizer.params          optimizer class ("Adam", "AdamW", "SGD", or any

@@ -7,7 +7,7 @@ Stage2Optimizer (gradients reduce-scattered) and Stage3Optimizer (parameters sha
 stage and precision follows the same rules (DDP + the torch optimizer: a parameter no rank gave a
 gradient is not stepped). torch's ZeroRedundancyOptimizer interface for a user's own DDP model is
 zeroplus.ZeroRedundancyOptimizer. Arguments and the DeepSpeed-style config are merged by
-config.resolve; every check runs before anything is changed.
+ds_config.prepare and config.resolve; every check runs before anything is changed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import config as config_mod
 from . import deferred
+from . import ds_config
 from .stages import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 
 
@@ -40,7 +41,8 @@ def _check_model(model) -> None:
 def initialize(model, optimizer_class=None, *, stage=None, process_group=None, mixed_precision=None, config=None,
                **optimizer_defaults):
     """Returns (model, optimizer). See docs/zero.md."""
-    settings = config_mod.resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
+    ds = ds_config.prepare(config, ds_config.auto_from_initialize(model, mixed_precision, optimizer_defaults))
+    settings = config_mod.resolve(optimizer_class, stage, mixed_precision, ds.engine, optimizer_defaults)
     _check_model(model)
     if settings.stage != 3 and any(deferred.record_of(p) is not None for p in model.parameters()):
         raise ValueError(f"zeroplus.initialize: model was built under zeroplus.init_context() (its parameters are "
@@ -55,5 +57,6 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
     engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
     opt = engine(model.parameters(), settings.optimizer_class, options=settings.options, process_group=process_group,
                  module=model, **settings.optimizer_defaults)
+    ds_config.attach(opt, ds)  # the config's scheduler as opt.lr_scheduler, stepped by opt.step()
     return model, opt
 

@@ -1,0 +1,99 @@
+"""Lightning: ZeroPlusStrategy, ZeRO stages 1-3 as a Trainer strategy (docs/integrations.md).
+
+    from zeroplus.integrations.lightning import ZeroPlusStrategy
+    trainer = L.Trainer(strategy=ZeroPlusStrategy(stage=3), accelerator="cpu", devices=2, precision="bf16-mixed")
+
+A DDPStrategy whose process group backend is "zeroplus" and whose model is not wrapped in DDP:
+the optimizer `configure_optimizers` returns (one optimizer, one param group over the module's
+trainable parameters) is rebuilt by zeroplus.initialize with the same class and hyperparameters,
+at the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16) and
+`gradient_clip_val` mapped to the engine's global-norm clipping (Lightning's own clip sees no
+local gradients and does nothing). Gradient accumulation uses the module's no_sync(), which
+zeroplus installs. A DeepSpeed-style `config` may give the optimizer instead (then
+configure_optimizers may return None) and a `scheduler` block, stepped by opt.step().
+
+LR schedulers returned by configure_optimizers are bound to the optimizer they were built on, so
+they cannot follow it to the rebuilt one: that case raises (use the config's scheduler block).
+Checkpoints: stage 1 saves and resumes through Lightning's own path (the strategy consolidates
+the optimizer state); stages 2-3 raise until zeroplus.save_checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+
+from lightning.pytorch.strategies import DDPStrategy
+
+from .. import zero as _zero
+
+_NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable", "differentiable")
+_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16"}
+
+
+class ZeroPlusStrategy(DDPStrategy):
+    strategy_name = "zeroplus"
+
+    def __init__(self, stage: int = 1, config=None, process_group_backend: str = "zeroplus", **kwargs):
+        if isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"ZeroPlusStrategy: stage must be 1, 2 or 3, got {stage!r}")
+        super().__init__(process_group_backend=process_group_backend, **kwargs)
+        self.stage = stage
+        self.zeroplus_config = config
+
+    def configure_ddp(self) -> None:
+        # No DDP: the ZeRO engine reduces the gradients (built in setup_optimizers).
+        return None
+
+    def setup_optimizers(self, trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.lr_scheduler_configs:
+            raise ValueError("ZeroPlusStrategy: configure_optimizers returned an LR scheduler, which stays bound to "
+                             "the optimizer it was built on; give it as config['scheduler'] (WarmupLR, WarmupDecayLR, "
+                             "WarmupCosineLR), stepped by opt.step()")
+        if len(self.optimizers) > 1:
+            raise ValueError(f"ZeroPlusStrategy: one optimizer is supported, configure_optimizers returned "
+                             f"{len(self.optimizers)}")
+        optimizer_class, kwargs = None, {}
+        if self.optimizers:
+            user = self.optimizers[0]
+            if len(user.param_groups) != 1:
+                raise ValueError(f"ZeroPlusStrategy: the optimizer must have one param group over the module's "
+                                 f"parameters, got {len(user.param_groups)}")
+            optimizer_class = type(user)
+            # The group's hyperparameters that the constructor takes (a group also carries
+            # derived keys, e.g. AdamW's decoupled_weight_decay).
+            accepted = inspect.signature(optimizer_class.__init__).parameters
+            kwargs = {k: v for k, v in user.param_groups[0].items()
+                      if k in accepted and k not in _NOT_HYPERPARAMETERS}
+        precision = str(self.precision_plugin.precision)
+        if precision not in _PRECISIONS:
+            raise ValueError(f"ZeroPlusStrategy: precision={precision!r} is not supported (32-true, bf16-mixed, "
+                             f"bf16-true; fp16 needs zeroplus's loss scaler through opt.backward)")
+        config = _zero.ds_config.load_config(self.zeroplus_config)
+        if trainer.gradient_clip_val:
+            if trainer.gradient_clip_algorithm not in (None, "norm"):  # None: Lightning's default, norm
+                raise ValueError("ZeroPlusStrategy: gradient_clip_algorithm='value' is not supported (global norm only)")
+            config = {**config, "gradient_clipping": float(trainer.gradient_clip_val)}
+        mixed = _PRECISIONS[precision]
+        if config.get("bf16", {}).get("enabled") is True:
+            mixed = None  # the config says it
+        _, engine = _zero.initialize(self.lightning_module, optimizer_class, stage=self.stage, mixed_precision=mixed,
+                                     config=config, **kwargs)
+        self.optimizers = [engine]
+
+    @contextmanager
+    def block_backward_sync(self):
+        no_sync = getattr(self.lightning_module, "no_sync", None)
+        if no_sync is None:
+            yield
+        else:
+            with no_sync():
+                yield
+
+    def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+        if self.stage >= 2:
+            raise NotImplementedError(f"ZeroPlusStrategy: checkpoints at stage {self.stage} need "
+                                      f"zeroplus.save_checkpoint, which is not built yet; use stage=1 or "
+                                      f"enable_checkpointing=False")
+        super().save_checkpoint(checkpoint, filepath, storage_options)

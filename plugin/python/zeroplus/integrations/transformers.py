@@ -1,0 +1,162 @@
+"""Hugging Face transformers: ZeRO stages 1-3 under the stock Trainer loop (docs/integrations.md).
+
+    from zeroplus.integrations.transformers import ZeroPlusTrainer
+    trainer = ZeroPlusTrainer(model=model, args=args, train_dataset=ds, stage=3)   # or config="ds_config.json"
+
+ZeroPlusTrainer is transformers.Trainer with the optimizer built by zeroplus.initialize:
+  * no DistributedDataParallel wrap at any stage (the engine reduces gradients itself; the model
+    is marked prepared for accelerate through its public `prepare_model(evaluation_mode=True)`,
+    which still applies accelerate's autocast);
+  * the optimizer class and hyperparameters are the Trainer's own (`optim`, `learning_rate`,
+    `adam_*`, `weight_decay`, applied to every parameter as HF's DeepSpeed path does for a config
+    optimizer) unless the config has an `optimizer` block;
+  * `bf16=True` -> mixed_precision="bf16"; `max_grad_norm` -> the engine's global-norm
+    clip_grad_norm_ (across shards); gradient accumulation through the model's no_sync(), which
+    zeroplus installs and accelerate calls; the LR scheduler is the Trainer's (`lr_scheduler_type`,
+    warmup) or the config's `scheduler` block, built on the optimizer and stepped by the Trainer;
+  * a DeepSpeed-style config (`config=`; HF's ds_config_zero2/3.json) with its "auto" values
+    filled from TrainingArguments as transformers' HfTrainerDeepSpeedConfig does.
+
+Checkpoints: at stage 1 Trainer's save/resume work through the optimizer's consolidated
+state_dict (ConsolidateOnSave gathers it on every rank when a save is due). At stages 2-3 a
+checkpoint save raises (it waits for zeroplus.save_checkpoint); `trainer.save_model()` works at
+every stage (stage 3 gathers the full weights with zeroplus.full_state_dict).
+
+ConsolidateOnSave is the callback alone, for the stock Trainer with
+`optimizers=(zeroplus.ZeroRedundancyOptimizer(...), None)`: the Trainer calls state_dict() on
+the saving rank only, which cannot gather the other ranks' shards by itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from .. import zero as _zero
+from ..zero import ds_config
+from ..zero.config import load_config
+from . import consolidate_for_save, unwrap_optimizer
+
+_NOT_HYPERPARAMETERS = ("fused", "foreach", "capturable", "differentiable")
+
+
+class ConsolidateOnSave(TrainerCallback):
+    """Gathers a zeroplus optimizer's state on every rank in the step (or epoch end) whose
+    checkpoint the Trainer is about to save (control.should_save, set by the Trainer's flow
+    callback before this one runs)."""
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if control.should_save and optimizer is not None:
+            consolidate_for_save(optimizer)
+
+    on_epoch_end = on_step_end
+
+
+def auto_values(args, model=None, num_training_steps=None) -> ds_config.AutoValues:
+    """TrainingArguments as the source of a config's "auto" values (transformers' rules)."""
+    config = getattr(model, "config", None)
+    hidden = getattr(config, "hidden_size", None)
+    if hidden is None and getattr(config, "hidden_sizes", None):
+        hidden = max(config.hidden_sizes)
+    return ds_config.AutoValues(
+        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        fp16=bool(args.fp16 or args.fp16_full_eval), bf16=bool(args.bf16 or args.bf16_full_eval),
+        micro_batch_size=args.per_device_train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        world_size=args.world_size, hidden_size=hidden if isinstance(hidden, int) else None,
+        total_num_steps=num_training_steps,
+        warmup_num_steps=None if num_training_steps is None else max(1, args.get_warmup_steps(num_training_steps)),
+        check_matches=True, source="TrainingArguments")
+
+
+class ZeroPlusTrainer(Trainer):
+    """transformers.Trainer over zeroplus.initialize. Extra keyword arguments: `stage` (1, 2 or 3;
+    or config's zero_optimization.stage) and `config` (a DeepSpeed-style dict or JSON path)."""
+
+    def __init__(self, *args, stage: int | None = None, config=None, **kwargs):
+        if kwargs.get("optimizers", (None, None))[0] is not None:
+            raise ValueError("ZeroPlusTrainer: optimizers= is not taken (zeroplus.initialize builds the optimizer); "
+                             "use the stock Trainer with zeroplus.ZeroRedundancyOptimizer for your own optimizer")
+        if isinstance(stage, bool) or stage not in (None, 1, 2, 3):
+            raise ValueError(f"ZeroPlusTrainer: stage must be 1, 2 or 3, got {stage!r}")
+        raw = copy.deepcopy(load_config(config))
+        self._zp_scheduler_block = raw.pop("scheduler", None)  # built in create_scheduler (it needs the run length)
+        self._zp_config = raw
+        self._zp_stage = stage
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            raise ValueError("ZeroPlusTrainer: fp16=True is not wired yet (the Trainer's backward bypasses zeroplus's "
+                             "loss scaler); use bf16=True")
+        if stage is None and "stage" not in raw.get("zero_optimization", {}):
+            raise ValueError("ZeroPlusTrainer: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
+        self.add_callback(ConsolidateOnSave())
+
+    # -- optimizer and scheduler ---------------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        model = self.model if model is None else model
+        ds = ds_config.prepare(self._zp_config, auto_values(self.args, model))
+        kwargs = {}
+        opt_class = None
+        if "optimizer" not in ds.engine:
+            opt_class, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+            kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_HYPERPARAMETERS}
+            kwargs["weight_decay"] = self.args.weight_decay
+        precision = "bf16" if self.args.bf16 else None
+        if ds.engine.get("bf16", {}).get("enabled") or ds.engine.get("fp16", {}).get("enabled"):
+            precision = None  # the config says it (and was checked against TrainingArguments)
+        _, self.optimizer = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
+                                             config=ds.engine, **kwargs)
+        self.zeroplus_stage = self.optimizer.stage
+        # The Trainer clears gradients with model.zero_grad() (DDP style); the engine keeps its
+        # reduced gradients in its own buffers, which only opt.zero_grad() clears. Without this
+        # the next step would add the previous step's gradients.
+        engine, module_zero_grad = self.optimizer, model.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            engine.zero_grad(set_to_none)
+            module_zero_grad(set_to_none)
+        model.zero_grad = zero_grad
+        # The engine reduces gradients: accelerate must not wrap the model in DDP. prepare_model's
+        # evaluation_mode skips only that (autocast still applies) and marks the model prepared,
+        # so the Trainer's own prepare() call leaves it as it is. No device placement: the Trainer
+        # placed the model before the engine was built, and a second model.to() (accelerate's
+        # CPU device is "cpu:0", not "cpu") would swap the parameters' storage out from under the
+        # engine's flat buffers.
+        self.model = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+        self.model_wrapped = self.model
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is not None or self._zp_scheduler_block is None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        ds = ds_config.prepare({"scheduler": self._zp_scheduler_block},
+                               auto_values(self.args, self.model, num_training_steps))
+        from ..zero.schedulers import build_scheduler
+        self.lr_scheduler = build_scheduler(unwrap_optimizer(optimizer or self.optimizer), ds.scheduler)
+        return self.lr_scheduler
+
+    def _clip_grad_norm(self, model):
+        # The global norm across shards (the Trainer's default clips each rank's local gradients).
+        return unwrap_optimizer(self.optimizer).clip_grad_norm_(self.args.max_grad_norm)
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def _save_checkpoint(self, model, trial):
+        if getattr(self, "zeroplus_stage", 1) >= 2:
+            raise NotImplementedError(
+                f"ZeroPlusTrainer: checkpoints at stage {self.zeroplus_stage} need zeroplus.save_checkpoint, which is "
+                f"not built yet; use save_strategy='no' and trainer.save_model() (full weights), or stage=1")
+        return super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if getattr(self, "zeroplus_stage", 1) == 3:
+            full = _zero.full_state_dict(self.model)  # collective: the full weights on rank 0
+            if self.args.should_save:
+                self._save(output_dir or self.args.output_dir, state_dict=full)
+            return
+        return super().save_model(output_dir, _internal_call)
