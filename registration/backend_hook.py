@@ -62,7 +62,9 @@ def __zeroplus_backend_hook():
         # prefixed view of the group's store, bound where the zeroplus mesh is (the interface of
         # ZEROPLUS_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, else the address the mesh published).
         # The C++ side says whether it wants one: the topology decides, the same on every rank.
-        plan, ifname, address = torch.ops.zeroplus.interhost_plan(scratch.boxed())
+        # `scope` prefixes every key of this group instance (process_group/core/group_session.hpp):
+        # Gloo must not read a rendezvous key an earlier attempt of a restarted job left behind.
+        plan, ifname, address, scope = torch.ops.zeroplus.interhost_plan(scratch.boxed())
         if not plan:
             return
         host, hosts, local = (int(x) for x in plan)
@@ -75,7 +77,7 @@ def __zeroplus_backend_hook():
             else:
                 device = dist.ProcessGroupGloo.create_device(hostname=address)
             gloo_options._devices = [device]
-            store = dist.PrefixStore(f"zeroplus/interhost/{options.group_id}/{local}/", options.store)
+            store = dist.PrefixStore(f"{scope}/interhost/{local}", options.store)
             gloo = dist.ProcessGroupGloo(store, host, hosts, gloo_options)
             wrapper = dist.ProcessGroup(store, host, hosts)
             wrapper._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)

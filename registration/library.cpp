@@ -59,7 +59,7 @@ void attach(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, int64_t timeoutMs,
   auto cpu = c10::make_intrusive<pg::ZeroPlusBackend>(pg->getStore(), pg->getRank(), pg->getSize(),
                                                       std::move(config));
   // c10d registers this one object for both "cpu" and "cuda"; the router picks the transport.
-  auto router = c10::make_intrusive<pg::DeviceRouter>(pg->getStore(), cpu);
+  auto router = c10::make_intrusive<pg::DeviceRouter>(cpu->sessionStore(), cpu);
   pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, router);
 }
 
@@ -112,14 +112,15 @@ std::tuple<std::vector<int64_t>, std::vector<std::string>, std::string> topology
 
 // What backend_hook.py needs to create the inter-host Gloo group right after attach():
 // ({host index, host count, local index} or [] when the group wants none, the interface to
-// bind or "", else the address the mesh published).
-std::tuple<std::vector<int64_t>, std::string, std::string> interhostPlan(
+// bind or "", else the address the mesh published, the group instance's store prefix: the Gloo
+// groups' keys go under it, so a restarted job never reads the previous attempt's).
+std::tuple<std::vector<int64_t>, std::string, std::string, std::string> interhostPlan(
     const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   const pg::ZeroPlusBackend& backend = zeroplusBackend("interhost_plan", pg);
   auto plan = backend.interHostPlan();
-  if (plan.empty()) return {plan, "", ""};
+  if (plan.empty()) return {plan, "", "", backend.sessionPrefix()};
   const std::string& ifname = backend.socketIfname();
-  return {plan, ifname, ifname.empty() ? backend.publishedAddress() : std::string()};
+  return {plan, ifname, ifname.empty() ? backend.publishedAddress() : std::string(), backend.sessionPrefix()};
 }
 
 // Hands the Gloo group `interhost` (rank = host index) to the zeroplus group `pg` as its
@@ -144,7 +145,7 @@ TORCH_LIBRARY(zeroplus, m) {
       &zeroplus::registration::attach);
   m.def("topology(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str[], str)",
         &zeroplus::registration::topology);
-  m.def("interhost_plan(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str, str)",
+  m.def("interhost_plan(__torch__.torch.classes.c10d.ProcessGroup pg) -> (int[], str, str, str)",
         &zeroplus::registration::interhostPlan);
   m.def(
       "attach_interhost(__torch__.torch.classes.c10d.ProcessGroup pg, "

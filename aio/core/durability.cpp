@@ -4,10 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 
 #include "aio/core/io_error.hpp"
+#include "common/core/exclusive_file.hpp"
 
 namespace zeroplus::aio {
 namespace {
@@ -52,49 +52,67 @@ void syncDirectory(const std::string& dir) {
 }
 
 AtomicFile::AtomicFile(const std::string& path, DirectMode direct) : path_(path) {
-  static std::atomic<uint64_t> counter{0};
-  // rename() would replace a FIFO, device node or directory entry with a regular file (an
-  // atomic write to /dev/nvme0n1 would swap the device node for a file in /dev): refuse.
-  struct stat target {};
-  const bool exists = ::stat(path.c_str(), &target) == 0;
-  if (exists && !S_ISREG(target.st_mode)) {
-    throw IoError("open", path, 0, 0, S_ISDIR(target.st_mode) ? EISDIR : EINVAL,
-                  "an atomic write replaces regular files only");
+  dir_ = parentDir(path);
+  name_ = path.substr(path.find_last_of('/') + 1);
+  if (name_.empty() || name_ == "." || name_ == "..") throw IoError("open", path, 0, 0, EISDIR);
+  fs::UniqueFd dir;
+  if (const int rc = fs::openDirectory(dir_, &dir); rc < 0) {
+    throw IoError("open(directory)", dir_, 0, 0, -rc,
+                  rc == -ELOOP ? "a symbolic link owned by another user; not followed" : "");
   }
-  const std::string dir = parentDir(path);
-  const std::string name = path.substr(path.find_last_of('/') + 1);
+  // rename() would replace a FIFO, device node or directory entry with a regular file (an
+  // atomic write to /dev/nvme0n1 would swap the device node for a file in /dev): refuse. The
+  // name is looked at without following a link: the write replaces the entry, not a target.
+  struct stat target {};
+  const bool exists = ::fstatat(dir.get(), name_.c_str(), &target, AT_SYMLINK_NOFOLLOW) == 0;
+  if (exists && !S_ISREG(target.st_mode)) {
+    const int err = S_ISDIR(target.st_mode) ? EISDIR : S_ISLNK(target.st_mode) ? ELOOP : EINVAL;
+    throw IoError("open", path, 0, 0, err,
+                  std::string("an atomic write replaces regular files only") +
+                      (S_ISLNK(target.st_mode) ? " (this is a symbolic link)" : ""));
+  }
   // Same directory as the target: rename() is atomic only within one file system.
-  temp_ = dir + "/." + name + ".tmp-" + std::to_string(::getpid()) + "-" +
-          std::to_string(counter.fetch_add(1));
-  OpenOptions o;
-  o.write = o.create = o.truncate = true;
-  o.direct = direct;
-  o.mode = 0644;
-  file_ = File::open(temp_, o);
+  fs::UniqueFd fd;
+  if (const int rc = fs::createTemporary(dir.get(), "." + name_ + ".tmp-", 0644, 0, &fd, &tempName_); rc < 0) {
+    throw IoError("open(O_CREAT|O_EXCL)", dir_ + "/." + name_ + ".tmp-*", 0, 0, -rc);
+  }
+  temp_ = dir_ + "/" + tempName_;
+  dirFd_ = dir.release();
   // The replacement keeps the permissions of the file it replaces (a 0600 secret must not
   // become world-readable by being rewritten).
-  if (exists && ::fchmod(file_->bufferedFd(), target.st_mode & 07777) != 0) {
+  if (exists && ::fchmod(fd.get(), target.st_mode & 07777) != 0) {
     const int err = errno;
-    ::unlink(temp_.c_str());
+    removeTemp();
+    ::close(dirFd_);
     throw IoError("fchmod", temp_, 0, 0, err);
+  }
+  try {
+    file_ = File::adopt(fd.release(), temp_, direct);
+  } catch (...) {
+    removeTemp();
+    ::close(dirFd_);
+    throw;
   }
 }
 
+void AtomicFile::removeTemp() noexcept { ::unlinkat(dirFd_, tempName_.c_str(), 0); }
+
 AtomicFile::~AtomicFile() {
-  if (!committed_) ::unlink(temp_.c_str());
+  if (!committed_) removeTemp();
+  ::close(dirFd_);
 }
 
 void AtomicFile::commit() {
   if (committed_) return;
   try {
     syncAll(*file_);
-    if (::rename(temp_.c_str(), path_.c_str()) != 0) {
+    if (::renameat(dirFd_, tempName_.c_str(), dirFd_, name_.c_str()) != 0) {
       throw IoError("rename", temp_ + " -> " + path_, 0, 0, errno);
     }
     committed_ = true;  // the temp name is gone now; never unlink the target
-    syncDirectory(parentDir(path_));
+    if (::fsync(dirFd_) != 0) throw IoError("fsync(directory)", dir_, 0, 0, errno);
   } catch (...) {
-    if (!committed_) ::unlink(temp_.c_str());
+    if (!committed_) removeTemp();
     committed_ = true;
     throw;
   }

@@ -28,10 +28,14 @@ void syncDirectory(const std::string& dir);
 
 class AtomicFile {
  public:
-  // Creates "<dir>/.<name>.tmp-<pid>-<n>" next to `path`, opened for writing (truncated), with
-  // the permission bits of an existing `path`. Throws IoError (EINVAL, EISDIR) when `path`
-  // exists and is not a regular file. A process killed before commit() or the destructor
-  // leaves the temporary file behind (its name says which pid made it).
+  // Creates a temporary "<dir>/.<name>.tmp-<16 random hex digits>" next to `path`, exclusively
+  // (O_CREAT|O_EXCL|O_NOFOLLOW relative to the directory's descriptor,
+  // common/core/exclusive_file.hpp), with the permission bits of an existing `path` (else 0644
+  // less the umask). A name planted in advance can neither redirect nor pre-empt it, even in a
+  // world-writable sticky directory such as /tmp. Throws IoError: EISDIR/EINVAL when `path`
+  // exists and is not a regular file, ELOOP when it is a symbolic link (an atomic write
+  // replaces regular files only) or when its directory is a symbolic link another user owns.
+  // A process killed before commit() or the destructor leaves the temporary file behind.
   AtomicFile(const std::string& path, DirectMode direct = DirectMode::Auto);
   // Unlinks the temporary file unless commit() succeeded.
   ~AtomicFile();
@@ -41,12 +45,19 @@ class AtomicFile {
   const std::shared_ptr<File>& file() const noexcept { return file_; }
   const std::string& tempPath() const noexcept { return temp_; }
   const std::string& path() const noexcept { return path_; }
-  // fsync(temp), rename(temp, path), fsync(dir). After a failure the temp file is removed.
+  // fsync(temp), renameat(temp, name) and fsync(dir), all through the directory descriptor
+  // opened by the constructor. After a failure the temp file is removed.
   void commit();
 
  private:
+  void removeTemp() noexcept;
+
   std::string path_;
+  std::string dir_;
+  std::string name_;
+  std::string tempName_;
   std::string temp_;
+  int dirFd_ = -1;
   std::shared_ptr<File> file_;
   bool committed_ = false;
 };

@@ -112,14 +112,35 @@ std::shared_ptr<File> File::open(const std::string& path, const OpenOptions& o) 
     throw IoError("ftruncate", path, 0, 0, errno);
   }
   if (o.direct == DirectMode::Off) return f;
-
   // The buffered open above already created/truncated; the direct open must not repeat that.
+  return attachDirect(f, path, flags & ~O_CREAT, o.direct, st);
+}
+
+std::shared_ptr<File> File::adopt(int fd, const std::string& path, DirectMode direct) {
+  std::shared_ptr<File> f(new File());
+  f->path_ = path;
+  f->writable_ = true;
+  f->buffered_fd_ = fd;  // owned from here: ~File closes it on every path below
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw IoError("fstat", path, 0, 0, errno);
+  if (!S_ISREG(st.st_mode)) throw IoError("open", path, 0, 0, EINVAL, "not a regular file");
+  if (direct == DirectMode::Off) return f;
+  // A second open file description of the same inode: /proc/self/fd/N names this very file,
+  // whatever happens to its directory entry meanwhile.
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  if (::access(self.c_str(), F_OK) == 0) return attachDirect(f, self, O_CLOEXEC | O_RDWR, direct, st);
+  return attachDirect(f, path, O_CLOEXEC | O_RDWR | O_NOFOLLOW, direct, st);
+}
+
+std::shared_ptr<File> File::attachDirect(const std::shared_ptr<File>& f, const std::string& openPath, int flags,
+                                         DirectMode direct, const struct stat& st) {
+  const std::string& path = f->path_;
   int dfd = -1;
   try {
-    dfd = openChecked(path, (flags & ~O_CREAT) | O_DIRECT, 0, "open(O_DIRECT)", &st);
+    dfd = openChecked(openPath, flags | O_DIRECT, 0, "open(O_DIRECT)", &st);
   } catch (const IoError& e) {
     // The type was checked by the buffered open, so EINVAL here is the refusal of O_DIRECT.
-    if (e.error() != EINVAL || o.direct == DirectMode::On) throw;
+    if (e.error() != EINVAL || direct == DirectMode::On) throw;
     logOnce("no-odirect", "O_DIRECT refused (EINVAL) for '" + path +
                               "'; using buffered I/O for files on this file system");
     return f;
@@ -129,7 +150,7 @@ std::shared_ptr<File> File::open(const std::string& path, const OpenOptions& o) 
   int rc = queryDirectAlignment(dfd, &f->offset_align_, &f->mem_align_, &supported);
   if (rc < 0) throw IoError("statx", path, 0, 0, -rc);
   if (!supported) {
-    if (o.direct == DirectMode::On) {
+    if (direct == DirectMode::On) {
       throw IoError("open(O_DIRECT)", path, 0, 0, EINVAL, "file system reports no direct I/O");
     }
     logOnce("no-odirect", "no direct I/O for '" + path + "'; using buffered I/O");

@@ -20,6 +20,7 @@
 // methods are safe to call from any thread. Errors: open() throws IoError.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -41,6 +42,12 @@ struct OpenOptions {
 class File {
  public:
   static std::shared_ptr<File> open(const std::string& path, const OpenOptions& options);
+  // Takes ownership of `fd`, a regular file opened O_RDWR by the caller (AtomicFile creates it
+  // exclusively, common/core/exclusive_file.hpp), and adds the O_DIRECT descriptor as open()
+  // does. That one is opened through /proc/self/fd (the same file, never a name someone could
+  // have replaced), else by `path` with a check that it is still the same file. `path` is for
+  // messages. Closes `fd` and throws IoError on failure.
+  static std::shared_ptr<File> adopt(int fd, const std::string& path, DirectMode direct);
   ~File();
   File(const File&) = delete;
   File& operator=(const File&) = delete;
@@ -60,6 +67,8 @@ class File {
 
  private:
   File() = default;
+  static std::shared_ptr<File> attachDirect(const std::shared_ptr<File>& f, const std::string& openPath, int flags,
+                                            DirectMode direct, const struct stat& st);
   std::string path_;
   int direct_fd_ = -1;
   int buffered_fd_ = -1;

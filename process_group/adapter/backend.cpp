@@ -5,6 +5,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -12,6 +13,7 @@
 
 #include "process_group/adapter/interrupt_watch.hpp"
 #include "process_group/adapter/store_rendezvous.hpp"
+#include "process_group/core/group_session.hpp"
 #include "process_group/core/hierarchical_communicator.hpp"
 #include "process_group/core/peer_address.hpp"
 
@@ -43,11 +45,21 @@ class IssuerModes {
 
 ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  BackendConfig config)
-    : c10d::Backend(rank, size), config_(std::move(config)), store_(store) {
+    : c10d::Backend(rank, size), config_(std::move(config)) {
+  TORCH_CHECK(store, "zeroplus: store is null");
   TORCH_CHECK(size >= 1, "zeroplus: group size must be >= 1, got ", size);
   TORCH_CHECK(rank >= 0 && rank < size, "zeroplus: rank ", rank, " out of range for group size ", size);
   TORCH_CHECK(config_.timeout.count() > 0, "zeroplus: timeout must be positive, got ", config_.timeout.count(), " ms");
-  StoreRendezvous rendezvous(store);
+  // Before any other key: agree a scope no earlier instance of this group can have used (the
+  // store may be torchrun's, kept across restarts), and read and write nothing outside it.
+  try {
+    StoreRendezvous raw(store);
+    sessionPrefix_ = scopePrefix(agreeSession(raw, rank, size, Clock::now() + config_.timeout));
+  } catch (const CommError& e) {
+    throw backendError(std::string("zeroplus init: ") + e.what());
+  }
+  store_ = c10::make_intrusive<c10d::PrefixStore>(sessionPrefix_, store);
+  StoreRendezvous rendezvous(store_);
   CommunicatorOptions options;
   options.rank = rank;
   options.size = size;
@@ -63,7 +75,7 @@ ZeroPlusBackend::ZeroPlusBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   const std::string mine = std::to_string(t.bucketBytes) + "," + std::to_string(t.fuse) + "," +
                            std::to_string(t.shmChunkBytes) + "," + std::string(toString(t.shm)) + "," +
                            std::string(toString(t.interHost));
-  store->set("zeroplus/tuning/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  store_->set("zeroplus/tuning/" + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   // One deadline for the whole exchange: a rank that never joins is reported once, by rank
   // number, within the group timeout (not size x timeout, and not as the store's bare message).
   const auto start = std::chrono::steady_clock::now();

@@ -147,6 +147,12 @@ class ZeroPlusBackend final : public c10d::Backend {
   // this rank's mesh published: where the Gloo device of the inter-host channel binds.
   const std::string& socketIfname() const { return config_.tuning.socketIfname; }
   std::string publishedAddress() const;
+  // The group's store seen through this instance's scope (core/group_session.hpp), and that
+  // scope's key prefix: everything the group and its transports write (the inner NCCL group,
+  // the inter-host Gloo groups) goes through it, so nothing of an earlier instance of the
+  // group on the same store (torchrun restarts) is read back.
+  const c10::intrusive_ptr<c10d::Store>& sessionStore() const { return store_; }
+  const std::string& sessionPrefix() const { return sessionPrefix_; }
   // Switches the group to hierarchical collectives over `channel` (its rank = host index):
   // connects the intra-host communicator (collective; every rank of a group with a non-empty
   // plan calls it once, right after construction, before any op) and logs the choice once at
@@ -234,7 +240,8 @@ class ZeroPlusBackend final : public c10d::Backend {
   void stopWorker();
 
   BackendConfig config_;
-  c10::intrusive_ptr<c10d::Store> store_;  // kept for attachInterHost's intra-host set-up
+  std::string sessionPrefix_;               // "zeroplus/<scope>"
+  c10::intrusive_ptr<c10d::Store> store_;  // scoped; kept for attachInterHost's intra-host set-up
   CommunicatorOptions options_;            // as the flat communicator was connected
   Topology topology_;
   std::unique_ptr<Communicator> comm_;

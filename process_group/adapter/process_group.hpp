@@ -28,7 +28,7 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(const c10::intrus
                                                                int rank, int size, BackendConfig config = {}) {
   auto cpu = c10::make_intrusive<ZeroPlusBackend>(store, rank, size, std::move(config));
   cpu->noteNoInterHostChannel();  // across hosts: flat TCP (Gloo needs the Python hook)
-  auto router = c10::make_intrusive<DeviceRouter>(store, cpu);
+  auto router = c10::make_intrusive<DeviceRouter>(cpu->sessionStore(), cpu);
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
   using Type = c10d::ProcessGroup::BackendType;
   group->setBackend(c10::DeviceType::CPU, Type::CUSTOM, router);

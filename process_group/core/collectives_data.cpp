@@ -1,6 +1,7 @@
 // Data-movement collectives without reduction: broadcast, allgather(v), gather, scatter,
 // alltoallv. Algorithm choice is described in tcp_communicator.hpp.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 
@@ -167,12 +168,20 @@ void TcpCommunicator::alltoallv(const void* in, const std::vector<size_t>& sendC
   require(WireOp::kAlltoallv,
           sendCounts.size() == n && sendDispls.size() == n && recvCounts.size() == n && recvDispls.size() == n,
           "count and displacement vectors need " + std::to_string(n) + " entries");
-  require(WireOp::kAlltoallv, sendCounts[me] == recvCounts[me],
-          "sends " + std::to_string(sendCounts[me]) + " bytes to itself but expects " +
-              std::to_string(recvCounts[me]));
   // Per-pair sizes legitimately differ: the descriptor checks the collective, the per-link
-  // headers check each pair's sizes.
-  run(describe(WireOp::kAlltoallv, 0), deadline, [&] {
+  // headers check each pair's sizes. A rank whose own split sizes disagree still takes part in
+  // the descriptor exchange (kBadArgs), so its peers fail naming it instead of seeing a reset.
+  const bool selfConsistent = sendCounts[me] == recvCounts[me];
+  OpDescriptor desc = describe(WireOp::kAlltoallv, 0);
+  if (!selfConsistent) {
+    desc.flags |= OpDescriptor::kBadArgs;
+    desc.count = sendCounts[me];
+    desc.reserved2 = static_cast<uint32_t>(std::min<size_t>(recvCounts[me], UINT32_MAX));
+  }
+  run(desc, deadline, [&] {
+    require(WireOp::kAlltoallv, selfConsistent,
+            "sends " + std::to_string(sendCounts[me]) + " bytes to itself but expects " +
+                std::to_string(recvCounts[me]));
     const auto* i = static_cast<const uint8_t*>(in);
     auto* o = static_cast<uint8_t*>(out);
     // Every pair exchanges concurrently: all sends and receives sit in one poll loop, so the

@@ -5,7 +5,9 @@
 //   127.0.0.1 only when every rank reports the same value.
 // * hostIdentity(): do we share a machine, i.e. one kernel and one /dev/shm? Equal values mean
 //   the same boot id and the same /dev/shm token: a random token file that the first process
-//   on a /dev/shm creates (link(2) makes the creation atomic) and every later one reads. Two
+//   on a /dev/shm creates (link(2) makes the creation atomic; the temporary is created
+//   exclusively under a random name, and a malformed token is left alone: docs/security.md)
+//   and every later one reads. Two
 //   containers with one host name but their own /dev/shm get different tokens, so they are
 //   two hosts; the topology (topology.hpp) is built from this value.
 // Both are plain strings, compared for equality only. Torch-free, thread-safe (no state

@@ -32,6 +32,11 @@ std::string describeMismatch(const OpDescriptor& mine, const OpDescriptor& their
   };
   if (theirs.magic != kWireMagic) {
     what = "received a corrupt op descriptor from " + them;
+  } else if (theirs.op == mine.op && (theirs.flags & OpDescriptor::kBadArgs)) {
+    return "cannot run it: " + them + " called " + opText(theirs) +
+           " with inconsistent arguments of its own: it sends " + std::to_string(theirs.count) +
+           " bytes to itself but expects " + std::to_string(theirs.reserved2) +
+           " (its input and output split sizes for itself differ)";
   } else if (mine.op != theirs.op) {
     // Sizes of different collectives are not comparable; name the collectives only.
     add("collective", "runs " + opText(mine), "runs " + opText(theirs));

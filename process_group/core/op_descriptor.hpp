@@ -27,6 +27,11 @@ namespace zeroplus::pg::detail {
 struct OpDescriptor {
   static constexpr uint8_t kNone = 0xff;  // dtype / reduceOp of ops without one
   static constexpr uint8_t kFused = 1;    // flags: a fused batch of queued allreduces
+  // flags: this rank's own arguments are inconsistent (alltoallv: what it sends to itself is
+  // not what it expects from itself). It still publishes its descriptor, so every peer fails
+  // naming the cause (docs/errors.md rule 9); `count` then holds the bytes it sends to itself
+  // and `reserved2` those it expects (saturated at 2^32 - 1).
+  static constexpr uint8_t kBadArgs = 2;
 
   uint16_t magic = kWireMagic;
   uint8_t op = 0;  // WireOp

@@ -19,6 +19,7 @@ class PrefixRendezvous final : public Rendezvous {
   std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
     return inner_.get(prefix_ + key, timeout);
   }
+  bool check(const std::string& key) override { return inner_.check(prefix_ + key); }
 
  private:
   Rendezvous& inner_;

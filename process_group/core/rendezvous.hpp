@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,16 @@ class Rendezvous {
   virtual void set(const std::string& key, const std::vector<uint8_t>& value) = 0;
   // Blocks until `key` exists or `timeout` passes; throws std::runtime_error on timeout.
   virtual std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // Whether `key` exists now, without waiting. The default probes with a 1 ms get(); the store
+  // adapter asks the store directly.
+  virtual bool check(const std::string& key) {
+    try {
+      get(key, std::chrono::milliseconds(1));
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  }
 };
 
 }  // namespace zeroplus::pg

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <fstream>
 #include <sstream>
 
@@ -38,6 +39,23 @@ struct alignas(64) ShmCommunicator::Control {
 };
 
 namespace {
+
+// shm=auto fell back to TCP although every rank shares this host: slower for large collectives
+// and easy to miss, so say it once per process (what, why, how to fix, how to silence). A
+// group spanning hosts falls back silently: there is nothing to fix.
+void noteFallback(int rank, const std::string& why) {
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    // The space problem already names its fixes; others get the generic ones.
+    const char* fix = why.find("enlarge /dev/shm") == std::string::npos
+                          ? " To fix: check /dev/shm (mounted, writable, large enough: docker --shm-size)."
+                          : "";
+    std::fprintf(stderr,
+                 "zeroplus: shared memory unavailable, so this group (rank %d) uses TCP over loopback, which is "
+                 "slower for large collectives: %s.%s To silence this: ZEROPLUS_SHM=off. (Said once per process.)\n",
+                 rank, why.c_str(), fix);
+  });
+}
 
 constexpr uint64_t kControlMagic = 0x5A50534D31ull;  // "ZPSM1"
 constexpr size_t kControlBytes = 4096;
@@ -216,6 +234,7 @@ std::unique_ptr<Communicator> ShmCommunicator::maybeCreate(Rendezvous& rendezvou
   own.unlink();
   if (!problem.empty()) {
     if (on) throw fail(problem);
+    noteFallback(rank, problem);
     return nullptr;
   }
   return std::unique_ptr<Communicator>(

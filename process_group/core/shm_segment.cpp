@@ -97,6 +97,9 @@ int ShmSegment::open(const std::string& name, size_t bytes) {
   int err = 0;
   if (::fstat(fd, &st) != 0) {
     err = -errno;
+  } else if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+    // Peers' segments are this user's 0600 files; anything else under that name was planted.
+    err = -EPERM;
   } else if (static_cast<size_t>(st.st_size) != bytes) {
     err = -EINVAL;
   }

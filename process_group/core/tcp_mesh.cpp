@@ -404,9 +404,19 @@ std::unique_ptr<TcpMesh> TcpMesh::connect(Rendezvous& rendezvous, const Communic
             return !c.outbound && c.phase == Pending::kAwaitingHello;
           });
           if (unauthenticated >= maxUnauthenticated) {
-            refusals.assign(1, "too many unauthenticated connections");
-            closeFd(fd);
-            continue;
+            // Make room by dropping the oldest stranger, not the newcomer: refusing newcomers
+            // would let a few idle connections keep every real peer out until they time out.
+            // A peer sends its hello at once, so it is never the oldest idle one for long (and
+            // an outbound peer that is dropped retries).
+            auto oldest = pending.end();
+            for (auto it = pending.begin(); it != pending.end(); ++it) {
+              if (it->outbound || it->phase != Pending::kAwaitingHello) continue;
+              if (oldest == pending.end() || it->helloBy < oldest->helloBy) oldest = it;
+            }
+            refusals.assign(1, "dropped an idle unauthenticated connection (more than " +
+                                   std::to_string(maxUnauthenticated) + " at once)");
+            closeFd(oldest->fd);
+            oldest->phase = Pending::kDead;
           }
           Pending c;
           c.fd = fd;

@@ -17,7 +17,8 @@
 //
 // Trust model (as Gloo's): whoever can write to the store can join the group; the listener is
 // open only during connect(), an inbound connection without a valid hello is closed after
-// options.helloTimeout, and at most max(16, 2 x size) of them are held at once.
+// options.helloTimeout, and at most max(16, 2 x size) of them are held at once: one more
+// closes the oldest, so idle strangers cannot keep a real peer (whose hello comes at once) out.
 //
 // Ownership: the mesh owns its sockets and the eventfd; the destructor closes them. abort() is
 // the only member that may be called concurrently with anything else.

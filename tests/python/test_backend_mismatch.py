@@ -53,3 +53,26 @@ def test_allreduce_mismatch_raises_on_every_rank(env, async_op, spec, names):
         for name in names:
             assert name in message, (name, message)
         assert untouched, f"rank {rank}: the tensor was modified by a failed all_reduce"
+
+
+def _alltoall_bad_self_split(rank, world):
+    # Issue 29 item 3: rank 1's own splits disagree (it sends itself 2 floats but expects 8);
+    # rank 0's are fine. Every rank must fail at this call naming the cause.
+    out_split, in_split = ([5, 5], [5, 5]) if rank == 0 else ([2, 8], [8, 2])
+    out, inp = torch.zeros(10), torch.arange(10, dtype=torch.float32)
+    try:
+        dist.all_to_all_single(out, inp, out_split, in_split)
+    except dist.DistBackendError as e:
+        return str(e), torch.equal(out, torch.zeros(10))
+    return None, torch.equal(out, torch.zeros(10))
+
+
+@pytest.mark.parametrize("env", [SHM, TCP], ids=["shm", "tcp"])
+def test_alltoall_with_a_rank_s_own_splits_inconsistent_fails_on_every_rank_naming_it(env):
+    (m0, untouched0), (m1, untouched1) = run_distributed(_alltoall_bad_self_split, 2, env=env, timeout=90,
+                                                         pg_timeout=30)
+    assert m1 is not None and "sends 8 bytes to itself but expects 32" in m1, m1
+    assert m0 is not None and "reset" not in m0 and "lost peer" not in m0, m0
+    assert "rank 1 called alltoallv with inconsistent arguments of its own" in m0, m0
+    assert "sends 8 bytes to itself but expects 32" in m0, m0
+    assert untouched0 and untouched1

@@ -24,7 +24,7 @@ import sys
 from harness import run_distributed, DistributedTestError
 import test_backend_small_devshm as m
 try:
-    print("RESULT", run_distributed(m._allreduce, 2, env={{"ZEROPLUS_SHM": "{mode}"}}, timeout=60, pg_timeout=20))
+    print("RESULT", run_distributed(m.{fn}, 2, env={{"ZEROPLUS_SHM": "{mode}"}}, timeout=60, pg_timeout=20))
 except DistributedTestError as e:
     print("ERROR", e)
 """
@@ -36,12 +36,20 @@ def _allreduce(rank, world):
     return float(t.min()), float(t.max())
 
 
-def _in_small_devshm(mode):
+def _allreduce_in_two_groups(rank, world):
+    first = _allreduce(rank, world)
+    group = dist.new_group([0, 1])
+    t = torch.ones(1 << 20)
+    dist.all_reduce(t, group=group)
+    return first, (float(t.min()), float(t.max()))
+
+
+def _in_small_devshm(mode, fn="_allreduce"):
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) to mount a small /dev/shm")
     inner = "mount --make-rprivate / && mount -t tmpfs -o size=6m,mode=1777 tmpfs /dev/shm && exec \"$0\" -c \"$1\""
     proc = subprocess.run(
-        ["unshare", "-m", "sh", "-c", inner, sys.executable, _CHILD.format(mode=mode)],
+        ["unshare", "-m", "sh", "-c", inner, sys.executable, _CHILD.format(mode=mode, fn=fn)],
         cwd=_HERE, capture_output=True, text=True, timeout=120, env=dict(os.environ),
     )
     if proc.returncode != 0 and "mount" in proc.stderr and "RESULT" not in proc.stdout:
@@ -60,3 +68,14 @@ def test_on_fails_on_every_rank_naming_devshm():
     for rank in (0, 1):
         assert f"--- rank {rank} raised" in out, out
     assert out.count("/dev/shm has ") >= 2 and str(4 * (1 << 20) + 4096) in out, out
+
+
+def test_auto_says_once_per_process_why_it_fell_back():
+    # Issue 29 item 6: the fallback used to be silent. Two groups per rank, one line per rank
+    # process, naming /dev/shm's free space and how to silence it.
+    out = _in_small_devshm("auto", "_allreduce_in_two_groups")
+    assert "RESULT [((2.0, 2.0), (2.0, 2.0)), ((2.0, 2.0), (2.0, 2.0))]" in out, out
+    notes = [line for line in out.splitlines() if "zeroplus: shared memory unavailable" in line]
+    assert len(notes) == 2, out
+    for line in notes:
+        assert "/dev/shm has " in line and "ZEROPLUS_SHM=off" in line and "uses TCP" in line, line

@@ -31,6 +31,10 @@ class InMemoryRendezvous : public Rendezvous {
     }
     return kv_[key];
   }
+  bool check(const std::string& key) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return kv_.count(key) > 0;
+  }
 
  private:
   std::mutex mu_;

@@ -114,7 +114,8 @@ int closedByServer(const std::vector<int>& fds, std::chrono::milliseconds wait) 
 
 // Starts a 3-rank mesh whose rank 2 publishes its address only after release; runs probe(),
 // then releases and checks that the mesh forms and works.
-void withOpenListeners(const std::function<void(InMemoryRendezvous&)>& probe, const std::string& ifname = "") {
+void withOpenListeners(const std::function<void(InMemoryRendezvous&)>& probe, const std::string& ifname = "",
+                       std::chrono::milliseconds helloTimeout = 300ms) {
   InMemoryRendezvous shared;
   std::atomic<bool> open{false};
   std::vector<std::unique_ptr<Communicator>> comms(3);
@@ -127,7 +128,7 @@ void withOpenListeners(const std::function<void(InMemoryRendezvous&)>& probe, co
       o.rank = r;
       o.size = 3;
       o.connectTimeout = 30s;
-      o.helloTimeout = 300ms;
+      o.helloTimeout = helloTimeout;
       o.socketIfname = ifname;
       try {
         comms[static_cast<size_t>(r)] = Communicator::connect(rdv, o);
@@ -202,6 +203,30 @@ TEST(TcpMeshListener, IdleUnauthenticatedConnectionsAreCappedAndTimedOut) {
     EXPECT_EQ(closedByServer(idle, 10s), static_cast<int>(idle.size()));
     for (int fd : idle) ::close(fd);
   });
+}
+
+TEST(TcpMeshListener, IdleStrangersDoNotKeepAPeerOut) {
+  // Issue 29 item 5: 40 idle connections to each listening rank (more than the cap of 16), held
+  // open, and a hello timeout far beyond the connect timeout, so only the eviction of the
+  // oldest stranger can let rank 2 in: the mesh must still form (connect fails after 30 s
+  // otherwise, with "too many unauthenticated connections").
+  std::vector<int> idle;
+  withOpenListeners(
+      [&](InMemoryRendezvous& rdv) {
+        for (int r = 0; r < 2; ++r) {
+          const auto bytes = rdv.get("zeroplus/addr/" + std::to_string(r), 10s);
+          const std::string rec(bytes.begin(), bytes.end());
+          const auto port = static_cast<uint16_t>(std::stoul(field(rec, "port")));
+          for (int i = 0; i < 40; ++i) {
+            const int fd = connectTo(field(rec, "addr"), port);
+            ASSERT_GE(fd, 0) << std::strerror(-fd);
+            idle.push_back(fd);
+          }
+        }
+        std::this_thread::sleep_for(200ms);  // let the listeners accept them all first
+      },
+      "", 120s);
+  for (int fd : idle) ::close(fd);
 }
 
 }  // namespace
