@@ -127,7 +127,8 @@ def _parity_case(stage, precision, optimizer, **knobs):
                     on_disk=on_disk, disk=report["offload_disk"], resident=resident_state,
                     in_memory=in_memory_state, after_load=resident_after_load, mode=mode, file_modes=file_modes,
                     left=left, buffers=opt.offload.policy.buffer_count, estimate=__import__("zeroplus").estimate_memory(
-                        psi, 2, stage, precision, "adam" if optimizer is torch.optim.AdamW else "sgd", "nvme", 2, max_bucket))
+                        psi, 2, stage, precision, "adam" if optimizer is torch.optim.AdamW else "sgd", "nvme", 2,
+                        max_bucket))
     return case
 
 
@@ -162,7 +163,8 @@ def test_offloaded_runs_equal_in_memory_runs_and_memory_is_bounded():
             if key[0] == 2 and r["buffers"] == 2:  # stage 2: buckets at most the largest one, as estimated
                 est = r["estimate"]
                 # Payload without the 4 KiB headers (which dominate in so tiny a model).
-                payload, est_payload = r["on_disk"] - 4096 * r["n_buckets"], est["master_parameters"] + est["optimizer_state"]
+                payload = r["on_disk"] - 4096 * r["n_buckets"]
+                est_payload = est["master_parameters"] + est["optimizer_state"]
                 assert abs(est_payload - payload) <= 0.05 * payload, (rank, key, est_payload, payload)
                 assert est["offload_buffers"] >= r["peak"] * 0.9, (rank, key, est, r["peak"])
     print(f"\n[test_offload_nvme] parity: {time.perf_counter() - _T0:.1f}s")
@@ -341,7 +343,8 @@ def test_what_is_built_is_accepted_and_the_rest_refused(tmp_path):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     none_p = parse_offload("offload_param", None)
-    cpu_o, cpu_p = parse_offload("offload_optimizer", {"device": "cpu"}), parse_offload("offload_param", {"device": "cpu"})
+    cpu_o = parse_offload("offload_optimizer", {"device": "cpu"})
+    cpu_p = parse_offload("offload_param", {"device": "cpu"})
     nvme_o = parse_offload("offload_optimizer", {"device": "nvme", "nvme_path": str(tmp_path)})
     nvme_p = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path)})
     # CPU training: 'cpu' is a no-op for both (no store, nothing created).

@@ -16,6 +16,7 @@ import torch
 
 from .nvme_store import SwapDirectory
 from .policy import AioPolicy, OffloadPolicy, parse_aio, parse_offload
+from .swapper import OptimizerSwapper
 
 
 def prepare_optimizer_store(policy: OffloadPolicy, param_policy: OffloadPolicy, rank: int, device: torch.device,
@@ -44,8 +45,6 @@ def attach_optimizer_store(prepared, bucket_optimizers: list):
     """The store behind every bucket optimizer's fetch/store (attached to each), or None."""
     if prepared is None:
         return None
-    from .swapper import OptimizerSwapper
-
     policy, rank, directory = prepared
     store = OptimizerSwapper(policy, rank, directory, bucket_optimizers)
     for bo in bucket_optimizers:

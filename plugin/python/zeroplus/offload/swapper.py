@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..aio import AioHandle
 from . import record
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
@@ -83,8 +84,6 @@ class OptimizerSwapper:
     def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, bucket_optimizers: list):
         if not isinstance(policy, OffloadPolicy) or policy.device != "nvme":
             raise ValueError("OptimizerSwapper: needs an OffloadPolicy with device 'nvme'")
-        from ..aio import AioHandle  # needs the loaded library; imported where it is used
-
         self.policy = policy
         self.rank = rank
         self.directory = directory
