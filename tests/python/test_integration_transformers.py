@@ -106,6 +106,21 @@ def _all_cases(rank, world_size, tmp):
     out["cfg"] = _losses(t)
     out["cfg_lrs"] = [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h]
     out["cfg_stage"] = t.zeroplus_stage
+
+    # 4. bf16 from TrainingArguments (CPU autocast by accelerate + zeroplus bf16 compute).
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/bf16", bf16=True), train_dataset=data, stage=2)
+    t.train()
+    out["bf16"] = _losses(t)
+    out["bf16_precision"] = t.optimizer.optimizer.mixed_precision
+
+    # 5. Gradient accumulation (the model's no_sync under accelerate), stage 2 against DDP.
+    ref = Trainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/ref_acc", gradient_accumulation_steps=2), train_dataset=data)
+    ref.train()
+    out["ddp_accum"] = _losses(ref)
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/acc", gradient_accumulation_steps=2),
+                        train_dataset=data, stage=2)
+    t.train()
+    out["zp_accum"] = _losses(t)
     return out
 
 
@@ -133,4 +148,8 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
     # step n runs at iteration n-1 (log warmup: 0, 0, then lr).
     assert r["cfg_stage"] == 2 and len(r["cfg"]) == STEPS
     assert r["cfg_lrs"] == pytest.approx([0.0, 0.0, 1e-3, 1e-3])
+    assert len(r["ddp_accum"]) == STEPS and r["ddp_accum"] != r["ddp"]
+    assert r["zp_accum"] == pytest.approx(r["ddp_accum"], rel=1e-4, abs=1e-5)
+    assert r["bf16_precision"] == "bf16"
+    assert r["bf16"] == pytest.approx(r["ddp"], abs=0.05)  # bf16 rounding, same trajectory
     print(f"test_integration_transformers wall time: {time.monotonic() - t0:.1f}s")
