@@ -85,7 +85,7 @@ def main() -> None:
     root = os.path.join(work, "ckpts")
     t0 = time.monotonic()
     trials = verified = inside = 0
-    failures, previous, staged, max_left = [], None, set(), 0
+    failures, previous, staged, max_left, max_files_left = [], None, set(), 0, 0
     child = 0
     try:
         while trials < args.trials:
@@ -114,19 +114,22 @@ def main() -> None:
             left = {n for n in os.listdir(root) if n.startswith(".")}
             inside += bool(left - staged)
             staged = left
-            max_left = max(max_left, len(left))
+            # directories: removed by the next save; `latest`'s temporary files: after 10 minutes
+            max_left = max(max_left, sum(os.path.isdir(os.path.join(root, n)) for n in left))
+            max_files_left = max(max_files_left, sum(not os.path.isdir(os.path.join(root, n)) for n in left))
             if trials % 20 == 0:
                 print(f"{trials} trials, {verified} verified, {len(failures)} failures", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     wall = time.monotonic() - t0
     report = {"trials": trials, "verified": verified, "kills_inside_a_save": inside, "failures": failures,
-              "max_staging_dirs_left": max_left, "wall_s": round(wall, 1), "seed": args.seed, "width": args.width}
+              "max_staging_dirs_left": max_left, "max_temp_files_left": max_files_left, "wall_s": round(wall, 1), "seed": args.seed, "width": args.width}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     text = (f"kill -9 trials: {trials}, verified after the kill: {verified}, kills inside a save: {inside}, "
-            f"failures: {len(failures)}, staging directories left at most: {max_left}, {wall:.0f} s")
+            f"failures: {len(failures)}, staging directories left at most: {max_left}, temporary files of "
+            f"latest left at most: {max_files_left}, {wall:.0f} s")
     out.with_suffix(".md").write_text(text + "\n" + "".join(f"* {f}\n" for f in failures))
     print(text)
     for f in failures:

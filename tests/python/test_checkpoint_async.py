@@ -101,6 +101,24 @@ def case_serialised(root, rank, group):
         return first_done_when_second_started, f.read().strip()
 
 
+def case_async_replace(root, rank, group):
+    """An async save over an existing checkpoint, then a load of that path right away on every
+    rank: every rank loads the new state (no rank may take the replaced checkpoint's manifest
+    for the end of the save)."""
+    import zeroplus
+
+    root = os.path.join(root, "replace")
+    path = os.path.join(root, "ck")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": 0})
+    train(call, opt, 2, rank)
+    zeroplus.save_checkpoint(path, model, opt, extra={"step": 2}, async_=True)
+    model_b, _c, opt_b = build("engine", 2, None, group, seed=1)
+    extra = zeroplus.load_checkpoint(path, model_b, opt_b)
+    a, b = full_params("engine", model), full_params("engine", model_b)
+    return extra, [k for k in a if not torch.equal(a[k], b[k])], sorted(os.listdir(root))
+
+
 def _all(rank, world, root):
     cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
     return run_cases_in_own_groups(rank, world, cases)
@@ -144,3 +162,10 @@ def test_async_saves_are_serialised(results):
     for rank, (first_done, latest) in enumerate(_ok(results, "serialised")):
         assert first_done
         assert latest == ("two" if rank == 0 else None)
+
+
+def test_async_replace_then_load_sees_the_new_checkpoint(results):
+    for extra, differ, names in _ok(results, "async_replace"):
+        assert extra == {"step": 2}
+        assert differ == []
+        assert names == ["ck", "latest"]

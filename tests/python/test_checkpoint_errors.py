@@ -141,6 +141,13 @@ def case_escaping_latest(root, rank, group):
     return _load_fails(os.path.join(root, "latest_root"), rank, group)
 
 
+def case_ranks_read_different_checkpoints(root, rank, group):
+    """As if `latest` moved between two ranks' reads: each rank is given another checkpoint."""
+    _m, _o, path_a = _saved(root, "disagree_a", rank, group)
+    _m, _o, path_b = _saved(root, "disagree_b", rank, group, steps=3)
+    return _load_fails(path_a if rank == 0 else path_b, rank, group)
+
+
 class Wider(CkptNet):
     def __init__(self):
         super().__init__(width=32)
@@ -312,6 +319,7 @@ def _ok(results, case):
     ("newer_version", ["version 99", "upgrade zeroplus"]),
     ("escaping_file_name", ["escape"]),
     ("escaping_latest", ["escape", "latest"]),
+    ("ranks_read_different_checkpoints", ["read different checkpoints", "disagree_a", "disagree_b"]),
     ("size_mismatch", ["size mismatch for lin1.weight", "torch.Size([24, 8])", "torch.Size([32, 8])"]),
     ("missing_keys", ['Missing key(s) in state_dict: "extra.weight", "extra.bias"']),
     ("unexpected_keys", ['Unexpected key(s) in state_dict: "frozen"']),

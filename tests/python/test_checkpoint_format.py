@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import random
+import time
 
 import pytest
 import torch
@@ -156,9 +157,15 @@ def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
         fsutil.lock(fds["in_flight"])  # a save in flight holds its lock
         os.mkdir(tmp_path / ".user.tmp-notours")  # not a name zeroplus generates
         (tmp_path / "ckpt").mkdir()
+        old_latest, new_latest = fsutil.temp_name("latest"), fsutil.temp_name("latest")
+        for n in (old_latest, new_latest):
+            os.close(fsutil.create_exclusive(root, n))
+        hour_ago = time.time() - 3600
+        os.utime(tmp_path / old_latest, (hour_ago, hour_ago))  # a killed save's; the other is being written
         removed = fsutil.remove_stale_temp_dirs(root, keep=names["mine"])
-        assert removed == [names["killed"]]
-        assert sorted(os.listdir(tmp_path)) == sorted([names["in_flight"], names["mine"], ".user.tmp-notours", "ckpt"])
+        assert sorted(removed) == sorted([names["killed"], old_latest])
+        assert sorted(os.listdir(tmp_path)) == sorted([names["in_flight"], names["mine"], ".user.tmp-notours", "ckpt",
+                                                       new_latest])
     finally:
         for fd in fds.values():
             os.close(fd)

@@ -11,8 +11,8 @@
                 (any other non-empty NAME is refused), fsyncs ROOT, and replaces ROOT/latest
                 (temp -> fdatasync -> rename -> fsync ROOT).
                 Any failure: the staging directory is removed; ROOT/NAME and latest are untouched.
-    rank > 0:   its save is complete when ROOT/NAME/manifest.json exists; it failed when the
-                staging directory is gone without it.
+    rank > 0:   its save is over when the staging directory is gone; it succeeded when
+                ROOT/NAME/manifest.json carries this save's id (the staging directory's name).
 
 A crash at any point leaves either the previous state (no NAME or the old NAME, old latest) or
 a complete checkpoint NAME (manifest durable before the rename that makes NAME visible), possibly with
@@ -108,7 +108,8 @@ def build_manifest(meta: dict, indexes: list[dict]) -> dict:
                 tensors[name]["scalars"].setdefault(k, v)
     return {"format": FORMAT, "version": VERSION, "source": meta["source"], "block_bytes": meta["block_bytes"],
             "files": files, "tensors": tensors, "aliases": meta["aliases"], "chunks": chunks,
-            "param_groups": meta["param_groups"], "optimizer": meta["optimizer"], "extra": meta["extra"]}
+            "param_groups": meta["param_groups"], "optimizer": meta["optimizer"], "extra": meta["extra"],
+            "save_id": meta["save_id"]}
 
 
 def is_checkpoint(root_fd: int, name: str) -> bool:
@@ -159,18 +160,27 @@ def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: i
     fsutil.write_small_file(root_fd, LATEST, (name + "\n").encode(), replace=True)
 
 
+def _save_id(where: str):
+    """The save_id in WHERE/manifest.json, or None (no manifest, or one that does not parse)."""
+    try:
+        with open(os.path.join(where, MANIFEST), "rb") as f:
+            return json.loads(f.read()).get("save_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def wait_committed(root: str, staging: str, name: str, timeout_s: float) -> None:
-    """Rank > 0: until rank 0 made ROOT/NAME visible (success) or removed staging (failure)."""
+    """Rank > 0: until rank 0 is done with this save: it removes (or renames) the staging
+    directory in every outcome, after which ROOT/NAME holds this save's manifest (its save_id
+    is the staging directory's name) on success, and anything else (nothing, or the checkpoint
+    that was to be replaced) on failure."""
     where = os.path.join(root, name)
     deadline = time.monotonic() + timeout_s
     attempt = 0
-    while True:
-        if os.path.isfile(os.path.join(where, MANIFEST)):
-            return
-        # Checked after NAME: rank 0 renames staging -> NAME, so both missing means failure.
-        if not os.path.lexists(os.path.join(root, staging)) and not os.path.isfile(os.path.join(where, MANIFEST)):
-            raise CheckpointError(f"checkpoint: rank 0 did not commit {where} (see rank 0's error)")
+    while os.path.lexists(os.path.join(root, staging)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"checkpoint: rank 0 did not commit {where} within {timeout_s:.0f} s")
         _sleep(attempt)
         attempt += 1
+    if _save_id(where) != staging:
+        raise CheckpointError(f"checkpoint: rank 0 did not commit {where} (see rank 0's error)")

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import stat
+import time
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -68,13 +69,27 @@ def lock(fd: int, wait: bool = True) -> bool:
         return False
 
 
+STALE_TEMP_FILE_S = 600  # a temporary file (of `latest`) untouched this long belongs to a killed save
+
+
 def remove_stale_temp_dirs(dir_fd: int, keep: str) -> list[str]:
-    """Remove the temporary directories zeroplus left in dir_fd when a save was killed: names it
-    generates (temp_name), owned by this user, and not locked by a save in flight (the save's
-    rank 0 holds a flock on its staging directory until it commits or cleans up). Returns them."""
+    """Remove what zeroplus left in dir_fd when a save was killed: temporary directories (names
+    it generates, owned by this user, not locked by a save in flight: the save's rank 0 holds a
+    flock on its staging directory until it commits or cleans up) and temporary regular files of
+    ours (`latest`'s, written in milliseconds) not modified for STALE_TEMP_FILE_S. Returns them."""
     removed = []
+    now = time.time()
     for entry in os.listdir(dir_fd):
         if entry == keep or not _TEMP.match(entry):
+            continue
+        try:
+            st = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            if st.st_uid == os.geteuid() and now - st.st_mtime > STALE_TEMP_FILE_S:
+                remove_quietly(dir_fd, entry)
+                removed.append(entry)
             continue
         try:
             fd = open_dir(entry, dir_fd=dir_fd)  # a directory of ours, or skipped

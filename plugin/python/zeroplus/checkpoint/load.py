@@ -88,23 +88,28 @@ def load_checkpoint(path, model, opt):
     adapter = adapter_for(model, opt)
     group = opt.process_group
     wait_for_pending_save()  # an async save of this process finishes first (it may be this path)
-    error = None
+    error, which = None, None
     try:
         with CheckpointReader(path) as reader:
             manifest = reader.manifest
+            which = (reader.path, reader.manifest_crc32)
             _check_model(manifest, adapter, model)
             groups = _check_groups(manifest, adapter)
             dests, values, states = _read_everything(reader, adapter)
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised
         error = e
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, None if error is None else f"{type(error).__name__}: {error}", group=group)
+    mine = (None if error is None else f"{type(error).__name__}: {error}", which)
+    dist.all_gather_object(everyone, mine, group=group)
     if error is not None:
         raise error
-    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
+    failed = [(r, e) for r, (e, _w) in enumerate(everyone) if e is not None]
     if failed:
         raise RuntimeError(f"load_checkpoint: rank {failed[0][0]} could not load {path}: {failed[0][1]} (nothing was "
                            f"changed)")
+    if len({w for _e, w in everyone}) > 1:  # `latest` moved or the checkpoint was replaced meanwhile
+        raise RuntimeError(f"load_checkpoint: the ranks read different checkpoints at {path} (it was replaced, or "
+                           f"`latest` moved, during the load: {sorted({w for _e, w in everyone})}); nothing was changed")
     adapter.load_optimizer(states, groups, manifest["optimizer"])
     with torch.no_grad():
         for (_n, _lo, _hi, dest), value in zip(dests, values):

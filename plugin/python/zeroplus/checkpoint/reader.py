@@ -70,6 +70,7 @@ class CheckpointReader:
             data = fsutil.read_exact(fd, os.fstat(fd).st_size, 0, where)
         finally:
             os.close(fd)
+        self.manifest_crc32 = zlib.crc32(data)  # which manifest this is (ranks compare it)
         try:
             self.manifest = parse_manifest(bytes(data), where)
         except BaseException:

@@ -265,6 +265,8 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                 "optimizer": adapter.optimizer_meta(), "extra": extra, "block_bytes": options.block_bytes}
 
     staging, meta, lock_fd = _agree_on_staging(rank, group, root, name, make_meta)
+    if meta is not None:
+        meta["save_id"] = staging  # how the other ranks tell this save's manifest from a replaced one
     where = os.path.join(root, name)
     # From here on a failure must reach rank 0 as a failure marker (commit.py), never as a rank
     # that silently stops: rank 0 would wait for its shard until commit_timeout_s.
