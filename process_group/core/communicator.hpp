@@ -102,6 +102,13 @@ class Communicator {
 
   // Unblocks every current and future call with CommError("aborted"). Thread-safe, idempotent.
   virtual void abort() = 0;
+  // abort() after this rank lost peer `culprit` (-1: no peer to blame): the alert peers receive
+  // names it, so every survivor's error names the rank that failed first, not the survivor that
+  // relayed the abort. Transports without a way to say it just abort().
+  virtual void abortBecause(int culprit) {
+    (void)culprit;
+    abort();
+  }
 
   // data: `bytes` bytes, read on root and written on every other rank.
   virtual void broadcast(void* data, size_t bytes, int root, Deadline deadline) = 0;

@@ -24,7 +24,8 @@ std::string fmtSeconds(double s) {
 }  // namespace
 
 Exchange::Exchange(TcpMesh& mesh)
-    : mesh_(mesh), peers_(static_cast<size_t>(mesh.size())), peerAborted_(static_cast<size_t>(mesh.size()), false) {
+    : mesh_(mesh), peers_(static_cast<size_t>(mesh.size())), peerAborted_(static_cast<size_t>(mesh.size()), false),
+      peerCulprit_(static_cast<size_t>(mesh.size()), -1) {
   iov_.resize(kMaxIov);
 }
 
@@ -57,6 +58,18 @@ void Exchange::fail(int peer, const std::string& what) const {
   // Our own abort() shuts the sockets down, which surfaces as EOF; report the cause instead.
   const std::string text = mesh_.aborted() && what != "was aborted" ? "was aborted" : what;
   throw CommError(std::string(opName(op_)), mesh_.rank(), mesh_.aborted() ? -1 : peer, elapsedSeconds(), text);
+}
+
+void Exchange::failAborted(int peer) const {
+  // A peer that aborted because it lost another rank first says which (TcpMesh::abort): name
+  // that rank, so every survivor blames the rank that failed, not the survivor relaying it.
+  const int culprit = peerCulprit_[static_cast<size_t>(peer)];
+  if (culprit >= 0 && culprit < mesh_.size() && culprit != mesh_.rank() && culprit != peer) {
+    fail(culprit, "lost peer " + std::to_string(culprit) + " after " + fmtSeconds(elapsedSeconds()) + " (rank " +
+                      std::to_string(peer) + " lost it first and aborted)");
+  }
+  fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) +
+                 ": it aborted (failed or was interrupted)");
 }
 
 void Exchange::activate(int peer) {
@@ -179,10 +192,7 @@ void Exchange::progressRecv(int peer) {
     return;
   }
   if (n <= 0) {
-    if (peerAborted_[static_cast<size_t>(peer)]) {
-      fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) +
-                     ": it aborted (failed or was interrupted)");
-    }
+    if (peerAborted_[static_cast<size_t>(peer)]) failAborted(peer);
     fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) + ": " +
                    (n == 0 ? std::string("connection closed") : errnoString(static_cast<int>(n))));
   }
@@ -251,9 +261,11 @@ void Exchange::pollOnce() {
     if (!re) continue;
     const int p = pollPeers_[i];
     if (re & POLLPRI) {
-      char alert;
-      [[maybe_unused]] long got = ::recv(pfds_[i].fd, &alert, 1, MSG_OOB | MSG_DONTWAIT);  // clears POLLPRI
+      char alert = 0;
+      const long got = ::recv(pfds_[i].fd, &alert, 1, MSG_OOB | MSG_DONTWAIT);  // clears POLLPRI
       peerAborted_[static_cast<size_t>(p)] = true;
+      const auto code = static_cast<uint8_t>(alert);
+      if (got == 1 && code != 0xFF && code != 0) peerCulprit_[static_cast<size_t>(p)] = code - 1;
     }
     Peer& pe = peers_[static_cast<size_t>(p)];
     if (!pe.active) continue;
@@ -263,10 +275,7 @@ void Exchange::pollOnce() {
   }
   // A peer that aborted fails the op, once nothing it sent before remains to be read.
   for (int p = 0; p < mesh_.size(); ++p) {
-    if (peerAborted_[static_cast<size_t>(p)] && !peers_[static_cast<size_t>(p)].recv.pending()) {
-      fail(p, "lost peer " + std::to_string(p) + " after " + fmtSeconds(elapsedSeconds()) +
-                  ": it aborted (failed or was interrupted)");
-    }
+    if (peerAborted_[static_cast<size_t>(p)] && !peers_[static_cast<size_t>(p)].recv.pending()) failAborted(p);
   }
 }
 

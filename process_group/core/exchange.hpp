@@ -100,6 +100,8 @@ class Exchange {
   std::vector<pollfd> pfds_;
   std::vector<int> pollPeers_;
   std::vector<bool> peerAborted_;  // the peer sent its abort alert; sticky
+  std::vector<int> peerCulprit_;   // the rank that peer lost first, as its alert said (-1: none)
+  [[noreturn]] void failAborted(int peer) const;
 };
 
 }  // namespace zeroplus::pg::detail

@@ -30,7 +30,9 @@ struct alignas(64) ShmCommunicator::Control {
   uint64_t chunkBytes;
   alignas(64) std::atomic<uint32_t> phase;  // futex word: last phase this rank published
   alignas(64) std::atomic<uint32_t> waiters;  // peers sleeping (or about to) on `phase`
-  std::atomic<uint32_t> failed;  // set once on abort or error; never cleared
+  // Set once on abort or error, never cleared: 1, or 2 + the rank this rank lost first (so
+  // peers name that rank rather than this one).
+  std::atomic<uint32_t> failed;
   std::atomic<uint64_t> proposal[2];  // agreeMin values, slot = call counter & 1
   // The op descriptor (op_descriptor.hpp: packHead, count, seq) of op k in slot k & 1, and the
   // element counts of a fused batch's candidates (fused[slot][0] is desc[slot][1]).
@@ -39,6 +41,9 @@ struct alignas(64) ShmCommunicator::Control {
 };
 
 namespace {
+
+// The failed flag's value: 2 + the rank this one lost first, else 1.
+uint32_t failedCode(int culprit) { return culprit >= 0 ? static_cast<uint32_t>(culprit) + 2 : 1; }
 
 // shm=auto fell back to TCP although every rank shares this host: slower for large collectives
 // and easy to miss, so say it once per process (what, why, how to fix, how to silence). A
@@ -270,15 +275,17 @@ void ShmCommunicator::fail(int peer, const std::string& what) const {
   throw CommError(op_, rank_, peer, secondsSince(start_), what);
 }
 
-void ShmCommunicator::abort() {
+void ShmCommunicator::abort() { abortBecause(-1); }
+
+void ShmCommunicator::abortBecause(int culprit) {
   if (aborted_.exchange(true)) return;
   Control& me = control(rank_);
-  me.failed.store(1, std::memory_order_seq_cst);
+  me.failed.store(failedCode(culprit), std::memory_order_seq_cst);
   futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);  // peers sleeping on us
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) futex(&control(r).phase, FUTEX_WAKE, INT_MAX, nullptr);  // our own sleeping worker
   }
-  inner_->abort();
+  inner_->abortBecause(culprit);
 }
 
 void ShmCommunicator::publish() {
@@ -296,12 +303,27 @@ void ShmCommunicator::publish() {
 
 void ShmCommunicator::checkPeer(int peer, bool checkPid) {
   if (aborted_.load(std::memory_order_acquire)) fail(-1, "aborted");
+  // A peer whose process is gone is the cause; name it before any survivor that gave up
+  // because of it (every survivor then blames the same, dead, rank).
+  if (checkPid) {
+    for (int r = 0; r < size_; ++r) {
+      if (r != rank_ && r != peer && processGone(pids_[static_cast<size_t>(r)])) {
+        fail(r, "lost peer " + std::to_string(r) + " after " + fmtSeconds(secondsSince(start_)) + ": process " +
+                    std::to_string(pids_[static_cast<size_t>(r)]) + " exited");
+      }
+    }
+  }
   // Every peer's flag, not only the awaited one's: a rank waiting for a slow peer must still
   // learn at once that another peer gave up (failed, or was interrupted by Ctrl-C).
   for (int r = 0; r < size_; ++r) {
-    if (r != rank_ && control(r).failed.load(std::memory_order_acquire) != 0) {
-      fail(r, "peer " + std::to_string(r) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
+    const uint32_t code = r == rank_ ? 0 : control(r).failed.load(std::memory_order_acquire);
+    if (code == 0) continue;
+    const int culprit = code >= 2 ? static_cast<int>(code - 2) : -1;
+    if (culprit >= 0 && culprit < size_ && culprit != rank_ && culprit != r) {
+      fail(culprit, "lost peer " + std::to_string(culprit) + " after " + fmtSeconds(secondsSince(start_)) +
+                        " (rank " + std::to_string(r) + " lost it first and aborted)");
     }
+    fail(r, "peer " + std::to_string(r) + " failed or aborted after " + fmtSeconds(secondsSince(start_)));
   }
   if (Clock::now() >= deadline_) {
     fail(peer, "timed out after " + fmtSeconds(secondsSince(start_)) + " waiting for peer " + std::to_string(peer));
@@ -381,10 +403,12 @@ void ShmCommunicator::run(const char* op, OpDescriptor desc, Deadline deadline, 
     // it from our failed flag (shm) and from EOF on the TCP links.
     broken_ = true;
     brokenWhat_ = e.what();
+    const auto* lost = dynamic_cast<const CommError*>(&e);
+    const int culprit = lost ? lost->peer() : -1;
     Control& me = control(rank_);
-    me.failed.store(1, std::memory_order_seq_cst);
+    me.failed.store(failedCode(culprit), std::memory_order_seq_cst);
     futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
-    inner_->abort();
+    inner_->abortBecause(culprit);
     throw;
   }
 }
@@ -393,12 +417,12 @@ template <typename Body>
 void ShmCommunicator::inner(Body&& body) {
   try {
     body();
-  } catch (const CommError&) {
+  } catch (const CommError& e) {
     // Argument errors leave the inner transport usable; a transport failure does not, and
     // then peers that are (or will be) waiting in a shared-memory op must stop waiting too.
     if (!inner_->usable()) {
       Control& me = control(rank_);
-      me.failed.store(1, std::memory_order_seq_cst);
+      me.failed.store(failedCode(e.peer()), std::memory_order_seq_cst);
       futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
     }
     throw;

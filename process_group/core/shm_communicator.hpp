@@ -71,6 +71,7 @@ class ShmCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string transport() const override { return "shm+" + inner_->transport(); }
   void abort() override;
+  void abortBecause(int culprit) override;
   bool usable() const override { return !broken_ && inner_->usable(); }
 
   void broadcast(void* data, size_t bytes, int root, Deadline deadline) override;

@@ -45,6 +45,7 @@ class TcpCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void abort() override { mesh_->abort(); }
+  void abortBecause(int culprit) override { mesh_->abort(culprit); }
   bool usable() const override { return !broken_; }
 
   void broadcast(void* data, size_t bytes, int root, Deadline deadline) override;
@@ -123,7 +124,8 @@ void TcpCommunicator::run(OpDescriptor desc, Deadline deadline, Body&& body) {
     // run on them again: c10d marks the backend broken, and peers are told through EOF.
     broken_ = true;
     brokenWhat_ = e.what();
-    mesh_->abort();
+    const auto* lost = dynamic_cast<const CommError*>(&e);
+    mesh_->abort(lost ? lost->peer() : -1);
     throw;
   }
 }

@@ -80,7 +80,7 @@ TcpMesh::~TcpMesh() {
   closeFd(abortFd_);
 }
 
-void TcpMesh::abort() {
+void TcpMesh::abort(int culprit) {
   if (aborted_.exchange(true, std::memory_order_acq_rel)) return;
   const uint64_t one = 1;
   // The eventfd stays readable (nobody reads it), so every later poll returns at once too.
@@ -91,7 +91,7 @@ void TcpMesh::abort() {
   // graceful close sends none, so a peer that simply finished is not mistaken for a failure.
   for (int fd : fds_) {
     if (fd < 0) continue;
-    const char alert = '!';
+    const char alert = static_cast<char>(culprit >= 0 && culprit < 0xFE ? culprit + 1 : 0xFF);
     [[maybe_unused]] ssize_t rc = ::send(fd, &alert, 1, MSG_OOB | MSG_DONTWAIT | MSG_NOSIGNAL);
     ::shutdown(fd, SHUT_RDWR);
   }

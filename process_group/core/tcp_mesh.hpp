@@ -50,7 +50,9 @@ class TcpMesh {
   // Sets the flag, signals the eventfd, sends every peer one urgent (MSG_OOB) byte and shuts the
   // sockets down, so this rank's blocked call wakes at once and peers learn of it at once, even
   // those blocked on another peer (Exchange polls every link for POLLPRI).
-  void abort();
+  // `culprit` >= 0: the peer this rank lost, sent as the urgent byte (culprit + 1; 0xFF: none),
+  // so peers can name it (Exchange).
+  void abort(int culprit = -1);
 
  private:
   TcpMesh(int rank, int size);

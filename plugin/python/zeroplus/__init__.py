@@ -32,7 +32,7 @@ if not _report_requested():
 
     load_library()
 
-    from . import aio, optim  # noqa: E402  (need the library loaded)
+    from . import aio, files, optim  # noqa: E402  (need the library loaded)
     from .backend_options import BackendOptions  # noqa: E402
     from .optim import ZeroRedundancyOptimizer  # noqa: E402
     from .topology import Topology, topology  # noqa: E402
@@ -47,6 +47,7 @@ __all__ = [
     "checkpoint",
     "built_torch_version",
     "estimate_memory",
+    "files",
     "full_state_dict",
     "GradScaler",
     "init_context",
