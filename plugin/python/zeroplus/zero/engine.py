@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..offload import attach_optimizer_store, prepare_optimizer_store
 from ..optim.fused import fused_class_for
-from . import clipping, full_state, precision, state
+from . import clipping, full_state, module_methods, precision, state
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
@@ -121,7 +121,7 @@ class ZeroEngine(torch.optim.Optimizer):
         if module is not None:
             if self.compute_dtype is not None:
                 self._input_cast = precision.install_input_cast(module, self.compute_dtype)
-            module.no_sync = self.no_sync  # DDP's accumulation context, on the user's own module
+            module_methods.install(self, module)  # model.no_sync() and model.zero_grad(), as under DDP
         self._finish_construction()
 
     # -- construction --------------------------------------------------------------------------
