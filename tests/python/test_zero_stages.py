@@ -60,3 +60,15 @@ def test_a_deepcopy_of_the_model_is_not_managed_by_the_engine(one_rank_group):
     opt.step()
     assert not torch.equal(model[0].weight, before)
     assert all(not isinstance(v, torch.optim.Optimizer) for v in vars(ema).values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_model_moved_after_initialize_is_refused_at_step_not_silently_frozen(one_rank_group, stage):
+    import zeroplus
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, opt = zeroplus.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
+    model.to(torch.device("cpu", 0))  # accelerate's CPU device: the parameters get new storage
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"parameter [01]\.(weight|bias) no longer lives in zeroplus's buffers"):
+        opt.step()

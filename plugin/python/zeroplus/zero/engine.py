@@ -285,6 +285,7 @@ class ZeroEngine(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_param_homes()
         self._flush()
         self._consolidated = None
         usage = self.reducer.usage
@@ -309,6 +310,18 @@ class ZeroEngine(torch.optim.Optimizer):
         self._clipped_this_step = False
         self._externally_unscaled = False
         return loss
+
+    def _check_param_homes(self) -> None:
+        """Every managed parameter still views the engine's buffers (see Bucket.stray_param)."""
+        for b in self.buckets:
+            stray = b.stray_param()
+            if stray is not None:
+                names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
+                name = names.get(id(stray), f"of shape {tuple(stray.shape)}")
+                raise RuntimeError(
+                    f"{type(self).__name__}.step: parameter {name} no longer lives in zeroplus's buffers: the model "
+                    f"was moved or its parameters replaced after zeroplus.initialize (model.to(...), "
+                    f"param.data = ...), so the step could not update it; move the model before initialize")
 
     def _step_buckets(self, stepped: list[bool], inv_scale: float) -> None:
         """Bucket by bucket: fetch, step, store, then write the new master back into the
