@@ -34,12 +34,41 @@ def test_each_stage_picks_its_placement_and_matches_torch(one_rank_group, stage,
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1)
     assert type(opt.placement) is placement and opt.stage == stage
-    for step in range(3):
+    for step in range(4):
         x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
         for m, o in ((ref, ref_opt), (model, opt)):
             m(x).square().mean().backward()
             o.step()
-            o.zero_grad()
+            # DDP scripts often clear through the model: it must clear the engine's gradients too.
+            (m.zero_grad if step % 2 else o.zero_grad)()
     full = zeroplus.full_state_dict(model)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(full[k], v, rtol=0, atol=1e-6)
+
+
+def test_a_deepcopy_of_the_model_is_not_managed_by_the_engine(one_rank_group):
+    import zeroplus
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model, opt = zeroplus.initialize(model, torch.optim.SGD, stage=2, lr=0.1)
+    ema = copy.deepcopy(model)  # an EMA copy: plain torch behaviour, no copy of the engine
+    model(torch.ones(2, 4)).sum().backward()
+    ema.zero_grad()  # must not clear the original's gradients
+    with ema.no_sync():
+        pass
+    before = model[0].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+    assert all(not isinstance(v, torch.optim.Optimizer) for v in vars(ema).values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_model_moved_after_initialize_is_refused_at_step_not_silently_frozen(one_rank_group, stage):
+    import zeroplus
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, opt = zeroplus.initialize(model, torch.optim.SGD, stage=stage, lr=0.1)
+    model.to(torch.device("cpu", 0))  # accelerate's CPU device: the parameters get new storage
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"parameter [01]\.(weight|bias) no longer lives in zeroplus's buffers"):
+        opt.step()

@@ -112,15 +112,8 @@ class ZeroPlusTrainer(Trainer):
         _, self.optimizer = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
                                              config=ds.engine, **kwargs)
         self.zeroplus_stage = self.optimizer.stage
-        # The Trainer clears gradients with model.zero_grad() (DDP style); the engine keeps its
-        # reduced gradients in its own buffers, which only opt.zero_grad() clears. Without this
-        # the next step would add the previous step's gradients.
-        engine, module_zero_grad = self.optimizer, model.zero_grad
-
-        def zero_grad(set_to_none: bool = True) -> None:
-            engine.zero_grad(set_to_none)
-            module_zero_grad(set_to_none)
-        model.zero_grad = zero_grad
+        # The Trainer clears gradients with model.zero_grad() (DDP style): the engine's own
+        # model.zero_grad clears its gradients too (zero/module_methods.py).
         # The engine reduces gradients: accelerate must not wrap the model in DDP. prepare_model's
         # evaluation_mode skips only that (autocast still applies) and marks the model prepared,
         # so the Trainer's own prepare() call leaves it as it is. No device placement: the Trainer

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..offload import attach_optimizer_store, prepare_optimizer_store
 from ..optim.fused import fused_class_for
-from . import clipping, full_state, precision, state
+from . import clipping, full_state, module_methods, precision, state
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
@@ -121,7 +121,7 @@ class ZeroEngine(torch.optim.Optimizer):
         if module is not None:
             if self.compute_dtype is not None:
                 self._input_cast = precision.install_input_cast(module, self.compute_dtype)
-            module.no_sync = self.no_sync  # DDP's accumulation context, on the user's own module
+            module_methods.install(self, module)  # model.no_sync() and model.zero_grad(), as under DDP
         self._finish_construction()
 
     # -- construction --------------------------------------------------------------------------
@@ -285,6 +285,7 @@ class ZeroEngine(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_param_homes()
         self._flush()
         self._consolidated = None
         usage = self.reducer.usage
@@ -309,6 +310,18 @@ class ZeroEngine(torch.optim.Optimizer):
         self._clipped_this_step = False
         self._externally_unscaled = False
         return loss
+
+    def _check_param_homes(self) -> None:
+        """Every managed parameter still views the engine's buffers (see Bucket.stray_param)."""
+        for b in self.buckets:
+            stray = b.stray_param()
+            if stray is not None:
+                names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
+                name = names.get(id(stray), f"of shape {tuple(stray.shape)}")
+                raise RuntimeError(
+                    f"{type(self).__name__}.step: parameter {name} no longer lives in zeroplus's buffers: the model "
+                    f"was moved or its parameters replaced after zeroplus.initialize (model.to(...), "
+                    f"param.data = ...), so the step could not update it; move the model before initialize")
 
     def _step_buckets(self, stepped: list[bool], inv_scale: float) -> None:
         """Bucket by bucket: fetch, step, store, then write the new master back into the

@@ -90,6 +90,16 @@ class Bucket:
         for e, view in zip(self.entries, views[1]):
             e.param.data = view
 
+    def stray_param(self):
+        """The first parameter whose .data no longer lives in this bucket's buffers (the model was
+        moved or its parameters replaced after the engine was built: model.to(...), .data = ...),
+        or None. Such a parameter would silently stop training: the engine writes the buffers."""
+        homes = {t.untyped_storage().data_ptr() for t in (self.flat, self.shard) if t is not None}
+        for e in self.entries:
+            if e.param.untyped_storage().data_ptr() not in homes:
+                return e.param
+        return None
+
     def owned_pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """(entry index, shard_lo, shard_hi) of every parameter with a part inside `rank`'s shard,
         in bucket order; alignment gaps and padding belong to no parameter and are left out."""
