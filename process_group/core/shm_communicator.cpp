@@ -304,10 +304,13 @@ void ShmCommunicator::publish() {
 void ShmCommunicator::checkPeer(int peer, bool checkPid) {
   if (aborted_.load(std::memory_order_acquire)) fail(-1, "aborted");
   // A peer whose process is gone is the cause; name it before any survivor that gave up
-  // because of it (every survivor then blames the same, dead, rank).
+  // because of it (every survivor then blames the same, dead, rank). A gone peer that raised
+  // its failed flag first is a survivor that exited after aborting: its flag (read below) names
+  // the cause, its exit does not.
   if (checkPid) {
     for (int r = 0; r < size_; ++r) {
-      if (r != rank_ && r != peer && processGone(pids_[static_cast<size_t>(r)])) {
+      if (r != rank_ && r != peer && processGone(pids_[static_cast<size_t>(r)]) &&
+          control(r).failed.load(std::memory_order_acquire) == 0) {
         fail(r, "lost peer " + std::to_string(r) + " after " + fmtSeconds(secondsSince(start_)) + ": process " +
                     std::to_string(pids_[static_cast<size_t>(r)]) + " exited");
       }
