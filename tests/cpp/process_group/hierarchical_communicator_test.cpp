@@ -144,13 +144,22 @@ TEST_P(Hierarchical, AChannelFailureFailsEveryRankPromptlyNamingTheOpAndPeers) {
     }
   });
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0);
+  int namedTheLink = 0;
   for (int r = 0; r < n; ++r) {
     const std::string& e = errors[static_cast<size_t>(r)];
     EXPECT_EQ(e.rfind("zeroplus allreduce: rank " + std::to_string(r) + " ", 0), 0u) << e;
-    EXPECT_NE(e.find("inter-host phase over fake with rank "), std::string::npos) << e;
-    EXPECT_NE(e.find("link down"), std::string::npos) << e;
+    if (e.find("inter-host phase over fake with rank ") != std::string::npos) {
+      EXPECT_NE(e.find("link down"), std::string::npos) << e;
+      ++namedTheLink;
+    } else {
+      // A rank still in the first intra-host phase when a local peer failed on the link and
+      // aborted (slow runs: sanitizers) never reaches the link; it names that peer instead.
+      EXPECT_NE(e.find("intra-host phase (local allreduce on host "), std::string::npos) << e;
+      EXPECT_NE(e.find("failed or aborted"), std::string::npos) << e;
+    }
     EXPECT_FALSE(comms[static_cast<size_t>(r)]->usable());
   }
+  EXPECT_GE(namedTheLink, 1);  // the failure itself is always named
   // Later ops fail at once with the first error.
   float x = 1;
   EXPECT_THROW(comms[0]->allreduce(&x, 1, DataType::kFloat32, ReduceOp::kSum, soon()), CommError);
