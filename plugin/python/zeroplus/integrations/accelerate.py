@@ -5,7 +5,7 @@
     model, opt = zeroplus.integrations.accelerate.prepare(accelerator, model, torch.optim.AdamW, stage=3, lr=3e-4)
     loader = accelerator.prepare(loader)
     ... accelerator.backward(loss); opt.step(); opt.zero_grad() ...
-    accelerator.save_state(path, safe_serialization=False)   # stage 1 (stages 2-3: with zeroplus.save_checkpoint, not built yet)
+    accelerator.save_state(path, safe_serialization=False)   # stage 1 (stages 2-3: zeroplus.save_checkpoint(path, model, opt) directly)
 
 prepare() builds the optimizer with zeroplus.initialize (any stage; the engine reduces gradients,
 so the model is NOT wrapped in DDP: accelerate's public prepare_model(evaluation_mode=True)

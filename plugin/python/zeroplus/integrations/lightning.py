@@ -93,7 +93,8 @@ class ZeroPlusStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         if self.stage >= 2:
-            raise NotImplementedError(f"ZeroPlusStrategy: checkpoints at stage {self.stage} need "
-                                      f"zeroplus.save_checkpoint, which is not built yet; use stage=1 or "
+            raise NotImplementedError(f"ZeroPlusStrategy: checkpoints at stage {self.stage} go through "
+                                      f"zeroplus.save_checkpoint(path, model, optimizer), which this strategy does "
+                                      f"not call yet; call it yourself (a callback), use stage=1, or "
                                       f"enable_checkpointing=False")
         super().save_checkpoint(checkpoint, filepath, storage_options)

@@ -142,8 +142,9 @@ class ZeroPlusTrainer(Trainer):
     def _save_checkpoint(self, model, trial):
         if getattr(self, "zeroplus_stage", 1) >= 2:
             raise NotImplementedError(
-                f"ZeroPlusTrainer: checkpoints at stage {self.zeroplus_stage} need zeroplus.save_checkpoint, which is "
-                f"not built yet; use save_strategy='no' and trainer.save_model() (full weights), or stage=1")
+                f"ZeroPlusTrainer: checkpoints at stage {self.zeroplus_stage} go through zeroplus.save_checkpoint(path, "
+                f"model, optimizer), which this trainer does not call yet; call it yourself (a TrainerCallback), use "
+                f"save_strategy='no' and trainer.save_model() (full weights), or stage=1")
         return super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir=None, _internal_call=False):
