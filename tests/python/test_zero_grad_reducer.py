@@ -133,3 +133,28 @@ def test_accumulation_dtype_is_honoured(one_rank_group):
     assert all(acc.dtype == torch.float32 for acc in reducer.accum)
     _pass(reducer, params, [g])
     torch.testing.assert_close(reducer.accum[0][:8], 2 * g.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shard_gradients", [True, False])
+def test_accumulators_allocated_without_zero_fill_are_written_whole(one_rank_group, shard_gradients):
+    """The first pass after zero_grad allocates the accumulators it writes whole without zero-filling
+    them first. With torch's fill of uninitialised memory on (NaN for floats), every element must still
+    be exact: gradients where they arrived, zeros for a parameter without one and for the gaps."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.empty(4).isnan().all(), "the NaN fill this test relies on is off"
+        params = _params()
+        reducer, buckets = _reducer(params, shard_gradients)
+        grads = [torch.randn(24), None, torch.randn(30)]
+        for _ in range(2):  # a fresh allocation, then after zero_grad(set_to_none=True) again
+            _pass(reducer, params, grads)
+            assert all(not acc.isnan().any() for acc in reducer.accum), "an accumulator element was never written"
+            for p, g in zip(params, grads):
+                expected = torch.zeros(p.numel()) if g is None else g
+                torch.testing.assert_close(_accumulated(reducer, buckets, p), expected, rtol=0, atol=0)
+            reducer.zero()
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
