@@ -52,6 +52,15 @@ bool Job::applyResult(Request& r, int64_t res) {
   if (res == -EAGAIN || res == -EINTR) {
     if (++r.retries <= kMaxRetries) return false;
   }
+  if (res == -EINVAL && r.direct) {
+    // The request was checked aligned before submission, so this EINVAL is the kernel refusing
+    // the direct transfer as it would have issued it: a write that RLIMIT_FSIZE (or a file-size
+    // limit of the file system) cuts to an unaligned length. Buffered I/O gives the transfer's
+    // real outcome: the bytes up to the limit, then EFBIG, as a buffered write reports it.
+    int64_t rc = fullPio(op_, file_->bufferedFd(), r.buf, r.length, r.offset);
+    if (rc < 0) fail(static_cast<int>(-rc), r.offset, r.length, "direct transfer refused, buffered retry");
+    return true;
+  }
   if (res < 0) {
     fail(static_cast<int>(-res), r.offset, r.length);
     return true;

@@ -210,7 +210,8 @@ _EFBIG_CHILD = r"""
 import resource, signal, sys, torch
 import zeroplus, zeroplus.aio as aio
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # else the kernel kills us instead of EFBIG
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+limit = int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 h = aio.AioHandle(engine=sys.argv[2])
 try:
     h.sync_pwrite(torch.zeros(2 << 20, dtype=torch.uint8), sys.argv[1])
@@ -219,17 +220,20 @@ except OSError as e:
 """
 
 
+@pytest.mark.parametrize("limit", [1 << 20, (1 << 20) + 1000])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_file_size_limit_efbig_checks(tmp_path, engine):
-    # A child process: the rlimit must not leak into the test runner.
+def test_file_size_limit_efbig_checks(tmp_path, engine, limit):
+    # A child process: the rlimit must not leak into the test runner. An unaligned limit makes the
+    # kernel refuse the O_DIRECT request crossing it with EINVAL (it would be cut to an unaligned
+    # length): the engine must still report EFBIG, having written up to the limit.
     path = tmp_path / "big"
-    r = subprocess.run([sys.executable, "-c", _EFBIG_CHILD, str(path), engine], capture_output=True, text=True,
-                       timeout=120, env=os.environ.copy())
+    r = subprocess.run([sys.executable, "-c", _EFBIG_CHILD, str(path), engine, str(limit)], capture_output=True,
+                       text=True, timeout=120, env=os.environ.copy())
     assert r.returncode == 0, r.stderr
     if engine == "io_uring" and "io_uring" in r.stderr and "ERRNO" not in r.stdout:
         pytest.skip("io_uring unavailable")
     assert f"ERRNO {errno.EFBIG}" in r.stdout, r.stdout + r.stderr
-    assert os.path.getsize(path) == 1 << 20  # up to the limit, nothing beyond
+    assert os.path.getsize(path) == limit  # up to the limit, nothing beyond
 
 
 def test_permission_denied_checks(tmp_path):

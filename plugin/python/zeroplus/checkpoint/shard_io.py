@@ -1,12 +1,13 @@
 """Writing one rank's shard file: bytes, block checksums, durability.
 
 write_shard(dir_fd, dir_path, rank, pieces, io) lays the pieces out back to back in
-rankNNNNN.bin, computing the CRC-32 of every `block_bytes` block as the bytes go out, and makes the
+rankNNNNN.bin (each large piece and each coalesced group starting at a 4 KiB-aligned offset, the
+gap before it zero), computing the CRC-32 of every `block_bytes` block as the bytes go out, and makes the
 file durable under its final name (temp name -> fdatasync -> rename -> fsync dir; fsutil.py).
 Returns the file record and the chunk table the manifest needs.
 
 Bulk bytes go through zeroplus.aio.AioHandle (io="aio": io_uring, several requests in flight,
-the CRC of a piece computed while the engine writes it) into the temporary file this module
+O_DIRECT where the file system takes it, the CRC of a piece computed while the engine writes it) into the temporary file this module
 created exclusively inside the checkpoint's private 0700 staging directory (nobody else can plant
 a link there); small pieces are coalesced into one buffer first. io="posix" uses pwrite on the
 same descriptor. Either way the file is fdatasync'ed through our own descriptor, and its inode is
@@ -26,6 +27,12 @@ from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default blo
 
 _COALESCE_BYTES = 1 << 20   # pieces smaller than this are packed into one write
 _FLUSH_BYTES = 8 << 20      # the coalescing buffer is written out at this size
+# Writes start at multiples of this, so the aio engine can send them with O_DIRECT: buffered
+# writes followed by fdatasync ran at a fifth of the disk's O_DIRECT bandwidth here (fio, 1 GiB:
+# 0.26 vs 1.37 GB/s). 4 KiB covers every STATX_DIOALIGN offset alignment of common devices; where
+# a file system wants more, the engine writes that request buffered (correct, only slower).
+_ALIGN = 4096
+_ZEROS = bytes(_ALIGN)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +75,7 @@ class _Sink:
         if io == "aio":
             from ..aio import AioHandle
 
-            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct="off")
+            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct="auto")
         self.keep = []
 
     def write(self, data: torch.Tensor, offset: int) -> None:
@@ -102,6 +109,13 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
             pending, pending_at = [], 0
             pending_bytes = 0
 
+            def align():
+                nonlocal offset
+                pad = -offset % _ALIGN
+                if pad:  # a hole in the file, zero when read; the checksums cover it as zeros
+                    crc.feed(memoryview(_ZEROS)[:pad])
+                    offset += pad
+
             def flush():
                 nonlocal pending, pending_bytes
                 if pending:
@@ -112,21 +126,25 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
             for name, key, lo, hi, tensor in pieces:
                 data = as_bytes(tensor.detach().reshape(-1))
                 n = data.numel()
+                if n == 0:  # nothing to place: no alignment either (a pad at the end would be a hole past EOF)
+                    chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
+                    continue
+                if n >= _COALESCE_BYTES:
+                    flush()
+                    align()
+                elif not pending:
+                    align()
+                    pending_at = offset
                 chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
                 if n < _COALESCE_BYTES:
-                    if not pending:
-                        pending_at = offset
                     pending.append(data.clone() if sink.handle is not None else data)
                     pending_bytes += n
                     if pending_bytes >= _FLUSH_BYTES:
                         flush()
                 else:
-                    flush()
                     sink.write(data, offset)  # queued first: the engine writes while we checksum
                 crc.feed(memoryview(data.numpy()))
                 offset += n
-                if not pending:
-                    pending_at = offset
             flush()
             sink.finish()
             os.fdatasync(fd)
