@@ -5,6 +5,7 @@ backend="zeroplus", losses against the plain DDP Trainer run. One pooled launch.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import time
 
@@ -34,6 +35,12 @@ def _losses(trainer):
 
 def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _params_full(model):
+    import zeroplus
+
+    return {k: v.clone() for k, v in zeroplus.full_state_dict(model, rank0_only=False).items()}
 
 
 def _all_cases(rank, world_size, tmp):
@@ -73,29 +80,33 @@ def _all_cases(rank, world_size, tmp):
     out["stock_resumed"] = _losses(resumed)
     out["stock_resumed_params"] = _params(resumed.model)
 
-    # 2. ZeroPlusTrainer at stages 1-3 (no DDP wrap), then stage 1 save + resume.
+    # 2. ZeroPlusTrainer at stages 1-3 (no DDP wrap), saving checkpoints at steps 2 and 4
+    # (zeroplus.save_checkpoint into checkpoint-N/zeroplus), then a resume from checkpoint-2 into
+    # a model with other weights: steps 3-4 must be the uninterrupted run's.
     for stage in (1, 2, 3):
-        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage)
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp{stage}", save_strategy="steps", save_steps=2),
+                            train_dataset=data, stage=stage)
         t.train()
         out[f"zp{stage}"] = _losses(t)
+        out[f"zp{stage}_params"] = _params_full(t.model)
         out[f"zp{stage}_ddp_wrapped"] = isinstance(t.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        out[f"zp{stage}_files"] = sorted(os.listdir(f"{tmp}/zp{stage}/checkpoint-2"))
         t.save_model(f"{tmp}/zp{stage}/final")
         dist.barrier()
         out[f"zp{stage}_saved"] = None
         if rank == 0:
             from safetensors.torch import load_file
             out[f"zp{stage}_saved"] = {k: v.shape for k, v in load_file(f"{tmp}/zp{stage}/final/model.safetensors").items()}
-        if stage == 3:
-            try:
-                t._save_checkpoint(t.model, None)
-            except NotImplementedError as e:
-                out["zp3_checkpoint_error"] = str(e)
-    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp1ck", save_strategy="steps", save_steps=2),
-                        train_dataset=data, stage=1)
-    t.train()
-    t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp1ck"), train_dataset=data, stage=1)
-    t.train(resume_from_checkpoint=f"{tmp}/zp1ck/checkpoint-2")
-    out["zp1_resumed"] = _losses(t)
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage)
+        t.train(resume_from_checkpoint=f"{tmp}/zp{stage}/checkpoint-2")
+        out[f"zp{stage}_resumed"] = _losses(t)
+        out[f"zp{stage}_resumed_params"] = _params_full(t.model)
+    # A checkpoint the stock Trainer wrote (no zeroplus/ in it) is refused by name, before training.
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp_wrong"), train_dataset=data, stage=2)
+    try:
+        t.train(resume_from_checkpoint=f"{tmp}/stock/checkpoint-2")
+    except FileNotFoundError as e:
+        out["wrong_checkpoint_error"] = str(e)
 
     # 3. HF's seed config (offload block dropped until offload lands), "auto" from TrainingArguments.
     cfg = json.loads((FIXTURES / "ds_config_zero2.json").read_text())
@@ -124,10 +135,34 @@ def _all_cases(rank, world_size, tmp):
     return out
 
 
+def _resume_at_one_rank(rank, world_size, tmp):
+    """World size 1: resume the 2-rank checkpoints (stage 3 -> stage 3, stage 2 -> stage 3) with
+    the same global batch (4 = 1 rank x 4)."""
+    import integration_common as ic
+    from zeroplus.integrations.transformers import ZeroPlusTrainer
+
+    ic.torchrun_env(rank, world_size)
+    out = {}
+    for saved in (3, 2):
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{saved}", per_device_train_batch_size=4),
+                            train_dataset=ic.TokenDataset(), stage=3)
+        t.train(resume_from_checkpoint=f"{tmp}/zp{saved}/checkpoint-2")
+        out[saved] = (_losses(t), _params_full(t.model))
+    return out
+
+
 def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
     t0 = time.monotonic()
     results = run_pooled(_all_cases, 2, str(tmp_path), timeout=600)
+    one_rank = run_pooled(_resume_at_one_rank, 1, str(tmp_path), timeout=300)[0]
     r = results[0]
+    # Saved at 2 ranks, resumed at 1 (same global batch), stage 3 -> 3 and 2 -> 3: steps 3-4
+    # and the final weights are the uninterrupted 2-rank run's.
+    for saved in (3, 2):
+        losses, params = one_rank[saved]
+        assert len(losses) == STEPS and losses[2:] == pytest.approx(r[f"zp{saved}"][2:], rel=1e-5, abs=1e-6), saved
+        for k, v in params.items():
+            assert torch.allclose(v, r[f"zp{saved}_params"][k], rtol=1e-5, atol=1e-6), (saved, k)
     assert r["backend"] == "zeroplus"
     assert len(r["ddp"]) == STEPS
     assert r["prepare_state_dict"] == {}
@@ -142,8 +177,17 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         assert r[f"zp{stage}"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-5), stage
         assert not r[f"zp{stage}_ddp_wrapped"]
         assert r[f"zp{stage}_saved"]["transformer.wte.weight"] == torch.Size([64, 32])  # full, also at stage 3
-    assert "stage 3" in r["zp3_checkpoint_error"] and "save_checkpoint" in r["zp3_checkpoint_error"]
-    assert len(r["zp1_resumed"]) == STEPS and r["zp1_resumed"][2:] == pytest.approx(r["ddp"][2:], rel=1e-4, abs=1e-5)
+        # The Trainer's files and zeroplus's checkpoint, side by side; no optimizer.pt.
+        files = r[f"zp{stage}_files"]
+        assert {"zeroplus", "latest", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
+                "model.safetensors"} <= set(files) and "optimizer.pt" not in files, files
+        # Resumed from checkpoint-2 (other initial weights): steps 3-4 and the final weights are
+        # the uninterrupted run's (fp32, same world size and stage: to rounding).
+        resumed = r[f"zp{stage}_resumed"]
+        assert len(resumed) == STEPS and resumed[2:] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), stage
+        for k, v in r[f"zp{stage}_resumed_params"].items():
+            assert torch.allclose(v, r[f"zp{stage}_params"][k], rtol=1e-6, atol=1e-7), (stage, k)
+    assert "resume_from_checkpoint" in r["wrong_checkpoint_error"] and "zeroplus" in r["wrong_checkpoint_error"]
     # The config's WarmupLR ("auto": 0 -> learning_rate over warmup_steps=2), DeepSpeed's curve:
     # step n runs at iteration n-1 (log warmup: 0, 0, then lr).
     assert r["cfg_stage"] == 2 and len(r["cfg"]) == STEPS

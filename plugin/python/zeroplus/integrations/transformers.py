@@ -17,10 +17,13 @@ ZeroPlusTrainer is transformers.Trainer with the optimizer built by zeroplus.ini
   * a DeepSpeed-style config (`config=`; HF's ds_config_zero2/3.json) with its "auto" values
     filled from TrainingArguments as transformers' HfTrainerDeepSpeedConfig does.
 
-Checkpoints: at stage 1 Trainer's save/resume work through the optimizer's consolidated
-state_dict (ConsolidateOnSave gathers it on every rank when a save is due). At stages 2-3 a
-checkpoint save raises (it waits for zeroplus.save_checkpoint); `trainer.save_model()` works at
-every stage (stage 3 gathers the full weights with zeroplus.full_state_dict).
+Checkpoints, at every stage, the way the Trainer drives DeepSpeed's engine: `checkpoint-N` holds
+the Trainer's own files (trainer_state.json, scheduler.pt, rng_state_R.pth, the full weights
+from save_model) and `checkpoint-N/zeroplus`, written by zeroplus.save_checkpoint (every rank its
+shards of the weights and optimizer state). `train(resume_from_checkpoint=...)` loads that with
+zeroplus.load_checkpoint once the engine exists (any world size and stage: it reshards), then
+the scheduler; the Trainer restores its state and RNG. `trainer.save_model()` writes the full
+weights at every stage (stage 3 gathers them with zeroplus.full_state_dict).
 
 ConsolidateOnSave is the callback alone, for the stock Trainer with
 `optimizers=(zeroplus.ZeroRedundancyOptimizer(...), None)`: the Trainer calls state_dict() on
@@ -30,6 +33,7 @@ the saving rank only, which cannot gather the other ranks' shards by itself.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -37,9 +41,10 @@ from transformers import Trainer, TrainerCallback
 from .. import zero as _zero
 from ..zero import ds_config
 from ..zero.config import load_config
-from . import consolidate_for_save, unwrap_optimizer
+from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer
 
 _NOT_HYPERPARAMETERS = ("fused", "foreach", "capturable", "differentiable")
+SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
 
 
 class ConsolidateOnSave(TrainerCallback):
@@ -91,7 +96,6 @@ class ZeroPlusTrainer(Trainer):
                              "loss scaler); use bf16=True")
         if stage is None and "stage" not in raw.get("zero_optimization", {}):
             raise ValueError("ZeroPlusTrainer: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
-        self.add_callback(ConsolidateOnSave())
 
     # -- optimizer and scheduler ---------------------------------------------------------------
 
@@ -139,13 +143,26 @@ class ZeroPlusTrainer(Trainer):
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def _save_checkpoint(self, model, trial):
-        if getattr(self, "zeroplus_stage", 1) >= 2:
-            raise NotImplementedError(
-                f"ZeroPlusTrainer: checkpoints at stage {self.zeroplus_stage} go through zeroplus.save_checkpoint(path, "
-                f"model, optimizer), which this trainer does not call yet; call it yourself (a TrainerCallback), use "
-                f"save_strategy='no' and trainer.save_model() (full weights), or stage=1")
-        return super()._save_checkpoint(model, trial)
+    def _save_optimizer_and_scheduler(self, output_dir):
+        # The Trainer's DeepSpeed branch calls engine.save_checkpoint(output_dir) on every rank;
+        # here zeroplus.save_checkpoint writes output_dir/zeroplus (collective), and the
+        # scheduler is saved by the saving rank as the Trainer saves it.
+        checkpoint_dir.save(output_dir, self.model, self.optimizer, "ZeroPlusTrainer")
+        if self.args.should_save and self.lr_scheduler is not None:
+            checkpoint_dir.write_state_file(output_dir, SCHEDULER_NAME, self.lr_scheduler.state_dict())
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # train() calls this before the engine exists (the Trainer's non-DeepSpeed order): only
+        # check that the checkpoint is one of ours; the weights come back with the optimizer
+        # state in _load_optimizer_and_scheduler, after the engine is built (DeepSpeed's order).
+        checkpoint_dir.require(resume_from_checkpoint, "ZeroPlusTrainer: resume_from_checkpoint")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        checkpoint_dir.load(checkpoint, self.model, self.optimizer, "ZeroPlusTrainer: resume_from_checkpoint")
+        if self.lr_scheduler is not None and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            self.lr_scheduler.load_state_dict(checkpoint_dir.read_state_file(checkpoint, SCHEDULER_NAME))
 
     def save_model(self, output_dir=None, _internal_call=False):
         if getattr(self, "zeroplus_stage", 1) == 3:
