@@ -75,7 +75,7 @@ def write_state_file(directory, name: str, obj) -> None:
         os.close(dir_fd)
 
 
-def read_state_file(directory, name: str, weights_only: bool = True):
+def read_state_file(directory, name: str, weights_only: bool | None = True):
     """torch.load of DIRECTORY/NAME (no symlink followed at the last component)."""
     dir_fd = fsutil.open_dir(os.fspath(directory), own=False)
     try:

@@ -14,20 +14,29 @@ configure_optimizers may return None) and a `scheduler` block, stepped by opt.st
 
 LR schedulers returned by configure_optimizers are bound to the optimizer they were built on, so
 they cannot follow it to the rebuilt one: that case raises (use the config's scheduler block).
-Checkpoints: stage 1 saves and resumes through Lightning's own path (the strategy consolidates
-the optimizer state); stages 2-3 raise until zeroplus.save_checkpoint exists.
+Checkpoints (every stage), as Lightning's DeepSpeedStrategy does them: a checkpoint path is a
+directory holding `zeroplus/` (zeroplus.save_checkpoint: each rank's shards of the weights and
+optimizer state) and `lightning_state.pt` (Lightning's checkpoint dict without "state_dict" and
+"optimizer_states": loops, callbacks, hyperparameters, and the config scheduler's state).
+`fit(ckpt_path=...)` loads it after setup (the engine exists then), at any world size and stage;
+Lightning's own model and optimizer restore steps are skipped (the weights and the state are in).
+Loading outside fit (validate/test/predict with ckpt_path) raises: no optimizer is built there.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 
 from lightning.pytorch.strategies import DDPStrategy
 
 from .. import zero as _zero
+from . import checkpoint_dir
 
 _NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable", "differentiable")
+_STATE_FILE = "lightning_state.pt"
+_SCHEDULER_KEY = "zeroplus_lr_scheduler"
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 
@@ -91,10 +100,53 @@ class ZeroPlusStrategy(DDPStrategy):
             with no_sync():
                 yield
 
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine (built in setup_optimizers) loads the checkpoint
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the optimizer state came back with zeroplus.load_checkpoint
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        if self.stage >= 2:
-            raise NotImplementedError(f"ZeroPlusStrategy: checkpoints at stage {self.stage} go through "
-                                      f"zeroplus.save_checkpoint(path, model, optimizer), which this strategy does "
-                                      f"not call yet; call it yourself (a callback), use stage=1, or "
-                                      f"enable_checkpointing=False")
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("ZeroPlusStrategy: save_checkpoint(storage_options=...) is not supported (the checkpoint is "
+                            "written by zeroplus.save_checkpoint, not by a CheckpointIO)")
+        filepath = self.broadcast(os.fspath(filepath))  # rank 0's name, as DeepSpeedStrategy does
+        if not self.optimizers:
+            raise RuntimeError("ZeroPlusStrategy: save_checkpoint needs the zeroplus optimizer, which is built when "
+                               "fit() starts")
+        engine = self.optimizers[0]
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if scheduler is not None:
+            state[_SCHEDULER_KEY] = scheduler.state_dict()
+        checkpoint_dir.save(filepath, self.lightning_module, engine, "ZeroPlusStrategy.save_checkpoint")
+        if self.is_global_zero:
+            checkpoint_dir.write_state_file(filepath, _STATE_FILE, state)
+        self.barrier("ZeroPlusStrategy.save_checkpoint")  # complete on every rank when this returns
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        checkpoint_path = self.broadcast(os.fspath(checkpoint_path))
+        if not self.optimizers:
+            raise RuntimeError("ZeroPlusStrategy: a checkpoint loads into the zeroplus optimizer, which exists during "
+                               "fit() only; for validate/test/predict load the weights with "
+                               "`python -m zeroplus.checkpoint` (consolidation) or zeroplus.load_checkpoint")
+        engine = self.optimizers[0]
+        checkpoint_dir.load(checkpoint_path, self.lightning_module, engine, "ZeroPlusStrategy: ckpt_path")
+        # weights_only=None: torch.load's default, as Lightning loads a local checkpoint file.
+        state = checkpoint_dir.read_state_file(checkpoint_path, _STATE_FILE, weights_only=weights_only)
+        scheduler_state = state.pop(_SCHEDULER_KEY, None)
+        scheduler = getattr(engine, "lr_scheduler", None)
+        if scheduler_state is not None and scheduler is not None:
+            scheduler.load_state_dict(scheduler_state)
+        return state
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded by load_checkpoint (zeroplus.load_checkpoint)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # likewise
+
