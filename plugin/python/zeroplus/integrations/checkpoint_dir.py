@@ -7,7 +7,8 @@ loop state); the model weights and the optimizer state, sharded or not, go throu
 zeroplus.save_checkpoint into the subdirectory `zeroplus` of that directory, and come back
 through zeroplus.load_checkpoint at any world size and stage.
 
-    save(directory, model, opt)            collective: DIRECTORY/zeroplus (DIRECTORY/latest names it)
+    save(directory, model, opt)            collective: DIRECTORY/zeroplus (DIRECTORY/latest names it),
+                                           with opt.lr_scheduler's state (a config scheduler) in its extra
     load(directory, model, opt, who)       collective; FileNotFoundError naming `who` without one
     require(directory, who)                the same check, before the engine exists
     write_state_file(directory, name, obj) this rank writes torch.save(obj) crash-consistently
@@ -42,9 +43,13 @@ def _checkpoint_path(directory, who: str) -> str:
 
 
 def save(directory, model, opt, who: str = "save") -> str:
-    """Collective over the optimizer's group: model and optimizer state into DIRECTORY/zeroplus."""
+    """Collective over the optimizer's group: model and optimizer state into DIRECTORY/zeroplus,
+    with the state of a config scheduler (opt.lr_scheduler, stepped by opt.step()) in its extra."""
     path = _checkpoint_path(directory, who)
-    save_checkpoint(path, model, unwrap_optimizer(opt))
+    engine = unwrap_optimizer(opt)
+    scheduler = getattr(engine, "lr_scheduler", None)
+    extra = None if scheduler is None else {"lr_scheduler": scheduler.state_dict()}
+    save_checkpoint(path, model, engine, extra=extra)
     return path
 
 
@@ -58,10 +63,14 @@ def require(directory, who: str) -> str:
     return path
 
 
-def load(directory, model, opt, who: str = "load"):
-    """Collective: model weights and optimizer state from DIRECTORY/zeroplus; returns its extra.
-    On any error (every rank raises) model and optimizer are untouched."""
-    return load_checkpoint(require(directory, who), model, unwrap_optimizer(opt))
+def load(directory, model, opt, who: str = "load") -> None:
+    """Collective: model weights, optimizer state and the config scheduler's state from
+    DIRECTORY/zeroplus. On any error (every rank raises) model and optimizer are untouched."""
+    engine = unwrap_optimizer(opt)
+    extra = load_checkpoint(require(directory, who), model, engine) or {}
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and extra.get("lr_scheduler") is not None:
+        scheduler.load_state_dict(extra["lr_scheduler"])
 
 
 def write_state_file(directory, name: str, obj) -> None:

@@ -17,7 +17,8 @@ they cannot follow it to the rebuilt one: that case raises (use the config's sch
 Checkpoints (every stage), as Lightning's DeepSpeedStrategy does them: a checkpoint path is a
 directory holding `zeroplus/` (zeroplus.save_checkpoint: each rank's shards of the weights and
 optimizer state) and `lightning_state.pt` (Lightning's checkpoint dict without "state_dict" and
-"optimizer_states": loops, callbacks, hyperparameters, and the config scheduler's state).
+"optimizer_states": loops, callbacks, hyperparameters; the config scheduler's state travels in
+the zeroplus checkpoint).
 `fit(ckpt_path=...)` loads it after setup (the engine exists then), at any world size and stage;
 Lightning's own model and optimizer restore steps are skipped (the weights and the state are in).
 Loading outside fit (validate/test/predict with ckpt_path) raises: no optimizer is built there.
@@ -36,7 +37,6 @@ from . import checkpoint_dir
 
 _NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable", "differentiable")
 _STATE_FILE = "lightning_state.pt"
-_SCHEDULER_KEY = "zeroplus_lr_scheduler"
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16"}
 
 
@@ -120,9 +120,6 @@ class ZeroPlusStrategy(DDPStrategy):
                                "fit() starts")
         engine = self.optimizers[0]
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        scheduler = getattr(engine, "lr_scheduler", None)
-        if scheduler is not None:
-            state[_SCHEDULER_KEY] = scheduler.state_dict()
         checkpoint_dir.save(filepath, self.lightning_module, engine, "ZeroPlusStrategy.save_checkpoint")
         if self.is_global_zero:
             checkpoint_dir.write_state_file(filepath, _STATE_FILE, state)
@@ -138,10 +135,6 @@ class ZeroPlusStrategy(DDPStrategy):
         checkpoint_dir.load(checkpoint_path, self.lightning_module, engine, "ZeroPlusStrategy: ckpt_path")
         # weights_only=None: torch.load's default, as Lightning loads a local checkpoint file.
         state = checkpoint_dir.read_state_file(checkpoint_path, _STATE_FILE, weights_only=weights_only)
-        scheduler_state = state.pop(_SCHEDULER_KEY, None)
-        scheduler = getattr(engine, "lr_scheduler", None)
-        if scheduler_state is not None and scheduler is not None:
-            scheduler.load_state_dict(scheduler_state)
         return state
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
