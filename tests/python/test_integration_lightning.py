@@ -22,10 +22,22 @@ def _module_class():
     import integration_common as ic
 
     class TinyLM(L.LightningModule):
-        def __init__(self, seed=0, clip_in_config=False):
+        def __init__(self, seed=0, record_norms=False):
             super().__init__()
             self.net = ic.tiny_gpt2(seed)
             self.losses = []
+            self.record_norms, self.grad_norms = record_norms, []
+
+        def on_before_optimizer_step(self, optimizer):
+            # The global gradient norm before the step, unscaled (fp16: only right if the backward
+            # carried the engine's loss scale, which the engine then divides out).
+            if self.record_norms:
+                inner = getattr(optimizer, "optimizer", optimizer)
+                if hasattr(inner, "clip_grad_norm_"):
+                    norm = inner.clip_grad_norm_(float("inf"))
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(self.parameters(), float("inf"))
+                self.grad_norms.append(float(norm))
 
         def training_step(self, batch, batch_idx):
             loss = self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -39,12 +51,12 @@ def _module_class():
 
 
 def _fit(strategy, tmp, *, seed=0, epochs=2, ckpt=None, save=None, clip=None, accumulate=1, precision="32-true",
-         devices=2, batch_size=2, callbacks=None):
+         devices=2, batch_size=2, callbacks=None, record_norms=False):
     import lightning as L
 
     import integration_common as ic
 
-    model = _module_class()(seed)
+    model = _module_class()(seed, record_norms)
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ic.TokenDataset(), range(8)), batch_size=batch_size)
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
                         enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
@@ -65,8 +77,8 @@ def _all_cases(rank, world_size, tmp):
 
     ic.torchrun_env(rank, world_size)
     out = {"backend": dist.get_backend()}
-    ref, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp)
-    out["ddp"] = ref.losses
+    ref, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp, record_norms=True)
+    out["ddp"], out["ddp_norms"] = ref.losses, ref.grad_norms
     ref_clip, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp, clip=0.5)
     out["ddp_clip"] = ref_clip.losses
     for stage in (1, 2, 3):
@@ -81,6 +93,13 @@ def _all_cases(rank, world_size, tmp):
     out["zp_accum"] = [p.detach().clone() for p in m.parameters()]
     m, trainer = _fit(ZeroPlusStrategy(stage=2), tmp, precision="bf16-mixed")
     out["bf16"], out["bf16_precision"] = m.losses, trainer.strategy.optimizers[0].mixed_precision
+    # fp16 ("16-true": on CPU Lightning turns "16-mixed" into "bf16-mixed") at stages 1-3: the
+    # engine's fp16 with dynamic loss scaling through the strategy's backward.
+    for stage in (1, 2, 3):
+        m, trainer = _fit(ZeroPlusStrategy(stage=stage), tmp, precision="16-true", record_norms=True)
+        engine = trainer.strategy.optimizers[0]
+        out[f"fp16_{stage}"] = (m.losses, m.grad_norms, engine.mixed_precision, engine.loss_scale,
+                                engine.skipped_steps)
     # A DeepSpeed-style config with a scheduler block, stepped by opt.step(); saved after epoch 1
     # and resumed (the scheduler's state travels in lightning_state.pt).
     cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}}
@@ -151,6 +170,11 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
             assert r[f"zp{stage}_resumed_step"] == 4
         assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
         assert "ckpt_path" in r["wrong_ckpt_error"] and "zeroplus" in r["wrong_ckpt_error"]
+        for stage in (1, 2, 3):
+            losses, norms, precision, scale, skipped = r[f"fp16_{stage}"]
+            assert precision == "fp16" and scale == 2.0 ** 16 and skipped == 0, (rank, stage)
+            assert losses == pytest.approx(r["ddp"], abs=0.02), (rank, stage)
+            assert norms == pytest.approx(r["ddp_norms"], rel=0.02), (rank, stage)
         assert r["bf16_precision"] == "bf16" and r["bf16"] == pytest.approx(r["ddp"], abs=0.05)
         # 4 steps of DeepSpeed's linear WarmupLR over 3 steps: iteration 3 -> the full lr.
         assert r["cfg_lr"] == pytest.approx([LR])

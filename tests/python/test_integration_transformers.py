@@ -60,6 +60,7 @@ def _all_cases(rank, world_size, tmp):
     ref.train()
     out["ddp"] = _losses(ref)
     out["ddp_params"] = _params(ref.model)
+    ref_log = ref.state.log_history
 
     # 1. Stock Trainer + zeroplus.ZeroRedundancyOptimizer (DDP-wrapped by accelerate), with a
     # checkpoint at step 2, then a resume from it.
@@ -123,6 +124,19 @@ def _all_cases(rank, world_size, tmp):
     t.train()
     out["bf16"] = _losses(t)
     out["bf16_precision"] = t.optimizer.optimizer.mixed_precision
+
+    # 4b. fp16 from TrainingArguments at stages 1-3: the engine's fp16 with dynamic loss scaling.
+    # The logged grad_norm (the engine's unscaled global norm) matches DDP's only if the Trainer's
+    # backward carried the loss scale (else it is 2**16 times smaller).
+    for stage in (1, 2, 3):
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/fp16_{stage}", fp16=True), train_dataset=data,
+                            stage=stage)
+        t.train()
+        engine = t.optimizer.optimizer
+        out[f"fp16_{stage}"] = (_losses(t), [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h],
+                                engine.mixed_precision, engine.loss_scale, engine.skipped_steps,
+                                next(t.model.parameters()).dtype)
+    out["ddp_grad_norm"] = [h["grad_norm"] for h in ref_log if "grad_norm" in h]
 
     # 5. Gradient accumulation (the model's no_sync under accelerate), stage 2 against DDP.
     ref = Trainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/ref_acc", gradient_accumulation_steps=2), train_dataset=data)
@@ -194,6 +208,11 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
     assert r["cfg_lrs"] == pytest.approx([0.0, 0.0, 1e-3, 1e-3])
     assert len(r["ddp_accum"]) == STEPS and r["ddp_accum"] != r["ddp"]
     assert r["zp_accum"] == pytest.approx(r["ddp_accum"], rel=1e-4, abs=1e-5)
+    for stage in (1, 2, 3):
+        losses, norms, precision, scale, skipped, dtype = r[f"fp16_{stage}"]
+        assert precision == "fp16" and dtype == torch.float16 and scale == 2.0 ** 16 and skipped == 0, stage
+        assert losses == pytest.approx(r["ddp"], abs=0.02), stage  # fp16 rounding, same trajectory
+        assert norms == pytest.approx(r["ddp_grad_norm"], rel=0.02), stage
     assert r["bf16_precision"] == "bf16"
     assert r["bf16"] == pytest.approx(r["ddp"], abs=0.05)  # bf16 rounding, same trajectory
     print(f"test_integration_transformers wall time: {time.monotonic() - t0:.1f}s")

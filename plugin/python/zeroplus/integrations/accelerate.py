@@ -49,6 +49,19 @@ class ZeroPlusOptimizer(AcceleratedOptimizer):
         super().__init__(optimizer, device_placement=False, scaler=scaler)
         self.zeroplus_saved_to = None   # set by the save_state hook, cleared by the next state_dict()
         self.zeroplus_loaded_from = None  # set by the load_state hook
+        self._skipped_by_engine = False
+
+    def step(self, closure=None):
+        # An fp16 engine skips a step on overflow by itself (its loss scaler): report it as
+        # accelerate reports its GradScaler's skips (step_was_skipped), so that schedulers wait.
+        before = getattr(self.optimizer, "skipped_steps", 0)
+        result = super().step(closure)
+        self._skipped_by_engine = getattr(self.optimizer, "skipped_steps", 0) != before
+        return result
+
+    @property
+    def step_was_skipped(self):
+        return self._skipped_by_engine or super().step_was_skipped
 
     def state_dict(self):
         if self.zeroplus_saved_to is None:

@@ -6,7 +6,9 @@
 A DDPStrategy whose process group backend is "zeroplus" and whose model is not wrapped in DDP:
 the optimizer `configure_optimizers` returns (one optimizer, one param group over the module's
 trainable parameters) is rebuilt by zeroplus.initialize with the same class and hyperparameters,
-at the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16) and
+at the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16,
+"16-mixed"/"16-true" -> fp16 with the engine's dynamic loss scaling through its backward; on CPU
+Lightning itself turns "16-mixed" into "bf16-mixed") and
 `gradient_clip_val` mapped to the engine's global-norm clipping (Lightning's own clip sees no
 local gradients and does nothing). Gradient accumulation uses the module's no_sync(), which
 zeroplus installs. A DeepSpeed-style `config` may give the optimizer instead (then
@@ -37,7 +39,8 @@ from . import checkpoint_dir
 
 _NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable", "differentiable")
 _STATE_FILE = "lightning_state.pt"
-_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16"}
+_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
+               "16-true": "fp16"}
 
 
 class ZeroPlusStrategy(DDPStrategy):
@@ -77,19 +80,37 @@ class ZeroPlusStrategy(DDPStrategy):
                       if k in accepted and k not in _NOT_HYPERPARAMETERS}
         precision = str(self.precision_plugin.precision)
         if precision not in _PRECISIONS:
-            raise ValueError(f"ZeroPlusStrategy: precision={precision!r} is not supported (32-true, bf16-mixed, "
-                             f"bf16-true; fp16 needs zeroplus's loss scaler through opt.backward)")
+            raise ValueError(f"ZeroPlusStrategy: precision={precision!r} is not supported (one of "
+                             f"{', '.join(_PRECISIONS)})")
         config = _zero.ds_config.load_config(self.zeroplus_config)
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):  # None: Lightning's default, norm
                 raise ValueError("ZeroPlusStrategy: gradient_clip_algorithm='value' is not supported (global norm only)")
             config = {**config, "gradient_clipping": float(trainer.gradient_clip_val)}
         mixed = _PRECISIONS[precision]
-        if config.get("bf16", {}).get("enabled") is True:
+        if config.get("bf16", {}).get("enabled") is True or config.get("fp16", {}).get("enabled") is True:
             mixed = None  # the config says it
+        if mixed == "fp16" and getattr(self.precision_plugin, "scaler", None) is not None:
+            # "16-mixed" on CUDA comes with torch's GradScaler, which would scale the loss a second
+            # time and check p.grad (freed at stages 2-3); the engine's loss scaler replaces it.
+            self.precision_plugin.scaler = None
         _, engine = _zero.initialize(self.lightning_module, optimizer_class, stage=self.stage, mixed_precision=mixed,
                                      config=config, **kwargs)
         self.optimizers = [engine]
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        engine = self.optimizers[0] if self.optimizers else None
+        if getattr(engine, "mixed_precision", None) != "fp16":
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # fp16: the engine's backward applies its dynamic loss scale (DeepSpeed's policy), as
+        # Lightning's DeepSpeed precision calls deepspeed_engine.backward; the engine unscales,
+        # skips a step on overflow and updates the scale in opt.step().
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        engine.backward(closure_loss, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextmanager
     def block_backward_sync(self):

@@ -10,7 +10,9 @@ ZeroPlusTrainer is transformers.Trainer with the optimizer built by zeroplus.ini
   * the optimizer class and hyperparameters are the Trainer's own (`optim`, `learning_rate`,
     `adam_*`, `weight_decay`, applied to every parameter as HF's DeepSpeed path does for a config
     optimizer) unless the config has an `optimizer` block;
-  * `bf16=True` -> mixed_precision="bf16"; `max_grad_norm` -> the engine's global-norm
+  * `bf16=True` -> mixed_precision="bf16"; `fp16=True` -> mixed_precision="fp16" with the engine's
+    dynamic loss scaling (DeepSpeed's policy; the Trainer's loss.backward() carries the scale,
+    a step skipped on overflow does not step the LR scheduler); `max_grad_norm` -> the engine's global-norm
     clip_grad_norm_ (across shards); gradient accumulation through the model's no_sync(), which
     zeroplus installs and accelerate calls; the LR scheduler is the Trainer's (`lr_scheduler_type`,
     warmup) or the config's `scheduler` block, built on the optimizer and stepped by the Trainer;
@@ -42,9 +44,29 @@ from .. import zero as _zero
 from ..zero import ds_config
 from ..zero.config import load_config
 from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer
+from .accelerate import ZeroPlusOptimizer
 
 _NOT_HYPERPARAMETERS = ("fused", "foreach", "capturable", "differentiable")
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
+
+
+class _ScaleBackward(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by `scale` (in fp32)."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """`loss` (as fp32) whose backward is (loss.float() * scale).backward(): opt.backward's fp16
+    scaling for code that calls loss.backward() itself."""
+    return _ScaleBackward.apply(loss.float(), float(scale))
 
 
 class ConsolidateOnSave(TrainerCallback):
@@ -91,9 +113,11 @@ class ZeroPlusTrainer(Trainer):
         self._zp_config = raw
         self._zp_stage = stage
         super().__init__(*args, **kwargs)
-        if self.args.fp16:
-            raise ValueError("ZeroPlusTrainer: fp16=True is not wired yet (the Trainer's backward bypasses zeroplus's "
-                             "loss scaler); use bf16=True")
+        if self.args.fp16 and self.accelerator.scaler is not None:
+            # accelerate's GradScaler (made for fp16 on CUDA) would scale the loss a second time and
+            # step the engine through torch's inf check; the engine's own loss scaler does both
+            # (as DeepSpeed's engine does under the Trainer, where accelerate makes no scaler).
+            self.accelerator.scaler = None
         if stage is None and "stage" not in raw.get("zero_optimization", {}):
             raise ValueError("ZeroPlusTrainer: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
 
@@ -110,12 +134,15 @@ class ZeroPlusTrainer(Trainer):
             opt_class, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
             kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_HYPERPARAMETERS}
             kwargs["weight_decay"] = self.args.weight_decay
-        precision = "bf16" if self.args.bf16 else None
+        precision = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
         if ds.engine.get("bf16", {}).get("enabled") or ds.engine.get("fp16", {}).get("enabled"):
             precision = None  # the config says it (and was checked against TrainingArguments)
-        _, self.optimizer = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
-                                             config=ds.engine, **kwargs)
-        self.zeroplus_stage = self.optimizer.stage
+        _, engine = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
+                                     config=ds.engine, **kwargs)
+        self.zeroplus_stage = engine.stage
+        # accelerate's wrapper that reports an fp16 step the engine skipped (overflow), so that the
+        # Trainer does not step its LR scheduler for it (DeepSpeed's engine does not either).
+        self.optimizer = self.accelerator.prepare_optimizer(ZeroPlusOptimizer(engine))
         # The Trainer clears gradients with model.zero_grad() (DDP style): the engine's own
         # model.zero_grad clears its gradients too (zero/module_methods.py).
         # The engine reduces gradients: accelerate must not wrap the model in DDP. prepare_model's
@@ -136,6 +163,18 @@ class ZeroPlusTrainer(Trainer):
         from ..zero.schedulers import build_scheduler
         self.lr_scheduler = build_scheduler(unwrap_optimizer(optimizer or self.optimizer), ds.scheduler)
         return self.lr_scheduler
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        engine = None if self.optimizer is None else unwrap_optimizer(self.optimizer)
+        if getattr(engine, "mixed_precision", None) != "fp16" or not torch.is_grad_enabled():
+            return result
+        # fp16: the Trainer's backward (accelerator.backward: loss.backward()) must carry the
+        # engine's dynamic loss scale, as opt.backward(loss) does; the loss's value (logged) is kept.
+        if return_outputs:
+            return scale_backward(result[0], engine.loss_scale), result[1]
+        return scale_backward(result, engine.loss_scale)
 
     def _clip_grad_norm(self, model):
         # The global norm across shards (the Trainer's default clips each rank's local gradients).
