@@ -109,15 +109,15 @@ def _all_cases(rank, world_size, tmp):
     except FileNotFoundError as e:
         out["wrong_checkpoint_error"] = str(e)
 
-    # 3. HF's seed config (offload block dropped until offload lands), "auto" from TrainingArguments.
-    cfg = json.loads((FIXTURES / "ds_config_zero2.json").read_text())
-    del cfg["zero_optimization"]["offload_optimizer"]
-    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/cfg", max_grad_norm=1.0, warmup_steps=2),
-                        train_dataset=data, config=cfg)
-    t.train()
-    out["cfg"] = _losses(t)
-    out["cfg_lrs"] = [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h]
-    out["cfg_stage"] = t.zeroplus_stage
+    # 3. HF's two seed configs as files, as they are (offload_optimizer/offload_param to cpu,
+    # "auto" values from TrainingArguments).
+    for name in ("ds_config_zero2.json", "ds_config_zero3.json"):
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/{name}", max_grad_norm=1.0, warmup_steps=2),
+                            train_dataset=data, config=str(FIXTURES / name))
+        t.train()
+        engine = t.optimizer.optimizer
+        out[name] = (_losses(t), [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h],
+                     engine.stage, engine.options.offload_optimizer.device, engine.options.gradient_clipping)
 
     # 4. bf16 from TrainingArguments (CPU autocast by accelerate + zeroplus bf16 compute).
     t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/bf16", bf16=True), train_dataset=data, stage=2)
@@ -202,10 +202,14 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         for k, v in r[f"zp{stage}_resumed_params"].items():
             assert torch.allclose(v, r[f"zp{stage}_params"][k], rtol=1e-6, atol=1e-7), (stage, k)
     assert "resume_from_checkpoint" in r["wrong_checkpoint_error"] and "zeroplus" in r["wrong_checkpoint_error"]
-    # The config's WarmupLR ("auto": 0 -> learning_rate over warmup_steps=2), DeepSpeed's curve:
-    # step n runs at iteration n-1 (log warmup: 0, 0, then lr).
-    assert r["cfg_stage"] == 2 and len(r["cfg"]) == STEPS
-    assert r["cfg_lrs"] == pytest.approx([0.0, 0.0, 1e-3, 1e-3])
+    # HF's seed files: the config's WarmupLR ("auto": 0 -> learning_rate over warmup_steps=2),
+    # DeepSpeed's curve: step n runs at iteration n-1 (log warmup: 0, 0, then lr); CPU optimizer
+    # offload from the file; both files train the same trajectory (fp32: "auto" fp16/bf16 off).
+    for name, stage in (("ds_config_zero2.json", 2), ("ds_config_zero3.json", 3)):
+        losses, lrs, got_stage, offload, clip = r[name]
+        assert (got_stage, offload, clip) == (stage, "cpu", 1.0), name
+        assert lrs == pytest.approx([0.0, 0.0, 1e-3, 1e-3]) and len(losses) == STEPS, name
+        assert losses == pytest.approx(r["ds_config_zero2.json"][0], rel=1e-4, abs=1e-5), name
     assert len(r["ddp_accum"]) == STEPS and r["ddp_accum"] != r["ddp"]
     assert r["zp_accum"] == pytest.approx(r["ddp_accum"], rel=1e-4, abs=1e-5)
     for stage in (1, 2, 3):
