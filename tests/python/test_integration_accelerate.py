@@ -17,13 +17,13 @@ from harness import run_pooled
 STEPS, LR = 4, 1e-3
 
 
-def _loop(accelerator, model, opt, loader, steps):
+def _loop(accelerator, model, opt, loader, steps, backward=None):
     losses = []
     it = iter(loader)
     for _ in range(steps):
         batch = next(it)
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        accelerator.backward(loss)
+        (backward or accelerator.backward)(loss)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -121,6 +121,23 @@ def _all_cases(rank, world_size, tmp):
         accelerator.load_state(f"{tmp}/stock")
     except FileNotFoundError as e:
         out["wrong_state_error"] = str(e)
+    # fp16: zeroplus's loss scaler through opt.backward, with Accelerator(mixed_precision="no");
+    # Accelerator(mixed_precision="fp16") is refused by name.
+    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=2, lr=LR,
+                                       weight_decay=0.0, mixed_precision="fp16")
+    out["fp16"] = _loop(accelerator, model, opt, _loader(accelerator), STEPS, backward=opt.backward)
+    out["fp16_engine"] = (opt.optimizer.mixed_precision, opt.optimizer.loss_scale, opt.optimizer.skipped_steps)
+    try:  # accelerate's optimizer file of a zeroplus save, loaded without load_state's hook
+        opt.load_state_dict(torch.load(f"{tmp}/zp2/optimizer.bin", weights_only=True))
+    except ValueError as e:
+        out["reference_error"] = str(e)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        zp_accelerate.prepare(Accelerator(cpu=True, mixed_precision="fp16"), ic.tiny_gpt2(), torch.optim.AdamW,
+                              stage=2, lr=LR)
+    except ValueError as e:
+        out["fp16_refused"] = str(e)
     return out
 
 
@@ -169,5 +186,8 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
             assert r[f"zp{stage}_optimizer_file"] == {"zeroplus_checkpoint": "zeroplus"}
             assert r[f"zp{stage}_resumed"] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), (rank, stage)
         assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
+        assert r["fp16_engine"] == ("fp16", 2.0 ** 16, 0) and r["fp16"] == pytest.approx(r["ddp"], abs=0.02), rank
+        assert "accelerator.load_state" in r["reference_error"]
+        assert "mixed_precision='fp16'" in r["fp16_refused"] and "opt.backward" in r["fp16_refused"]
         assert "load_state" in r["wrong_state_error"] and "zeroplus" in r["wrong_state_error"]
     print(f"test_integration_accelerate wall time: {time.monotonic() - t0:.1f}s")

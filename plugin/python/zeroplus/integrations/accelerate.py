@@ -51,6 +51,11 @@ class ZeroPlusOptimizer(AcceleratedOptimizer):
         self.zeroplus_loaded_from = None  # set by the load_state hook
         self._skipped_by_engine = False
 
+    def backward(self, loss, **kwargs):
+        """The engine's backward (fp16: scaled by its loss scale), with the loss divided by the
+        accelerator's gradient_accumulation_steps as accelerator.backward divides it."""
+        return self.optimizer.backward(loss / self.gradient_state.num_steps, **kwargs)
+
     def step(self, closure=None):
         # An fp16 engine skips a step on overflow by itself (its loss scaler): report it as
         # accelerate reports its GradScaler's skips (step_was_skipped), so that schedulers wait.
