@@ -44,6 +44,9 @@ def _module_class():
             self.losses.append(loss.item())
             return loss
 
+        def validation_step(self, batch, batch_idx):
+            return self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
 
@@ -128,6 +131,12 @@ def _all_cases(rank, world_size, tmp):
         _fit(ZeroPlusStrategy(stage=3), tmp, seed=5, ckpt=f"{tmp}/mc")  # not a zeroplus checkpoint
     except FileNotFoundError as e:
         out["wrong_ckpt_error"] = str(e)
+    _, trainer = _fit(ZeroPlusStrategy(stage=3), tmp, epochs=1)
+    try:  # outside fit there is no optimizer to load into
+        trainer.validate(_module_class()(5), torch.utils.data.DataLoader(ic.TokenDataset(4), batch_size=2),
+                         ckpt_path=f"{tmp}/zp3.ckpt")
+    except RuntimeError as e:
+        out["validate_ckpt_error"] = str(e)
     return out
 
 
@@ -169,6 +178,7 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
             assert r[f"zp{stage}_resumed"] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), (rank, stage)
             assert r[f"zp{stage}_resumed_step"] == 4
         assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
+        assert "fit() only" in r["validate_ckpt_error"]
         assert "ckpt_path" in r["wrong_ckpt_error"] and "zeroplus" in r["wrong_ckpt_error"]
         for stage in (1, 2, 3):
             losses, norms, precision, scale, skipped = r[f"fp16_{stage}"]

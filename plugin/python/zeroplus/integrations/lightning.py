@@ -33,6 +33,7 @@ import os
 from contextlib import contextmanager
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import zero as _zero
 from . import checkpoint_dir
@@ -148,7 +149,9 @@ class ZeroPlusStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None):
         checkpoint_path = self.broadcast(os.fspath(checkpoint_path))
-        if not self.optimizers:
+        # Outside fit the strategy builds no engine (and may still hold the one of an earlier
+        # fit, of another module): nothing to load into.
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
             raise RuntimeError("ZeroPlusStrategy: a checkpoint loads into the zeroplus optimizer, which exists during "
                                "fit() only; for validate/test/predict load the weights with "
                                "`python -m zeroplus.checkpoint` (consolidation) or zeroplus.load_checkpoint")
