@@ -18,6 +18,12 @@ STEPS, LR = 4, 1e-2
 # Every parameter of the tiny model is below DeepSpeed's default persistence threshold (1e5
 # elements: kept whole on every rank); 0 shards them all, the frozen base included.
 CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+LORA_EXAMPLE = {"bf16": {"enabled": "auto"},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                      "offload_param": {"device": "cpu", "pin_memory": True},
+                                      "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": 0,
+                                      "stage3_gather_16bit_weights_on_model_save": True},
+                "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto"}
 
 
 def _lora(seed=0):
@@ -107,6 +113,14 @@ def _all_cases(rank, world_size, tmp):
     out["hf_files"] = sorted(os.listdir(f"{tmp}/hf_zp/final"))
     loaded = PeftModel.from_pretrained(ic.tiny_gpt2(), f"{tmp}/hf_zp/final")
     out["hf_loaded_adapters"] = _adapters(loaded.state_dict())
+    # A config like DeepSpeed's LoRA example: bf16, optimizer and parameters offloaded to cpu,
+    # stage-3 prefetch ("auto" from the model's hidden size), through ZeroPlusTrainer.
+    t = ZeroPlusTrainer(model=_lora(), args=TrainingArguments(output_dir=f"{tmp}/hf_example", bf16=True, **args),
+                        train_dataset=data, config=LORA_EXAMPLE)
+    t.train()
+    engine = t.optimizer.optimizer
+    out["hf_example"] = ([h["loss"] for h in t.state.log_history if "loss" in h], engine.mixed_precision,
+                         engine.options.offload_optimizer.device)
     return out
 
 
@@ -131,4 +145,6 @@ def test_peft_lora_stage3_direct_and_trainer_match_ddp(tmp_path):
         assert "model.safetensors" not in r["hf_files"]
         for k, v in r["hf_loaded_adapters"].items():
             assert torch.allclose(v, r["hf_ddp_adapters"][k], rtol=1e-4, atol=1e-6), k
+        losses, precision, offload = r["hf_example"]
+        assert (precision, offload) == ("bf16", "cpu") and losses == pytest.approx(r["hf_ddp"], abs=0.05), rank
     print(f"test_integration_peft wall time: {time.monotonic() - t0:.1f}s")
