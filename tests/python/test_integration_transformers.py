@@ -137,6 +137,13 @@ def _all_cases(rank, world_size, tmp):
                                 engine.mixed_precision, engine.loss_scale, engine.skipped_steps,
                                 next(t.model.parameters()).dtype)
     out["ddp_grad_norm"] = [h["grad_norm"] for h in ref_log if "grad_norm" in h]
+    # An fp16 step the engine skips (overflow at a loss scale of 2**30) does not step the
+    # Trainer's LR scheduler (DeepSpeed's engine does not either).
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/fp16_skip", fp16=True), train_dataset=data,
+                        config={"fp16": {"enabled": "auto", "initial_scale_power": 30, "hysteresis": 1},
+                                "zero_optimization": {"stage": 2}})
+    t.train()
+    out["fp16_skip"] = (t.optimizer.optimizer.skipped_steps, t.lr_scheduler.last_epoch, t.state.global_step)
 
     # 5. Gradient accumulation (the model's no_sync under accelerate), stage 2 against DDP.
     ref = Trainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/ref_acc", gradient_accumulation_steps=2), train_dataset=data)
@@ -217,6 +224,8 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         assert precision == "fp16" and dtype == torch.float16 and scale == 2.0 ** 16 and skipped == 0, stage
         assert losses == pytest.approx(r["ddp"], abs=0.02), stage  # fp16 rounding, same trajectory
         assert norms == pytest.approx(r["ddp_grad_norm"], rel=0.02), stage
+    skipped, scheduler_steps, steps = r["fp16_skip"]
+    assert steps == STEPS and skipped > 0 and scheduler_steps == STEPS - skipped, r["fp16_skip"]
     assert r["bf16_precision"] == "bf16"
     assert r["bf16"] == pytest.approx(r["ddp"], abs=0.05)  # bf16 rounding, same trajectory
     print(f"test_integration_transformers wall time: {time.monotonic() - t0:.1f}s")
