@@ -64,7 +64,8 @@ def _fit(strategy, tmp, *, seed=0, epochs=2, ckpt=None, save=None, clip=None, ac
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
                         enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False,
-                        default_root_dir=tmp, gradient_clip_val=clip, accumulate_grad_batches=accumulate, precision=precision)
+                        default_root_dir=tmp, gradient_clip_val=clip, accumulate_grad_batches=accumulate,
+                        precision=precision)
     trainer.fit(model, loader, ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)

@@ -97,7 +97,8 @@ def _all_cases(rank, world_size, tmp):
         out[f"zp{stage}_saved"] = None
         if rank == 0:
             from safetensors.torch import load_file
-            out[f"zp{stage}_saved"] = {k: v.shape for k, v in load_file(f"{tmp}/zp{stage}/final/model.safetensors").items()}
+            saved = load_file(f"{tmp}/zp{stage}/final/model.safetensors")
+            out[f"zp{stage}_saved"] = {k: v.shape for k, v in saved.items()}
         t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage)
         t.train(resume_from_checkpoint=f"{tmp}/zp{stage}/checkpoint-2")
         out[f"zp{stage}_resumed"] = _losses(t)

@@ -134,8 +134,8 @@ class ZeroPlusStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
         if storage_options is not None:
-            raise TypeError("ZeroPlusStrategy: save_checkpoint(storage_options=...) is not supported (the checkpoint is "
-                            "written by zeroplus.save_checkpoint, not by a CheckpointIO)")
+            raise TypeError("ZeroPlusStrategy: save_checkpoint(storage_options=...) is not supported (the checkpoint "
+                            "is written by zeroplus.save_checkpoint, not by a CheckpointIO)")
         filepath = self.broadcast(os.fspath(filepath))  # rank 0's name, as DeepSpeedStrategy does
         if not self.optimizers:
             raise RuntimeError("ZeroPlusStrategy: save_checkpoint needs the zeroplus optimizer, which is built when "
