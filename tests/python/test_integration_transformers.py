@@ -103,6 +103,19 @@ def _all_cases(rank, world_size, tmp):
         t.train(resume_from_checkpoint=f"{tmp}/zp{stage}/checkpoint-2")
         out[f"zp{stage}_resumed"] = _losses(t)
         out[f"zp{stage}_resumed_params"] = _params_full(t.model)
+    # load_best_model_at_end at stage 3: the best checkpoint's weights are in the model at the end.
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/best", save_strategy="steps", save_steps=1,
+                                                         eval_strategy="steps", eval_steps=1,
+                                                         load_best_model_at_end=True, metric_for_best_model="loss",
+                                                         greater_is_better=False, learning_rate=0.05),
+                        train_dataset=data, eval_dataset=ic.TokenDataset(n=4, seed=3), stage=3)
+    t.train()
+    out["best"] = (t.state.best_model_checkpoint, _params_full(t.model))
+    out["best_saved"] = None
+    if rank == 0:
+        from safetensors.torch import load_file
+        out["best_saved"] = load_file(f"{t.state.best_model_checkpoint}/model.safetensors")
+        out["last_saved"] = load_file(f"{tmp}/best/checkpoint-{STEPS}/model.safetensors")
     # A checkpoint the stock Trainer wrote (no zeroplus/ in it) is refused by name, before training.
     t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp_wrong"), train_dataset=data, stage=2)
     try:
@@ -209,6 +222,11 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         assert len(resumed) == STEPS and resumed[2:] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), stage
         for k, v in r[f"zp{stage}_resumed_params"].items():
             assert torch.allclose(v, r[f"zp{stage}_params"][k], rtol=1e-6, atol=1e-7), (stage, k)
+    best, params = r["best"]
+    assert not best.endswith(f"checkpoint-{STEPS}"), best  # lr 0.05: the eval loss got worse after its best
+    for k, v in r["best_saved"].items():
+        assert torch.equal(params[k], v), k
+    assert any(not torch.equal(params[k], v) for k, v in r["last_saved"].items())
     assert "resume_from_checkpoint" in r["wrong_checkpoint_error"] and "zeroplus" in r["wrong_checkpoint_error"]
     # HF's seed files: the config's WarmupLR ("auto": 0 -> learning_rate over warmup_steps=2),
     # DeepSpeed's curve: step n runs at iteration n-1 (log warmup: 0, 0, then lr); CPU optimizer

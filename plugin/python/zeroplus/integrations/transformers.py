@@ -203,6 +203,13 @@ class ZeroPlusTrainer(Trainer):
         if self.lr_scheduler is not None and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
             self.lr_scheduler.load_state_dict(checkpoint_dir.read_state_file(checkpoint, SCHEDULER_NAME))
 
+    def _load_best_model(self):
+        # load_best_model_at_end: the best checkpoint's zeroplus/ into the engine (weights and
+        # optimizer state), as the Trainer's DeepSpeed branch loads the engine's checkpoint; the
+        # Trainer's own path would load model.safetensors into parameters that may be shards.
+        checkpoint_dir.load(self.state.best_model_checkpoint, self.model, self.optimizer,
+                            "ZeroPlusTrainer: load_best_model_at_end")
+
     def save_model(self, output_dir=None, _internal_call=False):
         if getattr(self, "zeroplus_stage", 1) == 3:
             full = _zero.full_state_dict(self.model)  # collective: the full weights on rank 0
