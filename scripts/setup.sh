@@ -45,7 +45,7 @@ if [[ ! -f "$stamp" ]]; then
 fi
 # Pinned, installed with torch held at its version (a framework must never pull another torch).
 # The integration tests fail, not skip, when these are missing under CI.
-integration_packages=(transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6)
+integration_packages=(transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 peft==0.21.2)
 integration_stamp="$venv/.zeroplus-setup-integrations-$(IFS=-; echo "${integration_packages[*]}")"
 if [[ ! -f "$integration_stamp" ]]; then
   echo "[setup] installing ${integration_packages[*]} into $venv"

@@ -370,3 +370,43 @@ def test_scheduler_is_stepped_by_opt_step_at_every_stage():
             assert last_epoch == 6  # 0 after construction, + one per opt.step()
         assert result["fp16"] == (1, 0)  # skipped, not advanced
     print(f"test_ds_config wall time so far: {time.monotonic() - T0:.1f}s")
+
+
+def _seed_files_through_initialize(rank, world_size):
+    """HF's seed files as they are (offload blocks with "device": "cpu", "auto" values) through
+    zeroplus.initialize(config=path), against the same config without the offload blocks."""
+    import warnings
+
+    import zeroplus
+
+    out = {}
+    for name in ("ds_config_zero2.json", "ds_config_zero3.json"):
+        raw = json.loads((FIXTURES / name).read_text())
+        plain = copy.deepcopy(raw)
+        plain["zero_optimization"].pop("offload_optimizer"), plain["zero_optimization"].pop("offload_param", None)
+        runs = []
+        for config in (str(FIXTURES / name), plain):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # steps_per_print & co.: tested above
+                model, opt = zeroplus.initialize(model, config=config, lr=0.01)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                model(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            runs.append((opt.stage, opt.options.offload_optimizer.device, type(opt.lr_scheduler).__name__,
+                         {k: v.clone() for k, v in zeroplus.full_state_dict(model, rank0_only=False).items()}))
+        out[name] = runs
+    return out
+
+
+def test_hf_seed_files_train_through_initialize():
+    for result in run_pooled(_seed_files_through_initialize, 2, timeout=240):
+        for name, stage in (("ds_config_zero2.json", 2), ("ds_config_zero3.json", 3)):
+            (s1, dev1, sched1, p1), (s2, dev2, sched2, p2) = result[name]
+            assert (s1, dev1, sched1) == (stage, "cpu", "WarmupLR") and (s2, dev2) == (stage, "none"), name
+            for k in p1:  # CPU offload of the optimizer step: the same weights
+                assert torch.allclose(p1[k], p2[k], rtol=1e-6, atol=1e-7), (name, k)
+    print(f"test_ds_config wall time so far: {time.monotonic() - T0:.1f}s")

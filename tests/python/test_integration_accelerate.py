@@ -1,9 +1,11 @@
 """accelerate: the stock accelerator.prepare with zeroplus.ZeroRedundancyOptimizer (stage 1,
-save_state/load_state) and zeroplus.integrations.accelerate.prepare at stages 1-3, 2 ranks over
-backend="zeroplus", losses against the plain DDP run. One pooled launch."""
+save_state/load_state) and zeroplus.integrations.accelerate.prepare at stages 1-3 with save_state/
+load_state (zeroplus checkpoints, resumed at 2 ranks and at 1), 2 ranks over backend="zeroplus",
+losses against the plain DDP run. One pooled launch per world size."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import accelerate  # noqa: F401  (a hard requirement: scripts/setup.sh installs it)
@@ -15,24 +17,25 @@ from harness import run_pooled
 STEPS, LR = 4, 1e-3
 
 
-def _loop(accelerator, model, opt, loader, steps):
+def _loop(accelerator, model, opt, loader, steps, backward=None):
     losses = []
     it = iter(loader)
     for _ in range(steps):
         batch = next(it)
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        accelerator.backward(loss)
+        (backward or accelerator.backward)(loss)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses
 
 
-def _loader(accelerator, skip=0):
+def _loader(accelerator, skip=0, batch_size=2):
     import integration_common as ic
 
     data = ic.TokenDataset()
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(skip * 4, len(data))), batch_size=2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(skip * 4, len(data))),
+                                         batch_size=batch_size)
     return accelerator.prepare(loader)
 
 
@@ -82,29 +85,90 @@ def _all_cases(rank, world_size, tmp):
     accelerator.load_state(f"{tmp}/stock")
     out["stock_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
 
-    # zeroplus.integrations.accelerate.prepare at stages 1-3 (no DDP); stage 1 saves and resumes.
+    # zeroplus.integrations.accelerate.prepare at stages 1-3 (no DDP): save_state after 2 steps
+    # (zeroplus.save_checkpoint into PATH/zeroplus), then load_state into other weights.
     for stage in (1, 2, 3):
         accelerator = Accelerator(cpu=True)
         model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=stage, lr=LR,
                                            weight_decay=0.0)
         out[f"zp{stage}_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         out[f"zp{stage}"] = _loop(accelerator, model, opt, _loader(accelerator), 2)
-        try:
-            accelerator.save_state(f"{tmp}/zp{stage}", safe_serialization=False)
-        except NotImplementedError as e:
-            out[f"zp{stage}_save_error"] = str(e)
+        accelerator.save_state(f"{tmp}/zp{stage}")
+        accelerator.wait_for_everyone()  # the main process writes accelerate's files; no barrier after them
+        out[f"zp{stage}_files"] = sorted(os.listdir(f"{tmp}/zp{stage}"))
+        out[f"zp{stage}_optimizer_file"] = torch.load(f"{tmp}/zp{stage}/optimizer.bin", weights_only=True)
         out[f"zp{stage}"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+        accelerator = Accelerator(cpu=True)
+        model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=stage, lr=LR,
+                                           weight_decay=0.0)
+        accelerator.load_state(f"{tmp}/zp{stage}")
+        out[f"zp{stage}_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    # A config scheduler (opt.lr_scheduler, stepped by opt.step()) travels in the checkpoint.
+    cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}}
     accelerator = Accelerator(cpu=True)
-    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=1, lr=LR,
-                                       weight_decay=0.0)
-    accelerator.load_state(f"{tmp}/zp1")
-    out["zp1_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=3, lr=LR, config=cfg)
+    out["cfg"] = _loop(accelerator, model, opt, _loader(accelerator), 2)
+    accelerator.save_state(f"{tmp}/cfg")
+    out["cfg"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    accelerator = Accelerator(cpu=True)
+    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=3, lr=LR,
+                                       config=cfg)
+    accelerator.load_state(f"{tmp}/cfg")
+    out["cfg_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    out["cfg_resumed_lr"] = opt.optimizer.lr_scheduler.get_last_lr()
+    # The stock run's state (no zeroplus/ in it) is refused by name; nothing changes.
+    try:
+        accelerator.load_state(f"{tmp}/stock")
+    except FileNotFoundError as e:
+        out["wrong_state_error"] = str(e)
+    # fp16: zeroplus's loss scaler through opt.backward, with Accelerator(mixed_precision="no");
+    # Accelerator(mixed_precision="fp16") is refused by name.
+    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=2, lr=LR,
+                                       weight_decay=0.0, mixed_precision="fp16")
+    out["fp16"] = _loop(accelerator, model, opt, _loader(accelerator), STEPS, backward=opt.backward)
+    out["fp16_engine"] = (opt.optimizer.mixed_precision, opt.optimizer.loss_scale, opt.optimizer.skipped_steps)
+    try:  # accelerate's optimizer file of a zeroplus save, loaded without load_state's hook
+        opt.load_state_dict(torch.load(f"{tmp}/zp2/optimizer.bin", weights_only=True))
+    except ValueError as e:
+        out["reference_error"] = str(e)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        zp_accelerate.prepare(Accelerator(cpu=True, mixed_precision="fp16"), ic.tiny_gpt2(), torch.optim.AdamW,
+                              stage=2, lr=LR)
+    except ValueError as e:
+        out["fp16_refused"] = str(e)
+    return out
+
+
+def _resume_at_one_rank(rank, world_size, tmp):
+    """World size 1, batch 4 (the 2 ranks' global batch): the stage-3 state at stage 3, the
+    stage-1 state at stage 2."""
+    from accelerate import Accelerator
+
+    import integration_common as ic
+    from zeroplus.integrations import accelerate as zp_accelerate
+
+    ic.torchrun_env(rank, world_size)
+    out = {}
+    for saved, stage in ((3, 3), (1, 2)):
+        accelerator = Accelerator(cpu=True)
+        model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=stage, lr=LR,
+                                           weight_decay=0.0)
+        accelerator.load_state(f"{tmp}/zp{saved}")
+        out[saved] = _loop(accelerator, model, opt, _loader(accelerator, skip=2, batch_size=4), 2)
     return out
 
 
 def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
     t0 = time.monotonic()
-    for rank, r in enumerate(run_pooled(_all_cases, 2, str(tmp_path), timeout=600)):
+    results = run_pooled(_all_cases, 2, str(tmp_path), timeout=600)
+    one_rank = run_pooled(_resume_at_one_rank, 1, str(tmp_path), timeout=300)[0]
+    # 1 rank x batch 4 sees the 2 ranks' samples: its loss is the mean of theirs.
+    ddp_mean = [(a + b) / 2 for a, b in zip(results[0]["ddp"], results[1]["ddp"])]
+    for saved in (3, 1):
+        assert one_rank[saved] == pytest.approx(ddp_mean[2:], rel=1e-5, abs=1e-6), saved
+    for rank, r in enumerate(results):
         assert r["backend"] == "zeroplus"
         assert "zeroplus is not available" in r["kwarg_refused"]
         assert len(r["ddp"]) == STEPS
@@ -113,8 +177,17 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
         for stage in (1, 2, 3):
             assert not r[f"zp{stage}_ddp"]
             assert r[f"zp{stage}"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-5), (rank, stage)
-        assert "zp1_save_error" not in r
-        for stage in (2, 3):
-            assert f"stage {stage}" in r[f"zp{stage}_save_error"]
-        assert r["zp1_resumed"] == pytest.approx(r["ddp"][2:], rel=1e-4, abs=1e-5), rank
+        for stage in (1, 2, 3):
+            # accelerate's own files beside zeroplus/; no model weights file (zeroplus holds
+            # them), the optimizer file only a reference.
+            files = r[f"zp{stage}_files"]
+            assert "zeroplus" in files and "random_states_0.pkl" in files, files
+            assert not any(f.startswith(("model", "pytorch_model")) for f in files), files
+            assert r[f"zp{stage}_optimizer_file"] == {"zeroplus_checkpoint": "zeroplus"}
+            assert r[f"zp{stage}_resumed"] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), (rank, stage)
+        assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
+        assert r["fp16_engine"] == ("fp16", 2.0 ** 16, 0) and r["fp16"] == pytest.approx(r["ddp"], abs=0.02), rank
+        assert "accelerator.load_state" in r["reference_error"]
+        assert "mixed_precision='fp16'" in r["fp16_refused"] and "opt.backward" in r["fp16_refused"]
+        assert "load_state" in r["wrong_state_error"] and "zeroplus" in r["wrong_state_error"]
     print(f"test_integration_accelerate wall time: {time.monotonic() - t0:.1f}s")

@@ -1,9 +1,10 @@
 """Lightning: ZeroPlusStrategy(stage=1|2|3) against DDPStrategy(process_group_backend="zeroplus"),
-2 ranks, a tiny GPT-2 LightningModule; stage 1 saves and resumes through Lightning's checkpoint.
-One pooled launch."""
+2 ranks, a tiny GPT-2 LightningModule; checkpoints at stages 1-3 (zeroplus.save_checkpoint inside
+Lightning's checkpoint directory) resumed at 2 ranks and at 1. One pooled launch per world size."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import lightning  # noqa: F401  (a hard requirement: scripts/setup.sh installs it)
@@ -21,15 +22,30 @@ def _module_class():
     import integration_common as ic
 
     class TinyLM(L.LightningModule):
-        def __init__(self, seed=0, clip_in_config=False):
+        def __init__(self, seed=0, record_norms=False):
             super().__init__()
             self.net = ic.tiny_gpt2(seed)
             self.losses = []
+            self.record_norms, self.grad_norms = record_norms, []
+
+        def on_before_optimizer_step(self, optimizer):
+            # The global gradient norm before the step, unscaled (fp16: only right if the backward
+            # carried the engine's loss scale, which the engine then divides out).
+            if self.record_norms:
+                inner = getattr(optimizer, "optimizer", optimizer)
+                if hasattr(inner, "clip_grad_norm_"):
+                    norm = inner.clip_grad_norm_(float("inf"))
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(self.parameters(), float("inf"))
+                self.grad_norms.append(float(norm))
 
         def training_step(self, batch, batch_idx):
             loss = self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
             self.losses.append(loss.item())
             return loss
+
+        def validation_step(self, batch, batch_idx):
+            return self.net(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
@@ -37,16 +53,19 @@ def _module_class():
     return TinyLM
 
 
-def _fit(strategy, tmp, *, seed=0, epochs=2, ckpt=None, save=None, clip=None, accumulate=1, precision="32-true"):
+def _fit(strategy, tmp, *, seed=0, epochs=2, ckpt=None, save=None, clip=None, accumulate=1, precision="32-true",
+         devices=2, batch_size=2, callbacks=None, record_norms=False):
     import lightning as L
 
     import integration_common as ic
 
-    model = _module_class()(seed)
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ic.TokenDataset(), range(8)), batch_size=2)
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp, gradient_clip_val=clip, accumulate_grad_batches=accumulate, precision=precision)
+    model = _module_class()(seed, record_norms)
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ic.TokenDataset(), range(8)), batch_size=batch_size)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
+                        enable_checkpointing=bool(callbacks), callbacks=callbacks, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        default_root_dir=tmp, gradient_clip_val=clip, accumulate_grad_batches=accumulate,
+                        precision=precision)
     trainer.fit(model, loader, ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)
@@ -62,8 +81,8 @@ def _all_cases(rank, world_size, tmp):
 
     ic.torchrun_env(rank, world_size)
     out = {"backend": dist.get_backend()}
-    ref, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp)
-    out["ddp"] = ref.losses
+    ref, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp, record_norms=True)
+    out["ddp"], out["ddp_norms"] = ref.losses, ref.grad_norms
     ref_clip, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp, clip=0.5)
     out["ddp_clip"] = ref_clip.losses
     for stage in (1, 2, 3):
@@ -76,26 +95,75 @@ def _all_cases(rank, world_size, tmp):
     out["ddp_accum"] = [p.detach().clone() for p in ref_acc.parameters()]
     m, _ = _fit(ZeroPlusStrategy(stage=2), tmp, accumulate=2)
     out["zp_accum"] = [p.detach().clone() for p in m.parameters()]
-    m, trainer = _fit(ZeroPlusStrategy(stage=2), tmp, precision="bf16-mixed")
+    m, trainer = _fit(ZeroPlusStrategy(stage=3), tmp, precision="bf16-mixed")
     out["bf16"], out["bf16_precision"] = m.losses, trainer.strategy.optimizers[0].mixed_precision
-    # A DeepSpeed-style config with a scheduler block, stepped by opt.step().
+    # fp16 ("16-true": on CPU Lightning turns "16-mixed" into "bf16-mixed") at stages 1-3: the
+    # engine's fp16 with dynamic loss scaling through the strategy's backward.
+    for stage in (1, 2, 3):
+        m, trainer = _fit(ZeroPlusStrategy(stage=stage), tmp, precision="16-true", record_norms=True)
+        engine = trainer.strategy.optimizers[0]
+        out[f"fp16_{stage}"] = (m.losses, m.grad_norms, engine.mixed_precision, engine.loss_scale,
+                                engine.skipped_steps)
+    # A DeepSpeed-style config with a scheduler block, stepped by opt.step(); saved after epoch 1
+    # and resumed (the scheduler's state travels in lightning_state.pt).
     cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}}
     m, trainer = _fit(ZeroPlusStrategy(stage=3, config=cfg), tmp)
-    out["cfg_lr"] = trainer.strategy.optimizers[0].lr_scheduler.get_last_lr()
-    # Stage 1: checkpoint after epoch 1 (2 steps), resume into epoch 2 from other weights.
-    _fit(ZeroPlusStrategy(stage=1), tmp, epochs=1, save=f"{tmp}/zp1.ckpt")
-    m, _ = _fit(ZeroPlusStrategy(stage=1), tmp, seed=5, ckpt=f"{tmp}/zp1.ckpt")
-    out["zp1_resumed"] = m.losses
+    out["cfg"], out["cfg_lr"] = m.losses, trainer.strategy.optimizers[0].lr_scheduler.get_last_lr()
+    _fit(ZeroPlusStrategy(stage=3, config=cfg), tmp, epochs=1, save=f"{tmp}/cfg.ckpt")
+    m, trainer = _fit(ZeroPlusStrategy(stage=3, config=cfg), tmp, seed=5, ckpt=f"{tmp}/cfg.ckpt")
+    out["cfg_resumed"] = m.losses
+    out["cfg_resumed_lr"] = trainer.strategy.optimizers[0].lr_scheduler.get_last_lr()
+    # Stages 1-3: checkpoint after epoch 1 (2 steps; a directory: zeroplus/ + lightning_state.pt),
+    # resume into epoch 2 from other weights. Stage 2 saves through ModelCheckpoint.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    for stage in (1, 2, 3):
+        if stage == 2:
+            _fit(ZeroPlusStrategy(stage=2), tmp, epochs=1,
+                 callbacks=[ModelCheckpoint(dirpath=f"{tmp}/mc", filename="zp2", save_top_k=1)])
+            path = f"{tmp}/mc/zp2.ckpt"
+        else:
+            path = f"{tmp}/zp{stage}.ckpt"
+            _fit(ZeroPlusStrategy(stage=stage), tmp, epochs=1, save=path)
+        out[f"zp{stage}_files"] = sorted(os.listdir(path))
+        m, trainer = _fit(ZeroPlusStrategy(stage=stage), tmp, seed=5, ckpt=path)
+        out[f"zp{stage}_resumed"] = m.losses
+        out[f"zp{stage}_resumed_step"] = trainer.global_step
     try:
-        _fit(ZeroPlusStrategy(stage=3), tmp, epochs=1, save=f"{tmp}/zp3.ckpt")
-    except NotImplementedError as e:
-        out["zp3_save_error"] = str(e)
+        _fit(ZeroPlusStrategy(stage=3), tmp, seed=5, ckpt=f"{tmp}/mc")  # not a zeroplus checkpoint
+    except FileNotFoundError as e:
+        out["wrong_ckpt_error"] = str(e)
+    _, trainer = _fit(ZeroPlusStrategy(stage=3), tmp, epochs=1)
+    try:  # outside fit there is no optimizer to load into
+        trainer.validate(_module_class()(5), torch.utils.data.DataLoader(ic.TokenDataset(4), batch_size=2),
+                         ckpt_path=f"{tmp}/zp3.ckpt")
+    except RuntimeError as e:
+        out["validate_ckpt_error"] = str(e)
+    return out
+
+
+def _resume_at_one_rank(rank, world_size, tmp):
+    """World size 1, global batch 4 (as 2 ranks x 2): the 2-rank stage-3 checkpoint resumed at
+    stage 3 and the stage-1 one at stage 2."""
+    import integration_common as ic
+    from zeroplus.integrations.lightning import ZeroPlusStrategy
+
+    ic.torchrun_env(rank, world_size)
+    out = {}
+    for saved, stage in ((3, 3), (1, 2)):
+        m, _ = _fit(ZeroPlusStrategy(stage=stage), tmp, seed=5, ckpt=f"{tmp}/zp{saved}.ckpt", devices=1, batch_size=4)
+        out[saved] = m.losses
     return out
 
 
 def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
     t0 = time.monotonic()
-    for rank, r in enumerate(run_pooled(_all_cases, 2, str(tmp_path), timeout=600)):
+    results = run_pooled(_all_cases, 2, str(tmp_path), timeout=600)
+    one_rank = run_pooled(_resume_at_one_rank, 1, str(tmp_path), timeout=300)[0]
+    # 1 rank x batch 4 sees the samples of 2 ranks x batch 2: its loss is the mean of theirs.
+    ddp_mean = [(a + b) / 2 for a, b in zip(results[0]["ddp"], results[1]["ddp"])]
+    for saved in (3, 1):
+        assert one_rank[saved] == pytest.approx(ddp_mean[2:], rel=1e-5, abs=1e-6), saved
+    for rank, r in enumerate(results):
         assert r["backend"] == "zeroplus"
         assert len(r["ddp"]) == 4
         assert r["ddp_clip"] != r["ddp"]  # the clip is active in this run
@@ -105,8 +173,19 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
             assert r[f"zp{stage}_clip"] == pytest.approx(r["ddp_clip"], rel=1e-4, abs=1e-5), (rank, stage)
         for a, b in zip(r["zp_accum"], r["ddp_accum"]):  # accumulate_grad_batches=2: same weights
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
-        assert r["zp1_resumed"] == pytest.approx(r["ddp"][2:], rel=1e-4, abs=1e-5), rank
-        assert "stage 3" in r["zp3_save_error"]
+        for stage in (1, 2, 3):
+            assert r[f"zp{stage}_files"] == ["latest", "lightning_state.pt", "zeroplus"], r[f"zp{stage}_files"]
+            # Epoch 2 after the resume: the uninterrupted run's steps 3-4 (fp32, to rounding).
+            assert r[f"zp{stage}_resumed"] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), (rank, stage)
+            assert r[f"zp{stage}_resumed_step"] == 4
+        assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
+        assert "fit() only" in r["validate_ckpt_error"]
+        assert "ckpt_path" in r["wrong_ckpt_error"] and "zeroplus" in r["wrong_ckpt_error"]
+        for stage in (1, 2, 3):
+            losses, norms, precision, scale, skipped = r[f"fp16_{stage}"]
+            assert precision == "fp16" and scale == 2.0 ** 16 and skipped == 0, (rank, stage)
+            assert losses == pytest.approx(r["ddp"], abs=0.02), (rank, stage)
+            assert norms == pytest.approx(r["ddp_norms"], rel=0.02), (rank, stage)
         assert r["bf16_precision"] == "bf16" and r["bf16"] == pytest.approx(r["ddp"], abs=0.05)
         # 4 steps of DeepSpeed's linear WarmupLR over 3 steps: iteration 3 -> the full lr.
         assert r["cfg_lr"] == pytest.approx([LR])

@@ -5,6 +5,7 @@ backend="zeroplus", losses against the plain DDP Trainer run. One pooled launch.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import time
 
@@ -36,6 +37,12 @@ def _params(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _params_full(model):
+    import zeroplus
+
+    return {k: v.clone() for k, v in zeroplus.full_state_dict(model, rank0_only=False).items()}
+
+
 def _all_cases(rank, world_size, tmp):
     import torch.distributed as dist
     from transformers import Trainer
@@ -53,6 +60,7 @@ def _all_cases(rank, world_size, tmp):
     ref.train()
     out["ddp"] = _losses(ref)
     out["ddp_params"] = _params(ref.model)
+    ref_log = ref.state.log_history
 
     # 1. Stock Trainer + zeroplus.ZeroRedundancyOptimizer (DDP-wrapped by accelerate), with a
     # checkpoint at step 2, then a resume from it.
@@ -73,45 +81,83 @@ def _all_cases(rank, world_size, tmp):
     out["stock_resumed"] = _losses(resumed)
     out["stock_resumed_params"] = _params(resumed.model)
 
-    # 2. ZeroPlusTrainer at stages 1-3 (no DDP wrap), then stage 1 save + resume.
+    # 2. ZeroPlusTrainer at stages 1-3 (no DDP wrap), saving checkpoints at steps 2 and 4
+    # (zeroplus.save_checkpoint into checkpoint-N/zeroplus), then a resume from checkpoint-2 into
+    # a model with other weights: steps 3-4 must be the uninterrupted run's.
     for stage in (1, 2, 3):
-        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage)
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp{stage}", save_strategy="steps", save_steps=2),
+                            train_dataset=data, stage=stage)
         t.train()
         out[f"zp{stage}"] = _losses(t)
+        out[f"zp{stage}_params"] = _params_full(t.model)
         out[f"zp{stage}_ddp_wrapped"] = isinstance(t.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        out[f"zp{stage}_files"] = sorted(os.listdir(f"{tmp}/zp{stage}/checkpoint-2"))
         t.save_model(f"{tmp}/zp{stage}/final")
         dist.barrier()
         out[f"zp{stage}_saved"] = None
         if rank == 0:
             from safetensors.torch import load_file
-            out[f"zp{stage}_saved"] = {k: v.shape for k, v in load_file(f"{tmp}/zp{stage}/final/model.safetensors").items()}
-        if stage == 3:
-            try:
-                t._save_checkpoint(t.model, None)
-            except NotImplementedError as e:
-                out["zp3_checkpoint_error"] = str(e)
-    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp1ck", save_strategy="steps", save_steps=2),
-                        train_dataset=data, stage=1)
+            saved = load_file(f"{tmp}/zp{stage}/final/model.safetensors")
+            out[f"zp{stage}_saved"] = {k: v.shape for k, v in saved.items()}
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage)
+        t.train(resume_from_checkpoint=f"{tmp}/zp{stage}/checkpoint-2")
+        out[f"zp{stage}_resumed"] = _losses(t)
+        out[f"zp{stage}_resumed_params"] = _params_full(t.model)
+    # load_best_model_at_end at stage 3: the best checkpoint's weights are in the model at the end.
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/best", save_strategy="steps", save_steps=1,
+                                                         eval_strategy="steps", eval_steps=1,
+                                                         load_best_model_at_end=True, metric_for_best_model="loss",
+                                                         greater_is_better=False, learning_rate=0.05),
+                        train_dataset=data, eval_dataset=ic.TokenDataset(n=4, seed=3), stage=3)
     t.train()
-    t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp1ck"), train_dataset=data, stage=1)
-    t.train(resume_from_checkpoint=f"{tmp}/zp1ck/checkpoint-2")
-    out["zp1_resumed"] = _losses(t)
+    out["best"] = (t.state.best_model_checkpoint, _params_full(t.model))
+    out["best_saved"] = None
+    if rank == 0:
+        from safetensors.torch import load_file
+        out["best_saved"] = load_file(f"{t.state.best_model_checkpoint}/model.safetensors")
+        out["last_saved"] = load_file(f"{tmp}/best/checkpoint-{STEPS}/model.safetensors")
+    # A checkpoint the stock Trainer wrote (no zeroplus/ in it) is refused by name, before training.
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp_wrong"), train_dataset=data, stage=2)
+    try:
+        t.train(resume_from_checkpoint=f"{tmp}/stock/checkpoint-2")
+    except FileNotFoundError as e:
+        out["wrong_checkpoint_error"] = str(e)
 
-    # 3. HF's seed config (offload block dropped until offload lands), "auto" from TrainingArguments.
-    cfg = json.loads((FIXTURES / "ds_config_zero2.json").read_text())
-    del cfg["zero_optimization"]["offload_optimizer"]
-    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/cfg", max_grad_norm=1.0, warmup_steps=2),
-                        train_dataset=data, config=cfg)
-    t.train()
-    out["cfg"] = _losses(t)
-    out["cfg_lrs"] = [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h]
-    out["cfg_stage"] = t.zeroplus_stage
+    # 3. HF's two seed configs as files, as they are (offload_optimizer/offload_param to cpu,
+    # "auto" values from TrainingArguments).
+    for name in ("ds_config_zero2.json", "ds_config_zero3.json"):
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/{name}", max_grad_norm=1.0, warmup_steps=2),
+                            train_dataset=data, config=str(FIXTURES / name))
+        t.train()
+        engine = t.optimizer.optimizer
+        out[name] = (_losses(t), [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h],
+                     engine.stage, engine.options.offload_optimizer.device, engine.options.gradient_clipping)
 
     # 4. bf16 from TrainingArguments (CPU autocast by accelerate + zeroplus bf16 compute).
     t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/bf16", bf16=True), train_dataset=data, stage=2)
     t.train()
     out["bf16"] = _losses(t)
     out["bf16_precision"] = t.optimizer.optimizer.mixed_precision
+
+    # 4b. fp16 from TrainingArguments at stages 1-3: the engine's fp16 with dynamic loss scaling.
+    # The logged grad_norm (the engine's unscaled global norm) matches DDP's only if the Trainer's
+    # backward carried the loss scale (else it is 2**16 times smaller).
+    for stage in (1, 2, 3):
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/fp16_{stage}", fp16=True), train_dataset=data,
+                            stage=stage)
+        t.train()
+        engine = t.optimizer.optimizer
+        out[f"fp16_{stage}"] = (_losses(t), [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h],
+                                engine.mixed_precision, engine.loss_scale, engine.skipped_steps,
+                                next(t.model.parameters()).dtype)
+    out["ddp_grad_norm"] = [h["grad_norm"] for h in ref_log if "grad_norm" in h]
+    # An fp16 step the engine skips (overflow at a loss scale of 2**30) does not step the
+    # Trainer's LR scheduler (DeepSpeed's engine does not either).
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/fp16_skip", fp16=True), train_dataset=data,
+                        config={"fp16": {"enabled": "auto", "initial_scale_power": 30, "hysteresis": 1},
+                                "zero_optimization": {"stage": 2}})
+    t.train()
+    out["fp16_skip"] = (t.optimizer.optimizer.skipped_steps, t.lr_scheduler.last_epoch, t.state.global_step)
 
     # 5. Gradient accumulation (the model's no_sync under accelerate), stage 2 against DDP.
     ref = Trainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/ref_acc", gradient_accumulation_steps=2), train_dataset=data)
@@ -124,10 +170,34 @@ def _all_cases(rank, world_size, tmp):
     return out
 
 
+def _resume_at_one_rank(rank, world_size, tmp):
+    """World size 1: resume the 2-rank checkpoints (stage 3 -> stage 3, stage 2 -> stage 3) with
+    the same global batch (4 = 1 rank x 4)."""
+    import integration_common as ic
+    from zeroplus.integrations.transformers import ZeroPlusTrainer
+
+    ic.torchrun_env(rank, world_size)
+    out = {}
+    for saved in (3, 2):
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{saved}", per_device_train_batch_size=4),
+                            train_dataset=ic.TokenDataset(), stage=3)
+        t.train(resume_from_checkpoint=f"{tmp}/zp{saved}/checkpoint-2")
+        out[saved] = (_losses(t), _params_full(t.model))
+    return out
+
+
 def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
     t0 = time.monotonic()
     results = run_pooled(_all_cases, 2, str(tmp_path), timeout=600)
+    one_rank = run_pooled(_resume_at_one_rank, 1, str(tmp_path), timeout=300)[0]
     r = results[0]
+    # Saved at 2 ranks, resumed at 1 (same global batch), stage 3 -> 3 and 2 -> 3: steps 3-4
+    # and the final weights are the uninterrupted 2-rank run's.
+    for saved in (3, 2):
+        losses, params = one_rank[saved]
+        assert len(losses) == STEPS and losses[2:] == pytest.approx(r[f"zp{saved}"][2:], rel=1e-5, abs=1e-6), saved
+        for k, v in params.items():
+            assert torch.allclose(v, r[f"zp{saved}_params"][k], rtol=1e-5, atol=1e-6), (saved, k)
     assert r["backend"] == "zeroplus"
     assert len(r["ddp"]) == STEPS
     assert r["prepare_state_dict"] == {}
@@ -142,14 +212,39 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         assert r[f"zp{stage}"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-5), stage
         assert not r[f"zp{stage}_ddp_wrapped"]
         assert r[f"zp{stage}_saved"]["transformer.wte.weight"] == torch.Size([64, 32])  # full, also at stage 3
-    assert "stage 3" in r["zp3_checkpoint_error"] and "save_checkpoint" in r["zp3_checkpoint_error"]
-    assert len(r["zp1_resumed"]) == STEPS and r["zp1_resumed"][2:] == pytest.approx(r["ddp"][2:], rel=1e-4, abs=1e-5)
-    # The config's WarmupLR ("auto": 0 -> learning_rate over warmup_steps=2), DeepSpeed's curve:
-    # step n runs at iteration n-1 (log warmup: 0, 0, then lr).
-    assert r["cfg_stage"] == 2 and len(r["cfg"]) == STEPS
-    assert r["cfg_lrs"] == pytest.approx([0.0, 0.0, 1e-3, 1e-3])
+        # The Trainer's files and zeroplus's checkpoint, side by side; no optimizer.pt.
+        files = r[f"zp{stage}_files"]
+        assert {"zeroplus", "latest", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
+                "model.safetensors"} <= set(files) and "optimizer.pt" not in files, files
+        # Resumed from checkpoint-2 (other initial weights): steps 3-4 and the final weights are
+        # the uninterrupted run's (fp32, same world size and stage: to rounding).
+        resumed = r[f"zp{stage}_resumed"]
+        assert len(resumed) == STEPS and resumed[2:] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), stage
+        for k, v in r[f"zp{stage}_resumed_params"].items():
+            assert torch.allclose(v, r[f"zp{stage}_params"][k], rtol=1e-6, atol=1e-7), (stage, k)
+    best, params = r["best"]
+    assert not best.endswith(f"checkpoint-{STEPS}"), best  # lr 0.05: the eval loss got worse after its best
+    for k, v in r["best_saved"].items():
+        assert torch.equal(params[k], v), k
+    assert any(not torch.equal(params[k], v) for k, v in r["last_saved"].items())
+    assert "resume_from_checkpoint" in r["wrong_checkpoint_error"] and "zeroplus" in r["wrong_checkpoint_error"]
+    # HF's seed files: the config's WarmupLR ("auto": 0 -> learning_rate over warmup_steps=2),
+    # DeepSpeed's curve: step n runs at iteration n-1 (log warmup: 0, 0, then lr); CPU optimizer
+    # offload from the file; both files train the same trajectory (fp32: "auto" fp16/bf16 off).
+    for name, stage in (("ds_config_zero2.json", 2), ("ds_config_zero3.json", 3)):
+        losses, lrs, got_stage, offload, clip = r[name]
+        assert (got_stage, offload, clip) == (stage, "cpu", 1.0), name
+        assert lrs == pytest.approx([0.0, 0.0, 1e-3, 1e-3]) and len(losses) == STEPS, name
+        assert losses == pytest.approx(r["ds_config_zero2.json"][0], rel=1e-4, abs=1e-5), name
     assert len(r["ddp_accum"]) == STEPS and r["ddp_accum"] != r["ddp"]
     assert r["zp_accum"] == pytest.approx(r["ddp_accum"], rel=1e-4, abs=1e-5)
+    for stage in (1, 2, 3):
+        losses, norms, precision, scale, skipped, dtype = r[f"fp16_{stage}"]
+        assert precision == "fp16" and dtype == torch.float16 and scale == 2.0 ** 16 and skipped == 0, stage
+        assert losses == pytest.approx(r["ddp"], abs=0.02), stage  # fp16 rounding, same trajectory
+        assert norms == pytest.approx(r["ddp_grad_norm"], rel=0.02), stage
+    skipped, scheduler_steps, steps = r["fp16_skip"]
+    assert steps == STEPS and skipped > 0 and scheduler_steps == STEPS - skipped, r["fp16_skip"]
     assert r["bf16_precision"] == "bf16"
     assert r["bf16"] == pytest.approx(r["ddp"], abs=0.05)  # bf16 rounding, same trajectory
     print(f"test_integration_transformers wall time: {time.monotonic() - t0:.1f}s")

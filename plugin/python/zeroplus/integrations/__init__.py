@@ -4,8 +4,11 @@ demand so that `import zeroplus` never imports transformers, accelerate or light
     zeroplus.integrations.transformers   ZeroPlusTrainer (stages 1-3), ConsolidateOnSave
     zeroplus.integrations.accelerate     prepare(accelerator, model, optimizer_class, ...)
     zeroplus.integrations.lightning      ZeroPlusStrategy(stage=1|2|3)
+    zeroplus.integrations.checkpoint_dir a zeroplus checkpoint inside a framework's checkpoint
+                                         directory (what the three above save and resume with)
 
-They build on zeroplus.initialize and zeroplus.ZeroRedundancyOptimizer only (public API).
+They build on zeroplus.initialize, zeroplus.ZeroRedundancyOptimizer and the checkpoint package's
+save/load (public API).
 """
 
 from __future__ import annotations

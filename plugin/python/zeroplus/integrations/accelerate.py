@@ -5,42 +5,113 @@
     model, opt = zeroplus.integrations.accelerate.prepare(accelerator, model, torch.optim.AdamW, stage=3, lr=3e-4)
     loader = accelerator.prepare(loader)
     ... accelerator.backward(loss); opt.step(); opt.zero_grad() ...
-    accelerator.save_state(path, safe_serialization=False)   # stage 1 (stages 2-3: zeroplus.save_checkpoint(path, model, opt) directly)
+    accelerator.save_state(path)        # any stage; accelerator.load_state(path) resumes (any world size/stage)
 
 prepare() builds the optimizer with zeroplus.initialize (any stage; the engine reduces gradients,
 so the model is NOT wrapped in DDP: accelerate's public prepare_model(evaluation_mode=True)
-marks it prepared and applies accelerate's autocast, without moving it), wraps the optimizer
-with accelerator.prepare_optimizer, and registers a save_state pre-hook: at stage 1 it gathers
-the optimizer state on every rank (accelerate's save_state calls state_dict() on every rank);
-at stages 2-3 it refuses, since accelerate would save the sharded weights of a stage-3 model.
-`safe_serialization=False`: the engine's parameters are views of its flat buffers, and
-safetensors' load_model (what load_state uses for model.safetensors) refuses a model whose
-tensors share one storage without covering it; torch.save's format loads them.
+marks it prepared and applies accelerate's autocast, without moving it) and registers it with
+the accelerator as a ZeroPlusOptimizer (accelerate's AcceleratedOptimizer: steps skipped while
+accumulating, as for any optimizer).
+
+Checkpoints, as accelerate drives DeepSpeed's engine: save_state's pre-hook writes the model and
+the optimizer state with zeroplus.save_checkpoint into PATH/zeroplus (collective, each rank its
+shards) and takes this model's weights out of what accelerate saves (the pattern of accelerate's
+hook documentation); the optimizer file accelerate writes holds only a reference to PATH/zeroplus.
+load_state's pre-hook loads PATH/zeroplus (at any world size and stage) and takes the model out
+of what accelerate loads; the optimizer's load of the reference checks that the hook ran.
+Schedulers, RNG states and dataloaders go through accelerate's own files.
 
 For the stock path (your own model wrapped by accelerator.prepare in DDP, with
-zeroplus.ZeroRedundancyOptimizer), prepare() is not needed; register the same hook:
+zeroplus.ZeroRedundancyOptimizer), prepare() is not needed; register the consolidating hook:
 
     accelerator.register_save_state_pre_hook(zeroplus.integrations.accelerate.consolidate_on_save(opt))
 """
 
 from __future__ import annotations
 
+from accelerate.optimizer import AcceleratedOptimizer
+
 from .. import zero as _zero
-from . import consolidate_for_save, unwrap_optimizer
+from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer
+
+_REFERENCE_KEY = "zeroplus_checkpoint"
+
+
+class ZeroPlusOptimizer(AcceleratedOptimizer):
+    """accelerate's optimizer wrapper around a zeroplus engine whose checkpoint is written by
+    prepare()'s save_state hook. state_dict() answers the engine's own state dict, except during
+    save_state (after the hook wrote PATH/zeroplus): then a reference to it, so that accelerate's
+    optimizer file does not duplicate (rank 0's shard of) the state."""
+
+    _is_accelerate_prepared = True  # accelerator.prepare_optimizer registers it as it is
+
+    def __init__(self, optimizer, scaler=None):
+        super().__init__(optimizer, device_placement=False, scaler=scaler)
+        self.zeroplus_saved_to = None   # set by the save_state hook, cleared by the next state_dict()
+        self.zeroplus_loaded_from = None  # set by the load_state hook
+        self._skipped_by_engine = False
+
+    def backward(self, loss, **kwargs):
+        """The engine's backward (fp16: scaled by its loss scale), with the loss divided by the
+        accelerator's gradient_accumulation_steps as accelerator.backward divides it."""
+        return self.optimizer.backward(loss / self.gradient_state.num_steps, **kwargs)
+
+    def step(self, closure=None):
+        # An fp16 engine skips a step on overflow by itself (its loss scaler): report it as
+        # accelerate reports its GradScaler's skips (step_was_skipped), so that schedulers wait.
+        before = getattr(self.optimizer, "skipped_steps", 0)
+        result = super().step(closure)
+        self._skipped_by_engine = getattr(self.optimizer, "skipped_steps", 0) != before
+        return result
+
+    @property
+    def step_was_skipped(self):
+        return self._skipped_by_engine or super().step_was_skipped
+
+    def state_dict(self):
+        if self.zeroplus_saved_to is None:
+            return self.optimizer.state_dict()
+        reference, self.zeroplus_saved_to = {_REFERENCE_KEY: checkpoint_dir.SUBDIR}, None
+        return reference
+
+    def load_state_dict(self, state_dict):
+        if not (isinstance(state_dict, dict) and _REFERENCE_KEY in state_dict):
+            return self.optimizer.load_state_dict(state_dict)
+        if self.zeroplus_loaded_from is None:
+            raise ValueError("ZeroPlusOptimizer.load_state_dict: this optimizer file refers to a zeroplus checkpoint "
+                             f"({state_dict[_REFERENCE_KEY]}/ beside it); load it with accelerator.load_state on an "
+                             "accelerator set up by zeroplus.integrations.accelerate.prepare")
+        self.zeroplus_loaded_from = None
+
+
+def _save_hook(model, opt: ZeroPlusOptimizer):
+    def hook(models, weights, output_dir):
+        for i, m in enumerate(models):
+            if m is model:
+                checkpoint_dir.save(output_dir, model, opt.optimizer, "accelerator.save_state")
+                opt.zeroplus_saved_to = output_dir
+                weights.pop(i)  # written by zeroplus.save_checkpoint (models and weights are index-aligned)
+                return
+    return hook
+
+
+def _load_hook(model, opt: ZeroPlusOptimizer):
+    def hook(models, input_dir):
+        for i, m in enumerate(models):
+            if m is model:
+                checkpoint_dir.load(input_dir, model, opt.optimizer, "accelerator.load_state")
+                opt.zeroplus_loaded_from = input_dir
+                models.pop(i)
+                return
+    return hook
 
 
 def consolidate_on_save(optimizer):
     """A save_state pre-hook (hook(models, weights, output_dir), run on every rank) that makes
-    `optimizer.state_dict()` the full state for the save that follows."""
+    `optimizer.state_dict()` of a zeroplus.ZeroRedundancyOptimizer the full state for the save
+    that follows (the stock path: DDP + ZeroRedundancyOptimizer through accelerator.prepare)."""
     def hook(models, weights, output_dir):
-        inner = unwrap_optimizer(optimizer)
-        stage = getattr(inner, "stage", 1)
-        if stage >= 2:
-            raise NotImplementedError(
-                f"zeroplus: accelerator.save_state at stage {stage} needs zeroplus.save_checkpoint, which is not "
-                f"built yet (accelerate would save this rank's shards); save the weights with "
-                f"zeroplus.full_state_dict(model), or use stage=1")
-        consolidate_for_save(inner)
+        consolidate_for_save(unwrap_optimizer(optimizer))
     return hook
 
 
@@ -55,8 +126,9 @@ def prepare(accelerator, model, optimizer_class=None, *, stage=None, config=None
                          "mixed_precision='fp16' here with Accelerator(mixed_precision='no') and opt.backward(loss)")
     if "mixed_precision" not in kwargs and accelerator.mixed_precision == "bf16":
         kwargs["mixed_precision"] = "bf16"
-    model, opt = _zero.initialize(model, optimizer_class, stage=stage, config=config, **kwargs)
+    model, engine = _zero.initialize(model, optimizer_class, stage=stage, config=config, **kwargs)
     model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
-    opt = accelerator.prepare_optimizer(opt)
-    accelerator.register_save_state_pre_hook(consolidate_on_save(opt))
+    opt = accelerator.prepare_optimizer(ZeroPlusOptimizer(engine, scaler=accelerator.scaler))
+    accelerator.register_save_state_pre_hook(_save_hook(model, opt))
+    accelerator.register_load_state_pre_hook(_load_hook(model, opt))
     return model, opt

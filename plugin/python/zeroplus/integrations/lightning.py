@@ -6,7 +6,9 @@
 A DDPStrategy whose process group backend is "zeroplus" and whose model is not wrapped in DDP:
 the optimizer `configure_optimizers` returns (one optimizer, one param group over the module's
 trainable parameters) is rebuilt by zeroplus.initialize with the same class and hyperparameters,
-at the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16) and
+at the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16,
+"16-mixed"/"16-true" -> fp16 with the engine's dynamic loss scaling through its backward; on CPU
+Lightning itself turns "16-mixed" into "bf16-mixed") and
 `gradient_clip_val` mapped to the engine's global-norm clipping (Lightning's own clip sees no
 local gradients and does nothing). Gradient accumulation uses the module's no_sync(), which
 zeroplus installs. A DeepSpeed-style `config` may give the optimizer instead (then
@@ -14,21 +16,32 @@ configure_optimizers may return None) and a `scheduler` block, stepped by opt.st
 
 LR schedulers returned by configure_optimizers are bound to the optimizer they were built on, so
 they cannot follow it to the rebuilt one: that case raises (use the config's scheduler block).
-Checkpoints: stage 1 saves and resumes through Lightning's own path (the strategy consolidates
-the optimizer state); stages 2-3 raise until zeroplus.save_checkpoint exists.
+Checkpoints (every stage), as Lightning's DeepSpeedStrategy does them: a checkpoint path is a
+directory holding `zeroplus/` (zeroplus.save_checkpoint: each rank's shards of the weights and
+optimizer state) and `lightning_state.pt` (Lightning's checkpoint dict without "state_dict" and
+"optimizer_states": loops, callbacks, hyperparameters; the config scheduler's state travels in
+the zeroplus checkpoint).
+`fit(ckpt_path=...)` loads it after setup (the engine exists then), at any world size and stage;
+Lightning's own model and optimizer restore steps are skipped (the weights and the state are in).
+Loading outside fit (validate/test/predict with ckpt_path) raises: no optimizer is built there.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from contextlib import contextmanager
 
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from .. import zero as _zero
+from . import checkpoint_dir
 
 _NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable", "differentiable")
-_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16"}
+_STATE_FILE = "lightning_state.pt"
+_PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
+               "16-true": "fp16"}
 
 
 class ZeroPlusStrategy(DDPStrategy):
@@ -68,19 +81,37 @@ class ZeroPlusStrategy(DDPStrategy):
                       if k in accepted and k not in _NOT_HYPERPARAMETERS}
         precision = str(self.precision_plugin.precision)
         if precision not in _PRECISIONS:
-            raise ValueError(f"ZeroPlusStrategy: precision={precision!r} is not supported (32-true, bf16-mixed, "
-                             f"bf16-true; fp16 needs zeroplus's loss scaler through opt.backward)")
+            raise ValueError(f"ZeroPlusStrategy: precision={precision!r} is not supported (one of "
+                             f"{', '.join(_PRECISIONS)})")
         config = _zero.ds_config.load_config(self.zeroplus_config)
         if trainer.gradient_clip_val:
             if trainer.gradient_clip_algorithm not in (None, "norm"):  # None: Lightning's default, norm
                 raise ValueError("ZeroPlusStrategy: gradient_clip_algorithm='value' is not supported (global norm only)")
             config = {**config, "gradient_clipping": float(trainer.gradient_clip_val)}
         mixed = _PRECISIONS[precision]
-        if config.get("bf16", {}).get("enabled") is True:
+        if config.get("bf16", {}).get("enabled") is True or config.get("fp16", {}).get("enabled") is True:
             mixed = None  # the config says it
+        if mixed == "fp16" and getattr(self.precision_plugin, "scaler", None) is not None:
+            # "16-mixed" on CUDA comes with torch's GradScaler, which would scale the loss a second
+            # time and check p.grad (freed at stages 2-3); the engine's loss scaler replaces it.
+            self.precision_plugin.scaler = None
         _, engine = _zero.initialize(self.lightning_module, optimizer_class, stage=self.stage, mixed_precision=mixed,
                                      config=config, **kwargs)
         self.optimizers = [engine]
+
+    def backward(self, closure_loss, optimizer, *args, **kwargs):
+        engine = self.optimizers[0] if self.optimizers else None
+        if getattr(engine, "mixed_precision", None) != "fp16":
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # fp16: the engine's backward applies its dynamic loss scale (DeepSpeed's policy), as
+        # Lightning's DeepSpeed precision calls deepspeed_engine.backward; the engine unscales,
+        # skips a step on overflow and updates the scale in opt.step().
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        engine.backward(closure_loss, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @contextmanager
     def block_backward_sync(self):
@@ -91,10 +122,48 @@ class ZeroPlusStrategy(DDPStrategy):
             with no_sync():
                 yield
 
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine (built in setup_optimizers) loads the checkpoint
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the optimizer state came back with zeroplus.load_checkpoint
+
     def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-        if self.stage >= 2:
-            raise NotImplementedError(f"ZeroPlusStrategy: checkpoints at stage {self.stage} go through "
-                                      f"zeroplus.save_checkpoint(path, model, optimizer), which this strategy does "
-                                      f"not call yet; call it yourself (a callback), use stage=1, or "
-                                      f"enable_checkpointing=False")
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("ZeroPlusStrategy: save_checkpoint(storage_options=...) is not supported (the checkpoint "
+                            "is written by zeroplus.save_checkpoint, not by a CheckpointIO)")
+        filepath = self.broadcast(os.fspath(filepath))  # rank 0's name, as DeepSpeedStrategy does
+        if not self.optimizers:
+            raise RuntimeError("ZeroPlusStrategy: save_checkpoint needs the zeroplus optimizer, which is built when "
+                               "fit() starts")
+        engine = self.optimizers[0]
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        checkpoint_dir.save(filepath, self.lightning_module, engine, "ZeroPlusStrategy.save_checkpoint")
+        if self.is_global_zero:
+            checkpoint_dir.write_state_file(filepath, _STATE_FILE, state)
+        self.barrier("ZeroPlusStrategy.save_checkpoint")  # complete on every rank when this returns
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        checkpoint_path = self.broadcast(os.fspath(checkpoint_path))
+        # Outside fit the strategy builds no engine (and may still hold the one of an earlier
+        # fit, of another module): nothing to load into.
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
+            raise RuntimeError("ZeroPlusStrategy: a checkpoint loads into the zeroplus optimizer, which exists during "
+                               "fit() only; for validate/test/predict load the weights with "
+                               "`python -m zeroplus.checkpoint` (consolidation) or zeroplus.load_checkpoint")
+        engine = self.optimizers[0]
+        checkpoint_dir.load(checkpoint_path, self.lightning_module, engine, "ZeroPlusStrategy: ckpt_path")
+        # weights_only=None: torch.load's default, as Lightning loads a local checkpoint file.
+        state = checkpoint_dir.read_state_file(checkpoint_path, _STATE_FILE, weights_only=weights_only)
+        return state
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # loaded by load_checkpoint (zeroplus.load_checkpoint)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # likewise
+

@@ -10,17 +10,22 @@ ZeroPlusTrainer is transformers.Trainer with the optimizer built by zeroplus.ini
   * the optimizer class and hyperparameters are the Trainer's own (`optim`, `learning_rate`,
     `adam_*`, `weight_decay`, applied to every parameter as HF's DeepSpeed path does for a config
     optimizer) unless the config has an `optimizer` block;
-  * `bf16=True` -> mixed_precision="bf16"; `max_grad_norm` -> the engine's global-norm
+  * `bf16=True` -> mixed_precision="bf16"; `fp16=True` -> mixed_precision="fp16" with the engine's
+    dynamic loss scaling (DeepSpeed's policy; the Trainer's loss.backward() carries the scale,
+    a step skipped on overflow does not step the LR scheduler); `max_grad_norm` -> the engine's global-norm
     clip_grad_norm_ (across shards); gradient accumulation through the model's no_sync(), which
     zeroplus installs and accelerate calls; the LR scheduler is the Trainer's (`lr_scheduler_type`,
     warmup) or the config's `scheduler` block, built on the optimizer and stepped by the Trainer;
   * a DeepSpeed-style config (`config=`; HF's ds_config_zero2/3.json) with its "auto" values
     filled from TrainingArguments as transformers' HfTrainerDeepSpeedConfig does.
 
-Checkpoints: at stage 1 Trainer's save/resume work through the optimizer's consolidated
-state_dict (ConsolidateOnSave gathers it on every rank when a save is due). At stages 2-3 a
-checkpoint save raises (it waits for zeroplus.save_checkpoint); `trainer.save_model()` works at
-every stage (stage 3 gathers the full weights with zeroplus.full_state_dict).
+Checkpoints, at every stage, the way the Trainer drives DeepSpeed's engine: `checkpoint-N` holds
+the Trainer's own files (trainer_state.json, scheduler.pt, rng_state_R.pth, the full weights
+from save_model) and `checkpoint-N/zeroplus`, written by zeroplus.save_checkpoint (every rank its
+shards of the weights and optimizer state). `train(resume_from_checkpoint=...)` loads that with
+zeroplus.load_checkpoint once the engine exists (any world size and stage: it reshards), then
+the scheduler; the Trainer restores its state and RNG. `trainer.save_model()` writes the full
+weights at every stage (stage 3 gathers them with zeroplus.full_state_dict).
 
 ConsolidateOnSave is the callback alone, for the stock Trainer with
 `optimizers=(zeroplus.ZeroRedundancyOptimizer(...), None)`: the Trainer calls state_dict() on
@@ -30,6 +35,7 @@ the saving rank only, which cannot gather the other ranks' shards by itself.
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -37,9 +43,30 @@ from transformers import Trainer, TrainerCallback
 from .. import zero as _zero
 from ..zero import ds_config
 from ..zero.config import load_config
-from . import consolidate_for_save, unwrap_optimizer
+from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer
+from .accelerate import ZeroPlusOptimizer
 
 _NOT_HYPERPARAMETERS = ("fused", "foreach", "capturable", "differentiable")
+SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
+
+
+class _ScaleBackward(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by `scale` (in fp32)."""
+
+    @staticmethod
+    def forward(ctx, loss, scale):
+        ctx.scale = scale
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def scale_backward(loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """`loss` (as fp32) whose backward is (loss.float() * scale).backward(): opt.backward's fp16
+    scaling for code that calls loss.backward() itself."""
+    return _ScaleBackward.apply(loss.float(), float(scale))
 
 
 class ConsolidateOnSave(TrainerCallback):
@@ -86,12 +113,13 @@ class ZeroPlusTrainer(Trainer):
         self._zp_config = raw
         self._zp_stage = stage
         super().__init__(*args, **kwargs)
-        if self.args.fp16:
-            raise ValueError("ZeroPlusTrainer: fp16=True is not wired yet (the Trainer's backward bypasses zeroplus's "
-                             "loss scaler); use bf16=True")
+        if self.args.fp16 and self.accelerator.scaler is not None:
+            # accelerate's GradScaler (made for fp16 on CUDA) would scale the loss a second time and
+            # step the engine through torch's inf check; the engine's own loss scaler does both
+            # (as DeepSpeed's engine does under the Trainer, where accelerate makes no scaler).
+            self.accelerator.scaler = None
         if stage is None and "stage" not in raw.get("zero_optimization", {}):
             raise ValueError("ZeroPlusTrainer: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
-        self.add_callback(ConsolidateOnSave())
 
     # -- optimizer and scheduler ---------------------------------------------------------------
 
@@ -106,12 +134,15 @@ class ZeroPlusTrainer(Trainer):
             opt_class, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
             kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_HYPERPARAMETERS}
             kwargs["weight_decay"] = self.args.weight_decay
-        precision = "bf16" if self.args.bf16 else None
+        precision = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
         if ds.engine.get("bf16", {}).get("enabled") or ds.engine.get("fp16", {}).get("enabled"):
             precision = None  # the config says it (and was checked against TrainingArguments)
-        _, self.optimizer = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
-                                             config=ds.engine, **kwargs)
-        self.zeroplus_stage = self.optimizer.stage
+        _, engine = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
+                                     config=ds.engine, **kwargs)
+        self.zeroplus_stage = engine.stage
+        # accelerate's wrapper that reports an fp16 step the engine skipped (overflow), so that the
+        # Trainer does not step its LR scheduler for it (DeepSpeed's engine does not either).
+        self.optimizer = self.accelerator.prepare_optimizer(ZeroPlusOptimizer(engine))
         # The Trainer clears gradients with model.zero_grad() (DDP style): the engine's own
         # model.zero_grad clears its gradients too (zero/module_methods.py).
         # The engine reduces gradients: accelerate must not wrap the model in DDP. prepare_model's
@@ -133,19 +164,51 @@ class ZeroPlusTrainer(Trainer):
         self.lr_scheduler = build_scheduler(unwrap_optimizer(optimizer or self.optimizer), ds.scheduler)
         return self.lr_scheduler
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        engine = None if self.optimizer is None else unwrap_optimizer(self.optimizer)
+        if getattr(engine, "mixed_precision", None) != "fp16" or not torch.is_grad_enabled():
+            return result
+        # fp16: the Trainer's backward (accelerator.backward: loss.backward()) must carry the
+        # engine's dynamic loss scale, as opt.backward(loss) does; the loss's value (logged) is kept.
+        if return_outputs:
+            return scale_backward(result[0], engine.loss_scale), result[1]
+        return scale_backward(result, engine.loss_scale)
+
     def _clip_grad_norm(self, model):
         # The global norm across shards (the Trainer's default clips each rank's local gradients).
         return unwrap_optimizer(self.optimizer).clip_grad_norm_(self.args.max_grad_norm)
 
     # -- saving ----------------------------------------------------------------------------------
 
-    def _save_checkpoint(self, model, trial):
-        if getattr(self, "zeroplus_stage", 1) >= 2:
-            raise NotImplementedError(
-                f"ZeroPlusTrainer: checkpoints at stage {self.zeroplus_stage} go through zeroplus.save_checkpoint(path, "
-                f"model, optimizer), which this trainer does not call yet; call it yourself (a TrainerCallback), use "
-                f"save_strategy='no' and trainer.save_model() (full weights), or stage=1")
-        return super()._save_checkpoint(model, trial)
+    def _save_optimizer_and_scheduler(self, output_dir):
+        # The Trainer's DeepSpeed branch calls engine.save_checkpoint(output_dir) on every rank;
+        # here zeroplus.save_checkpoint writes output_dir/zeroplus (collective), and the
+        # scheduler is saved by the saving rank as the Trainer saves it.
+        checkpoint_dir.save(output_dir, self.model, self.optimizer, "ZeroPlusTrainer")
+        if self.args.should_save and self.lr_scheduler is not None:
+            checkpoint_dir.write_state_file(output_dir, SCHEDULER_NAME, self.lr_scheduler.state_dict())
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # train() calls this before the engine exists (the Trainer's non-DeepSpeed order): only
+        # check that the checkpoint is one of ours; the weights come back with the optimizer
+        # state in _load_optimizer_and_scheduler, after the engine is built (DeepSpeed's order).
+        checkpoint_dir.require(resume_from_checkpoint, "ZeroPlusTrainer: resume_from_checkpoint")
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None:
+            return
+        checkpoint_dir.load(checkpoint, self.model, self.optimizer, "ZeroPlusTrainer: resume_from_checkpoint")
+        if self.lr_scheduler is not None and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME)):
+            self.lr_scheduler.load_state_dict(checkpoint_dir.read_state_file(checkpoint, SCHEDULER_NAME))
+
+    def _load_best_model(self):
+        # load_best_model_at_end: the best checkpoint's zeroplus/ into the engine (weights and
+        # optimizer state), as the Trainer's DeepSpeed branch loads the engine's checkpoint; the
+        # Trainer's own path would load model.safetensors into parameters that may be shards.
+        checkpoint_dir.load(self.state.best_model_checkpoint, self.model, self.optimizer,
+                            "ZeroPlusTrainer: load_best_model_at_end")
 
     def save_model(self, output_dir=None, _internal_call=False):
         if getattr(self, "zeroplus_stage", 1) == 3:
