@@ -23,6 +23,7 @@ import struct
 
 import torch
 
+from .. import files
 from . import fsutil
 from .format import DTYPE_BYTES
 from .reader import CheckpointReader
@@ -62,12 +63,16 @@ def _keys(m: dict) -> dict[str, list[str]]:
 def _create_output(out: str):
     out = os.path.abspath(out)
     parent, name = os.path.split(out)
-    dir_fd = fsutil.open_dir(parent or ".", own=False)
+    dir_fd = files.open_directory_at(None, parent or ".")
     if os.path.lexists(out):
         os.close(dir_fd)
         raise FileExistsError(errno.EEXIST, "consolidate: output exists; refusing to replace it", out)
-    tmp = fsutil.temp_name(name)
-    return dir_fd, tmp, name, fsutil.create_exclusive(dir_fd, tmp)
+    try:
+        fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(name))
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd, tmp, name, fd
 
 
 def consolidate(path, out, fmt: str = "torch") -> dict:

@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from .. import files
 from . import fsutil
 from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, CheckpointError, check_dir_name,
                      parse_manifest)
@@ -38,9 +39,9 @@ def resolve(path) -> str:
         raise ValueError("checkpoint: path must not be empty")
     if os.path.isfile(os.path.join(path, MANIFEST)) or not os.path.lexists(os.path.join(path, LATEST)):
         return path
-    dir_fd = fsutil.open_dir(path, own=False)
+    dir_fd = files.open_directory_at(None, path)
     try:
-        fd = fsutil.open_read(dir_fd, LATEST)
+        fd = files.open_regular_at(dir_fd, LATEST)
         try:
             name = fsutil.read_exact(fd, min(os.fstat(fd).st_size, 4096), 0, LATEST).decode(errors="replace").strip()
         finally:
@@ -54,14 +55,14 @@ class CheckpointReader:
     def __init__(self, path):
         self.path = resolve(path)
         try:
-            self.dir_fd = fsutil.open_dir(self.path, own=False)
+            self.dir_fd = files.open_directory_at(None, self.path)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no such checkpoint directory", self.path) from None
         self._fds: dict[int, int] = {}
         self._bounce: bytearray | None = None
         where = os.path.join(self.path, MANIFEST)
         try:
-            fd = fsutil.open_read(self.dir_fd, MANIFEST)
+            fd = files.open_regular_at(self.dir_fd, MANIFEST)
         except FileNotFoundError:
             self.close()
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no manifest (not a checkpoint, or one whose save did "
@@ -104,7 +105,7 @@ class CheckpointReader:
         if fi not in self._fds:
             rec = self.manifest["files"][fi]
             try:
-                fd = fsutil.open_read(self.dir_fd, rec["name"])
+                fd = files.open_regular_at(self.dir_fd, rec["name"])
             except FileNotFoundError:
                 raise FileNotFoundError(errno.ENOENT, "checkpoint: shard file listed in the manifest is missing",
                                         self.file_path(fi)) from None
