@@ -25,7 +25,7 @@ import torch
 
 from .. import files
 from . import fsutil
-from .format import DTYPE_BYTES
+from .format import DTYPE_BYTES, MANIFEST, CheckpointCorruptError
 from .reader import CheckpointReader
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -45,7 +45,8 @@ def iter_tensors(reader: CheckpointReader):
         if numel == 0 or not reader.has(name, key):
             value = torch.zeros(t["shape"], dtype=getattr(torch, _out_dtype(t["dtype"])))
             if numel:
-                raise OSError(errno.EIO, f"checkpoint: no shard holds {name!r}", reader.path)
+                raise CheckpointCorruptError(errno.EIO, f"checkpoint: no shard holds {name!r} (the manifest is torn)",
+                                             os.path.join(reader.path, MANIFEST))
         else:
             value = reader.read_many([(name, key, 0, numel)])[0]
             value = value.to(getattr(torch, _out_dtype(t["dtype"]))).reshape(t["shape"])

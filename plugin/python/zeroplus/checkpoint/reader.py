@@ -160,25 +160,28 @@ class CheckpointReader:
         for name, key, lo, hi in requests:
             chunks = self._chunks.get((name, key), [])
             dtype = chunks[0][2] if chunks else "float32"
-            t = torch.empty(hi - lo, dtype=getattr(torch, dtype))
-            out.append(t)
-            if hi <= lo:
-                continue
-            raw = t.view(torch.uint8)
-            covered = 0
-            for clo, chi, cdtype, fi, off in chunks:
+            pieces, covered = [], 0  # chunks do not overlap (parse_manifest): covered counts each element once
+            for clo, chi, cdtype, fi, off in chunks if hi > lo else ():
                 a, z = max(lo, clo), min(hi, chi)
                 if a >= z:
                     continue
                 if cdtype != dtype:
                     raise CheckpointError(f"checkpoint: {name}/{key} is stored in two dtypes ({dtype}, {cdtype})")
                 es = DTYPE_BYTES[dtype]
-                by_file[fi].append((off + (a - clo) * es, off + (z - clo) * es, raw, (a - lo) * es))
+                self._fd(fi)  # its real size is the manifest's: the bytes below exist on disk
+                pieces.append((fi, off + (a - clo) * es, off + (z - clo) * es, (a - lo) * es))
                 covered += z - a
-            if covered != hi - lo:
+            if hi > lo and covered != hi - lo:
                 raise CheckpointCorruptError(errno.EIO, f"checkpoint: elements [{lo}, {hi}) of {name!r} ({key}) are not "
                                                         f"all in the shard files (the manifest is torn)",
                                              os.path.join(self.path, MANIFEST))
+            # Allocated only now: its size is bounded by the shard files' real sizes, whatever
+            # sizes a damaged manifest claims.
+            t = torch.empty(hi - lo, dtype=getattr(torch, dtype))
+            out.append(t)
+            raw = t.view(torch.uint8)
+            for fi, blo, bhi, at in pieces:
+                by_file[fi].append((blo, bhi, raw, at))
         for fi, pieces in by_file.items():
             self._serve(fi, sorted(pieces, key=lambda p: p[0]))
         return out

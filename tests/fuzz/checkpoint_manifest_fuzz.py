@@ -1,0 +1,122 @@
+"""Fuzz target (atheris) for the checkpoint manifest and shard-block parsing of zeroplus.checkpoint.
+
+An input is a manifest (JSON bytes), optionally followed by SEPARATOR and the bytes of a shard
+file. check_one(data) runs everything a load, `inspect` and `consolidate` do with them:
+  1. format.parse_manifest (every field the reader trusts) and format.decode_value of every
+     param-group hyperparameter and optimizer scalar (load_checkpoint decodes those);
+  2. when the manifest parses: the manifest and, under every file name it lists, the shard bytes
+     (cut or zero-padded to the size the manifest declares, up to 1 MiB; larger declared sizes
+     keep the bytes as they are) are written to a scratch directory, which CheckpointReader opens;
+     every file is verified block by block against its CRC-32 list (inspect) and every tensor is
+     read whole (consolidate.iter_tensors: chunk lookup, range assembly, dtype checks).
+The contract it asserts: each step returns a validated result or raises CheckpointError (or a
+subclass: CheckpointCorruptError, CheckpointVersionError), the documented error of every parser
+of checkpoint bytes; any other exception is a crash (atheris reports it with the input). Hangs
+are caught by libFuzzer's -timeout.
+
+    scripts/fuzz.sh checkpoint_manifest_fuzz          # as CI runs it (atheris installed there)
+    python tests/fuzz/checkpoint_manifest_fuzz.py -runs=0 tests/fuzz/corpus/checkpoint_manifest_fuzz
+
+Seeds (tests/fuzz/corpus/checkpoint_manifest_fuzz/): a real checkpoint's manifest and shard
+(tests/fuzz/make_checkpoint_seeds.py) and the regression inputs of bugs this target found;
+tests/python/test_checkpoint_fuzz_corpus.py replays them in the ordinary test suite.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import tempfile
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "plugin" / "python"))
+
+import zeroplus  # noqa: E402,F401  (loads the library: zeroplus.files opens the scratch files)
+from zeroplus.checkpoint import consolidate, format as fmt, fsutil, reader  # noqa: E402
+
+SEPARATOR = b"\n--zeroplus-shard--\n"
+_MAX_FILE = 1 << 20  # bytes written per shard file at most
+_MAX_FILES = 4  # shard files written at most (the manifest may list more: the rest are missing)
+_scratch = None
+
+
+def _scratch_dir() -> str:
+    global _scratch
+    if _scratch is None:
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        _scratch = tempfile.mkdtemp(prefix="zeroplus-fuzz-", dir=base)
+    return _scratch
+
+
+def _write(directory: str, name: str, data: bytes) -> None:
+    path = os.path.join(directory, name)
+    if os.path.lexists(path):
+        os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _decode_all(m: dict) -> None:
+    for g in m["param_groups"]:
+        for k, v in g.items():
+            if k != "params":
+                fmt.decode_value(v)
+    for t in m["tensors"].values():
+        for v in t.get("scalars", {}).values():
+            fmt.decode_value(v)
+
+
+def _read_all(m: dict, manifest: bytes, shard: bytes) -> None:
+    d = _scratch_dir()
+    for n in os.listdir(d):
+        os.unlink(os.path.join(d, n))
+    _write(d, fmt.MANIFEST, manifest)
+    for f in m["files"][:_MAX_FILES]:
+        size = f["bytes"]
+        data = shard if size > _MAX_FILE else (shard[:size] + bytes(max(0, size - len(shard))))
+        _write(d, f["name"], data)
+    with reader.CheckpointReader(d) as r:
+        for fi in range(len(m["files"])):
+            r.verify_file(fi)
+        for _name, _value in consolidate.iter_tensors(r):
+            pass
+
+
+def check_one(data: bytes) -> None:
+    """One input (see the module doc); raises only CheckpointError (a bug otherwise)."""
+    manifest, _sep, shard = data.partition(SEPARATOR)
+    try:
+        m = fmt.parse_manifest(manifest, "fuzz/manifest.json")
+        _decode_all(m)
+        _read_all(m, manifest, shard)
+    except fmt.CheckpointError:
+        pass
+    except Exception as e:  # the bug this target looks for: reported compactly, with where it came from
+        # (torch's errors carry pages of C++ frames; printing one once outlasted libFuzzer's -timeout)
+        text = str(e).split("\nException raised from", 1)[0][:2000]
+        where = "".join(traceback.format_tb(e.__traceback__)[-6:])
+        raise AssertionError(f"{type(e).__name__} escaped the checkpoint parsers: {text}\n{where}") from None
+
+
+def main() -> None:
+    import atheris
+
+    # Coverage of the checkpoint parsers only (instrumenting torch would make every run slow).
+    for module in (fmt, reader, consolidate, fsutil):
+        for obj in list(vars(module).values()):
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if isinstance(obj, type):
+                for attr in vars(obj).values():
+                    if hasattr(attr, "__code__"):
+                        atheris.instrument_func(attr)
+            elif hasattr(obj, "__code__"):
+                atheris.instrument_func(obj)
+    atheris.Setup(sys.argv, check_one)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
