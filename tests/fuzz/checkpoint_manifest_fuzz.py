@@ -24,8 +24,10 @@ tests/python/test_checkpoint_fuzz_corpus.py replays them in the ordinary test su
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +50,7 @@ def _scratch_dir() -> str:
     if _scratch is None:
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         _scratch = tempfile.mkdtemp(prefix="zeroplus-fuzz-", dir=base)
+        atexit.register(shutil.rmtree, _scratch, True)
     return _scratch
 
 

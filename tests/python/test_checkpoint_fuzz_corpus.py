@@ -71,10 +71,3 @@ def test_regression_inputs_give_the_documented_error(name, step, error, words):
     with _address_space(4 << 30), pytest.raises(error, match=words):
         m = target.parse(manifest)
         getattr(target, step)(target.write_checkpoint(m, manifest, shard), m)
-
-
-def teardown_module():
-    if target._scratch is not None:
-        for n in os.listdir(target._scratch):
-            os.unlink(os.path.join(target._scratch, n))
-        os.rmdir(target._scratch)
