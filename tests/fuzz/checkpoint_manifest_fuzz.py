@@ -25,6 +25,7 @@ tests/python/test_checkpoint_fuzz_corpus.py replays them in the ordinary test su
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import pathlib
 import shutil
@@ -43,6 +44,7 @@ SEPARATOR = b"\n--zeroplus-shard--\n"
 _MAX_FILE = 1 << 20  # bytes written per shard file at most
 _MAX_FILES = 4  # shard files written at most (the manifest may list more: the rest are missing)
 _scratch = None
+_artifacts = None  # main(): where libFuzzer writes crashing inputs (-artifact_prefix)
 
 
 def _scratch_dir() -> str:
@@ -121,10 +123,20 @@ def check_one(data: bytes) -> None:
             except fmt.CheckpointError:
                 pass
     except Exception as e:  # the bug this target looks for: reported compactly, with where it came from
-        # (torch's errors carry pages of C++ frames; printing one once outlasted libFuzzer's -timeout)
-        text = str(e).split("\nException raised from", 1)[0][:2000]
+        text = str(e).split("\nException raised from", 1)[0][:2000]  # not torch's pages of C++ frames
         where = "".join(traceback.format_tb(e.__traceback__)[-6:])
-        raise AssertionError(f"{type(e).__name__} escaped the checkpoint parsers: {text}\n{where}") from None
+        report = f"{type(e).__name__} escaped the checkpoint parsers: {text}\n{where}"
+        if _artifacts is None:  # replayed by pytest
+            raise AssertionError(report) from None
+        # Fuzzing: save the input and leave at once. atheris's own route for an uncaught exception
+        # (exit, then libFuzzer's exit hook writes the input) twice hung in the interpreter's
+        # shutdown after many runs until the -timeout alarm killed it, and no input was written.
+        path = f"{_artifacts}crash-{hashlib.sha1(data).hexdigest()}"
+        with open(path, "wb") as f:
+            f.write(data)
+        sys.stderr.write(f"\n=== {report}\n==ERROR: checkpoint_manifest_fuzz: crashing input written to {path}\n")
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def main() -> None:
@@ -141,7 +153,9 @@ def main() -> None:
                         atheris.instrument_func(attr)
             elif hasattr(obj, "__code__"):
                 atheris.instrument_func(obj)
+    global _artifacts
     argv = sys.argv
+    _artifacts = next((a.split("=", 1)[1] for a in argv if a.startswith("-artifact_prefix=")), "./")
     deadline = os.environ.get("ZEROPLUS_FUZZ_DEADLINE")  # scripts/fuzz.sh: the end of this target's slot
     if deadline:  # the time torch took to import comes out of the fuzzing, not on top of the slot
         left = max(1, int(float(deadline) - time.time()))

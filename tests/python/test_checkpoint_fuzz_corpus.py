@@ -65,6 +65,10 @@ def _address_space(extra_bytes: int):
     # reader allocated the claimed size before checking the file's real size
     ("regression-claimed-size-allocated-first", "consolidate_path", fmt.CheckpointCorruptError,
      "shard file has 384 bytes"),
+    # a 512 GiB tensor no chunk holds: consolidate/inspect allocated zeros of its size (RuntimeError,
+    # or the memory itself) before saying no shard holds it
+    ("regression-unstored-tensor-allocated-first", "consolidate_path", fmt.CheckpointCorruptError,
+     "no shard holds 'unstored'"),
 ])
 def test_regression_inputs_give_the_documented_error(name, step, error, words):
     manifest, _sep, shard = (CORPUS / name).read_bytes().partition(target.SEPARATOR)

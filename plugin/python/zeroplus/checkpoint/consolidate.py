@@ -42,11 +42,11 @@ def iter_tensors(reader: CheckpointReader):
     for name, t in m["tensors"].items():
         key = "param" if t["kind"] == "param" else "value"
         numel = t["numel"]
-        if numel == 0 or not reader.has(name, key):
+        if numel and not reader.has(name, key):  # before allocating anything of the size the manifest claims
+            raise CheckpointCorruptError(errno.EIO, f"checkpoint: no shard holds {name!r} (the manifest is torn)",
+                                         os.path.join(reader.path, MANIFEST))
+        if numel == 0:
             value = torch.zeros(t["shape"], dtype=getattr(torch, _out_dtype(t["dtype"])))
-            if numel:
-                raise CheckpointCorruptError(errno.EIO, f"checkpoint: no shard holds {name!r} (the manifest is torn)",
-                                             os.path.join(reader.path, MANIFEST))
         else:
             value = reader.read_many([(name, key, 0, numel)])[0]
             value = value.to(getattr(torch, _out_dtype(t["dtype"]))).reshape(t["shape"])
