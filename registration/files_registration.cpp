@@ -1,10 +1,16 @@
-// Registers zeroplus::create_exclusive / create_temporary / private_directory: the Python side's
-// door to common/core/exclusive_file.hpp (zeroplus.files wraps them), so checkpoint and offload
-// code written in Python creates its files under the same rules as the C++ code. Errors are
+// Registers zeroplus::create_exclusive / create_temporary / private_directory (by path) and
+// their descriptor-relative peers open_directory_at / make_private_directory_at /
+// create_exclusive_at / create_temporary_at / open_regular_at: the Python side's door to
+// common/core/exclusive_file.hpp (zeroplus.files wraps them), so checkpoint and offload code
+// written in Python creates its files under the same rules as the C++ code. Errors are
 // RuntimeError texts "zeroplus <op> failed on '<path>': <strerror> (errno N)", which
-// zeroplus.files turns into the matching OSError subclass.
+// zeroplus.files turns into the matching OSError subclass. The *_at ops take a descriptor the
+// caller owns (dir_fd -1: the working directory) and name it in errors by its /proc path.
+#include <fcntl.h>
 #include <torch/library.h>
+#include <unistd.h>
 
+#include <climits>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -54,6 +60,70 @@ int64_t privateDirectory(const std::string& parent, const std::string& name) {
   return fd.release();
 }
 
+void checkMode(const char* op, int64_t mode) {
+  TORCH_CHECK_VALUE(mode >= 0 && mode <= 07777, "zeroplus ", op, ": mode must be in [0, 0o7777], got ", mode);
+}
+
+int atFd(const char* op, int64_t dirFd) {
+  TORCH_CHECK_VALUE(dirFd >= -1 && dirFd <= INT_MAX, "zeroplus ", op, ": dir_fd must be a descriptor or -1, got ",
+                    dirFd);
+  return dirFd < 0 ? AT_FDCWD : static_cast<int>(dirFd);
+}
+
+// What an error names for `name` relative to `dirFd`: the directory's path as the kernel
+// knows it (readlink of /proc/self/fd/N), else "<fd N>".
+std::string atPath(int dirFd, const std::string& name) {
+  if (dirFd == AT_FDCWD || (!name.empty() && name[0] == '/')) return name;
+  char buf[PATH_MAX];
+  const std::string link = "/proc/self/fd/" + std::to_string(dirFd);
+  const ssize_t n = ::readlink(link.c_str(), buf, sizeof(buf));
+  return (n > 0 ? std::string(buf, static_cast<size_t>(n)) : "<fd " + std::to_string(dirFd) + ">") + "/" + name;
+}
+
+int64_t openDirectoryAt(int64_t dirFd, const std::string& path, bool owned) {
+  const int at = atFd("open_directory_at", dirFd);
+  fs::UniqueFd fd;
+  if (const int rc = fs::openDirectoryAt(at, path, owned, &fd); rc < 0) fail("open_directory_at", atPath(at, path), rc);
+  return fd.release();
+}
+
+int64_t makePrivateDirectoryAt(int64_t dirFd, const std::string& name) {
+  const int at = atFd("make_private_directory_at", dirFd);
+  fs::UniqueFd fd;
+  if (const int rc = fs::createPrivateDirectory(at, name, &fd); rc < 0) {
+    fail("make_private_directory_at", atPath(at, name), rc);
+  }
+  return fd.release();
+}
+
+int64_t createExclusiveAt(int64_t dirFd, const std::string& name, int64_t mode) {
+  checkMode("create_exclusive_at", mode);
+  const int at = atFd("create_exclusive_at", dirFd);
+  fs::UniqueFd fd;
+  if (const int rc = fs::createExclusive(at, name, static_cast<mode_t>(mode), 0, &fd); rc < 0) {
+    fail("create_exclusive_at", atPath(at, name), rc);
+  }
+  return fd.release();
+}
+
+std::tuple<int64_t, std::string> createTemporaryAt(int64_t dirFd, const std::string& prefix, int64_t mode) {
+  checkMode("create_temporary_at", mode);
+  const int at = atFd("create_temporary_at", dirFd);
+  fs::UniqueFd fd;
+  std::string name;
+  if (const int rc = fs::createTemporary(at, prefix, static_cast<mode_t>(mode), 0, &fd, &name); rc < 0) {
+    fail("create_temporary_at", atPath(at, prefix + "*"), rc);
+  }
+  return {fd.release(), name};
+}
+
+int64_t openRegularAt(int64_t dirFd, const std::string& name, bool owned) {
+  const int at = atFd("open_regular_at", dirFd);
+  fs::UniqueFd fd;
+  if (const int rc = fs::openRegularForReading(at, name, owned, &fd); rc < 0) fail("open_regular_at", atPath(at, name), rc);
+  return fd.release();
+}
+
 }  // namespace
 }  // namespace zeroplus::registration
 
@@ -62,4 +132,10 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
   m.def("create_temporary(str directory, str prefix, int mode) -> (int, str)",
         &zeroplus::registration::createTemporary);
   m.def("private_directory(str parent, str name) -> int", &zeroplus::registration::privateDirectory);
+  m.def("open_directory_at(int dir_fd, str path, bool owned) -> int", &zeroplus::registration::openDirectoryAt);
+  m.def("make_private_directory_at(int dir_fd, str name) -> int", &zeroplus::registration::makePrivateDirectoryAt);
+  m.def("create_exclusive_at(int dir_fd, str name, int mode) -> int", &zeroplus::registration::createExclusiveAt);
+  m.def("create_temporary_at(int dir_fd, str prefix, int mode) -> (int, str)",
+        &zeroplus::registration::createTemporaryAt);
+  m.def("open_regular_at(int dir_fd, str name, bool owned) -> int", &zeroplus::registration::openRegularAt);
 }

@@ -1,7 +1,7 @@
 """Checkpoint save/load side by side: zeroplus, torch.save/torch.load per rank, DCP, fio; one run.
 
     .venv/bin/python bench/checkpoint/bench_checkpoint.py [--params 44e6] [--ranks 2] [--reps 3]
-        [--dir DIR] [--out bench/results/checkpoint-latest]
+        [--deepspeed] [--dir DIR] [--out bench/results/checkpoint-latest]
 
 Each rank holds the sharded state of a ZeRO stage-2 AdamW run (zeroplus.initialize, fp32): its
 shard of the fp32 masters plus exp_avg and exp_avg_sq, 12 bytes per parameter / ranks, so the
@@ -18,6 +18,12 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
   dcp              torch.distributed.checkpoint.save with FileSystemWriter of the same tensors under
                    per-rank keys (so each rank writes its own, as sharded tensors would) / dcp.load
                    in place into the live tensors, opt.publish_masters()
+  deepspeed        (--deepspeed) DeepSpeed's engine.save_checkpoint / load_checkpoint of the same
+                   model, ZeRO stage 2, torch AdamW, after the same step: DeepSpeed 0.19.8 on its
+                   CPU accelerator (bench/deepspeed_env.py installs it once into the build
+                   directory), on the bench's zeroplus group as bench/zero/bench_stages.py runs it.
+                   It writes more than the others: rank 0 also saves the full fp32 weights (its
+                   bytes are reported beside the times), and it does not fsync (torch.save)
   async_stall      zeroplus.save_checkpoint(async_=True): time until the call returns (what training
                    waits for), against zeroplus_aio's synchronous save
 
@@ -48,6 +54,31 @@ import torch.multiprocessing as mp
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugin" / "python"))  # the tree's zeroplus (spawned ranks inherit sys.path)
 VARIANTS = ["zeroplus_aio", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
+DS_VARIANTS = ["deepspeed"]
+
+
+def _deepspeed_engine(rank: int, world: int, params: int, x: torch.Tensor):
+    """A DeepSpeed ZeRO-2 engine (torch AdamW) of the same model, after the same one step."""
+    import logging
+
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    deepspeed.init_distributed(dist_backend="zeroplus", auto_mpi_discovery=False, dist_init_required=False)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    model = _model(params)
+    config = {"train_micro_batch_size_per_gpu": x.shape[0], "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 50_000_000, "allgather_bucket_size": 50_000_000},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30}
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                           config=config)
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    return engine
+
+
+def _tree_bytes(d: str) -> int:
+    return sum(f.stat().st_size for f in pathlib.Path(d).rglob("*") if f.is_file())
 
 
 def _model(params: int) -> torch.nn.Module:
@@ -99,11 +130,14 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
     dist.all_reduce(sizes)
     total_bytes = int(sizes.item())
     base = args.dir
-    times = {f"{v}_{op}": [] for v in VARIANTS for op in ("save", "load")}
+    variants = VARIANTS + (DS_VARIANTS if args.deepspeed else [])
+    engine = _deepspeed_engine(rank, world, int(args.params), x) if args.deepspeed else None
+    ds_bytes = 0
+    times = {f"{v}_{op}": [] for v in variants for op in ("save", "load")}
     times["async_stall"] = []
     times["async_total"] = []
     for rep in range(args.reps):
-        for v in VARIANTS:
+        for v in variants:
             d = os.path.join(base, f"{v}_{rep}")
             if v.startswith("zeroplus"):
                 o = CheckpointOptions(io="aio" if v == "zeroplus_aio" else "posix")
@@ -131,6 +165,11 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
                             m.copy_(saved)
                     opt.publish_masters()
                 times[f"{v}_load"].append(_timed(load))
+            elif v == "deepspeed":
+                times["deepspeed_save"].append(_timed(lambda: engine.save_checkpoint(d, tag="ck")))
+                times["deepspeed_load"].append(_timed(lambda: engine.load_checkpoint(d, tag="ck")))
+                if rank == 0:
+                    ds_bytes = _tree_bytes(d)
             else:
                 state = _dcp_state(opt, rank)
                 times["dcp_save"].append(_timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(d))))
@@ -155,7 +194,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
         dist.barrier()
     if rank == 0:
         results.put({"times": times, "total_bytes": total_bytes, "shard_bytes": shard_bytes,
-                     "snapshot_bytes": handles[0].snapshot_bytes})
+                     "snapshot_bytes": handles[0].snapshot_bytes, "deepspeed_bytes": ds_bytes})
     dist.destroy_process_group()
 
 
@@ -178,9 +217,21 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=44e6)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--deepspeed", action="store_true",
+                    help="add DeepSpeed's save_checkpoint/load_checkpoint (installed into the build directory once)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint-latest"))
     args = ap.parse_args()
+    deepspeed_version = None
+    if args.deepspeed:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from deepspeed_env import ensure_deepspeed
+
+        ensure_deepspeed()  # before spawning: the ranks inherit PYTHONPATH and DS_ACCELERATOR
+        import deepspeed
+
+        deepspeed_version = deepspeed.__version__
+    load_before = os.getloadavg()
     own_dir = args.dir is None
     args.dir = tempfile.mkdtemp(prefix="zeroplus-ckpt-bench-") if own_dir else args.dir
     ctx = mp.get_context("spawn")
@@ -206,13 +257,16 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res["times"].items() if v}
     rows = []
-    for v in VARIANTS:
+    for v in VARIANTS + (DS_VARIANTS if args.deepspeed else []):
         rows.append((v, med[f"{v}_save"], gb / med[f"{v}_save"], med[f"{v}_load"], gb / med[f"{v}_load"]))
     zs = med["zeroplus_aio_save"]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "ranks": args.ranks,
               "params": int(args.params), "total_bytes": res["total_bytes"], "reps": args.reps,
               "median_s": med, "raw_s": res["times"], "fio_write_GBps": fio,
               "snapshot_bytes_rank0": res["snapshot_bytes"],
+              "load_average": {"before": load_before, "after": os.getloadavg()},
+              "deepspeed": {"version": deepspeed_version, "accelerator": os.environ.get("DS_ACCELERATOR"),
+                            "bytes_written": res["deepspeed_bytes"]} if args.deepspeed else None,
               "ratios": {"save_vs_torch_save": med["torch_save_save"] / zs,
                          "save_vs_torch_save_sync": med["torch_save_sync_save"] / zs,
                          "save_vs_dcp": med["dcp_save"] / zs,
@@ -220,12 +274,20 @@ def main() -> None:
                          "async_stall_vs_sync_save": med["async_stall"] / zs,
                          "load_vs_torch_load": med["torch_save_load"] / med["zeroplus_aio_load"],
                          "load_vs_dcp": med["dcp_load"] / med["zeroplus_aio_load"]}}
+    if args.deepspeed:
+        report["ratios"]["save_vs_deepspeed"] = med["deepspeed_save"] / zs
+        report["ratios"]["load_vs_deepspeed"] = med["deepspeed_load"] / med["zeroplus_aio_load"]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [f"# Checkpoint save/load, {args.ranks} ranks, {gb:.3f} GB sharded state (median of {args.reps})", "",
              "| variant | save s | save GB/s | load s | load GB/s |", "|---|---|---|---|---|"]
     lines += [f"| {v} | {s:.3f} | {sg:.2f} | {l:.3f} | {lg:.2f} |" for v, s, sg, l, lg in rows]
+    if args.deepspeed:
+        lines += ["", f"deepspeed {deepspeed_version} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')}) wrote "
+                  f"{res['deepspeed_bytes'] / 1e9:.3f} GB per checkpoint (GB/s above: of the {gb:.3f} GB the others "
+                  f"write)"]
+    lines += ["", f"load average: {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after (1 min)"]
     lines += ["", f"async save: the call blocks {med['async_stall']:.3f} s (snapshot of "
               f"{res['snapshot_bytes'] / 1e6:.0f} MB on rank 0), {med['async_total']:.3f} s until wait() returns", "",
               f"fio sequential write (1 MiB, end fsync): {fio:.2f} GB/s" if fio else "fio: not available", "",

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/checkpoint/kill_trials.py [--trials 200] [--width 4096] [--out PATH]
 
-A child process (world size 1, stage 2, AdamW) saves in a loop under three names in turn (so
+A child process (world size 1, stage 2, AdamW; tests/python/checkpoint_helpers.py's
+save_forever, the same child as the CI test's) saves in a loop under three names in turn (so
 most saves replace a complete checkpoint by the atomic swap), every parameter, buffer and the
 `extra` step equal to the step number. The parent SIGKILLs it at a random point 0-300 ms after it
 is ready, TRIALS times. After each kill it checks that the checkpoint `latest` names passes
@@ -27,46 +28,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugin" / "python"))
+sys.path.insert(0, str(ROOT / "tests" / "python"))  # the child and the check are the CI test's
 
-
-def _saver(root: str, child: int, store: str, width: int, ready) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import zeroplus
-
-    dist.init_process_group("zeroplus", store=dist.FileStore(store, 1), rank=0, world_size=1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Linear(width, 8))
-    model.register_buffer("scale", torch.ones(1))
-    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=1e-3)
-    options = zeroplus.checkpoint.CheckpointOptions(block_bytes=4096)
-    step = 0
-    ready.set()
-    while True:
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                t.fill_(float(step))
-        zeroplus.save_checkpoint(os.path.join(root, f"c{child:04d}_{step % 3}"), model, opt,
-                                 extra={"step": step, "child": child}, options=options)
-        step += 1
-
-
-def _verify(root: str):
-    import torch
-
-    from zeroplus.checkpoint.consolidate import inspect, iter_tensors
-    from zeroplus.checkpoint.reader import CheckpointReader
-
-    summary = inspect(root)
-    if not summary["ok"]:
-        raise AssertionError(f"checksums: {summary['files']}")
-    extra = summary["extra"]
-    with CheckpointReader(root) as reader:
-        for name, value in iter_tensors(reader):
-            if not torch.all(value == float(extra["step"])):
-                raise AssertionError(f"{name} is not all {extra['step']}")
-    return extra["child"], extra["step"]
+from checkpoint_helpers import save_forever, verify_latest  # noqa: E402
 
 
 def main() -> None:
@@ -91,7 +55,7 @@ def main() -> None:
         while trials < args.trials:
             child += 1
             ready = ctx.Event()
-            p = ctx.Process(target=_saver, args=(root, child, os.path.join(work, f"store{child}"), args.width, ready),
+            p = ctx.Process(target=save_forever, args=(root, child, os.path.join(work, f"store{child}"), args.width, ready),
                             daemon=True)
             p.start()
             if not ready.wait(120):
@@ -104,7 +68,7 @@ def main() -> None:
             if not os.path.exists(os.path.join(root, "latest")):
                 continue
             try:
-                got = _verify(root)
+                got = verify_latest(root)
                 if previous is not None and got < previous:
                     raise AssertionError(f"latest went backwards: {previous} -> {got}")
                 previous = got

@@ -66,21 +66,54 @@ int openDirectory(const std::string& path, UniqueFd* out) {
   return checked(fd, out);
 }
 
-int ensurePrivateDirectory(int dirFd, const std::string& name, UniqueFd* out) {
-  if (!validName(name)) return -EINVAL;
-  if (::mkdirat(dirFd, name.c_str(), 0700) != 0 && errno != EEXIST) return -errno;
+int openDirectoryAt(int dirFd, const std::string& path, bool requireOwner, UniqueFd* out) {
+  if (path.empty()) return -ENOENT;
   UniqueFd fd;
-  if (const int rc = checked(::openat(dirFd, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC), &fd);
+  if (const int rc = checked(::openat(dirFd, path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC), &fd);
       rc < 0) {
-    return rc == -ELOOP ? -ENOTDIR : rc;  // a symbolic link planted under the name
+    return rc == -ELOOP ? -ENOTDIR : rc;  // a symbolic link where a directory was expected
   }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return -errno;
   if (!S_ISDIR(st.st_mode)) return -ENOTDIR;
-  if (st.st_uid != ::geteuid()) return -EPERM;
-  if ((st.st_mode & 077) != 0) return -EACCES;
+  if (requireOwner && st.st_uid != ::geteuid()) return -EPERM;
   *out = std::move(fd);
   return 0;
+}
+
+namespace {
+
+// The checks a private directory passes after it was opened by name (O_NOFOLLOW): a directory
+// of this effective uid; group/other bits are refused unless `fixMode` (one we just created).
+int verifyPrivate(int dirFd, const std::string& name, bool fixMode, UniqueFd* out) {
+  UniqueFd fd;
+  if (const int rc = openDirectoryAt(dirFd, name, /*requireOwner=*/true, &fd); rc < 0) return rc;
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return -errno;
+  if ((st.st_mode & 077) != 0) return -EACCES;
+  if (fixMode && (st.st_mode & 0700) != 0700 && ::fchmod(fd.get(), 0700) != 0) {
+    return -errno;  // a umask took some of the owner's bits from the directory we just made
+  }
+  *out = std::move(fd);
+  return 0;
+}
+
+}  // namespace
+
+int createPrivateDirectory(int dirFd, const std::string& name, UniqueFd* out) {
+  if (!validName(name)) return -EINVAL;
+  if (::mkdirat(dirFd, name.c_str(), 0700) != 0) return -errno;
+  const int rc = verifyPrivate(dirFd, name, /*fixMode=*/true, out);
+  // rmdir removes only an empty directory, never a link or a file: what we just made, or an
+  // empty one swapped in under the name (which the caller could not have used either).
+  if (rc < 0) ::unlinkat(dirFd, name.c_str(), AT_REMOVEDIR);
+  return rc;
+}
+
+int ensurePrivateDirectory(int dirFd, const std::string& name, UniqueFd* out) {
+  if (!validName(name)) return -EINVAL;
+  if (::mkdirat(dirFd, name.c_str(), 0700) != 0 && errno != EEXIST) return -errno;
+  return verifyPrivate(dirFd, name, /*fixMode=*/false, out);
 }
 
 int createExclusive(int dirFd, const std::string& name, mode_t mode, int extraFlags, UniqueFd* out) {

@@ -55,6 +55,17 @@ class UniqueFd {
 // components are the caller's to trust (as fs.protected_symlinks does, per link owner).
 int openDirectory(const std::string& path, UniqueFd* out);
 
+// Opens `path` relative to `dirFd` (AT_FDCWD: the working directory; an absolute path ignores
+// it) as a directory without following a symbolic link in its last component (-ENOTDIR then,
+// as for anything else that is not a directory); with `requireOwner`, -EPERM unless it is
+// owned by this effective uid (a directory zeroplus is about to write into or remove from).
+int openDirectoryAt(int dirFd, const std::string& path, bool requireOwner, UniqueFd* out);
+
+// Creates the new directory `name` in `dirFd` exclusively (-EEXIST for any existing name, a
+// symbolic link included) with mode 0700, and returns it verified as ensurePrivateDirectory
+// does. A umask that narrowed the owner's bits is undone (fchmod 0700 on the descriptor).
+int createPrivateDirectory(int dirFd, const std::string& name, UniqueFd* out);
+
 // Creates `name` in `dirFd` as a directory with mode 0700, or opens an existing one; either
 // way the result must be a directory owned by this effective uid with no group/other bits:
 // -EPERM (another owner), -ENOTDIR (not a directory; a symbolic link is never followed) or

@@ -13,7 +13,6 @@ One 2-rank launch (one process group per case):
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 
@@ -21,7 +20,8 @@ import pytest
 import torch
 
 from checkpoint_models import build, fsize_limited, full_params, train
-from harness import run_cases_in_own_groups, run_pooled
+from checkpoint_helpers import cases_of, ok_values, pooled_results
+from harness import run_cases_in_own_groups
 
 
 @contextlib.contextmanager
@@ -120,30 +120,17 @@ def case_async_replace(root, rank, group):
 
 
 def _all(rank, world, root):
-    cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
+    cases = cases_of(globals(), root)
     return run_cases_in_own_groups(rank, world, cases)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("async"))
-    t0 = time.monotonic()
-    out = run_pooled(_all, 2, root, timeout=300)
-    print(f"\nasync checkpoint cases on 2 ranks: {time.monotonic() - t0:.1f} s")
-    return out
-
-
-def _ok(results, case):
-    values = []
-    for rank in range(2):
-        status, value = results[rank][case]
-        assert status == "ok", f"rank {rank}:\n{value}"
-        values.append(value)
-    return values
+    return pooled_results(_all, str(tmp_path_factory.mktemp("async")), "async checkpoint cases")
 
 
 def test_async_save_overlaps_training(results):
-    for extra, snapshot, shard, differ, overlapped in _ok(results, "overlap"):
+    for extra, snapshot, shard, differ, overlapped in ok_values(results, "overlap"):
         assert overlapped, "the save finished before training went on: the case tests nothing"
         assert extra == {"step": 3}
         assert snapshot == shard > 0
@@ -151,7 +138,7 @@ def test_async_save_overlaps_training(results):
 
 
 def test_async_save_error_raises_at_wait(results):
-    (err0, latest0, names0), (err1, latest1, names1) = _ok(results, "error")
+    (err0, latest0, names0), (err1, latest1, names1) = ok_values(results, "error")
     assert err1 is not None and "File too large" in err1
     assert err0 is not None and "rank 1 failed" in err0
     assert latest0 == latest1 == "first"
@@ -159,13 +146,13 @@ def test_async_save_error_raises_at_wait(results):
 
 
 def test_async_saves_are_serialised(results):
-    for rank, (first_done, latest) in enumerate(_ok(results, "serialised")):
+    for rank, (first_done, latest) in enumerate(ok_values(results, "serialised")):
         assert first_done
         assert latest == ("two" if rank == 0 else None)
 
 
 def test_async_replace_then_load_sees_the_new_checkpoint(results):
-    for extra, differ, names in _ok(results, "async_replace"):
+    for extra, differ, names in ok_values(results, "async_replace"):
         assert extra == {"step": 2}
         assert differ == []
         assert names == ["ck", "latest"]

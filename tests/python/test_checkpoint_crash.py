@@ -24,47 +24,12 @@ import time
 import pytest
 import torch
 
+from checkpoint_helpers import save_forever, verify_latest
 from checkpoint_models import batch, build, make, train
 from harness import _context, run_pooled
 
 KILLS = 20
 WIDTH = 4096  # ~1 MB per checkpoint: saves take long enough for kills to land inside them
-
-
-def _saver(root: str, child: int, store: str, ready) -> None:
-    """Saves ROOT/c<child>_<step> forever, every parameter, buffer and extra equal to step."""
-    import torch.distributed as dist
-
-    import zeroplus
-
-    dist.init_process_group("zeroplus", store=dist.FileStore(store, 1), rank=0, world_size=1)
-    model, opt = zeroplus.initialize(make(0, WIDTH), torch.optim.AdamW, stage=2, lr=1e-3)
-    # 4 KiB checksum blocks: ~250 per file, so verifying a file takes many read runs
-    options = zeroplus.checkpoint.CheckpointOptions(block_bytes=4096)
-    step = 0
-    ready.set()
-    while True:
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
-                t.fill_(float(step))
-        # Three names in turn: most saves replace a complete checkpoint (the atomic swap is killed too)
-        zeroplus.save_checkpoint(os.path.join(root, f"c{child:03d}_{step % 3}"), model, opt,
-                                 extra={"step": step, "child": child}, options=options)
-        step += 1
-
-
-def _verify_latest(root: str):
-    """(child, step) of the checkpoint `latest` names, after checking every value in it."""
-    from zeroplus.checkpoint.consolidate import inspect, iter_tensors
-    from zeroplus.checkpoint.reader import CheckpointReader
-
-    summary = inspect(root)
-    assert summary["ok"], summary["files"]
-    extra = summary["extra"]
-    with CheckpointReader(root) as reader:
-        for name, value in iter_tensors(reader):
-            assert torch.all(value == float(extra["step"])), f"{name} is not all {extra['step']}"
-    return extra["child"], extra["step"]
 
 
 def _load_latest(rank, world, root):
@@ -86,7 +51,8 @@ def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
     while verified < KILLS:
         child += 1
         ready = ctx.Event()
-        p = ctx.Process(target=_saver, args=(root, child, str(tmp_path / f"store{child}"), ready), daemon=True)
+        p = ctx.Process(target=save_forever, args=(root, child, str(tmp_path / f"store{child}"), WIDTH, ready),
+                        daemon=True)
         p.start()
         assert ready.wait(60), f"child {child} did not start"
         time.sleep(rng.uniform(0.0, 0.3))  # a random point of the save loop
@@ -96,7 +62,7 @@ def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
         if not os.path.exists(os.path.join(root, "latest")):
             assert child < KILLS, "no save completed in 0.3 s, several times"
             continue  # killed before the first save completed
-        got = _verify_latest(root)
+        got = verify_latest(root)
         assert previous is None or got >= previous, f"latest went backwards: {previous} -> {got}"
         previous = got
         verified += 1

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from checkpoint_models import CkptNet, build, fsize_limited, full_params, make, train
-from harness import run_cases_in_own_groups, run_pooled
+from checkpoint_helpers import cases_of, ok_values, pooled_results
+from harness import run_cases_in_own_groups
 
 
 def _state(model, opt):
@@ -284,7 +285,7 @@ def _disk_full(root, rank, group, name, limited_ranks):
 
 
 def _all(rank, world, root):
-    cases = {name[5:]: functools.partial(fn, root) for name, fn in globals().items() if name.startswith("case_")}
+    cases = cases_of(globals(), root)
     # 64-byte blocks: the corrupt byte sits in a block read straight into the destination tensor
     cases["corrupt_byte_small_blocks"] = functools.partial(case_corrupt_byte, root, block_bytes=64)
     cases["disk_full_everywhere"] = functools.partial(_disk_full, root, name="full_all", limited_ranks=(0, 1))
@@ -294,20 +295,7 @@ def _all(rank, world, root):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("errors"))
-    t0 = time.monotonic()
-    out = run_pooled(_all, 2, root, timeout=300)
-    print(f"\ncheckpoint error cases on 2 ranks: {time.monotonic() - t0:.1f} s")
-    return out
-
-
-def _ok(results, case):
-    values = []
-    for rank in range(2):
-        status, value = results[rank][case]
-        assert status == "ok", f"rank {rank}:\n{value}"
-        values.append(value)
-    return values
+    return pooled_results(_all, str(tmp_path_factory.mktemp("errors")), "checkpoint error cases")
 
 
 @pytest.mark.parametrize("case, words", [
@@ -325,7 +313,7 @@ def _ok(results, case):
     ("unexpected_keys", ['Unexpected key(s) in state_dict: "frozen"']),
 ])
 def test_bad_checkpoint_is_refused_and_changes_nothing(results, case, words):
-    for rank, (err, untouched) in enumerate(_ok(results, case)):
+    for rank, (err, untouched) in enumerate(ok_values(results, case)):
         assert err is not None, f"rank {rank}: the load succeeded"
         for w in words:
             assert w in err, f"rank {rank}: {w!r} not in {err!r}"
@@ -333,7 +321,7 @@ def test_bad_checkpoint_is_refused_and_changes_nothing(results, case, words):
 
 
 def test_save_replaces_a_checkpoint_whole_and_refuses_other_directories(results):
-    for err, (replaced, leftovers, foreign, notes) in _ok(results, "exists"):
+    for err, (replaced, leftovers, foreign, notes) in ok_values(results, "exists"):
         assert replaced, "the second save to the same path did not replace the checkpoint"
         assert leftovers == []
         assert err is not None and "not a zeroplus checkpoint" in err
@@ -341,14 +329,14 @@ def test_save_replaces_a_checkpoint_whole_and_refuses_other_directories(results)
 
 
 def test_extra_must_be_json(results):
-    for err, nothing_written in _ok(results, "extra_not_json"):
+    for err, nothing_written in ok_values(results, "extra_not_json"):
         assert err is not None and "extra['when']" in err and "object" in err
         assert nothing_written
 
 
 @pytest.mark.parametrize("case", ["disk_full_everywhere", "disk_full_one_rank"])
 def test_disk_full_mid_save_keeps_previous_checkpoint(results, case):
-    for rank, (err, (leftovers, loaded_err, latest)) in enumerate(_ok(results, case)):
+    for rank, (err, (leftovers, loaded_err, latest)) in enumerate(ok_values(results, case)):
         assert err is not None, f"rank {rank}: the save succeeded despite the file size limit"
         assert leftovers == ["first", "latest"], f"rank {rank}: {leftovers}"
         assert latest == "first"
@@ -356,7 +344,7 @@ def test_disk_full_mid_save_keeps_previous_checkpoint(results, case):
 
 
 def test_failure_on_one_rank_after_the_start_fails_every_rank_at_once(results):
-    (err0, (secs0, left0)), (err1, (secs1, left1)) = _ok(results, "unsavable_state_on_one_rank")
+    (err0, (secs0, left0)), (err1, (secs1, left1)) = ok_values(results, "unsavable_state_on_one_rank")
     assert err1 is not None and "TypeError" in err1 and "'factor'" in err1
     assert err0 is not None and "rank 1 failed" in err0 and "'factor'" in err0
     assert max(secs0, secs1) < 30, "a rank waited for a shard that was never coming"
@@ -364,7 +352,7 @@ def test_failure_on_one_rank_after_the_start_fails_every_rank_at_once(results):
 
 
 def test_rank0_failure_before_the_start_reaches_every_rank(results):
-    (err0, left0), (err1, left1) = _ok(results, "unsavable_hyperparameter_on_rank0")
+    (err0, left0), (err1, left1) = ok_values(results, "unsavable_hyperparameter_on_rank0")
     assert err0 is not None and err0.startswith("TypeError") and "object" in err0
     assert err1 is not None and "rank 0 could not start the save" in err1
     assert not left0 and not left1

@@ -147,19 +147,20 @@ def test_fuzzed_values_decode_or_raise_checkpoint_error():
 def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
     import os
 
+    from zeroplus import files
     from zeroplus.checkpoint import fsutil
 
-    root = fsutil.open_dir(str(tmp_path))
+    root = files.open_directory_at(None, str(tmp_path), owned=True)
     try:
         names = {k: fsutil.temp_name(k) for k in ("killed", "in_flight", "mine")}
-        fds = {k: fsutil.make_private_dir(root, n) for k, n in names.items()}
-        os.close(fsutil.create_exclusive(fds["killed"], "rank00000.bin"))
+        fds = {k: files.make_private_directory_at(root, n) for k, n in names.items()}
+        os.close(files.create_exclusive_at(fds["killed"], "rank00000.bin"))
         fsutil.lock(fds["in_flight"])  # a save in flight holds its lock
         os.mkdir(tmp_path / ".user.tmp-notours")  # not a name zeroplus generates
         (tmp_path / "ckpt").mkdir()
         old_latest, new_latest = fsutil.temp_name("latest"), fsutil.temp_name("latest")
         for n in (old_latest, new_latest):
-            os.close(fsutil.create_exclusive(root, n))
+            os.close(files.create_exclusive_at(root, n))
         hour_ago = time.time() - 3600
         os.utime(tmp_path / old_latest, (hour_ago, hour_ago))  # a killed save's; the other is being written
         removed = fsutil.remove_stale_temp_dirs(root, keep=names["mine"])

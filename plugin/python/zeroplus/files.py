@@ -15,21 +15,46 @@ offload code written in Python creates its files by these rules, never with a pl
   as ``dir_fd=`` for ``os.open`` and ``create_exclusive``'s peers.
 
 ``directory`` itself is followed only when its last component is not a symbolic link, or is one
-owned by this user or root. Descriptors belong to the caller (``os.fdopen(fd, "wb")`` or
-``os.close``). Errors are ``OSError`` subclasses chosen by errno, naming the path; bad argument
-types raise ``TypeError``, empty or out-of-range ones ``ValueError``. The shared library must
-be loaded (``import zeroplus`` does it).
+owned by this user or root.
+
+The descriptor-relative peers (``openat``-style; what checkpoint/ and offload/ use, so that a
+path component renamed after the directory was opened cannot redirect the next call) never
+follow a symbolic link in the name they are given:
+
+* ``open_directory_at(dir_fd, path, owned=False)`` opens a directory (``dir_fd=None``: the
+  working directory); a symbolic link or non-directory raises ``NotADirectoryError``; with
+  ``owned``, one of another user ``PermissionError``.
+* ``make_private_directory_at(dir_fd, name)`` creates the new directory ``name`` (0700,
+  exclusively: any existing name raises ``FileExistsError``) and returns it verified.
+* ``create_exclusive_at(dir_fd, name, mode=0o600)`` / ``create_temporary_at(dir_fd, prefix,
+  mode=0o600)``: as their path-based namesakes (``O_CREAT|O_EXCL|O_NOFOLLOW``, ``O_RDWR``).
+* ``open_regular_at(dir_fd, name, owned=False)`` opens an existing regular file read-only
+  (``O_NOFOLLOW``, never blocking on a FIFO): a link raises ``OSError`` (ELOOP), anything else
+  that is not a regular file ``OSError`` (EINVAL).
+* ``remove_tree_at(dir_fd, name)`` removes a directory of this user and everything in it
+  without following any link (a link inside is unlinked, never its target; a directory of
+  another user is left); best effort, returns whether ``name`` is gone.
+* ``temporary_name(prefix)`` is ``prefix`` + 16 random hex digits, for names chosen before
+  the object is created (a staging directory).
+
+Descriptors belong to the caller (``os.fdopen(fd, "wb")`` or ``os.close``). Errors are
+``OSError`` subclasses chosen by errno, naming the path; bad argument types raise
+``TypeError``, empty or out-of-range ones ``ValueError``. The shared library must be loaded
+(``import zeroplus`` does it).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Tuple, Union
+import secrets
+from typing import Optional, Tuple, Union
 
 import torch
 
-__all__ = ["create_exclusive", "create_temporary", "private_directory"]
+__all__ = ["create_exclusive", "create_temporary", "private_directory", "open_directory_at",
+           "make_private_directory_at", "create_exclusive_at", "create_temporary_at", "open_regular_at",
+           "remove_tree_at", "temporary_name"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _ERRNO = re.compile(r"\(errno (\d+)\)")
@@ -50,6 +75,22 @@ def _name(arg: str, value) -> str:
         raise TypeError(f"{arg} must be a str, got {type(value).__name__}")
     if not value or "/" in value or value in (".", ".."):
         raise ValueError(f"{arg} must be one path component (no '/', not '.' or '..'), got {value!r}")
+    return value
+
+
+def _fd(value, allow_none: bool = False) -> int:
+    if value is None and allow_none:
+        return -1
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"dir_fd must be an int (an open directory descriptor), got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"dir_fd must be >= 0, got {value}")
+    return value
+
+
+def _prefix(value) -> str:
+    if not isinstance(value, str) or "/" in value:
+        raise ValueError(f"prefix must be a str without '/', got {value!r}")
     return value
 
 
@@ -80,12 +121,71 @@ def create_exclusive(directory: PathLike, name: str, mode: int = 0o644) -> int:
 
 def create_temporary(directory: PathLike, prefix: str, mode: int = 0o644) -> Tuple[int, str]:
     """Creates ``directory/<prefix><16 random hex digits>``; returns ``(fd, name)``."""
-    if not isinstance(prefix, str) or "/" in prefix:
-        raise ValueError(f"prefix must be a str without '/', got {prefix!r}")
-    fd, name = _call(torch.ops.zeroplus.create_temporary, _path("directory", directory), prefix, _mode(mode))
+    fd, name = _call(torch.ops.zeroplus.create_temporary, _path("directory", directory), _prefix(prefix), _mode(mode))
     return int(fd), str(name)
 
 
 def private_directory(parent: PathLike, name: str) -> int:
     """Creates or opens ``parent/name`` as a verified 0700 directory of this user; returns its fd."""
     return _call(torch.ops.zeroplus.private_directory, _path("parent", parent), _name("name", name))
+
+
+
+# -- descriptor-relative (openat) ------------------------------------------------------------------
+
+def open_directory_at(dir_fd: Optional[int], path: PathLike, owned: bool = False) -> int:
+    """Opens directory ``path`` relative to ``dir_fd`` without following a link in its last component."""
+    return _call(torch.ops.zeroplus.open_directory_at, _fd(dir_fd, allow_none=True), _path("path", path), bool(owned))
+
+
+def make_private_directory_at(dir_fd: int, name: str) -> int:
+    """Creates the new directory ``dir_fd/name`` (0700, exclusively); returns its verified fd."""
+    return _call(torch.ops.zeroplus.make_private_directory_at, _fd(dir_fd), _name("name", name))
+
+
+def create_exclusive_at(dir_fd: int, name: str, mode: int = 0o600) -> int:
+    """Creates the new file ``dir_fd/name`` (``O_CREAT|O_EXCL|O_NOFOLLOW``); returns its fd."""
+    return _call(torch.ops.zeroplus.create_exclusive_at, _fd(dir_fd), _name("name", name), _mode(mode))
+
+
+def create_temporary_at(dir_fd: int, prefix: str, mode: int = 0o600) -> Tuple[int, str]:
+    """Creates ``dir_fd/<prefix><16 random hex digits>``; returns ``(fd, name)``."""
+    fd, name = _call(torch.ops.zeroplus.create_temporary_at, _fd(dir_fd), _prefix(prefix), _mode(mode))
+    return int(fd), str(name)
+
+
+def open_regular_at(dir_fd: int, name: str, owned: bool = False) -> int:
+    """Opens the existing regular file ``dir_fd/name`` read-only, never through a link."""
+    return _call(torch.ops.zeroplus.open_regular_at, _fd(dir_fd), _name("name", name), bool(owned))
+
+
+def remove_tree_at(dir_fd: int, name: str) -> bool:
+    """Removes directory ``dir_fd/name`` of this user and all in it, never following a link."""
+    try:
+        fd = open_directory_at(_fd(dir_fd), _name("name", name), owned=True)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # a link, not a directory, or another user's: left as it is
+    try:
+        for entry in os.listdir(fd):
+            try:
+                os.unlink(entry, dir_fd=fd)  # unlink removes a link itself, never its target
+            except IsADirectoryError:
+                remove_tree_at(fd, entry)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def temporary_name(prefix: str) -> str:
+    """``prefix`` + 16 random hex digits (64 bits from the kernel): nobody can plant it in advance."""
+    return _prefix(prefix) + secrets.token_hex(8)

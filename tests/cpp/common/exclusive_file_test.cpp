@@ -114,6 +114,33 @@ TEST_F(ExclusiveFile, ReadingRefusesFifosAndLinksWithoutBlocking) {
   ASSERT_EQ(openRegularForReading(dir_.get(), "victim", true, &fd), 0);
 }
 
+TEST_F(ExclusiveFile, DescriptorRelativeDirectoriesNeverFollowALink) {
+  stdfs::create_directory(root_ + "/real");
+  stdfs::create_symlink(root_ + "/real", root_ + "/link");
+  UniqueFd d;
+  EXPECT_EQ(openDirectoryAt(dir_.get(), "real", true, &d), 0);
+  EXPECT_EQ(openDirectoryAt(dir_.get(), "link", false, &d), -ENOTDIR);  // even our own link
+  EXPECT_EQ(openDirectoryAt(dir_.get(), "victim", false, &d), -ENOTDIR);
+  EXPECT_EQ(openDirectoryAt(dir_.get(), "missing", false, &d), -ENOENT);
+  EXPECT_EQ(openDirectoryAt(AT_FDCWD, root_ + "/real", true, &d), 0);
+}
+
+TEST_F(ExclusiveFile, NewPrivateDirectoriesAreExclusive0700) {
+  UniqueFd d;
+  const mode_t old = ::umask(0277);  // a umask that takes the owner's write bit
+  const int rc = createPrivateDirectory(dir_.get(), "staging", &d);
+  ::umask(old);
+  ASSERT_EQ(rc, 0);
+  struct stat st {};
+  ASSERT_EQ(::fstat(d.get(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  EXPECT_EQ(createPrivateDirectory(dir_.get(), "staging", &d), -EEXIST);  // never an existing one
+  stdfs::create_symlink(root_ + "/nowhere", root_ + "/dangling");
+  EXPECT_EQ(createPrivateDirectory(dir_.get(), "dangling", &d), -EEXIST);
+  EXPECT_FALSE(stdfs::exists(root_ + "/nowhere"));
+  EXPECT_EQ(createPrivateDirectory(dir_.get(), "../up", &d), -EINVAL);
+}
+
 TEST_F(ExclusiveFile, DirectorySymlinksAreFollowedOnlyWhenTheirOwnersAreTrusted) {
   // Our own link to our own directory (a /nvme -> /mnt/nvme0 set-up) is followed.
   stdfs::create_directory(root_ + "/real");

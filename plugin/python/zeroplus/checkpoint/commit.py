@@ -26,6 +26,7 @@ import json
 import os
 import time
 
+from .. import files
 from . import fsutil
 from .format import FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, dumps
 
@@ -67,13 +68,13 @@ def _gather_indexes(staging_fd: int, world_size: int, timeout_s: float, where: s
             if r in indexes or r in failures:
                 continue
             if failed_name(r) in names:
-                fd = fsutil.open_read(staging_fd, failed_name(r))
+                fd = files.open_regular_at(staging_fd, failed_name(r))
                 try:
                     failures[r] = fsutil.read_exact(fd, os.fstat(fd).st_size, 0, failed_name(r)).decode(errors="replace")
                 finally:
                     os.close(fd)
             elif index_name(r) in names:
-                fd = fsutil.open_read(staging_fd, index_name(r))
+                fd = files.open_regular_at(staging_fd, index_name(r))
                 try:
                     indexes[r] = json.loads(fsutil.read_exact(fd, os.fstat(fd).st_size, 0, index_name(r)))
                 finally:
@@ -115,11 +116,11 @@ def build_manifest(meta: dict, indexes: list[dict]) -> dict:
 def is_checkpoint(root_fd: int, name: str) -> bool:
     """NAME is a directory holding a manifest that parses as a zeroplus checkpoint (of any version)."""
     try:
-        fd = fsutil.open_dir(name, dir_fd=root_fd, own=False)
+        fd = files.open_directory_at(root_fd, name)
     except OSError:
         return False
     try:
-        mf = fsutil.open_read(fd, MANIFEST)
+        mf = files.open_regular_at(fd, MANIFEST)
         try:
             head = fsutil.read_exact(mf, min(os.fstat(mf).st_size, 1 << 24), 0, MANIFEST)
         finally:
@@ -153,10 +154,10 @@ def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: i
             replaced = True
         os.fsync(root_fd)
     except BaseException:
-        fsutil.remove_tree(root_fd, staging)
+        files.remove_tree_at(root_fd, staging)
         raise
     if replaced:
-        fsutil.remove_tree(root_fd, staging)
+        files.remove_tree_at(root_fd, staging)
     fsutil.write_small_file(root_fd, LATEST, (name + "\n").encode(), replace=True)
 
 

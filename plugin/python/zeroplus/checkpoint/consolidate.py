@@ -23,8 +23,9 @@ import struct
 
 import torch
 
+from .. import files
 from . import fsutil
-from .format import DTYPE_BYTES
+from .format import DTYPE_BYTES, MANIFEST, CheckpointCorruptError
 from .reader import CheckpointReader
 
 _SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -41,10 +42,11 @@ def iter_tensors(reader: CheckpointReader):
     for name, t in m["tensors"].items():
         key = "param" if t["kind"] == "param" else "value"
         numel = t["numel"]
-        if numel == 0 or not reader.has(name, key):
+        if numel and not reader.has(name, key):  # before allocating anything of the size the manifest claims
+            raise CheckpointCorruptError(errno.EIO, f"checkpoint: no shard holds {name!r} (the manifest is torn)",
+                                         os.path.join(reader.path, MANIFEST))
+        if numel == 0:
             value = torch.zeros(t["shape"], dtype=getattr(torch, _out_dtype(t["dtype"])))
-            if numel:
-                raise OSError(errno.EIO, f"checkpoint: no shard holds {name!r}", reader.path)
         else:
             value = reader.read_many([(name, key, 0, numel)])[0]
             value = value.to(getattr(torch, _out_dtype(t["dtype"]))).reshape(t["shape"])
@@ -62,12 +64,16 @@ def _keys(m: dict) -> dict[str, list[str]]:
 def _create_output(out: str):
     out = os.path.abspath(out)
     parent, name = os.path.split(out)
-    dir_fd = fsutil.open_dir(parent or ".", own=False)
+    dir_fd = files.open_directory_at(None, parent or ".")
     if os.path.lexists(out):
         os.close(dir_fd)
         raise FileExistsError(errno.EEXIST, "consolidate: output exists; refusing to replace it", out)
-    tmp = fsutil.temp_name(name)
-    return dir_fd, tmp, name, fsutil.create_exclusive(dir_fd, tmp)
+    try:
+        fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(name))
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd, tmp, name, fd
 
 
 def consolidate(path, out, fmt: str = "torch") -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 
+from .. import files
 from . import fsutil
 
 
@@ -100,10 +101,10 @@ class _DurableFileSystem(FileSystem):
     @contextmanager
     def create_stream(self, path, mode: str):
         path = Path(path)
-        dir_fd = fsutil.open_dir(str(path.parent), own=False)
+        dir_fd = files.open_directory_at(None, str(path.parent))
         try:
             if mode == "wb":
-                fd = fsutil.create_exclusive(dir_fd, path.name)
+                fd = files.create_exclusive_at(dir_fd, path.name)
                 stream = _AioWriteStream(fd, str(path))
                 try:
                     yield stream
@@ -116,7 +117,7 @@ class _DurableFileSystem(FileSystem):
                 stream.close()  # waits for the data and fdatasyncs it
                 os.fsync(dir_fd)  # the new directory entry
             elif mode == "rb":
-                with os.fdopen(fsutil.open_read(dir_fd, path.name), "rb") as f:
+                with os.fdopen(files.open_regular_at(dir_fd, path.name), "rb") as f:
                     yield f
             else:
                 raise ValueError(f"dcp storage: unsupported stream mode {mode!r}")
@@ -127,7 +128,7 @@ class _DurableFileSystem(FileSystem):
         path, new_path = Path(path), Path(new_path)
         if path.parent != new_path.parent:
             raise ValueError(f"dcp storage: rename across directories ({path} -> {new_path})")
-        dir_fd = fsutil.open_dir(str(path.parent), own=False)
+        dir_fd = files.open_directory_at(None, str(path.parent))
         try:
             fsutil.publish(dir_fd, path.name, new_path.name, replace=True)
         finally:

@@ -37,6 +37,7 @@ BLOCK_BYTES = 4 << 20
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}
 
+_MAX_ELEMENTS = 1 << 62  # what torch can index (sizes and strides are int64), with room for byte counts
 _FILE_NAME = re.compile(r"^rank[0-9]{5}\.bin$")
 # A checkpoint directory name as the `latest` pointer may name it: one path component.
 _DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}$")
@@ -122,7 +123,7 @@ def decode_value(value):
         return _decode(value)
     except CheckpointError:
         raise
-    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, OverflowError) as e:
         raise CheckpointError(f"checkpoint: manifest has a malformed value ({type(e).__name__}: {e})") from None
 
 
@@ -144,7 +145,7 @@ def _decode(value):
                 raise CheckpointError(f"checkpoint: manifest has a tensor of unknown dtype {dtype!r}")
             try:
                 return torch.tensor(value["data"], dtype=getattr(torch, dtype)).reshape(value["shape"])
-            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
                 raise CheckpointError(f"checkpoint: manifest has a malformed tensor value ({e})") from None
         raise CheckpointError(f"checkpoint: manifest has an untagged object {sorted(value)[:3]}")
     return value
@@ -176,7 +177,7 @@ def parse_manifest(data: bytes, where: str) -> dict:
     Raises CheckpointVersionError for a newer version, CheckpointError for anything malformed."""
     try:
         m = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the interpreter's limit
         raise CheckpointCorruptError(f"checkpoint: {where} is not valid JSON ({e}); the manifest is corrupt") from None
     _need(isinstance(m, dict) and m.get("format") == FORMAT, where, f"not a zeroplus checkpoint manifest "
           f"(format {m.get('format') if isinstance(m, dict) else None!r})")
@@ -203,7 +204,8 @@ def parse_manifest(data: bytes, where: str) -> dict:
         sizes.append(f["bytes"])
     tensors = m["tensors"]
     for name, t in tensors.items():
-        ok = isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(d) and d >= 0 for d in t["shape"])
+        ok = (isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(d) and d >= 0 for d in t["shape"])
+              and math.prod(max(d, 1) for d in t["shape"]) < _MAX_ELEMENTS)
         _need(ok, where, f"tensor {name!r} has an invalid shape")
         _need(_str_in(t.get("dtype"), DTYPE_BYTES), where, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}")
         _need(_str_in(t.get("kind"), ("param", "buffer")), where, f"tensor {name!r} has unknown kind {t.get('kind')!r}")
@@ -222,6 +224,13 @@ def parse_manifest(data: bytes, where: str) -> dict:
                   and 0 <= fi < len(sizes) and _int(off) and off >= 0
                   and off + (hi - lo) * DTYPE_BYTES[dtype] <= sizes[fi])
         _need(ok, where, f"chunks[{i}] = {c!r} is out of range (tensor, element range, file or byte offset)")
+    spans: dict = {}
+    for name, key, lo, hi, *_rest in m["chunks"]:
+        spans.setdefault((name, key), []).append((lo, hi))
+    for (name, key), ranges in spans.items():  # a reader counts covered elements: each must be stored once
+        ranges.sort()
+        for (_lo, prev_hi), (lo, _hi) in zip(ranges, ranges[1:]):
+            _need(lo >= prev_hi, where, f"chunks of {name!r} ({key}) overlap at elements [{lo}, {prev_hi})")
     for i, g in enumerate(m["param_groups"]):
         _need(isinstance(g, dict) and isinstance(g.get("params"), list)
               and all(_str_in(p, tensors) for p in g["params"]), where, f"param_groups[{i}] is invalid")

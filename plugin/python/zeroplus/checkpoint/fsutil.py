@@ -1,16 +1,17 @@
-"""File-system primitives of the checkpoint writer: exclusive creation, durability, atomic rename.
+"""Durability primitives of the checkpoint writer: temporary names, atomic rename, fsync, reads.
 
 Contract (docs/checkpoints.md, "Guarantees"):
-  * every file and directory zeroplus creates is created exclusively (O_CREAT|O_EXCL, mkdir) and
-    never through a symlink: files are opened with O_NOFOLLOW relative to a directory descriptor
-    that was itself opened O_DIRECTORY|O_NOFOLLOW and checked with fstat (a directory, owned by
-    this user); directories are created 0700;
-  * temporary names carry 64 random bits (secrets.token_hex), so they cannot be predicted;
+  * creating and opening is zeroplus.files' (the one owner of those rules, docs/security.md):
+    files O_CREAT|O_EXCL|O_NOFOLLOW and directories 0700, exclusively, relative to a directory
+    descriptor opened O_DIRECTORY|O_NOFOLLOW and checked with fstat; nothing here opens a name
+    except through it (os.stat/unlink/rename/link on names never follow a link);
+  * temporary names are ".<final>.tmp-" + 64 random bits (temp_prefix / temp_name), so they
+    cannot be predicted, and remove_stale_temp_dirs recognises them;
   * a file becomes visible under its final name only after its bytes are on disk: write to the
     temporary name, fdatasync, rename, fsync the directory (rename alone is not durable until
     the directory entry is).
 
-Torch-free and distribution-free: the writer and reader call these with explicit paths.
+Distribution-free: the writer and reader call these with explicit descriptors.
 """
 
 from __future__ import annotations
@@ -20,44 +21,22 @@ import errno
 import fcntl
 import os
 import re
-import secrets
 import stat
 import time
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def open_dir(path: str, *, dir_fd: int | None = None, own: bool = True) -> int:
-    """A descriptor of directory `path` (relative to dir_fd when given), refusing a symlink.
-    own: also refuse a directory owned by another user (one zeroplus is about to write into)."""
-    try:
-        fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise NotADirectoryError(errno.ENOTDIR, "checkpoint: refusing a symlink where a directory was expected",
-                                     path) from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISDIR(st.st_mode) or (own and st.st_uid != os.geteuid()):
-        os.close(fd)
-        raise PermissionError(errno.EPERM, f"checkpoint: directory is owned by uid {st.st_uid}, not this user "
-                                           f"({os.geteuid()})", path)
-    return fd
-
-
-def make_private_dir(parent_fd: int, name: str) -> int:
-    """mkdir `name` (0700) inside parent_fd, exclusively, and return its verified descriptor."""
-    os.mkdir(name, 0o700, dir_fd=parent_fd)
-    return open_dir(name, dir_fd=parent_fd)
-
+from .. import files
 
 _TEMP = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
 
 
+def temp_prefix(final: str) -> str:
+    """The prefix of `final`'s temporary names (files.create_temporary_at adds 16 hex digits)."""
+    return f".{final}.tmp-"
+
+
 def temp_name(final: str) -> str:
-    return f".{final}.tmp-{secrets.token_hex(8)}"
+    """A temporary name for `final` chosen before it is created (a staging directory)."""
+    return files.temporary_name(temp_prefix(final))
 
 
 def lock(fd: int, wait: bool = True) -> bool:
@@ -92,7 +71,7 @@ def remove_stale_temp_dirs(dir_fd: int, keep: str) -> list[str]:
                 removed.append(entry)
             continue
         try:
-            fd = open_dir(entry, dir_fd=dir_fd)  # a directory of ours, or skipped
+            fd = files.open_directory_at(dir_fd, entry, owned=True)  # a directory of ours, or skipped
         except OSError:
             continue
         try:
@@ -100,30 +79,11 @@ def remove_stale_temp_dirs(dir_fd: int, keep: str) -> list[str]:
         finally:
             os.close(fd)  # the lock goes with it; a save starting now creates its own directory
         if stale:
-            remove_tree(dir_fd, entry)
+            files.remove_tree_at(dir_fd, entry)
             removed.append(entry)
     if removed:
         os.fsync(dir_fd)
     return removed
-
-
-def create_exclusive(dir_fd: int, name: str) -> int:
-    """A new regular file `name` in dir_fd (0600), never an existing file or a symlink."""
-    fd = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=dir_fd)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):  # cannot happen with O_EXCL; checked anyway, it is cheap
-        os.close(fd)
-        raise PermissionError(errno.EPERM, "checkpoint: created file is not a regular file", name)
-    return fd
-
-
-def open_read(dir_fd: int, name: str) -> int:
-    """Open an existing regular file in dir_fd for reading, refusing symlinks and non-files."""
-    fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise IsADirectoryError(errno.EISDIR, "checkpoint: not a regular file", name)
-    return fd
 
 
 def write_all(fd: int, data, offset: int) -> None:
@@ -151,8 +111,7 @@ def publish(dir_fd: int, tmp: str, final: str, *, replace: bool = False) -> None
 
 def write_small_file(dir_fd: int, final: str, data: bytes, *, replace: bool = False) -> None:
     """The whole crash-consistent sequence for a small file: temp -> fdatasync -> rename -> fsync dir."""
-    tmp = temp_name(final)
-    fd = create_exclusive(dir_fd, tmp)
+    fd, tmp = files.create_temporary_at(dir_fd, temp_prefix(final))
     try:
         try:
             write_all(fd, data, 0)
@@ -168,28 +127,6 @@ def write_small_file(dir_fd: int, final: str, data: bytes, *, replace: bool = Fa
 def remove_quietly(dir_fd: int, name: str) -> None:
     try:
         os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
-
-
-def remove_tree(dir_fd: int, name: str) -> None:
-    """Remove a directory zeroplus created (its regular files, then itself), never following links."""
-    try:
-        fd = open_dir(name, dir_fd=dir_fd)
-    except OSError:
-        return
-    try:
-        for entry in os.listdir(fd):
-            try:
-                os.unlink(entry, dir_fd=fd)
-            except IsADirectoryError:
-                remove_tree(fd, entry)
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(name, dir_fd=dir_fd)
     except OSError:
         pass
 

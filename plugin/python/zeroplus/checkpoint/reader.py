@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from .. import files
 from . import fsutil
 from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, CheckpointError, check_dir_name,
                      parse_manifest)
@@ -38,9 +39,9 @@ def resolve(path) -> str:
         raise ValueError("checkpoint: path must not be empty")
     if os.path.isfile(os.path.join(path, MANIFEST)) or not os.path.lexists(os.path.join(path, LATEST)):
         return path
-    dir_fd = fsutil.open_dir(path, own=False)
+    dir_fd = files.open_directory_at(None, path)
     try:
-        fd = fsutil.open_read(dir_fd, LATEST)
+        fd = files.open_regular_at(dir_fd, LATEST)
         try:
             name = fsutil.read_exact(fd, min(os.fstat(fd).st_size, 4096), 0, LATEST).decode(errors="replace").strip()
         finally:
@@ -54,14 +55,14 @@ class CheckpointReader:
     def __init__(self, path):
         self.path = resolve(path)
         try:
-            self.dir_fd = fsutil.open_dir(self.path, own=False)
+            self.dir_fd = files.open_directory_at(None, self.path)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no such checkpoint directory", self.path) from None
         self._fds: dict[int, int] = {}
         self._bounce: bytearray | None = None
         where = os.path.join(self.path, MANIFEST)
         try:
-            fd = fsutil.open_read(self.dir_fd, MANIFEST)
+            fd = files.open_regular_at(self.dir_fd, MANIFEST)
         except FileNotFoundError:
             self.close()
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no manifest (not a checkpoint, or one whose save did "
@@ -104,7 +105,7 @@ class CheckpointReader:
         if fi not in self._fds:
             rec = self.manifest["files"][fi]
             try:
-                fd = fsutil.open_read(self.dir_fd, rec["name"])
+                fd = files.open_regular_at(self.dir_fd, rec["name"])
             except FileNotFoundError:
                 raise FileNotFoundError(errno.ENOENT, "checkpoint: shard file listed in the manifest is missing",
                                         self.file_path(fi)) from None
@@ -159,25 +160,28 @@ class CheckpointReader:
         for name, key, lo, hi in requests:
             chunks = self._chunks.get((name, key), [])
             dtype = chunks[0][2] if chunks else "float32"
-            t = torch.empty(hi - lo, dtype=getattr(torch, dtype))
-            out.append(t)
-            if hi <= lo:
-                continue
-            raw = t.view(torch.uint8)
-            covered = 0
-            for clo, chi, cdtype, fi, off in chunks:
+            pieces, covered = [], 0  # chunks do not overlap (parse_manifest): covered counts each element once
+            for clo, chi, cdtype, fi, off in chunks if hi > lo else ():
                 a, z = max(lo, clo), min(hi, chi)
                 if a >= z:
                     continue
                 if cdtype != dtype:
                     raise CheckpointError(f"checkpoint: {name}/{key} is stored in two dtypes ({dtype}, {cdtype})")
                 es = DTYPE_BYTES[dtype]
-                by_file[fi].append((off + (a - clo) * es, off + (z - clo) * es, raw, (a - lo) * es))
+                self._fd(fi)  # its real size is the manifest's: the bytes below exist on disk
+                pieces.append((fi, off + (a - clo) * es, off + (z - clo) * es, (a - lo) * es))
                 covered += z - a
-            if covered != hi - lo:
+            if hi > lo and covered != hi - lo:
                 raise CheckpointCorruptError(errno.EIO, f"checkpoint: elements [{lo}, {hi}) of {name!r} ({key}) are not "
                                                         f"all in the shard files (the manifest is torn)",
                                              os.path.join(self.path, MANIFEST))
+            # Allocated only now: its size is bounded by the shard files' real sizes, whatever
+            # sizes a damaged manifest claims.
+            t = torch.empty(hi - lo, dtype=getattr(torch, dtype))
+            out.append(t)
+            raw = t.view(torch.uint8)
+            for fi, blo, bhi, at in pieces:
+                by_file[fi].append((blo, bhi, raw, at))
         for fi, pieces in by_file.items():
             self._serve(fi, sorted(pieces, key=lambda p: p[0]))
         return out

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from .. import files
 from . import commit, fsutil
 from .adapters import adapter_for
 from .format import BLOCK_BYTES, check_dir_name, check_json, encode_value
@@ -160,10 +161,10 @@ def _prepare(root: str, name: str) -> tuple[str, int]:
     (returns its name and the locked descriptor, held until the save ends), and remove the
     staging directories of saves that were killed (fsutil.remove_stale_temp_dirs)."""
     os.makedirs(root, 0o700, exist_ok=True)
-    root_fd = fsutil.open_dir(root, own=False)
+    root_fd = files.open_directory_at(None, root)
     try:
         try:
-            existing = fsutil.open_dir(name, dir_fd=root_fd, own=False)
+            existing = files.open_directory_at(root_fd, name)
         except FileNotFoundError:
             existing = None
         except OSError as e:  # a file or a link
@@ -176,7 +177,7 @@ def _prepare(root: str, name: str) -> tuple[str, int]:
             finally:
                 os.close(existing)
         staging = fsutil.temp_name(name)
-        lock_fd = fsutil.make_private_dir(root_fd, staging)
+        lock_fd = files.make_private_directory_at(root_fd, staging)
         fsutil.lock(lock_fd)
         try:
             fsutil.remove_stale_temp_dirs(root_fd, keep=staging)
@@ -289,9 +290,9 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                 os.close(lock_fd)  # releases the staging directory's lock (rank 0)
 
     def _work():
-        root_fd = fsutil.open_dir(root, own=False)
+        root_fd = files.open_directory_at(None, root)
         try:
-            staging_fd = fsutil.open_dir(staging, dir_fd=root_fd)
+            staging_fd = files.open_directory_at(root_fd, staging, owned=True)
             try:
                 try:
                     if snapshot_error is not None:

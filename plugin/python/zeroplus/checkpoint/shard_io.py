@@ -22,6 +22,7 @@ import zlib
 
 import torch
 
+from .. import files
 from . import fsutil
 from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default block size)
 
@@ -99,8 +100,7 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
     the temporary file is removed then, and nothing is left under the final name."""
     final = shard_file_name(rank)
-    tmp = fsutil.temp_name(final)
-    fd = fsutil.create_exclusive(dir_fd, tmp)
+    fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(final))
     try:
         try:
             sink = _Sink(fd, os.path.join(dir_path, tmp), io)

@@ -5,10 +5,11 @@
 
 Security and lifetime contract:
   * nvme_path itself must be a directory (a symlink to one is fine: it is the user's choice);
-    everything below it is created by us, exclusively, and never through a symlink: the rank
-    directory with mkdir (which fails on any existing name) and a random name, then opened
-    O_DIRECTORY|O_NOFOLLOW and verified with fstat (a directory, owned by our uid, mode 0700);
-    files with openat(dir_fd, name, O_CREAT|O_EXCL|O_NOFOLLOW, 0600).
+    everything below it is created by us through zeroplus.files (the one owner of these rules,
+    docs/security.md), exclusively and never through a symlink: the rank directory with
+    make_private_directory_at (mkdir of a random name, which fails on any existing name, then
+    opened O_DIRECTORY|O_NOFOLLOW and verified with fstat: a directory, owned by our uid, mode
+    0700); files with create_exclusive_at (openat O_CREAT|O_EXCL|O_NOFOLLOW, 0600).
   * AioHandle opens files by path. The path handed to it goes through /proc/self/fd/<dir_fd>
     (where /proc is mounted), so it names the directory we verified even if a component of
     nvme_path is replaced afterwards; nobody else can add or replace an entry inside a 0700
@@ -17,8 +18,8 @@ Security and lifetime contract:
     files relative to dir_fd and removes the directory. A crashed run leaves its directory:
     the next SwapDirectory created under the same nvme_path by the same user on the same host
     removes every `zeroplus-swap-<host>-<pid>-...` directory whose pid is no longer alive
-    (only entries that are real directories owned by us; their contents are unlinked without
-    following links).
+    (only entries that are real directories owned by us; files.remove_tree_at unlinks their
+    contents without following links).
 Errors are OSError subclasses naming the path; nothing outside the rank directory is touched.
 """
 
@@ -27,10 +28,11 @@ from __future__ import annotations
 import errno
 import os
 import re
-import secrets
 import socket
 import stat
 import weakref
+
+from .. import files
 
 PREFIX = "zeroplus-swap-"
 _STALE = re.compile(r"^zeroplus-swap-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-[0-9a-f]{16}-rank\d+$")
@@ -50,45 +52,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_tree_at(parent_fd: int, name: str) -> None:
-    """Removes directory `name` (one level of plain files, as we create them) relative to
-    parent_fd without following any link; skips it unless it is a directory owned by us."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
-    except OSError:
-        return
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            return
-        for entry in os.listdir(fd):
-            try:
-                os.unlink(entry, dir_fd=fd)
-            except IsADirectoryError:
-                _remove_tree_at(fd, entry)
-                try:
-                    os.rmdir(entry, dir_fd=fd)
-                except OSError:
-                    pass
-            except OSError:
-                pass
-    finally:
-        os.close(fd)
-    try:
-        os.rmdir(name, dir_fd=parent_fd)
-    except OSError:
-        pass
-
-
-def _cleanup(parent_fd: int, dir_fd: int, name: str, files: set) -> None:
+def _cleanup(parent_fd: int, dir_fd: int, name: str, names: set) -> None:
     """Finalizer: must not reference the SwapDirectory (it would keep it alive)."""
-    for f in list(files):
+    for f in list(names):
         try:
             os.unlink(f, dir_fd=dir_fd)
         except OSError:
             pass
-    files.clear()
-    _remove_tree_at(parent_fd, name)
+    names.clear()
+    files.remove_tree_at(parent_fd, name)
     for fd in (dir_fd, parent_fd):
         try:
             os.close(fd)
@@ -112,25 +84,13 @@ class SwapDirectory:
                                      self.nvme_path) from None
         try:
             self.reclaimed = self._reclaim_stale(parent_fd)
-            name = f"{PREFIX}{_host()}-{os.getpid()}-{secrets.token_hex(8)}-rank{int(rank)}"
+            name = files.temporary_name(f"{PREFIX}{_host()}-{os.getpid()}-") + f"-rank{int(rank)}"
             path = os.path.join(self.nvme_path, name)
             try:
-                os.mkdir(name, 0o700, dir_fd=parent_fd)
+                dir_fd = files.make_private_directory_at(parent_fd, name)
             except OSError as e:
-                raise type(e)(e.errno, f"{what}: cannot create the swap directory {path!r}: {e.strerror}", path) \
-                    from None
-            try:
-                dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
-                st = os.fstat(dir_fd)
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                    os.close(dir_fd)
-                    raise PermissionError(errno.EPERM, f"{what}: swap directory {path!r} is not a directory we own",
-                                          path)
-                if stat.S_IMODE(st.st_mode) != 0o700:  # a umask cannot widen mkdir's mode, only narrow it
-                    os.fchmod(dir_fd, 0o700)
-            except BaseException:
-                _remove_tree_at(parent_fd, name)
-                raise
+                raise type(e)(e.errno, f"{what}: cannot create the swap directory {path!r}: {os.strerror(e.errno)}",
+                              path) from None
         except BaseException:
             os.close(parent_fd)
             raise
@@ -161,8 +121,7 @@ class SwapDirectory:
                 st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
-                _remove_tree_at(parent_fd, name)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and files.remove_tree_at(parent_fd, name):
                 removed.append(name)
         return removed
 
@@ -175,10 +134,10 @@ class SwapDirectory:
             raise ValueError(f"SwapDirectory.create: bad file name {name!r}")
         path = os.path.join(self.path, name)
         try:
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=self._dir_fd)
+            fd = files.create_exclusive_at(self._dir_fd, name, 0o600)
         except OSError as e:
-            raise type(e)(e.errno, f"{self.what}: cannot create swap file {path!r}: {e.strerror}", path) from None
+            raise type(e)(e.errno, f"{self.what}: cannot create swap file {path!r}: {os.strerror(e.errno)}",
+                          path) from None
         self._files.add(name)
         try:
             self._reserve(fd, size, path)
