@@ -41,8 +41,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
-    """True when each tensor-parallel rank holds a different piece of `p` (a Shard placement)."""
-    return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+    """True when each tensor-parallel rank holds a different piece of `p`: any placement but
+    Replicate (Partial is refused up front). Not `is_shard()`: torch's _StridedShard (GPT-2's fused
+    c_attn, tensor_parallel/styles.py) is a shard for which is_shard() answers False."""
+    return isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements)
 
 
 def show_local(param: torch.Tensor, view: torch.Tensor) -> None:
