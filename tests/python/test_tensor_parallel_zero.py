@@ -159,6 +159,16 @@ def _errors(mesh):
         assert not getattr(p, "_zeroplus_managed", False), n
         now = p.to_local() if isinstance(p, DTensor) else p.detach()
         assert torch.equal(now, before[n]), n
+    # zeroplus.save_checkpoint names shards by dp rank: refused for TP models before any file exists.
+    import os
+    import tempfile
+
+    _, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=1, process_group=dp_group, **HYPER)
+    with tempfile.TemporaryDirectory() as d:
+        for call in (zeroplus.save_checkpoint, zeroplus.load_checkpoint):
+            with pytest.raises(ValueError, match="checkpoint: does not support tensor-parallel models"):
+                call(os.path.join(d, "ckpt"), model, opt)
+        assert os.listdir(d) == []
     # Plain parameters at stage 1 still get torch's class (the drop-in path is unchanged).
     plain = torch.nn.Linear(4, 4)
     opt = zeroplus.ZeroRedundancyOptimizer((p for p in plain.parameters()), torch.optim.AdamW, lr=1e-3)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from .fused import fused_class_for
 
@@ -207,8 +208,6 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
 
 def _with_dtensor(params):
     """(params as a list, whether any parameter is a DTensor): a generator is read once here."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(params, torch.Tensor):
         return params, False  # torch's constructor raises its own TypeError for a bare tensor
     try:
