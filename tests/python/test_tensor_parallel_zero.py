@@ -169,6 +169,12 @@ def _errors(mesh):
             with pytest.raises(ValueError, match="checkpoint: does not support tensor-parallel models"):
                 call(os.path.join(d, "ckpt"), model, opt)
         assert os.listdir(d) == []
+    # Param-group dicts holding generators are read once and reach the engine whole.
+    _, _, _, fresh = _setup(mesh)
+    opt = zeroplus.ZeroRedundancyOptimizer([{"params": (p for p in fresh.parameters())}], torch.optim.AdamW,
+                                           process_group=dp_group, **HYPER)
+    assert type(opt).__name__ == "Stage1Optimizer"
+    assert len(opt.param_groups[0]["params"]) == len(list(fresh.parameters()))
     # Plain parameters at stage 1 still get torch's class (the drop-in path is unchanged).
     plain = torch.nn.Linear(4, 4)
     opt = zeroplus.ZeroRedundancyOptimizer((p for p in plain.parameters()), torch.optim.AdamW, lr=1e-3)
