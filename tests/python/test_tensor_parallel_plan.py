@@ -257,3 +257,32 @@ def test_apply_errors_leave_the_model(one_rank_group):
         zeroplus.initialize(model, torch.optim.SGD, stage=3, lr=0.1, tensor_parallel=mesh)
     after = model.state_dict()
     assert all(type(after[k]) is torch.Tensor and torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_already_parallel_and_bad_placements(one_rank_group):
+    """A model parallelised twice, and DTensor parameters the engine cannot take (a Partial
+    placement, a 2-D mesh): ValueError naming the problem, nothing changed."""
+    import zeroplus
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    from zeroplus.tensor_parallel import auto_plan
+
+    mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model = _llama()
+    plan = auto_plan(model, 1)
+    plan.apply(model, mesh2["tp"])
+    assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj is already parallelised"):
+        plan.apply(model, mesh2["tp"])
+    with pytest.raises(ValueError, match="model is already tensor-parallel"):
+        zeroplus.initialize(model, torch.optim.SGD, stage=1, lr=0.1, tensor_parallel=mesh2)
+
+    def param(placement, mesh):
+        return torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [placement] * mesh.ndim, run_check=False))
+
+    for p, match in ((param(Partial(), mesh2["tp"]), "has a Partial placement"),
+                     (param(Replicate(), mesh2), r"lives on a 2-D mesh \('dp', 'tp'\)")):
+        with pytest.raises(ValueError, match=match):
+            zeroplus.ZeroRedundancyOptimizer([p], torch.optim.SGD, lr=0.1)
+        assert not getattr(p, "_zeroplus_managed", False) and torch.equal(p.to_local(), torch.ones(4))
