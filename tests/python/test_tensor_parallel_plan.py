@@ -53,7 +53,9 @@ def _forward(family, model, x):
 
 def _inputs(family):
     g = torch.Generator().manual_seed(3)
-    return torch.randn(2, SEQ, 32, generator=g) if family == "encoder" else torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    if family == "encoder":
+        return torch.randn(2, SEQ, 32, generator=g)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g)
 
 
 def _logits_parity(mesh, family):
@@ -210,7 +212,8 @@ def test_plans_name_what_they_place():
     (lambda: _gpt2(), 3, "cannot place transformer.h.0.attn: num_heads 4 does not divide by tp_size=3"),
     (lambda: _llama(), 4, "cannot place model.layers.0.self_attn: key/value heads 2 does not divide by tp_size=4"),
     (lambda: _gpt2(add_cross_attention=True), 2, "cannot place transformer.h.0.crossattention: GPT-2 cross-attention"),
-    (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, "found no attention or MLP projection to place in Sequential"),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), 2,
+     "found no attention or MLP projection to place in Sequential"),
     (lambda: _gpt2(), 0, "tp_size must be a positive int"),
 ])
 def test_auto_plan_errors(build, tp, match):

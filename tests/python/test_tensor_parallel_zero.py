@@ -35,7 +35,8 @@ def _setup(mesh, plan="manual"):
     torch.manual_seed(0)
     ref = tm.TinyGPT()
     model = copy.deepcopy(ref)
-    parallelize_module(model, mesh["tp"], tm.manual_plan(model) if plan == "manual" else tm.sequence_parallel_plan(model))
+    styles = tm.manual_plan(model) if plan == "manual" else tm.sequence_parallel_plan(model)
+    parallelize_module(model, mesh["tp"], styles)
     return tm, mesh, ref, model
 
 
