@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..offload import attach_optimizer_store, prepare_optimizer_store
+from ..offload import attach_optimizer_store, prepare_optimizer_store, prepare_param_store
 from ..optim.fused import fused_class_for
 from . import clipping, full_state, module_methods, precision, state
 from .backward_pass import BackwardPass
@@ -93,6 +93,9 @@ class ZeroEngine(torch.optim.Optimizer):
         device = self.placement.target_device or next(p.device for grp in trainable for p in grp)
         self._offload_prepared = prepare_optimizer_store(options.offload_optimizer, options.offload_param, self.rank,
                                                          device, name)
+        param_store = prepare_param_store(options.offload_param, self.stage, self.rank, device, name)
+        if param_store is not None:
+            self.placement.use_param_store(param_store)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
         self.buckets = self.placement.plan_layout(trainable, options.reduce_bucket_elems)
@@ -337,6 +340,8 @@ class ZeroEngine(torch.optim.Optimizer):
             self.offload.begin_step()
         try:
             for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
+                if not self.placement.before_bucket_step(i):
+                    continue  # an offloaded parameter shard could not be read: not stepped
                 bo.fetch()
                 bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
                 bo.store()
@@ -348,8 +353,11 @@ class ZeroEngine(torch.optim.Optimizer):
         finally:
             # After the step's last collective: waits for the writes and raises a swap error
             # (every rank finished the step, so none is left waiting in a collective).
-            if self.offload is not None:
-                self.offload.end_step()
+            try:
+                if self.offload is not None:
+                    self.offload.end_step()
+            finally:
+                self.placement.end_step()
 
     @torch.no_grad()
     def publish_masters(self) -> None:

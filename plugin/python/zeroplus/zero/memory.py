@@ -17,6 +17,11 @@ Categories (bytes on this rank):
                          (optimizer state in memory while a bucket is read, stepped or written)
   offload_peak_buffers   the most such buffers held at once so far
   offload_disk           bytes the swap files take on disk
+  offload_param_buffers  stage 3 with offload_param on NVMe: the parameter swapper's pooled shard
+                         buffers (the only parameter shards in memory; gathered units are counted
+                         in gathered_parameters)
+  offload_param_peak_buffers  the most such buffers held at once so far
+  offload_param_disk     bytes the parameter swap files take on disk
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["communication_buffers"] = ours["communication_buffers"]
         report["pooled_buffers"] = ours["pooled_buffers"]
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
-                    "offload_buffers", "offload_peak_buffers", "offload_disk"):  # stage 3; offload
+                    "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
+                    "offload_param_peak_buffers", "offload_param_disk"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
