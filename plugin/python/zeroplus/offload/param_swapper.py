@@ -19,10 +19,10 @@ parameters are empty 1-D views. The swapper makes a shard resident only while so
                          swapper) is sealed as the next generation and written asynchronously;
                          the buffer stays busy until the write completes.
 
-Memory: at most `buffer_count` buffers, each the largest record (4 KiB + the largest shard).
-Pins beyond that (more units gathered at once than buffers) allocate above the budget rather
-than fail; peak_buffer_bytes reports it. So the resident parameter bytes are buffer_count x the
-largest shard, not the model's.
+Memory: pooled buffers, each one record (page-rounded), at most `buffer_count` x the largest
+record in bytes (`budget_bytes`). Pins beyond that (more shards in use at once than the budget
+holds) allocate above the budget rather than fail; peak_buffer_bytes reports it. So the resident
+parameter bytes are about buffer_count x the largest shard, not the model's.
 
 Faults (docs/offload.md "Faults"): a record that fails its checks (torn or lost write, flipped
 bit, another bucket's file) or a failed read raises OSError (EBADMSG for a bad record) naming the
@@ -88,10 +88,10 @@ class ParamSwapper:
             self._homes[id(b)] = _Home(i, f"param-b{i:05d}.swp", layout)
         self._by_path: dict[str, _Home] = {}
         records = [h.layout.record_bytes for h in self._homes.values()]
-        self.buffer_size = -(-max(records, default=4096) // 4096) * 4096  # every buffer fits any record
+        self.buffer_size = -(-max(records, default=4096) // 4096) * 4096  # the largest record's buffer
+        self.budget_bytes = policy.buffer_count * self.buffer_size
         self._free: list[torch.Tensor] = []
-        self._buffers = 0
-        self.buffer_bytes = 0
+        self.buffer_bytes = 0    # allocated (free + in use)
         self.peak_buffer_bytes = 0
         self._errors: list[OSError] = []
         self.bytes_read = 0
@@ -113,7 +113,7 @@ class ParamSwapper:
         h = self._homes[id(bucket)]
         h.shard = bucket.shard
         self._raise_errors()
-        buf = self._acquire()
+        buf = self._acquire(h.layout.record_bytes)
         self._view(h, buf).copy_(values.reshape(-1))
         h.buffer, h.dirty = buf, True
         self._start_write(h)
@@ -131,7 +131,7 @@ class ParamSwapper:
             h = self._homes.get(id(b))
             if h is None or h.buffer is not None or h.io_path is None:
                 continue
-            buf = self._try_acquire()
+            buf = self._try_acquire(h.layout.record_bytes)
             if buf is None:
                 return
             try:
@@ -147,7 +147,7 @@ class ParamSwapper:
         if h.writing:
             self._drain_writes()  # the caller may change the shard in place (the fp32 master)
         if h.buffer is None:
-            buf = self._acquire()
+            buf = self._acquire(h.layout.record_bytes)
             try:
                 self._read_into(h, buf)
             except OSError as e:
@@ -210,7 +210,7 @@ class ParamSwapper:
                 raise RuntimeError(f"offload_param: bucket {h.index} written in place while not pinned")
         else:
             if h.buffer is None:
-                h.buffer = self._acquire()
+                h.buffer = self._acquire(h.layout.record_bytes)
             self._view(h, h.buffer).copy_(src.reshape(-1))
             h.checked = True
         h.dirty = True
@@ -303,16 +303,21 @@ class ParamSwapper:
             h.checked = False
             self._give(buf)
 
-    def _try_acquire(self) -> torch.Tensor | None:
-        if self._free:
-            return self._free.pop()
-        if self._buffers < self.policy.buffer_count:
-            return self._allocate()
+    def _try_acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A pooled buffer of at least nbytes without waiting, or None (the budget is used)."""
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        need = -(-nbytes // 4096) * 4096
+        while self._free and self.buffer_bytes + need > self.budget_bytes:
+            self._drop(self._free.pop())  # too small for this record: make room
+        if self.buffer_bytes + need <= self.budget_bytes:
+            return self._allocate(need)
         return None
 
-    def _acquire(self) -> torch.Tensor:
+    def _acquire(self, nbytes: int) -> torch.Tensor:
         while True:
-            buf = self._try_acquire()
+            buf = self._try_acquire(nbytes)
             if buf is not None:
                 return buf
             if any(h.writing for h in self._homes.values()):
@@ -332,21 +337,23 @@ class ParamSwapper:
                         other.reading = False
                 self._release_if_idle(h)
                 continue
-            return self._allocate()  # everything pinned or dirty: over the budget (peak_buffer_bytes)
+            # Everything pinned or dirty: over the budget (peak_buffer_bytes shows it).
+            return self._allocate(-(-nbytes // 4096) * 4096)
 
-    def _allocate(self) -> torch.Tensor:
-        buf = self._reader.new_cpu_locked_tensor(self.buffer_size, torch.uint8)
-        self._buffers += 1
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        buf = self._reader.new_cpu_locked_tensor(nbytes, torch.uint8)
         self.buffer_bytes += buf.numel()
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         return buf
 
+    def _drop(self, buf: torch.Tensor) -> None:
+        self.buffer_bytes -= buf.numel()
+
     def _give(self, buf: torch.Tensor | None) -> None:
         if buf is None:
             return
-        if self._buffers > self.policy.buffer_count:
-            self._buffers -= 1
-            self.buffer_bytes -= buf.numel()
+        if self.buffer_bytes > self.budget_bytes:  # an over-budget buffer: give it back
+            self._drop(buf)
             return
         self._free.append(buf)
 
