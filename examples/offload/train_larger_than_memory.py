@@ -1,6 +1,6 @@
 """Train a GPT whose fp32 model states are larger than this machine's memory (ZeRO-Infinity style).
 
-    python examples/offload/train_larger_than_memory.py --nvme-path /work/zp-nvme          # ~2.07e9 params
+    python examples/offload/train_larger_than_memory.py --nvme-path /work/zp-nvme          # ~2.12e9 params
     python examples/offload/train_larger_than_memory.py --nvme-path /tmp/x --layers 2 --dim 256   # a smoke run
     torchrun --nproc-per-node 2 examples/offload/train_larger_than_memory.py ...               # 2 ranks
 
@@ -110,7 +110,7 @@ def gib(n: float) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nvme-path", required=True, help="directory for the swap files (not tmpfs)")
-    ap.add_argument("--layers", type=int, default=39)
+    ap.add_argument("--layers", type=int, default=40)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=50304)

@@ -239,3 +239,32 @@ def test_offload_param_refusals_name_the_key(tmp_path):
     missing = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path / "missing")})
     with pytest.raises(FileNotFoundError, match="offload_param: nvme_path"):
         prepare_param_store(missing, 3, 0, torch.device("cpu"), "E")
+
+
+def test_estimate_memory_offload_param_columns():
+    import subprocess
+    import sys
+
+    import zeroplus
+
+    kw = dict(offload_optimizer="nvme", buffer_count=2, bucket_elems=1 << 22)
+    opt_only = zeroplus.estimate_memory(2e9, 2, 3, None, **kw)
+    both = zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="nvme", param_buffer_count=3, **kw)
+    buckets = -(-2e9 // (1 << 22))
+    record = -(-(4096 + (1 << 21) * 4) // 4096) * 4096
+    assert both["offload_param_buffers"] == 3 * record and opt_only["offload_param_buffers"] == 0
+    assert both["nvme"] == opt_only["nvme"] + opt_only["parameters"] + 4096 * buckets
+    assert both["resident"] == opt_only["resident"] - opt_only["parameters"] + 3 * record
+    assert zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="cpu")["resident"] == \
+        zeroplus.estimate_memory(2e9, 2, 3, None)["model_state"]  # "cpu" on CPU training: no effect
+    for bad, match in (({"offload_param": "disk"}, "offload_param must be"),
+                       ({"offload_param": "nvme", "stage": 2}, "stage 3 only"),
+                       ({"param_buffer_count": 0}, "param_buffer_count")):
+        args = {"num_params": 1e9, "world_size": 2, "stage": 3, **bad}
+        with pytest.raises(ValueError, match=match):
+            zeroplus.estimate_memory(**args)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "..", "plugin", "python")}
+    out = subprocess.run([sys.executable, "-m", "zeroplus.estimate", "--params", "2e9", "--world-size", "1", "--fp32",
+                          "--offload-param", "nvme", "--offload-optimizer", "nvme"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and "resident" in out.stdout and "nvme" in out.stdout, out.stderr
