@@ -43,11 +43,16 @@ def _build(precision, group, root=None, optimizer_too=False):
 
 
 def _train(model, opt, rank, steps, start=0):
+    """Every fifth step accumulates a second micro-batch (spilled gradients are read back and
+    added to)."""
     import zero_models as zm
 
     for step in range(start, start + steps):
         x, y = zm.batch(step, rank)
         opt.backward(zm.loss_fn(model, x, y))
+        if step % 5 == 4:
+            x, y = zm.batch(1000 + step, rank)
+            opt.backward(zm.loss_fn(model, x, y))
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
@@ -89,11 +94,18 @@ def _parity_case(precision):
         store = opt.placement.param_store
         records = [h.layout.record_bytes for h in store._homes.values()]  # noqa: SLF001 - test introspection
         in_memory_shards = _shard_bytes(ref_opt)
-        peak_during = 0
         for step in range(STEPS):
             for m, o in ((ref, ref_opt), (model, opt), (both, both_opt)):
                 _train(m, o, rank, 1, start=step)
-            peak_during = max(peak_during, _shard_bytes(opt))
+        # Between backward and step the offloaded buckets' gradients are in files, not memory.
+        import zero_models as zm
+        x, y = zm.batch(STEPS, rank)
+        opt.backward(zm.loss_fn(model, x, y))
+        spill = opt.reducer.spill
+        spilled = [i for i in range(len(opt.buckets)) if spill.spills(i)]
+        grads_resident = sum(opt.reducer.accum[i] is not None for i in spilled)
+        grad_records = max(spill._buckets[i].layout.record_bytes for i in spilled)  # noqa: SLF001
+        opt.zero_grad()
         out = dict(diff=_max_diff(model, ref), diff_both=_max_diff(both, ref),
                    state=_same_state(opt.state_dict(), ref_opt.state_dict()),
                    state_both=_same_state(both_opt.state_dict(), ref_opt.state_dict()),
@@ -102,7 +114,8 @@ def _parity_case(precision):
                    params_at_rest=sum(p.numel() for p in model.parameters()),
                    peak=store.peak_buffer_bytes, buffer_size=store.buffer_size,
                    disk=store.disk_bytes(), read=store.bytes_read, written=store.bytes_written,
-                   ahead=store.reads_ahead,
+                   ahead=store.reads_ahead, n_spilled=len(spilled), grads_resident=grads_resident,
+                   spill_peak=spill.peak_buffer_bytes, grad_record=grad_records, spill_written=spill.bytes_written,
                    # fp32: the master is the shard, so the optimizer's records hold no master.
                    opt_record_keys=sorted({s.key for h in both_opt.offload._homes  # noqa: SLF001
                                            if h.layout for s in h.layout.slots}),
@@ -136,6 +149,10 @@ def test_parameter_offload_equals_in_memory_and_residency_is_bounded():
             assert r["shards_at_rest"] == 0 and r["params_at_rest"] < r["in_memory_shards"] // 8, (rank, key, r)
             assert r["peak"] <= BUFFERS * r["buffer_size"], (rank, key, r["peak"], r["buffer_size"])
             assert r["report"]["offload_param_peak_buffers"] == r["peak"], (rank, key, r["report"])
+            # Gradients of offloaded buckets: none resident after backward; in flight at most
+            # buffer_count records.
+            assert r["n_spilled"] > BUFFERS and r["grads_resident"] == 0 and r["spill_written"] > 0, (rank, key, r)
+            assert 0 < r["spill_peak"] <= BUFFERS * (-(-r["grad_record"] // 4096) * 4096), (rank, key, r)
             assert r["disk"] >= r["on_disk"] and r["read"] > 0 and r["written"] > 0, (rank, key, r)
             assert r["mode"] == 0o700 and r["file_modes"] == {0o600} and r["left"] == [], (rank, key, r)
             if key == "fp32":
@@ -178,6 +195,27 @@ def _corrupt_case(rank, group):
     _train(model, opt, rank, 1, start=2)
     _train(ref, ref_opt, rank, 3)
     out["diff"] = _max_diff(model, ref)
+    # A spilled gradient damaged between backward and step: step raises naming its file (after
+    # the step's collectives), the bucket is not stepped, and training goes on.
+    import zero_models as zm
+    x, y = zm.batch(3, rank)
+    opt.backward(zm.loss_fn(model, x, y))
+    spill = opt.reducer.spill
+    b = next(i for i in range(len(opt.buckets)) if spill.spills(i) and spill.has(i))
+    gpath = spill.directory.display_path(spill._buckets[b].name(spill._buckets[b].generation))  # noqa: SLF001
+    with open(gpath, "r+b") as f:
+        f.seek(4096 + 8)
+        byte = f.read(1)
+        f.seek(4096 + 8)
+        f.write(bytes([byte[0] ^ 0x01]))
+    try:
+        opt.step()
+        out["grad"] = None
+    except OSError as e:
+        out["grad"] = (e.errno, str(e), e.filename, b)
+    opt.zero_grad()
+    _train(model, opt, rank, 1, start=4)
+    out["gpath"] = gpath
     store.close()
     out["left"] = os.listdir(root)
     os.rmdir(root)
@@ -199,6 +237,9 @@ def test_damaged_parameter_record_is_refused_naming_file_and_bucket():
             assert code == errno.EBADMSG and filename == r["path"], (rank, what, r[what])
             assert "parameter bucket 1" in msg and why in msg and f"rank {rank}" in msg, (rank, what, msg)
         assert r["diff"] <= 1e-6 and r["left"] == [], (rank, r)
+        code, msg, filename, b = r["grad"]
+        assert code == errno.EBADMSG and filename == r["gpath"], (rank, r["grad"])
+        assert f"gradient bucket {b}" in msg and "payload checksum" in msg, (rank, msg)
     print(f"\n[test_offload_param] faults: {time.perf_counter() - _T0:.1f}s")
 
 

@@ -5,6 +5,7 @@
     record.py      one bucket's swap record: header (generation, checksums) + payload
     swapper.py     the pipelined NVMe swapper behind BucketOptimizer.fetch/store
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
+    grad_spill.py  gradient shards of those parameters, in files between backward and step
 
 The ZeRO engines call prepare_optimizer_store() before changing anything (checks, the swap
 directory) and attach_optimizer_store() once their bucket optimizers exist; stage 3 calls
@@ -18,6 +19,7 @@ import torch
 
 from .nvme_store import SwapDirectory
 from .policy import AioPolicy, OffloadPolicy, parse_aio, parse_offload
+from .grad_spill import GradSpill
 from .param_swapper import ParamSwapper
 from .swapper import OptimizerSwapper
 
@@ -69,6 +71,12 @@ def make_param_store(prepared, buckets: list):
     return ParamSwapper(policy, rank, directory, buckets)
 
 
+def make_grad_spill(param_store: ParamSwapper, buckets: dict):
+    """The GradSpill for these reducer buckets ({index: (dtype, shard_numel)}), in the parameter
+    store's directory."""
+    return GradSpill(param_store.policy, param_store.rank, param_store.directory, buckets)
+
+
 def attach_optimizer_store(prepared, bucket_optimizers: list):
     """The store behind every bucket optimizer's fetch/store (attached to each), or None."""
     if prepared is None:
@@ -80,5 +88,5 @@ def attach_optimizer_store(prepared, bucket_optimizers: list):
     return store
 
 
-__all__ = ["AioPolicy", "OffloadPolicy", "ParamSwapper", "attach_optimizer_store", "make_param_store", "parse_aio",
+__all__ = ["AioPolicy", "GradSpill", "OffloadPolicy", "ParamSwapper", "make_grad_spill", "attach_optimizer_store", "make_param_store", "parse_aio",
            "parse_offload", "prepare_optimizer_store", "prepare_param_store"]

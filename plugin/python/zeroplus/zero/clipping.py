@@ -14,18 +14,32 @@ import torch
 import torch.distributed as dist
 
 
-def global_norm(shards: list[torch.Tensor], norm_type: float, group, device) -> torch.Tensor:
+def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
+    """One shard's contribution (None for an empty shard): max |g| or sum |g|^p, in fp32."""
+    if not shard.numel():
+        return None
     if math.isinf(norm_type):
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for s in shards:
-            if s.numel():
-                local = torch.maximum(local, s.detach().abs().max().to(torch.float32))
+        return shard.detach().abs().max().to(torch.float32)
+    return torch.linalg.vector_norm(shard.detach(), norm_type, dtype=torch.float32) ** norm_type
+
+
+def global_norm(shards: list[torch.Tensor], norm_type: float, group, device) -> torch.Tensor:
+    return global_norm_of_terms((local_term(s, norm_type) for s in shards), norm_type, group, device)
+
+
+def global_norm_of_terms(terms, norm_type: float, group, device) -> torch.Tensor:
+    """The global norm from every local shard's term, in shard order (None: an empty shard), so
+    terms computed earlier (an offloaded gradient's, when it was spilled) give the same bits."""
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    if math.isinf(norm_type):
+        for t in terms:
+            if t is not None:
+                local = torch.maximum(local, t)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
-    local = torch.zeros((), dtype=torch.float32, device=device)
-    for s in shards:
-        if s.numel():
-            local += torch.linalg.vector_norm(s.detach(), norm_type, dtype=torch.float32) ** norm_type
+    for t in terms:
+        if t is not None:
+            local += t
     dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
     return local ** (1.0 / norm_type)
 

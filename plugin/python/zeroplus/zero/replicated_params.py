@@ -95,6 +95,9 @@ class ReplicatedParams:
     def end_step(self) -> None:
         pass
 
+    def gradient_shard(self, i: int, reducer):
+        return reducer.shard(i)
+
     def publish(self, i: int):
         """Bucket i's new master values into its parameters on every rank: the all-gather's work."""
         engine = self.engine

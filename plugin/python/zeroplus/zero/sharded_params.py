@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, materialize, sharded_init
-from ..offload import make_param_store
+from ..offload import make_grad_spill, make_param_store
 from .heap import return_freed_memory
 from .layout import plan_segments
 from .param_gatherer import ParameterGatherer
@@ -172,6 +172,11 @@ class ShardedParams:
     def attach(self) -> None:
         """After the engine's reducer exists: the gatherer joins the backward pass after it."""
         engine, policy = self.engine, self.policy
+        if self.param_store is not None:
+            # Gradients of offloaded buckets are spilled beside their parameter records.
+            spilled = {i: (engine.reducer.accum_dtypes[i], b.shard_numel) for i, b in enumerate(engine.buckets)
+                       if self.param_store.offloads(b)}
+            engine.reducer.attach_spill(make_grad_spill(self.param_store, spilled))
         self.gatherer = ParameterGatherer(self.units, list(engine.buckets) + self.frozen_buckets,
                                           engine.process_group, engine.rank, engine.backward_pass,
                                           prefetch_elems=policy.prefetch_bucket_size,
@@ -202,6 +207,20 @@ class ShardedParams:
             return False
         self.engine.bucket_optimizers[i].point_master(b.shard)
         return True
+
+    def gradient_shard(self, i: int, reducer):
+        """Bucket i's gradient shard for its step, or None: a spilled one could not be read (the
+        error is raised by end_step, after the step's last collective; the bucket does not step,
+        and a master pinned for it is released unchanged)."""
+        try:
+            return reducer.shard(i)
+        except OSError as e:
+            self._step_errors.append(e)
+            b = self.engine.buckets[i]
+            if self._master_is_offloaded_shard(i) and self.param_store.pinned(b):
+                self.param_store.unpin(b)
+                self.engine.bucket_optimizers[i].point_master(b.shard)
+            return None
 
     def end_step(self) -> None:
         """Waits for the step's shard writes; raises the step's parameter-store errors."""
