@@ -294,8 +294,8 @@ def test_estimate_memory_offload_param_columns():
     buckets = -(-2e9 // (1 << 22))
     record = -(-(4096 + (1 << 21) * 4) // 4096) * 4096
     assert both["offload_param_buffers"] == 3 * record and opt_only["offload_param_buffers"] == 0
-    assert both["nvme"] == opt_only["nvme"] + opt_only["parameters"] + 4096 * buckets
-    assert both["resident"] == opt_only["resident"] - opt_only["parameters"] + 3 * record
+    assert both["nvme"] == opt_only["nvme"] + opt_only["parameters"] + 2 * opt_only["gradients"] + 3 * 4096 * buckets
+    assert both["resident"] == opt_only["resident"] - opt_only["parameters"] - opt_only["gradients"] + 3 * record
     assert zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="cpu")["resident"] == \
         zeroplus.estimate_memory(2e9, 2, 3, None)["model_state"]  # "cpu" on CPU training: no effect
     for bad, match in (({"offload_param": "disk"}, "offload_param must be"),

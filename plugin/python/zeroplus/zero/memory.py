@@ -116,11 +116,11 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     (model state left in memory + offload_buffers). "cpu" on CPU training changes nothing
     (`nvme` 0, `resident` = model_state).
 
-    offload_param="nvme" (stage 3 only) moves the parameter shards (compute dtype) to the swap
-    files too: `nvme` adds them (+ 4 KiB per bucket), `offload_param_buffers` is the parameter
-    swapper's pool (param_buffer_count records of the largest gather unit's shard, bucket_elems
-    elements) and `resident` drops the parameters and adds that pool. Gradient shards stay in
-    memory (docs/offload.md "Limits")."""
+    offload_param="nvme" (stage 3 only) moves the parameter shards (compute dtype) and their
+    gradient shards to the swap files too: `nvme` adds the parameters and twice the gradients (two
+    gradient files per bucket, docs/offload.md) (+ 4 KiB per record), `offload_param_buffers` is
+    the parameter swapper's pool (param_buffer_count records of the largest gather unit's shard,
+    bucket_elems elements) and `resident` drops parameters and gradients and adds that pool."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -167,6 +167,6 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         buckets = -(-psi // bucket_elems) if psi else 0
         record = -(-(4096 + -(-bucket_elems // n) * p) // 4096) * 4096
         out["offload_param_buffers"] = float(min(param_buffer_count, max(buckets, 1)) * record)
-        out["nvme"] += out["parameters"] + 4096 * buckets
-        out["resident"] += out["offload_param_buffers"] - out["parameters"]
+        out["nvme"] += out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
+        out["resident"] += out["offload_param_buffers"] - out["parameters"] - out["gradients"]
     return out
