@@ -152,7 +152,7 @@ def main() -> int:
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=args.lr, weight_decay=0.0,
                                      offload_param=offload, offload_optimizer=dict(offload),
                                      param_init_fn=init_module)
-    pstore, ostore = opt.placement.param_store, opt.offload
+    pstore, ostore, spill = opt.placement.param_store, opt.offload, opt.reducer.spill
     say(f"built in {time.perf_counter() - t0:.1f}s: {len(opt.buckets)} buckets, parameter records on disk "
         f"{gib(pstore.disk_bytes())}, peak RSS so far {gib(peak_rss())} ({peak_rss() / ram:.1%} of RAM)")
 
@@ -162,6 +162,7 @@ def main() -> int:
     losses = []
     for step in range(args.steps):
         io0 = (pstore.bytes_read, pstore.bytes_written, ostore.bytes_read, ostore.bytes_written,
+               spill.bytes_read, spill.bytes_written,
                pstore.read_wait_s + ostore.read_wait_s, pstore.write_wait_s + ostore.write_wait_s)
         t_start = time.perf_counter()
         logits = model(x)
@@ -176,15 +177,16 @@ def main() -> int:
         dist.all_reduce(value)
         losses.append(value.item() / world)
         io = (pstore.bytes_read, pstore.bytes_written, ostore.bytes_read, ostore.bytes_written,
+              spill.bytes_read, spill.bytes_written,
               pstore.read_wait_s + ostore.read_wait_s, pstore.write_wait_s + ostore.write_wait_s)
         d = [b - a for a, b in zip(io0, io)]
-        moved = sum(d[:4])
+        moved = sum(d[:6])
         say(f"step {step}: loss {losses[-1]:.4f}  forward {t_fwd - t_start:.1f}s  backward {t_bwd - t_fwd:.1f}s  "
             f"step {t_end - t_bwd:.1f}s  total {t_end - t_start:.1f}s")
-        say(f"  I/O rank 0: params read {gib(d[0])} written {gib(d[1])}; optimizer read {gib(d[2])} written "
-            f"{gib(d[3])}; {moved / (t_end - t_start) / 1e9:.2f} GB/s over the step; waited for reads "
-            f"{d[4]:.1f}s, writes {d[5]:.1f}s")
-        say(f"  on disk: params {gib(pstore.disk_bytes())} + optimizer {gib(ostore.disk_bytes())}; pooled "
+        say(f"  I/O rank 0: params read {gib(d[0])} written {gib(d[1])}; gradients read {gib(d[4])} written "
+            f"{gib(d[5])}; optimizer read {gib(d[2])} written {gib(d[3])}; {moved / (t_end - t_start) / 1e9:.2f} "
+            f"GB/s over the step; the step waited for parameter/optimizer reads {d[6]:.1f}s, writes {d[7]:.1f}s")
+        say(f"  on disk: params + gradients {gib(pstore.disk_bytes())}, optimizer {gib(ostore.disk_bytes())}; pooled "
             f"buffers: params {gib(pstore.peak_buffer_bytes)} optimizer {gib(ostore.peak_buffer_bytes)} (peak); "
             f"peak RSS {gib(peak_rss())} ({peak_rss() / ram:.1%} of RAM)")
     falling = all(b < a for a, b in zip(losses, losses[1:]))
