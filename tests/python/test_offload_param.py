@@ -66,6 +66,11 @@ def _max_diff(a, b) -> float:
     return max((fa[k].double() - fb[k].double()).abs().max().item() for k in fa)
 
 
+def _max_diff_dicts(fa, fb) -> float:
+    assert sorted(fa) == sorted(fb)
+    return max((fa[k].double() - fb[k].double()).abs().max().item() for k in fa)
+
+
 def _same_state(sa, sb) -> bool:
     if sorted(sa["state"]) != sorted(sb["state"]):
         return False
@@ -216,6 +221,19 @@ def _corrupt_case(rank, group):
     opt.zero_grad()
     _train(model, opt, rank, 1, start=4)
     out["gpath"] = gpath
+    # Not built: checkpoints and loading a model state dict refuse, changing nothing.
+    import zeroplus
+    before = zeroplus.full_state_dict(model, rank0_only=False)
+    refusals = []
+    for call in (lambda: zeroplus.save_checkpoint(os.path.join(root, "ckpt"), model, opt),
+                 lambda: model.load_state_dict(before)):
+        try:
+            call()
+            refusals.append(None)
+        except NotImplementedError as e:
+            refusals.append(str(e))
+    out["refusals"] = refusals
+    out["unchanged"] = _max_diff_dicts(before, zeroplus.full_state_dict(model, rank0_only=False))
     store.close()
     out["left"] = os.listdir(root)
     os.rmdir(root)
@@ -240,6 +258,8 @@ def test_damaged_parameter_record_is_refused_naming_file_and_bucket():
         code, msg, filename, b = r["grad"]
         assert code == errno.EBADMSG and filename == r["gpath"], (rank, r["grad"])
         assert f"gradient bucket {b}" in msg and "payload checksum" in msg, (rank, msg)
+        assert all(m is not None and "offload_param" in m for m in r["refusals"]), (rank, r["refusals"])
+        assert r["unchanged"] == 0.0 and not os.path.exists(os.path.join(os.path.dirname(r["path"]), "..", "ckpt"))
     print(f"\n[test_offload_param] faults: {time.perf_counter() - _T0:.1f}s")
 
 
