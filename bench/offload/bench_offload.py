@@ -103,9 +103,9 @@ def _worker(rank, world, store_path, args, out_queue):
 
         def counters(name):
             stores = [variants[name][1].offload]
-            if name == "nvme_param":
-                stores.append(variants[name][1].placement.param_store)
-            return [sum(getattr(s, k) for s in stores)
+            if name == "nvme_param":  # + the parameter records and the spilled gradients
+                stores += [variants[name][1].placement.param_store, variants[name][1].reducer.spill]
+            return [sum(getattr(s, k, 0.0) for s in stores)
                     for k in ("read_wait_s", "write_wait_s", "checksum_s", "bytes_read", "bytes_written")]
 
         rows = {name: {"compute": [], "step": []} for name in variants}

@@ -226,6 +226,12 @@ class ShardedParams:
         """Waits for the step's shard writes; raises the step's parameter-store errors."""
         errors, self._step_errors = self._step_errors, []
         if self.param_store is not None:
+            # A step that raised between before_bucket_step and publish left a master pinned:
+            # released unchanged (its record on disk is still the current one).
+            for i, b in enumerate(self.engine.buckets):
+                if self._master_is_offloaded_shard(i) and self.param_store.pinned(b):
+                    self.param_store.unpin(b)
+                    self.engine.bucket_optimizers[i].point_master(b.shard)
             try:
                 self.param_store.end_step()
             except OSError as e:
