@@ -29,13 +29,13 @@ BUFFERS = 2
 _T0 = time.perf_counter()
 
 
-def _build(precision, group, root=None, optimizer_too=False):
+def _build(precision, group, root=None, optimizer_too=False, param_buffers=BUFFERS):
     import zeroplus
     import zero_models as zm
 
     kw = {}
     if root is not None:
-        kw["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_count": BUFFERS}
+        kw["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_count": param_buffers}
         if optimizer_too:
             kw["offload_optimizer"] = {"device": "nvme", "nvme_path": root, "buffer_count": BUFFERS}
     return zeroplus.initialize(zm.make_model(layers=4), torch.optim.AdamW, stage=3, lr=LR, mixed_precision=precision,
@@ -95,7 +95,8 @@ def _parity_case(precision):
         root = tempfile.mkdtemp(prefix="zp-offload-param-")
         ref, ref_opt = _build(precision, group)
         model, opt = _build(precision, group, root)
-        both, both_opt = _build(precision, group, root, optimizer_too=True)
+        # A larger parameter pool here: room to read records ahead of their gather.
+        both, both_opt = _build(precision, group, root, optimizer_too=True, param_buffers=8)
         store = opt.placement.param_store
         records = [h.layout.record_bytes for h in store._homes.values()]  # noqa: SLF001 - test introspection
         in_memory_shards = _shard_bytes(ref_opt)
@@ -119,7 +120,7 @@ def _parity_case(precision):
                    params_at_rest=sum(p.numel() for p in model.parameters()),
                    peak=store.peak_buffer_bytes, buffer_size=store.buffer_size,
                    disk=store.disk_bytes(), read=store.bytes_read, written=store.bytes_written,
-                   ahead=store.reads_ahead, n_spilled=len(spilled), grads_resident=grads_resident,
+                   ahead=store.reads_ahead, ahead_both=both_opt.placement.param_store.reads_ahead, n_spilled=len(spilled), grads_resident=grads_resident,
                    spill_peak=spill.peak_buffer_bytes, grad_record=grad_records, spill_written=spill.bytes_written,
                    # fp32: the master is the shard, so the optimizer's records hold no master.
                    opt_record_keys=sorted({s.key for h in both_opt.offload._homes  # noqa: SLF001
@@ -159,6 +160,7 @@ def test_parameter_offload_equals_in_memory_and_residency_is_bounded():
             assert r["n_spilled"] > BUFFERS and r["grads_resident"] == 0 and r["spill_written"] > 0, (rank, key, r)
             assert 0 < r["spill_peak"] <= BUFFERS * (-(-r["grad_record"] // 4096) * 4096), (rank, key, r)
             assert r["disk"] >= r["on_disk"] and r["read"] > 0 and r["written"] > 0, (rank, key, r)
+            assert r["ahead_both"] > 0, (rank, key, r)  # records were read ahead in the prefetch order
             assert r["mode"] == 0o700 and r["file_modes"] == {0o600} and r["left"] == [], (rank, key, r)
             if key == "fp32":
                 assert "master" not in r["opt_record_keys"], (rank, key, r["opt_record_keys"])
