@@ -1,7 +1,8 @@
 """Optimizer offload to NVMe beside the in-memory step: time split, swap bandwidth, bit-exactness.
 
     python bench/offload/bench_offload.py [--worlds 1,2] [--stage 3] [--dim 768] [--layers 15]
-        [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--nvme-path DIR] [--out PATH]
+        [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--param-buffer-count 5] [--nvme-path DIR]
+        [--out PATH]
 
 A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.8M parameters) with AdamW (lr 3e-4,
 wd 0.01), one torch thread per rank. Every rank builds both variants from the same weights and
@@ -9,11 +10,14 @@ runs them interleaved, one step of each per round, on its own synthetic batches:
   in_memory      zeroplus.initialize(stage=S)
   nvme           the same with offload_optimizer={"device": "nvme", "nvme_path": DIR,
                  "buffer_count": N}: fp32 master (bf16) and optimizer state in swap files
+  nvme_param     (stage 3) the same plus offload_param={"device": "nvme", ..., "buffer_count": M}:
+                 the parameter shards in swap files too, read in forward, backward and the step
 A round's time is the slower rank's. Per variant: forward+backward ("compute") and opt.step()
 medians; for nvme, inside the step, the training thread's waits for swap-in reads and swap-out
 writes and the checksum time (zeroplus.offload's counters), bytes read and written per step and
-their rate over the step, the bytes on disk, and whether the parameters equal the in-memory run
-bit for bit after the last round. fio (O_DIRECT, 1 MiB, iodepth 32, io_uring) on the same
+their rate over the step (nvme_param: over forward + backward + step, where its parameters move),
+the bytes on disk, and whether the full state dict equals the in-memory run's bit for bit after
+the last round. fio (O_DIRECT, 1 MiB, iodepth 32, io_uring) on the same
 directory gives the device's figure when fio is installed. Writes PATH.json and PATH.md.
 DeepSpeed's offload is not run here (see docs/offload.md).
 """
@@ -62,13 +66,15 @@ def _fio(directory: str, rw: str) -> float | None:
             os.unlink(path)
 
 
-def _build(args, offload, rank):
+def _build(args, offload, rank, param_offload=None):
     import zeroplus
     from tiny_gpt import TinyGPT
 
     torch.manual_seed(0)
     model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
     kw = {} if offload is None else {"offload_optimizer": offload}
+    if param_offload is not None:
+        kw["offload_param"] = param_offload
     precision = None if args.precision == "fp32" else args.precision
     return zeroplus.initialize(model, torch.optim.AdamW, stage=args.stage, lr=3e-4, weight_decay=0.01,
                                mixed_precision=precision, **kw)
@@ -91,15 +97,26 @@ def _worker(rank, world, store_path, args, out_queue):
     try:
         offload = {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": args.buffer_count}
         variants = {"in_memory": _build(args, None, rank), "nvme": _build(args, offload, rank)}
+        if args.stage == 3:  # parameters too (offload_param), with the optimizer state
+            variants["nvme_param"] = _build(args, offload, rank, {**offload, "buffer_count": args.param_buffer_count})
         swapper = variants["nvme"][1].offload
+
+        def counters(name):
+            stores = [variants[name][1].offload]
+            if name == "nvme_param":  # + the parameter records and the spilled gradients
+                stores += [variants[name][1].placement.param_store, variants[name][1].reducer.spill]
+            return [sum(getattr(s, k, 0.0) for s in stores)
+                    for k in ("read_wait_s", "write_wait_s", "checksum_s", "bytes_read", "bytes_written")]
+
         rows = {name: {"compute": [], "step": []} for name in variants}
-        swap = {"read_wait": [], "write_wait": [], "checksum": [], "bytes_read": [], "bytes_written": []}
+        swaps = {name: {"read_wait": [], "write_wait": [], "checksum": [], "bytes_read": [], "bytes_written": []}
+                 for name in variants if name != "in_memory"}
+        swap = swaps["nvme"]
         gen = {name: torch.Generator().manual_seed(rank) for name in variants}
         for round_ in range(args.steps + 1):  # round 0 creates the state: not timed
             for name, (model, opt) in variants.items():
                 tokens, targets = synthetic_batch(args.batch, args.context, VOCAB, gen[name])
-                before = (swapper.read_wait_s, swapper.write_wait_s, swapper.checksum_s, swapper.bytes_read,
-                          swapper.bytes_written)
+                before = counters(name) if name != "in_memory" else None
                 dist.barrier()
                 t0 = time.perf_counter()
                 logits = model(tokens)
@@ -113,21 +130,30 @@ def _worker(rank, world, store_path, args, out_queue):
                     continue
                 rows[name]["compute"].append(compute)
                 rows[name]["step"].append(step)
-                if name == "nvme":
-                    after = (swapper.read_wait_s, swapper.write_wait_s, swapper.checksum_s, swapper.bytes_read,
-                             swapper.bytes_written)
-                    for key, a, b in zip(swap, after, before):
-                        swap[key].append(_slowest(a - b))
-        same = all(torch.equal(p, q) for p, q in zip(variants["in_memory"][0].parameters(),
-                                                       variants["nvme"][0].parameters()))
-        same = _slowest(0.0 if same else 1.0) == 0.0
+                if name != "in_memory":
+                    for key, a, b in zip(swaps[name], counters(name), before):
+                        swaps[name][key].append(_slowest(a - b))
+        ref_full = zeroplus.full_state_dict(variants["in_memory"][0], rank0_only=False)
+        bit_exact = {}
+        for name in swaps:
+            full = zeroplus.full_state_dict(variants[name][0], rank0_only=False)
+            same = all(torch.equal(full[k], ref_full[k]) for k in ref_full)
+            bit_exact[name] = _slowest(0.0 if same else 1.0) == 0.0
+        same = bit_exact["nvme"]
+        disk = {name: variants[name][1].offload.disk_bytes() for name in swaps}
+        if "nvme_param" in variants:
+            disk["nvme_param"] += variants["nvme_param"][1].placement.param_store.disk_bytes()
         report = zeroplus.memory_report(*variants["nvme"])
         ref_report = zeroplus.memory_report(*variants["in_memory"])
-        out_queue.put({"rank": rank, "rows": rows, "swap": swap, "bit_exact": same,
+        out_queue.put({"rank": rank, "rows": rows, "swap": swap, "swaps": swaps, "bit_exact": same,
+                       "bit_exact_by_variant": bit_exact, "disk_by_variant": disk,
                        "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
                        "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
                        "engine": swapper.engine})
-        swapper.close()
+        for name in swaps:
+            variants[name][1].offload.close()
+        if "nvme_param" in variants:
+            variants["nvme_param"][1].placement.param_store.close()
     except Exception as e:  # reported, not hidden
         out_queue.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     finally:
@@ -149,6 +175,8 @@ def run_world(world, args):
         return {"error": errors[0]}
     out = next(r for r in results if r["rank"] == 0)
     out["disk_bytes_all_ranks"] = sum(r["disk_bytes"] for r in results)
+    out["disk_all_ranks_by_variant"] = {name: sum(r["disk_by_variant"][name] for r in results)
+                                        for name in out["disk_by_variant"]}
     return out
 
 
@@ -176,6 +204,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--buffer-count", type=int, default=4)
+    parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count (stage 3)")
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
     args = parser.parse_args()
@@ -196,27 +225,31 @@ def main():
              f"AdamW, buffer_count {args.buffer_count}, {args.steps} timed rounds (medians, slowest rank)", "",
              f"nvme_path {args.nvme_path}; fio O_DIRECT 1 MiB QD32 io_uring: read {_gbps(fio['read'])}, "
              f"write {_gbps(fio['write'])}; swap engine {_engine(results)}", "",
-             "| ranks | variant | compute s | step s | step / in-memory step | swap-in wait s | swap-out wait s | "
-             "checksum s | GB moved per step | GB/s over the step | disk GB (all ranks) | bit-exact |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| ranks | variant | compute s | step s | step / in-memory step | (compute + step) / in-memory | "
+             "swap-in wait s | swap-out wait s | checksum s | GB moved per step | GB/s | disk GB (all ranks) | "
+             "bit-exact |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for world, r in results.items():
         if "error" in r:
             lines.append(f"| {world} | — | error: {r['error']} |")
             continue
         ref_step = _med(r["rows"]["in_memory"]["step"])
-        for name in ("in_memory", "nvme"):
+        ref_total = ref_step + _med(r["rows"]["in_memory"]["compute"])
+        for name in r["rows"]:
             row = r["rows"][name]
             step = _med(row["step"])
-            if name == "nvme":
-                s = r["swap"]
+            total = step + _med(row["compute"])
+            if name != "in_memory":
+                s = r["swaps"][name]
                 moved = (_med(s["bytes_read"]) + _med(s["bytes_written"])) / 1e9
+                seconds = step if name == "nvme" else total  # parameters move in forward and backward too
                 extra = (f"{_med(s['read_wait']):.3f} | {_med(s['write_wait']):.3f} | {_med(s['checksum']):.3f} | "
-                         f"{moved:.3f} | {moved / step:.2f} | {r['disk_bytes_all_ranks'] / 1e9:.3f} | "
-                         f"{'yes' if r['bit_exact'] else 'NO'}")
+                         f"{moved:.3f} | {moved / seconds:.2f} | {r['disk_all_ranks_by_variant'][name] / 1e9:.3f} | "
+                         f"{'yes' if r['bit_exact_by_variant'][name] else 'NO'}")
             else:
                 extra = "— | — | — | — | — | — | —"
             lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
-                         f"{extra} |")
+                         f"{total / ref_total:.2f} | {extra} |")
     table = "\n".join(lines)
     print(table)
     out = pathlib.Path(args.out + "-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))

@@ -352,8 +352,9 @@ def test_what_is_built_is_accepted_and_the_rest_refused(tmp_path):
     prepared = prepare_optimizer_store(nvme_o, none_p, 0, cpu, "E")
     assert prepared is not None and len(os.listdir(tmp_path)) == 1
     prepared[2].close()
-    for opt_p, par_p, device, match in ((nvme_o, nvme_p, cpu, "offload_param device 'nvme'"),
-                                        (cpu_o, none_p, cuda, "offload_optimizer device 'cpu' with parameters on cuda"),
+    # offload_param 'nvme' on CPU training is prepare_param_store's (test_offload_param.py).
+    assert prepare_optimizer_store(cpu_o, nvme_p, 0, cpu, "E") is None and os.listdir(tmp_path) == []
+    for opt_p, par_p, device, match in ((cpu_o, none_p, cuda, "offload_optimizer device 'cpu' with parameters on cuda"),
                                         (nvme_o, none_p, cuda, "offload_optimizer device 'nvme'"),
                                         (parse_offload("offload_optimizer", None), cpu_p, cuda, "offload_param")):
         with pytest.raises(NotImplementedError, match=match):

@@ -1,8 +1,10 @@
 """python -m zeroplus.estimate --params 1.3e9 --world-size 8 [--mixed-precision bf16] [--optimizer adam]
                              [--offload-optimizer nvme --buffer-count 4 --bucket-elems 4194304]
+                             [--offload-param nvme --param-buffer-count 5]
 
 Prints the ZeRO model-state bytes per rank for stages 0-3 (zeroplus.estimate_memory); with
---offload-optimizer nvme also what stays in memory and what the swap files take (stages 1-3)."""
+--offload-optimizer nvme also what stays in memory and what the swap files take (stages 1-3); with
+--offload-param nvme the stage-3 row also moves the parameter shards to the swap files."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ def main(argv=None) -> int:
     parser.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none",
                         help="optimizer offload (docs/offload.md); nvme adds the resident and nvme columns")
     parser.add_argument("--buffer-count", type=int, default=4, help="offload_optimizer.buffer_count")
+    parser.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none",
+                        help="stage-3 parameter offload (docs/offload.md)")
+    parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count")
     parser.add_argument("--bucket-elems", type=int, default=1 << 22,
                         help="elements per bucket (reduce_bucket_size; stage 3: the largest gather unit)")
     args = parser.parse_args(argv)
@@ -35,14 +40,15 @@ def main(argv=None) -> int:
 
     def row(stage):
         return estimate_memory(args.params, args.world_size, stage, precision, args.optimizer,
-                               offload if stage else "none", args.buffer_count, args.bucket_elems)
+                               offload if stage else "none", args.buffer_count, args.bucket_elems,
+                               args.offload_param if stage == 3 else "none", args.param_buffer_count)
     try:
         rows = [(s, row(s)) for s in range(4)]
     except ValueError as e:
         parser.error(str(e))
     print(f"model-state GiB per rank: {args.params:.3g} parameters, {args.world_size} ranks, "
           f"{precision or 'fp32'}, {args.optimizer}")
-    extra = offload == "nvme"
+    extra = offload == "nvme" or args.offload_param == "nvme"
     print(f"{'stage':>5} {'params':>10} {'grads':>10} {'master':>10} {'optim':>10} {'total':>10}"
           + (f" {'resident':>10} {'nvme':>10}" if extra else ""))
     for s, r in rows:
@@ -50,8 +56,8 @@ def main(argv=None) -> int:
               f"{_gib(r['optimizer_state'])} {_gib(r['model_state'])}"
               + (f" {_gib(r['resident'])} {_gib(r['nvme'])}" if extra else ""))
     if extra:
-        print("resident: model state left in memory + the swapper's buffers; nvme: swap files on disk "
-              "(stage 0 has no offload)")
+        print("resident: model state left in memory + the swappers' buffers; nvme: swap files on disk "
+              "(stage 0 has no offload; offload_param applies to stage 3 only)")
     return 0
 
 

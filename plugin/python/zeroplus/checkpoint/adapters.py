@@ -115,6 +115,10 @@ class EngineAdapter(_Base):
         if opt.module is not None and opt.module is not model:
             raise ValueError("checkpoint: model is not the module this optimizer was built for (zeroplus.initialize "
                              "returned another one)")
+        if getattr(opt.placement, "param_store", None) is not None:
+            raise NotImplementedError("checkpoint: zeroplus checkpoints of a model with offload_param device 'nvme' "
+                                      "are not built yet (the parameter shards live in swap files); nothing was "
+                                      "read or written")
         self.frozen_buckets = list(opt.placement.frozen_buckets)
         self.entry_of = {id(e.param): e for b in list(opt.buckets) + self.frozen_buckets for e in b.entries}
         self.bucketed = set(self.entry_of)

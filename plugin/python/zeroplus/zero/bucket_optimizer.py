@@ -49,8 +49,10 @@ class BucketOptimizer:
         self.rank = rank
         # Mixed precision: the master is a copy of its own, which an offload store may keep in
         # a file; fp32: it is this rank's slice of the parameters, which stay in memory.
+        # (With offload_param the fp32 master is the bucket's shard object, empty between uses.)
         param_storages = {t.untyped_storage().data_ptr() for t in (bucket.flat, bucket.shard) if t is not None}
-        self.offloads_master = master.untyped_storage().data_ptr() not in param_storages
+        self.offloads_master = (master is not bucket.shard
+                                and master.untyped_storage().data_ptr() not in param_storages)
         self.segments = [Segment(e, lo, hi, master[lo:hi]) for e, lo, hi in bucket.owned_pieces(rank)]
         self.inner = (inner_class([{**hyperparameters, "params": [s.master for s in self.segments]}])
                       if self.segments else None)
@@ -60,6 +62,13 @@ class BucketOptimizer:
 
     def attach_store(self, store) -> None:
         self.store_ = store
+
+    def point_master(self, flat: torch.Tensor) -> None:
+        """The master (and each segment, a view of it) now lives in `flat` (an offload store
+        moved it; identity is kept, so the inner optimizer's parameters stay the same objects)."""
+        self.master.data = flat
+        for s in self.segments:
+            s.master.data = flat[s.lo:s.hi]
 
     def param_shard(self) -> torch.Tensor:
         """This rank's shard of the bucket's parameters (compute dtype)."""

@@ -15,26 +15,44 @@ import torch
 import torch.distributed as dist
 
 
+def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
+    """One shard's contribution (None for an empty shard): max |g| or sum |g|^p, in fp32."""
+    if not shard.numel():
+        return None
+    if math.isinf(norm_type):
+        return shard.detach().abs().max().to(torch.float32)
+    return torch.linalg.vector_norm(shard.detach(), norm_type, dtype=torch.float32) ** norm_type
+
+
 def global_norm(shards: list[torch.Tensor], norm_type: float, group, device, tp_sharded: list[bool] | None = None,
                 tp_group=None) -> torch.Tensor:
-    """The global norm of the gradients whose shards (one per bucket) this rank holds. With a
-    tensor-parallel model, tp_sharded[b] says bucket b holds tensor-parallel shards: their partial
-    sums are also summed over tp_group (each tensor-parallel rank holds another piece), while the
-    replicated buckets, the same on every tensor-parallel rank, are counted once."""
-    tp_sharded = tp_sharded or [False] * len(shards)
+    """The global norm of the gradients whose shards (one per bucket) this rank holds."""
+    return global_norm_of_terms([local_term(s, norm_type) for s in shards], norm_type, group, device,
+                                tp_sharded, tp_group)
+
+
+def global_norm_of_terms(terms: list, norm_type: float, group, device, tp_sharded: list[bool] | None = None,
+                         tp_group=None) -> torch.Tensor:
+    """The global norm from every local shard's term, in shard order (None: an empty shard), so
+    terms computed earlier (an offloaded gradient's, when it was spilled) give the same bits.
+    With a tensor-parallel model, tp_sharded[b] says bucket b holds tensor-parallel shards: their
+    partial sums are also summed over tp_group (each tensor-parallel rank holds another piece),
+    while the replicated buckets, the same on every tensor-parallel rank, are counted once."""
+    terms = list(terms)
+    tp_sharded = tp_sharded or [False] * len(terms)
     if math.isinf(norm_type):
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for s in shards:
-            if s.numel():
-                local = torch.maximum(local, s.detach().abs().max().to(torch.float32))
+        for t in terms:
+            if t is not None:
+                local = torch.maximum(local, t)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         if tp_group is not None:  # a max is a max: replicated pieces are equal on every tp rank
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=tp_group)
         return local
     parts = torch.zeros(2, dtype=torch.float32, device=device)  # [replicated, tensor-parallel shards]
-    for s, sharded in zip(shards, tp_sharded):
-        if s.numel():
-            parts[int(sharded)] += torch.linalg.vector_norm(s.detach(), norm_type, dtype=torch.float32) ** norm_type
+    for t, sharded in zip(terms, tp_sharded):
+        if t is not None:
+            parts[int(sharded)] += t
     dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
     if tp_group is not None:
         sharded_sum = parts[1:].clone()

@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..offload import attach_optimizer_store, prepare_optimizer_store
+from ..offload import attach_optimizer_store, prepare_optimizer_store, prepare_param_store
 from ..optim.fused import fused_class_for
 from . import clipping, dtensor_params, full_state, module_methods, precision, state
 from .backward_pass import BackwardPass
@@ -101,6 +101,9 @@ class ZeroEngine(torch.optim.Optimizer):
         device = self.placement.target_device or next(p.device for grp in trainable for p in grp)
         self._offload_prepared = prepare_optimizer_store(options.offload_optimizer, options.offload_param, self.rank,
                                                          device, name)
+        param_store = prepare_param_store(options.offload_param, self.stage, self.rank, device, name)
+        if param_store is not None:
+            self.placement.use_param_store(param_store)
         if self.compute_dtype is not None and module is not None:
             precision.cast_buffers(module, self.compute_dtype)
         self.buckets = self.placement.plan_layout(trainable, options.reduce_bucket_elems)
@@ -225,7 +228,8 @@ class ZeroEngine(torch.optim.Optimizer):
             loss.backward(**kwargs)
 
     def gradient_shards(self) -> list[torch.Tensor]:
-        """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16)."""
+        """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16).
+        With offload_param "nvme" the spilled ones are read back: copies, all at once."""
         self._flush()
         return self.reducer.shards
 
@@ -243,8 +247,8 @@ class ZeroEngine(torch.optim.Optimizer):
     @torch.no_grad()
     def _unscale_external(self, inv_scale: float) -> bool:
         """zeroplus.GradScaler's unscale_: multiply the shards, agree on inf/NaN. Collective."""
-        for g in self.gradient_shards():
-            g.mul_(inv_scale)
+        self._flush()
+        self.reducer.scale_(inv_scale)
         self._externally_unscaled = True
         return self._overflow()
 
@@ -258,10 +262,8 @@ class ZeroEngine(torch.optim.Optimizer):
         """Inf/NaN in any rank's gradient shard, agreed across ranks (one allreduce)."""
         device = self.buckets[0].device
         local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in self.reducer.shards:
-            if g.numel() and not torch.isfinite(g).all():
-                local.fill_(1.0)
-                break
+        if not self.reducer.all_finite():
+            local.fill_(1.0)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
         if self.tp_group is not None:  # every rank of the mesh skips the same steps
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.tp_group)
@@ -272,9 +274,11 @@ class ZeroEngine(torch.optim.Optimizer):
         """Clip the global gradient norm across all shards; returns the norm before clipping
         (what torch.nn.utils.clip_grad_norm_ returns on the unsharded model). Collective."""
         max_norm = clipping.check_norm_args(max_norm, norm_type)
-        shards = self.gradient_shards()
-        total = clipping.global_norm(shards, float(norm_type), self.process_group, self.buckets[0].device,
-                                     [b.tp_sharded for b in self.buckets], self.tp_group)
+        self._flush()
+        norm_type = float(norm_type)
+        terms = self.reducer.local_terms(norm_type, lambda s: clipping.local_term(s, norm_type))
+        total = clipping.global_norm_of_terms(terms, norm_type, self.process_group, self.buckets[0].device,
+                                              [b.tp_sharded for b in self.buckets], self.tp_group)
         total = total / self._grad_scale()
         if not torch.isfinite(total):
             if error_if_nonfinite:
@@ -285,8 +289,7 @@ class ZeroEngine(torch.optim.Optimizer):
                 self._clipped_this_step = True
                 return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in shards:
-            g.mul_(coef.to(g.dtype))
+        self.reducer.scale_(coef)
         self._clipped_this_step = True
         return total
 
@@ -347,9 +350,15 @@ class ZeroEngine(torch.optim.Optimizer):
         if self.offload is not None:
             self.offload.begin_step()
         try:
-            for i, (bo, grad_shard) in enumerate(zip(self.bucket_optimizers, self.reducer.shards)):
+            for i, bo in enumerate(self.bucket_optimizers):
+                if not self.placement.before_bucket_step(i):
+                    continue  # an offloaded parameter shard could not be read: not stepped
+                grad_shard = self.placement.gradient_shard(i, self.reducer)
+                if grad_shard is None:
+                    continue  # a spilled gradient that could not be read: not stepped (raised at the end)
                 bo.fetch()
                 bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
+                del grad_shard
                 bo.store()
                 work = self.placement.publish(i)
                 if work is not None:
@@ -359,8 +368,11 @@ class ZeroEngine(torch.optim.Optimizer):
         finally:
             # After the step's last collective: waits for the writes and raises a swap error
             # (every rank finished the step, so none is left waiting in a collective).
-            if self.offload is not None:
-                self.offload.end_step()
+            try:
+                if self.offload is not None:
+                    self.offload.end_step()
+            finally:
+                self.placement.end_step()
 
     @torch.no_grad()
     def publish_masters(self) -> None:

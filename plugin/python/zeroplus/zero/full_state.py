@@ -82,8 +82,13 @@ def install_load_hooks(engine) -> None:
             slots[id(e.param)] = (b, e, owners.get(id(b)))
     rank = engine.rank
     gatherer = engine.placement.gatherer
+    offloaded = getattr(engine.placement, "param_store", None) is not None
 
     def hook(module, state_dict, prefix, _local_metadata, _strict, _missing, _unexpected, _errors):
+        if offloaded:
+            raise NotImplementedError("load_state_dict: loading into a model with offload_param device 'nvme' is "
+                                      "not built yet (its parameter shards live in swap files); the model is "
+                                      "unchanged")
         if gatherer is not None:
             gatherer.release_all()  # a held unit's full copy would take the values, not its shard
         for name, p in module._parameters.items():

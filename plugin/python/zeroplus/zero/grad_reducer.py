@@ -33,6 +33,12 @@ engine's BackwardPass, backward_pass.py; this class is its first participant):
     the next pass (buffer_pool.py: no page faults per step, never more than the peak in use).
   * Which parameters had a gradient in a pass is committed to `usage` (usage.py) when the pass
     succeeds; the optimizer steps only parameters some rank used (torch skips a None grad).
+Gradient spill (offload_param "nvme", zeroplus.offload.grad_spill): the buckets it spills get
+no accumulator. Their result is handed to the spill as soon as their collective is waited on
+(added to the previous gradient read back from it, when accumulating), written as a pending
+generation, and committed with the pass, so at most a few buckets' gradients are in memory.
+`shard(b)` reads one back for the step; `scale_(coef)` and `local_terms(p)` serve clipping and
+unscaling without reading them.
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
 backward (or flush) and leaves the accumulators as they were before that pass. A backward that
 raised for any reason (autograd then drops the queued end-of-pass callback) leaves its pass open;
@@ -59,6 +65,7 @@ class InFlight:
     work: object | None          # the async work; None once waited on
     out: torch.Tensor | None     # where this rank's result lands (the accumulator, a shard-sized tensor, or a view of buf)
     buf: torch.Tensor | None     # the full-size input while it may still be read; None once recycled
+    staged: bool = False         # a spilled bucket's result was handed to the spill
 
 
 # Full-size bucket inputs allowed in flight at once (overlap needs two: one on the wire while the
@@ -96,7 +103,73 @@ class GradientReducer:
         self.local_pending = False  # gradients accumulated under no_sync, not reduced yet
         self._buffers: list[torch.Tensor | None] = []
         self._inflight = []
+        self.spill = None  # zeroplus.offload.GradSpill, or None
         self._reset_pass()
+
+    def attach_spill(self, spill) -> None:
+        """Gradients of the buckets `spill.spills(b)` go to it (see the module doc)."""
+        self.spill = spill
+
+    def _spilled(self, b: int) -> bool:
+        return self.spill is not None and self.spill.spills(b)
+
+    def _scale_of(self, b: int) -> float:
+        return 1.0 if self._direct or self.buckets[b].dtype == torch.float16 else 1.0 / self.world_size
+
+    def _stage(self, entry) -> None:
+        """A spilled bucket's result: added to its previous gradient (read back) or alone, with
+        the same operations as the in-memory accumulation, and written as pending."""
+        b, out, scale = entry.bucket, entry.out, self._scale_of(entry.bucket)
+        old = self.spill.load(b) if self.has_grads and self.spill.has(b) else None
+        if old is not None:
+            value = old.add_(out, alpha=scale)
+        elif self.accum_dtypes[b] == out.dtype:
+            value = out.mul_(scale) if scale != 1.0 else out  # bitwise 0 + scale * sum
+        else:
+            value = torch.zeros(out.numel(), dtype=self.accum_dtypes[b], device=out.device).add_(out, alpha=scale)
+        self.spill.stage(b, value)
+        entry.out, entry.staged = None, True
+
+    def shard(self, b: int) -> torch.Tensor:
+        """Bucket b's gradient shard: the accumulator, or a spilled one read back (a copy: write
+        changes through scale_)."""
+        if self._spilled(b):
+            value = self.spill.load(b)
+            return value if value is not None else torch.zeros(self.buckets[b].shard_numel, dtype=self.accum_dtypes[b],
+                                                                device=self.buckets[b].device)
+        if self.shard_gradients:
+            return self._accum(b)
+        return self._accum(b)[slice(*self.buckets[b].shard_range(self.rank))]
+
+    def scale_(self, coef) -> None:
+        """Multiply every gradient shard by coef (a 0-d tensor or a float), in place."""
+        for b in range(len(self.buckets)):
+            if self._spilled(b):
+                continue
+            g = self.shard(b)
+            g.mul_(coef.to(g.dtype) if isinstance(coef, torch.Tensor) else coef)
+        if self.spill is not None:
+            self.spill.scale_all(coef if isinstance(coef, torch.Tensor) else torch.tensor(coef))
+
+    def local_terms(self, norm_type: float, term_of):
+        """Each bucket's clipping term in bucket order (term_of(shard) for resident ones; a
+        spilled one's from the spill, or read back one at a time)."""
+        for b in range(len(self.buckets)):
+            if self._spilled(b):
+                t = self.spill.term(b, norm_type)
+                yield t if t is not None else term_of(self.shard(b))
+            else:
+                yield term_of(self.shard(b))
+
+    def all_finite(self) -> bool:
+        for b in range(len(self.buckets)):
+            known = self.spill.finite(b) if self._spilled(b) else None
+            if known is None:
+                g = self.shard(b)
+                known = not g.numel() or bool(torch.isfinite(g).all())
+            if not known:
+                return False
+        return True
 
     def _accum(self, b: int) -> torch.Tensor:
         acc = self.accum[b]
@@ -122,7 +195,9 @@ class GradientReducer:
     @property
     def shards(self) -> list[torch.Tensor]:
         """The owned shard of each bucket's gradient (views into the accumulators, allocated as
-        zeros where no gradient exists)."""
+        zeros where no gradient exists; spilled ones read back: copies, all at once)."""
+        if self.spill is not None:
+            return [self.shard(b) for b in range(len(self.buckets))]
         if self.shard_gradients:
             return [self._accum(b) for b in range(len(self.buckets))]
         return [self._accum(b)[slice(*bucket.shard_range(self.rank))] for b, bucket in enumerate(self.buckets)]
@@ -249,7 +324,8 @@ class GradientReducer:
             buf.div_(self.world_size)
         # Accumulators that are zero (no gradients since zero()) take the result directly: no
         # second shard-sized output per bucket alive until the pass ends.
-        direct = self.shard_gradients and not self.has_grads and self.accum_dtypes[b] == bucket.dtype
+        direct = (self.shard_gradients and not self.has_grads and self.accum_dtypes[b] == bucket.dtype
+                  and not self._spilled(b))
         if self.shard_gradients and self.owner_collectives:
             lo, hi = bucket.shard_range(self.rank)
             out = buf[lo:hi]
@@ -276,7 +352,9 @@ class GradientReducer:
         for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
             entry.work.wait()
             entry.work = None  # the work references the input
-            if entry.out.untyped_storage().data_ptr() == entry.buf.untyped_storage().data_ptr():
+            if self._spilled(entry.bucket):
+                self._stage(entry)  # before the input is recycled: the result may be a view of it
+            elif entry.out.untyped_storage().data_ptr() == entry.buf.untyped_storage().data_ptr():
                 # Per-owner reduce: the shard is a view of the input. Into a zero accumulator
                 # it goes directly, else it is kept aside until the pass succeeds.
                 b = entry.bucket
@@ -301,8 +379,14 @@ class GradientReducer:
                     entry.work = None
             for entry in self._inflight:  # all collectives succeeded: now update the accumulators
                 b = entry.bucket
-                scale = (1.0 if self._direct or self.buckets[b].dtype == torch.float16
-                         else 1.0 / self.world_size)
+                scale = self._scale_of(b)
+                if self._spilled(b):
+                    if not entry.staged:
+                        self._stage(entry)
+                    entry.out = None
+                    if entry.buf is not None:
+                        self._recycle_input(entry)
+                    continue
                 if (entry.out is not self.accum[b] and not self.has_grads
                         and self.accum_dtypes[b] == entry.out.dtype):
                     # No gradient yet: the accumulator is the scaled result, no zero fill + add.
@@ -315,6 +399,8 @@ class GradientReducer:
                 entry.out = None
                 if entry.buf is not None:
                     self._recycle_input(entry)
+            if self.spill is not None:
+                self.spill.commit()  # the pass's spilled gradients become the gradients
             self.usage.commit(self._pass_used)
             self.has_grads = True
             self.local_pending = False
@@ -328,6 +414,8 @@ class GradientReducer:
         """End a pass that failed: wait for what it launched, put the accumulators back as they
         were (no gradient: freed, where results went straight into them) and forget its buffers."""
         self._drain()
+        if self.spill is not None:
+            self.spill.discard()  # the previous gradients (other files) stay
         if not self.has_grads:
             self.accum = [None] * len(self.buckets)
         self._reset_pass()
@@ -358,6 +446,8 @@ class GradientReducer:
         """zero_grad: free the accumulators (set_to_none) or keep them as zeros."""
         if self._in_pass:
             self._abandon_pass()  # a backward that raised left it open
+        if self.spill is not None:
+            self.spill.clear()
         if set_to_none:
             self.accum = [None] * len(self.buckets)
         else:

@@ -88,8 +88,11 @@ class Bucket:
         """Stage 3 between uses: every parameter becomes its 1-D piece of `shard` (possibly
         empty). The views are built once (this runs after every unit's forward and backward)."""
         views = self.__dict__.get("_shard_views")
-        if views is None or views[0] is not self.shard:
-            views = (self.shard, [self.shard[p.shard_lo:p.shard_hi] for p in (self.piece(e, rank) for e in self.entries)])
+        # Keyed on the storage too: an offloaded shard (zeroplus.offload) is emptied and
+        # re-pointed, and its parameters must then view the empty tensor, not the old buffer.
+        key = (self.shard.data_ptr(), self.shard.numel())
+        if views is None or views[0] is not self.shard or views[2] != key:
+            views = (self.shard, [self.shard[p.shard_lo:p.shard_hi] for p in (self.piece(e, rank) for e in self.entries)], key)
             self.__dict__["_shard_views"] = views
         for e, view in zip(self.entries, views[1]):
             e.param.data = view

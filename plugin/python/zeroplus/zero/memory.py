@@ -17,6 +17,11 @@ Categories (bytes on this rank):
                          (optimizer state in memory while a bucket is read, stepped or written)
   offload_peak_buffers   the most such buffers held at once so far
   offload_disk           bytes the swap files take on disk
+  offload_param_buffers  stage 3 with offload_param on NVMe: the parameter swapper's pooled shard
+                         buffers (the only parameter shards in memory; gathered units are counted
+                         in gathered_parameters)
+  offload_param_peak_buffers  the most such buffers held at once so far
+  offload_param_disk     bytes the parameter swap files take on disk
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["communication_buffers"] = ours["communication_buffers"]
         report["pooled_buffers"] = ours["pooled_buffers"]
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
-                    "offload_buffers", "offload_peak_buffers", "offload_disk"):  # stage 3; offload
+                    "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
+                    "offload_param_peak_buffers", "offload_param_disk"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -96,7 +102,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
 
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,
                     optimizer: str = "adam", offload_optimizer: str = "none", buffer_count: int = 4,
-                    bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS) -> dict[str, float]:
+                    bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS, offload_param: str = "none",
+                    param_buffer_count: int = 5) -> dict[str, float]:
     """Model-state bytes per rank by the ZeRO paper's accounting: parameters and gradients in the
     compute dtype (2 bytes with mixed precision, else 4), an fp32 master copy only with mixed
     precision (4), optimizer state (Adam: 8). Stage 1 shards master + state, stage 2 also
@@ -108,7 +115,13 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     bucket_elems elements: reduce_bucket_size, or the largest parameter when one is larger; at
     stage 3 the largest gather unit's elements) and `resident`
     (model state left in memory + offload_buffers). "cpu" on CPU training changes nothing
-    (`nvme` 0, `resident` = model_state)."""
+    (`nvme` 0, `resident` = model_state).
+
+    offload_param="nvme" (stage 3 only) moves the parameter shards (compute dtype) and their
+    gradient shards to the swap files too: `nvme` adds the parameters and twice the gradients (two
+    gradient files per bucket, docs/offload.md) (+ 4 KiB per record), `offload_param_buffers` is
+    the parameter swapper's pool (param_buffer_count records of the largest gather unit's shard,
+    bucket_elems elements) and `resident` drops parameters and gradients and adds that pool."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -121,9 +134,14 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         raise ValueError(f"estimate_memory: optimizer must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}")
     if offload_optimizer not in ("none", "cpu", "nvme"):
         raise ValueError(f"estimate_memory: offload_optimizer must be 'none', 'cpu' or 'nvme', got {offload_optimizer!r}")
+    if offload_param not in ("none", "cpu", "nvme"):
+        raise ValueError(f"estimate_memory: offload_param must be 'none', 'cpu' or 'nvme', got {offload_param!r}")
+    if offload_param != "none" and stage != 3:
+        raise ValueError(f"estimate_memory: offload_param applies to stage 3 only, got stage={stage!r}")
     if offload_optimizer == "nvme" and stage == 0:
         raise ValueError("estimate_memory: offload_optimizer='nvme' needs a ZeRO stage (1-3), got stage=0")
-    for key, value in (("buffer_count", buffer_count), ("bucket_elems", bucket_elems)):
+    for key, value in (("buffer_count", buffer_count), ("bucket_elems", bucket_elems),
+                       ("param_buffer_count", param_buffer_count)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"estimate_memory: {key} must be an int >= 1, got {value!r}")
     n, psi = world_size, float(num_params)
@@ -145,4 +163,11 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         out["resident"] = out["model_state"] - moved + out["offload_buffers"]
     else:
         out["nvme"], out["offload_buffers"], out["resident"] = 0.0, 0.0, out["model_state"]
+    out["offload_param_buffers"] = 0.0
+    if offload_param == "nvme":
+        buckets = -(-psi // bucket_elems) if psi else 0
+        record = -(-(4096 + -(-bucket_elems // n) * p) // 4096) * 4096
+        out["offload_param_buffers"] = float(min(param_buffer_count, max(buckets, 1)) * record)
+        out["nvme"] += out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
+        out["resident"] += out["offload_param_buffers"] - out["parameters"] - out["gradients"]
     return out

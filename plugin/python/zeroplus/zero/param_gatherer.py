@@ -91,12 +91,17 @@ class _UnitState:
         self.has_frozen = any(not p.requires_grad for p in owned)
         self.grads_seen: set[int] = set()
         self.rank = rank
+        self.pinned: list[Bucket] = []  # offloaded shards pinned for the in-flight all-gather
 
 
 class ParameterGatherer:
     def __init__(self, units: list[Unit], buckets: list[Bucket], group, rank: int, backward: BackwardPass, *,
-                 prefetch_elems: int | None, max_live_elems: int, reshard_after_forward: bool):
+                 prefetch_elems: int | None, max_live_elems: int, reshard_after_forward: bool,
+                 shard_store=None):
+        """shard_store: where offloaded shards live (zeroplus.offload's ParamSwapper: offloads,
+        pin, unpin, read_ahead), or None: every shard is in memory (`bucket.shard`)."""
         self.units = units
+        self.store = shard_store
         self.group = group
         by_unit: dict[int, list[Bucket]] = {u.index: [] for u in units}
         for b in buckets:
@@ -323,6 +328,10 @@ class ParameterGatherer:
         st.prefetched = False  # in use now: no longer "ahead"
         if self._on_track[kind]:
             self._prefetch(order, position + 1)
+            if self.store is not None:
+                # Offloaded shards: read the records of the units predicted next (beyond the
+                # all-gathers just issued) while this one computes, as far as free buffers go.
+                self.store.read_ahead([b for j in order[position + 1:] for b in self.states[j].buckets])
         self._complete(st)
 
     def _prefetch(self, order: list[int], start: int) -> None:
@@ -345,20 +354,41 @@ class ParameterGatherer:
             ahead.append(st)
             ahead_elems += st.numel
 
+    def _shard_of(self, st: _UnitState, b: Bucket) -> torch.Tensor:
+        """This rank's shard of b, resident (an offloaded one is pinned until _unpin)."""
+        if self.store is None or not self.store.offloads(b):
+            return b.shard
+        shard = self.store.pin(b)
+        st.pinned.append(b)
+        return shard
+
+    def _unpin(self, st: _UnitState) -> None:
+        pinned, st.pinned = st.pinned, []
+        for b in pinned:
+            self.store.unpin(b)
+
     def _issue(self, st: _UnitState) -> None:
         st.works = []
         try:
             for b in st.buckets:
-                b.flat = self.pool.take(b.numel, b.shard.dtype, b.shard.device)
+                b.flat = self.pool.take(b.numel, b.dtype, b.device)
+                shard = self._shard_of(st, b)
                 if self.broadcast_gather:
                     # This rank's slice of the output is its shard: copy it, then one broadcast per owner.
                     lo, hi = b.shard_range(self.rank)
-                    b.flat[lo:hi].copy_(b.shard)
+                    b.flat[lo:hi].copy_(shard)
                     st.works.append(comm.broadcast_from_owners(b.flat, b.shard_numel, self.group, self.world_size))
                 else:
-                    st.works.append(comm.all_gather(b.flat, b.shard, self.group, async_op=True))
+                    st.works.append(comm.all_gather(b.flat, shard, self.group, async_op=True))
+                del shard
         except BaseException:
-            st.works = []
+            works, st.works = st.works, []
+            try:
+                _wait_all(works)  # nothing may still read a pinned shard or write a buffer
+            except BaseException:
+                pass
+            del works
+            self._unpin(st)
             for b in st.buckets:  # the unit stays RELEASED: its buffers are not in use
                 if b.flat is not None:
                     flat, b.flat = b.flat, None
@@ -374,6 +404,7 @@ class ParameterGatherer:
         works, st.works = st.works, []
         _wait_all(works)
         del works
+        self._unpin(st)
         for j, b in enumerate(st.buckets):
             b.show_full()
             self._flat_of_storage[b.flat.untyped_storage().data_ptr()] = (self.states.index(st), j)
@@ -387,6 +418,7 @@ class ParameterGatherer:
             _wait_all(works)  # IN_FLIGHT: the gather must be done before its buffer is reused
         finally:
             del works  # a work keeps its tensors referenced: the buffer would not be pooled
+            self._unpin(st)  # before show_shard: an offloaded shard is empty again
             for b in st.buckets:
                 b.show_shard(st.rank)
             for b in st.buckets:

@@ -92,6 +92,15 @@ class ReplicatedParams:
     def before_publish(self) -> None:
         """Before any parameter changes: nothing is gathered, nothing to release."""
 
+    def before_bucket_step(self, i: int) -> bool:
+        return True  # masters are in memory (or in the optimizer store, which fetch handles)
+
+    def end_step(self) -> None:
+        pass
+
+    def gradient_shard(self, i: int, reducer):
+        return reducer.shard(i)
+
     def publish(self, i: int):
         """Bucket i's new master values into its parameters on every rank: the all-gather's work."""
         engine = self.engine

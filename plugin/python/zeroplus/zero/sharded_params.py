@@ -9,6 +9,7 @@ gradients, the step loop and state; a placement owns where parameters live). Its
     sharded_init.py    (with deferred.py) a model built under zeroplus.init_context(): shards
                        from the start, gathered back one unit at a time by materialize.py
     full_state.py      full state dicts gathered unit by unit; loading a full dict into shards
+    ../offload/param_swapper.py  offload_param "nvme": the shards live in files between uses
 
 Layout: each unit's parameters form their own buckets (keys: unit, param group, dtype,
 persistent, trainable), so a unit is gathered with one all-gather per bucket and its gradients
@@ -18,6 +19,14 @@ style: reduce-scatter, then all-gather after the step), which saves a collective
 tensor. Between steps every other parameter's .data is this rank's slice of it (1-D, possibly
 empty); inside forward and backward it is the full tensor. After a step only persistent buckets
 are all-gathered; the others are gathered at their next use.
+
+Parameter offload (offload_param device "nvme", docs/offload.md): every non-persistent bucket's
+shard is written to this rank's parameter store as it is built and is empty between uses (so are
+the module's parameters); the gatherer pins a shard for its all-gather and reads the next
+predicted ones ahead. The step pins a bucket's shard before its optimizer runs when the shard is
+the fp32 master itself and writes the updated shard back at publish: once, in place (fp32), or
+cast from the master (mixed precision). A shard that cannot be read (before_bucket_step) is not
+stepped; its error is raised by end_step after the step's last collective.
 
 Reads the engine's public attributes (process_group, rank, world_size, compute_dtype, module,
 param_groups, buckets, masters, backward_pass); called by the engine only.
@@ -29,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, materialize, sharded_init
+from ..offload import make_grad_spill, make_param_store
 from .heap import return_freed_memory
 from .layout import plan_segments
 from .param_gatherer import ParameterGatherer
@@ -46,6 +56,13 @@ class ShardedParams:
         self.frozen_buckets = []  # frozen parameters: sharded and gathered too, never stepped
         self.gatherer: ParameterGatherer | None = None  # made by attach()
         self.target_device = None
+        self.param_store = None       # offload_param "nvme": the ParamSwapper (made by plan_layout)
+        self._store_prepared = None
+        self._step_errors: list[OSError] = []
+
+    def use_param_store(self, prepared) -> None:
+        """zeroplus.offload.prepare_param_store's result (before plan_layout)."""
+        self._store_prepared = prepared
 
     def check_module(self, name: str, trainable) -> None:
         engine = self.engine
@@ -92,6 +109,8 @@ class ShardedParams:
         for i, b in enumerate(trainable_buckets):
             b.index = i
         self.frozen_buckets = frozen
+        self.param_store = make_param_store(self._store_prepared,
+                                            [b for b in trainable_buckets + frozen if not b.persistent])
         return trainable_buckets
 
     def build_flat_buffers(self) -> list[torch.Tensor]:
@@ -123,7 +142,6 @@ class ShardedParams:
                     own = b.flat[lo:hi]
                 else:
                     b.shard = flat[lo:hi].to(b.dtype, copy=True)
-                    b.show_shard(engine.rank)
                     master_src = flat[lo:hi]
                     own = b.shard
                 for e in b.entries:
@@ -133,9 +151,15 @@ class ShardedParams:
                         masters[id(b)] = own  # fp32: the master is this rank's slice itself
                     else:
                         masters[id(b)] = master_src.to(torch.float32, copy=True)
+                if not b.persistent:
+                    if self.param_store is not None:
+                        self.param_store.put_initial(b, b.shard)  # b.shard is empty from now on
+                    b.show_shard(engine.rank)
                 del flat, master_src, own
             return_freed_memory()
         materializer.finish()
+        if self.param_store is not None:
+            self.param_store.finish_initial()
         return [masters[id(b)] for b in engine.buckets]
 
     def sync_unmanaged(self, trainable) -> None:
@@ -148,11 +172,17 @@ class ShardedParams:
     def attach(self) -> None:
         """After the engine's reducer exists: the gatherer joins the backward pass after it."""
         engine, policy = self.engine, self.policy
+        if self.param_store is not None:
+            # Gradients of offloaded buckets are spilled beside their parameter records.
+            spilled = {i: (engine.reducer.accum_dtypes[i], b.shard_numel) for i, b in enumerate(engine.buckets)
+                       if self.param_store.offloads(b)}
+            engine.reducer.attach_spill(make_grad_spill(self.param_store, spilled))
         self.gatherer = ParameterGatherer(self.units, list(engine.buckets) + self.frozen_buckets,
                                           engine.process_group, engine.rank, engine.backward_pass,
                                           prefetch_elems=policy.prefetch_bucket_size,
                                           max_live_elems=policy.max_live_parameters,
-                                          reshard_after_forward=policy.reshard_after_forward)
+                                          reshard_after_forward=policy.reshard_after_forward,
+                                          shard_store=self.param_store)
 
     def before_publish(self) -> None:
         # The shards change now. A unit still gathered (held by a forward whose backward never
@@ -160,11 +190,70 @@ class ShardedParams:
         # next use gathers the new ones.
         self.gatherer.release_all()
 
+    def _master_is_offloaded_shard(self, i: int) -> bool:
+        b = self.engine.buckets[i]
+        return self.param_store is not None and self.param_store.offloads(b) and self.engine.masters[i] is b.shard
+
+    def before_bucket_step(self, i: int) -> bool:
+        """Makes bucket i's master resident where it is an offloaded shard (fp32); False: it
+        could not be read, the bucket must not step (the error is raised by end_step)."""
+        if not self._master_is_offloaded_shard(i):
+            return True
+        b = self.engine.buckets[i]
+        try:
+            self.param_store.pin(b)
+        except OSError as e:
+            self._step_errors.append(e)
+            return False
+        self.engine.bucket_optimizers[i].point_master(b.shard)
+        return True
+
+    def gradient_shard(self, i: int, reducer):
+        """Bucket i's gradient shard for its step, or None: a spilled one could not be read (the
+        error is raised by end_step, after the step's last collective; the bucket does not step,
+        and a master pinned for it is released unchanged)."""
+        try:
+            return reducer.shard(i)
+        except OSError as e:
+            self._step_errors.append(e)
+            b = self.engine.buckets[i]
+            if self._master_is_offloaded_shard(i) and self.param_store.pinned(b):
+                self.param_store.unpin(b)
+                self.engine.bucket_optimizers[i].point_master(b.shard)
+            return None
+
+    def end_step(self) -> None:
+        """Waits for the step's shard writes; raises the step's parameter-store errors."""
+        errors, self._step_errors = self._step_errors, []
+        if self.param_store is not None:
+            # A step that raised between before_bucket_step and publish left a master pinned:
+            # released unchanged (its record on disk is still the current one).
+            for i, b in enumerate(self.engine.buckets):
+                if self._master_is_offloaded_shard(i) and self.param_store.pinned(b):
+                    self.param_store.unpin(b)
+                    self.engine.bucket_optimizers[i].point_master(b.shard)
+            try:
+                self.param_store.end_step()
+            except OSError as e:
+                errors.append(e)
+        if errors:
+            first = errors[0]
+            more = "".join(f"\n  also: {e.strerror}" for e in errors[1:])
+            raise type(first)(first.errno, f"{first.strerror}{more}", first.filename)
+
     def publish(self, i: int):
         """The new master into this rank's shard; only persistent buckets are all-gathered now
         (the others at their next use)."""
         engine = self.engine
         b, master = engine.buckets[i], engine.masters[i]
+        if self.param_store is not None and self.param_store.offloads(b):
+            if master is not b.shard:
+                self.param_store.write(b, master)  # mixed precision: the master cast into a record
+            elif self.param_store.pinned(b):  # fp32: the master is the pinned shard, written once
+                self.param_store.write(b, None)
+                self.param_store.unpin(b)
+                engine.bucket_optimizers[i].point_master(b.shard)  # the segments let go of the buffer
+            return None  # (an fp32 master not pinned was not stepped: its record is current)
         lo, hi = b.shard_range(engine.rank)
         own = b.flat[lo:hi] if b.persistent else b.shard
         if master.data_ptr() != own.data_ptr():
@@ -178,4 +267,8 @@ class ShardedParams:
         out["pooled_buffers"] += self.gatherer.pool.pooled_bytes
         out["peak_gathered_parameters"] = self.gatherer.peak_live_elems * max(
             (b.shard.element_size() for b in self.engine.buckets if b.shard is not None), default=4)
+        if self.param_store is not None:
+            out.update(offload_param_buffers=self.param_store.buffer_bytes,
+                       offload_param_peak_buffers=self.param_store.peak_buffer_bytes,
+                       offload_param_disk=self.param_store.disk_bytes())
         return out

@@ -1,0 +1,220 @@
+"""Gradient shards of NVMe-offloaded stage-3 parameters, kept in files between backward and step.
+
+With offload_param "nvme" the gradient reducer (zero/grad_reducer.py) hands each offloaded
+bucket's reduced gradient shard to this spill as soon as its collective is done, instead of
+keeping it as an accumulator; the step reads it back one bucket at a time. So no more than a few
+buckets' gradients are in memory at once, never the model's (4 bytes x parameters / ranks in
+fp32).
+
+Per bucket two record files, `grad-bNNNNN-0.swp` and `-1.swp` (record.py: generation and
+checksums), used alternately: a backward pass writes its results as the *pending* generation
+into the file the committed one is not in, and only when the whole pass succeeded (commit) does
+the pending generation become the gradient. A pass that fails (discard) leaves the previous
+gradient, and its file, untouched: the reducer's "accumulators as before the pass" contract.
+
+What the engine needs without reading every shard back is computed when a shard is staged: the
+per-bucket clipping terms (sum of squares for the 2-norm, max |g| for the inf-norm, exactly as
+clipping.local_term computes them on the in-memory shard) and whether it is finite (fp16's
+overflow check). Scaling the gradients (clipping, unscaling) is recorded as a list of factors
+applied, in order and with the same in-place multiply, when a shard is loaded: the bits are those
+of the in-memory run. Terms computed before a scaling are stale after it; callers then load.
+
+Errors are OSError naming the file, the bucket and the rank: a failed write raises from commit()
+(the backward pass fails and is abandoned, the previous gradient intact), a failed read or a bad
+record from load(). Not thread-safe: the autograd thread stages and commits, the training thread
+loads; they never overlap (backward and step alternate).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import math
+
+import torch
+
+from ..aio import AioHandle
+from . import record
+from .nvme_store import SwapDirectory
+from .policy import OffloadPolicy
+
+_KEY = (-3, "grad")
+
+
+class _Bucket:
+    def __init__(self, index: int, layout: record.Layout):
+        self.index = index
+        self.layout = layout
+        self.io_paths: list[str | None] = [None, None]
+        self.generation = 0            # the last committed generation (monotonic: names the record)
+        self.valid = False             # a gradient is committed (False: zeros, e.g. after zero_grad)
+        self.pending: int | None = None
+        self.stats: dict | None = None     # of the committed gradient, before `scales`
+        self.pending_stats: dict | None = None
+        self.scales: list[torch.Tensor] = []  # applied in order at load
+
+    def name(self, generation: int) -> str:
+        return f"grad-b{self.index:05d}-{generation % 2}.swp"
+
+
+def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
+    """One shard's contribution to the global norm (zero/clipping.local_term's, bit for bit; it
+    is repeated here because imports point from zero/ to offload/, not back)."""
+    if not shard.numel():
+        return None
+    if math.isinf(norm_type):
+        return shard.detach().abs().max().to(torch.float32)
+    return torch.linalg.vector_norm(shard.detach(), norm_type, dtype=torch.float32) ** norm_type
+
+
+class GradSpill:
+    def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, buckets: dict):
+        """buckets: {reducer bucket index: (dtype, shard_numel)} of the spilled buckets."""
+        self.policy = policy
+        self.rank = rank
+        self.directory = directory
+        knobs = dict(block_size=policy.aio.block_size, queue_depth=policy.aio.queue_depth,
+                     threads=policy.aio.threads)
+        self._io = AioHandle(**knobs)
+        self._buckets = {b: _Bucket(b, record.Layout.build([(*_KEY, dtype, numel)]))
+                         for b, (dtype, numel) in buckets.items()}
+        self._writing: list[tuple[_Bucket, torch.Tensor]] = []  # (bucket, buffer) of writes in flight
+        self._errors: list[OSError] = []
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.peak_buffer_bytes = 0
+        self._buffer_bytes = 0
+
+    def spills(self, b: int) -> bool:
+        return b in self._buckets
+
+    def has(self, b: int) -> bool:
+        return self._buckets[b].valid
+
+    # -- backward: stage, then commit or discard ---------------------------------------------------
+
+    def stage(self, b: int, value: torch.Tensor) -> None:
+        """The pass's new gradient of bucket b (written as the pending generation)."""
+        h = self._buckets[b]
+        h.pending_stats = {"2": local_term(value, 2.0), "inf": local_term(value, math.inf),
+                           "finite": bool(torch.isfinite(value).all())}
+        if len(self._writing) >= self.policy.buffer_count:
+            self._drain()
+        generation = h.generation + 1
+        buf = self._io.new_cpu_locked_tensor(-(-h.layout.record_bytes // 4096) * 4096, torch.uint8)
+        self._buffer_bytes += buf.numel()
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buffer_bytes)
+        h.layout.view(buf, h.layout.slots[0]).copy_(value.reshape(-1))
+        record.seal(buf, h.layout, h.index, self.rank, generation)
+        h.pending = generation
+        slot = generation % 2
+        try:
+            if h.io_paths[slot] is None:
+                h.io_paths[slot] = self.directory.create(h.name(generation), h.layout.record_bytes)
+            self._io.async_pwrite(buf[:h.layout.record_bytes], h.io_paths[slot])
+        except OSError as e:
+            self._buffer_bytes -= buf.numel()
+            self._errors.append(self._named(e, h, generation, "writing"))
+            return
+        self._writing.append((h, buf))
+
+    def commit(self) -> None:
+        """The pass succeeded everywhere: pending generations become the gradients. Raises the
+        pass's write errors (then nothing is committed: call discard)."""
+        self._drain()
+        if self._errors:
+            errors, self._errors = self._errors, []
+            first = errors[0]
+            raise type(first)(first.errno, first.strerror + "".join(f"\n  also: {e.strerror}" for e in errors[1:]),
+                              first.filename)
+        for h in self._buckets.values():
+            if h.pending is not None:
+                h.generation, h.pending, h.valid = h.pending, None, True
+                h.stats, h.pending_stats, h.scales = h.pending_stats, None, []
+
+    def discard(self) -> None:
+        try:
+            self._drain()
+        except OSError:
+            pass
+        self._errors = []
+        for h in self._buckets.values():
+            h.pending, h.pending_stats = None, None
+
+    def clear(self) -> None:
+        """zero_grad: every gradient is zero again (the files stay, for the next pass)."""
+        self.discard()
+        for h in self._buckets.values():
+            h.valid, h.stats, h.scales = False, None, []
+
+    # -- the step: read back, one bucket at a time --------------------------------------------------
+
+    def load(self, b: int) -> torch.Tensor | None:
+        """Bucket b's gradient shard (a fresh tensor the caller owns, scalings applied), or None
+        when it has none (zeros). Raises OSError naming the file."""
+        h = self._buckets[b]
+        if not h.valid:
+            return None
+        path = h.io_paths[h.generation % 2]
+        buf = self._io.new_cpu_locked_tensor(-(-h.layout.record_bytes // 4096) * 4096, torch.uint8)
+        try:
+            self._io.sync_pread(buf[:h.layout.record_bytes], path)
+            record.check(buf, h.layout, h.index, self.rank, h.generation)
+        except (OSError, record.RecordError) as e:
+            raise self._named(e, h, h.generation, "reading") from None
+        self.bytes_read += h.layout.record_bytes
+        value = h.layout.view(buf, h.layout.slots[0])
+        for coef in h.scales:
+            value.mul_(coef.to(value.dtype))
+        return value
+
+    def term(self, b: int, norm_type: float) -> torch.Tensor | None:
+        """The clipping term of bucket b's gradient without reading it, or None (load it)."""
+        h = self._buckets[b]
+        if not h.valid or h.stats is None or h.scales:
+            return None
+        key = "inf" if math.isinf(norm_type) else ("2" if norm_type == 2.0 else None)
+        return None if key is None else h.stats[key]
+
+    def finite(self, b: int) -> bool | None:
+        h = self._buckets[b]
+        if not h.valid or h.stats is None or h.scales:
+            return None
+        return h.stats["finite"]
+
+    def scale_all(self, coef: torch.Tensor) -> None:
+        for h in self._buckets.values():
+            if h.valid:
+                h.scales.append(coef.detach().clone())
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        if not self._writing:
+            return
+        writing, self._writing = self._writing, []
+        try:
+            self._io.wait()
+        except OSError as e:
+            by_path = {h.io_paths[(h.pending or 0) % 2]: h for h, _ in writing}
+            h = by_path.get(e.filename, writing[0][0])
+            g = h.pending or h.generation + 1
+            self._errors.append(self._named(e, h, g, "writing"))
+        else:
+            self.bytes_written += sum(h.layout.record_bytes for h, _ in writing)
+        finally:
+            self._buffer_bytes -= sum(buf.numel() for _, buf in writing)
+
+    def _named(self, e: BaseException, h: _Bucket, generation: int, doing: str) -> OSError:
+        path = self.directory.display_path(h.name(generation))
+        if isinstance(e, record.RecordError):
+            code, why = errno_mod.EBADMSG, f"the record is invalid: {e}"
+        else:
+            code = getattr(e, "errno", None) or errno_mod.EIO
+            why = getattr(e, "strerror", None) or str(e)
+        cls = type(e) if isinstance(e, OSError) else OSError
+        msg = (f"offload_param: {doing} gradient file {path!r} (gradient bucket {h.index}, rank {self.rank}) "
+               f"failed: {why}")
+        try:
+            return cls(code, msg, path)
+        except TypeError:
+            return OSError(code, msg, path)

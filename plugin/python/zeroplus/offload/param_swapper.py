@@ -1,0 +1,380 @@
+"""NVMe parameter swapper (stage 3, offload_param device "nvme"): parameter shards live in files.
+
+Every non-persistent stage-3 bucket's shard (this rank's slice of the bucket's parameters, in
+the compute dtype) is one record (record.py: 4 KiB header with generation and checksums, then
+the shard) in `param-bNNNNN.swp` in this rank's private swap directory (nvme_store.py). Between
+uses the bucket's `shard` tensor is empty (its identity is kept: the parameters, the gatherer
+and, in fp32 training, the optimizer's master all hold that one tensor object) and the module's
+parameters are empty 1-D views. The swapper makes a shard resident only while someone uses it:
+
+    read_ahead(buckets)  the gatherer, in its recorded prefetch order: start reading the next
+                         buckets' records into free pool buffers (never evicting anything);
+    pin(bucket)          wait for (or start) the read, check the record, point `shard` at it;
+                         returns the shard (a view into a pooled, page-locked buffer);
+    unpin(bucket)        the user is done (its all-gather finished): `shard` is emptied and the
+                         buffer goes back to the pool;
+    write(bucket, src)   after the step: the new shard (src: the fp32 master, cast; None: the
+                         pinned shard itself holds it, fp32 training where the master IS the
+                         shard, so the bytes are written once, here, and never by the optimizer
+                         swapper) is sealed as the next generation and written asynchronously;
+                         the buffer stays busy until the write completes.
+
+Memory: pooled buffers, each one record (page-rounded), at most `buffer_count` x the largest
+record in bytes (`budget_bytes`). Pins beyond that (more shards in use at once than the budget
+holds) allocate above the budget rather than fail; peak_buffer_bytes reports it. So the resident
+parameter bytes are about buffer_count x the largest shard, not the model's.
+
+Faults (docs/offload.md "Faults"): a record that fails its checks (torn or lost write, flipped
+bit, another bucket's file) or a failed read raises OSError (EBADMSG for a bad record) naming the
+file, the bucket and the rank from pin(), i.e. from the forward/backward that needed the
+parameters; half-written data is never used. A failed write (ENOSPC, EIO, the file removed)
+keeps the new record in memory (its buffer stays, beyond the budget if need be: it is the only
+copy) and is raised by end_step(), after the step's last collective; the next write of that
+bucket writes it again, so training continues once space is freed.
+Not thread-safe: the engine's training thread calls it.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..aio import AioHandle
+from . import record
+from .nvme_store import SwapDirectory
+from .policy import OffloadPolicy
+
+_KEY = (-2, "param")  # the shard's slot in a record (segment -2: not an optimizer segment)
+_KEPT = ("; the new parameter shard is kept in memory and written again at the bucket's next step "
+         "(free space, then continue training)")
+
+
+@dataclass
+class _Home:
+    index: int
+    name: str
+    layout: record.Layout
+    shard: torch.Tensor | None = None  # the bucket's shard tensor (identity kept; .data swapped)
+    io_path: str | None = None
+    generation: int = 0
+    buffer: torch.Tensor | None = None
+    reading: bool = False          # an async read into `buffer` was issued
+    checked: bool = False          # `buffer` holds this generation's record, verified
+    writing: bool = False
+    dirty: bool = False            # `buffer` holds a record not (yet) on disk
+    pins: int = 0
+
+    def busy(self) -> bool:
+        return self.reading or self.writing or self.dirty or self.pins > 0
+
+
+class ParamSwapper:
+    def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, buckets: list):
+        if not isinstance(policy, OffloadPolicy) or policy.device != "nvme" or policy.what != "offload_param":
+            raise ValueError("ParamSwapper: needs an offload_param OffloadPolicy with device 'nvme'")
+        self.policy = policy
+        self.rank = rank
+        self.directory = directory
+        knobs = dict(block_size=policy.aio.block_size, queue_depth=policy.aio.queue_depth,
+                     threads=policy.aio.threads)
+        self._reader = AioHandle(**knobs)
+        self._writer = AioHandle(**knobs)
+        self._homes: dict[int, _Home] = {}
+        for i, b in enumerate(buckets):
+            layout = record.Layout.build([(*_KEY, b.dtype, b.shard_numel)])
+            self._homes[id(b)] = _Home(i, f"param-b{i:05d}.swp", layout)
+        self._by_path: dict[str, _Home] = {}
+        records = [h.layout.record_bytes for h in self._homes.values()]
+        self.buffer_size = -(-max(records, default=4096) // 4096) * 4096  # the largest record's buffer
+        self.budget_bytes = policy.buffer_count * self.buffer_size
+        self._free: list[torch.Tensor] = []
+        self.buffer_bytes = 0    # allocated (free + in use)
+        self.peak_buffer_bytes = 0
+        self._errors: list[OSError] = []
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.read_wait_s = 0.0
+        self.write_wait_s = 0.0
+        self.checksum_s = 0.0
+        self.reads_ahead = 0   # records read ahead (issued before their pin)
+        self.reads_on_demand = 0
+
+    def offloads(self, bucket) -> bool:
+        return id(bucket) in self._homes
+
+    # -- construction: the first record of every bucket ------------------------------------------
+
+    def put_initial(self, bucket, values: torch.Tensor) -> None:
+        """The bucket's first shard (at construction); `bucket.shard` is emptied. Raises OSError
+        naming the file (nothing else to keep: the engine is not built)."""
+        h = self._homes[id(bucket)]
+        h.shard = bucket.shard
+        self._raise_errors()
+        buf = self._acquire(h.layout.record_bytes)
+        self._view(h, buf).copy_(values.reshape(-1))
+        h.buffer, h.dirty = buf, True
+        self._start_write(h)
+        h.shard.data = torch.empty(0, dtype=h.shard.dtype)
+
+    def finish_initial(self) -> None:
+        self._drain_writes()
+        self._raise_errors()
+
+    # -- the gather path ----------------------------------------------------------------------------
+
+    def read_ahead(self, buckets) -> None:
+        """Start reading these buckets' records (in this order) while a buffer is free."""
+        for b in buckets:
+            h = self._homes.get(id(b))
+            if h is None or h.buffer is not None or h.io_path is None:
+                continue
+            buf = self._try_acquire(h.layout.record_bytes)
+            if buf is None:
+                return
+            try:
+                self._read_into(h, buf)
+            except OSError:
+                self._give(buf)  # refused at the call: pin reads again and reports
+                continue
+            self.reads_ahead += 1
+
+    def pin(self, bucket) -> torch.Tensor:
+        """The bucket's shard, resident and checked (see the module doc). Raises OSError."""
+        h = self._homes[id(bucket)]
+        if h.writing:
+            self._drain_writes()  # the caller may change the shard in place (the fp32 master)
+        if h.buffer is None:
+            buf = self._acquire(h.layout.record_bytes)
+            try:
+                self._read_into(h, buf)
+            except OSError as e:
+                self._give(buf)
+                raise self._named(e, h, "reading") from None
+            self.reads_on_demand += 1
+        if h.reading:
+            t0 = time.perf_counter()
+            try:
+                self._reader.wait()
+            except OSError as e:
+                # wait() reports the first failure of the batch: every record read with it is
+                # dropped (read again when pinned), and this one is read once more for its own
+                # error.
+                self._drop_reads()
+                if e.filename is None or self._by_path.get(e.filename, h) is h:
+                    raise self._named(e, h, "reading") from None
+                return self.pin(bucket)
+            finally:
+                self.read_wait_s += time.perf_counter() - t0
+            for other in self._homes.values():
+                other.reading = False
+        if not h.checked:
+            t0 = time.perf_counter()
+            try:
+                record.check(h.buffer, h.layout, h.index, self.rank, h.generation)
+            except record.RecordError as e:
+                buf, h.buffer = h.buffer, None
+                self._give(buf)
+                raise self._named(e, h, "reading") from None
+            finally:
+                self.checksum_s += time.perf_counter() - t0
+            h.checked = True
+        h.pins += 1
+        h.shard.data = self._view(h, h.buffer)
+        return h.shard
+
+    def pinned(self, bucket) -> bool:
+        return self._homes[id(bucket)].pins > 0
+
+    def unpin(self, bucket) -> None:
+        h = self._homes[id(bucket)]
+        if h.pins <= 0:
+            return
+        h.pins -= 1
+        if h.pins == 0:
+            h.shard.data = torch.empty(0, dtype=h.shard.dtype)
+            self._release_if_idle(h)
+
+    # -- after the step -----------------------------------------------------------------------------
+
+    def write(self, bucket, src: torch.Tensor | None) -> None:
+        """Writes the bucket's new shard: `src` cast into a fresh buffer, or (None) the pinned
+        shard as it is. Errors are kept for end_step()."""
+        h = self._homes[id(bucket)]
+        if h.writing:
+            self._drain_writes()
+        if src is None:
+            if h.pins <= 0 or h.buffer is None:
+                raise RuntimeError(f"offload_param: bucket {h.index} written in place while not pinned")
+        else:
+            if h.buffer is None:
+                h.buffer = self._acquire(h.layout.record_bytes)
+            self._view(h, h.buffer).copy_(src.reshape(-1))
+            h.checked = True
+        h.dirty = True
+        self._start_write(h)
+
+    def end_step(self) -> None:
+        self._drain_writes()
+        self._raise_errors()
+
+    # -- accounting ---------------------------------------------------------------------------------
+
+    def disk_bytes(self) -> int:
+        return self.directory.disk_bytes()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the pool's buffers (what parameter shards occupy in memory)."""
+        return self.buffer_bytes
+
+    def close(self) -> None:
+        try:
+            self._drain_writes()
+            self._reader.wait()
+        except OSError:
+            pass
+        self.directory.close()
+
+    # -- I/O ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _view(h: _Home, buf: torch.Tensor) -> torch.Tensor:
+        return h.layout.view(buf, h.layout.slots[0])
+
+    def _start_write(self, h: _Home) -> None:
+        """Seals h.buffer as the next generation and starts writing it."""
+        if h.io_path is None:
+            try:
+                h.io_path = self.directory.create(h.name, h.layout.record_bytes)
+            except OSError as e:
+                self._errors.append(self._named(e, h, "creating", _KEPT))
+                return
+            self._by_path[h.io_path] = h
+        h.generation += 1
+        t0 = time.perf_counter()
+        record.seal(h.buffer, h.layout, h.index, self.rank, h.generation)
+        self.checksum_s += time.perf_counter() - t0
+        try:
+            self._writer.async_pwrite(h.buffer[:h.layout.record_bytes], h.io_path)
+        except OSError as e:
+            self._errors.append(self._named(e, h, "writing", _KEPT))
+            return
+        h.writing = True
+
+    def _read_into(self, h: _Home, buf: torch.Tensor) -> None:
+        if h.io_path is None:
+            raise OSError(errno_mod.ENOENT, "no record was written", self.directory.display_path(h.name))
+        self._reader.async_pread(buf[:h.layout.record_bytes], h.io_path)
+        self.bytes_read += h.layout.record_bytes
+        h.buffer, h.reading, h.checked = buf, True, False
+
+    def _drop_reads(self) -> None:
+        for h in self._homes.values():
+            if h.reading:
+                h.reading = False
+                buf, h.buffer = h.buffer, None
+                self._give(buf)
+
+    def _drain_writes(self) -> None:
+        writing = [h for h in self._homes.values() if h.writing]
+        if not writing:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._writer.wait()
+        except OSError as e:
+            failed = self._by_path.get(e.filename) or writing[0]
+            self._errors.append(self._named(e, failed, "writing", _KEPT))
+            for h in writing:
+                h.writing = False  # all stay dirty: written again at their next write
+            return
+        finally:
+            self.write_wait_s += time.perf_counter() - t0
+        for h in writing:
+            h.writing = h.dirty = False
+            self.bytes_written += h.layout.record_bytes
+            self._release_if_idle(h)
+
+    def _release_if_idle(self, h: _Home) -> None:
+        if h.buffer is not None and not h.busy():
+            buf, h.buffer = h.buffer, None
+            h.checked = False
+            self._give(buf)
+
+    def _try_acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A pooled buffer of at least nbytes without waiting, or None (the budget is used)."""
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        need = -(-nbytes // 4096) * 4096
+        while self._free and self.buffer_bytes + need > self.budget_bytes:
+            self._drop(self._free.pop())  # too small for this record: make room
+        if self.buffer_bytes + need <= self.budget_bytes:
+            return self._allocate(need)
+        return None
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        while True:
+            buf = self._try_acquire(nbytes)
+            if buf is not None:
+                return buf
+            if any(h.writing for h in self._homes.values()):
+                self._drain_writes()  # back-pressure: the pool is full of records being written
+                continue
+            ahead = [h for h in self._homes.values() if h.buffer is not None and h.pins == 0 and not h.dirty
+                     and not h.writing]
+            if ahead:  # a record read ahead and not used yet gives its buffer up
+                h = ahead[-1]
+                if h.reading:
+                    try:
+                        self._reader.wait()
+                    except OSError:
+                        self._drop_reads()
+                        continue
+                    for other in self._homes.values():
+                        other.reading = False
+                self._release_if_idle(h)
+                continue
+            # Everything pinned or dirty: over the budget (peak_buffer_bytes shows it).
+            return self._allocate(-(-nbytes // 4096) * 4096)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        buf = self._reader.new_cpu_locked_tensor(nbytes, torch.uint8)
+        self.buffer_bytes += buf.numel()
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+        return buf
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        self.buffer_bytes -= buf.numel()
+
+    def _give(self, buf: torch.Tensor | None) -> None:
+        if buf is None:
+            return
+        if self.buffer_bytes > self.budget_bytes:  # an over-budget buffer: give it back
+            self._drop(buf)
+            return
+        self._free.append(buf)
+
+    def _raise_errors(self) -> None:
+        errors, self._errors = self._errors, []
+        if errors:
+            first = errors[0]
+            more = "".join(f"\n  also: {e.strerror}" for e in errors[1:])
+            raise type(first)(first.errno, f"{first.strerror}{more}", first.filename)
+
+    def _named(self, e: BaseException, h: _Home, doing: str, consequence: str = "") -> OSError:
+        path = self.directory.display_path(h.name)
+        if isinstance(e, record.RecordError):
+            code, why = errno_mod.EBADMSG, f"the record is invalid: {e}"
+        else:
+            code = getattr(e, "errno", None) or errno_mod.EIO
+            why = getattr(e, "strerror", None) or str(e)
+        cls = type(e) if isinstance(e, OSError) else OSError
+        msg = (f"offload_param: {doing} swap file {path!r} (parameter bucket {h.index}, rank {self.rank}) failed: "
+               f"{why}{consequence}")
+        try:
+            return cls(code, msg, path)
+        except TypeError:
+            return OSError(code, msg, path)

@@ -1,0 +1,333 @@
+"""Stage-3 parameter offload to NVMe (offload_param): parity, bounded residency, refused records.
+
+Every distributed case trains the in-memory stage-3 engine and NVMe-offloaded ones side by side in
+one rank on the same batches (2 ranks, pooled) and requires their full state dicts (gathered
+through the swap files) and optimizer states to be equal after 20 steps: the parameter swapper
+moves bytes and must never change one. The model is the tiny tied GPT with 4 blocks and a
+persistence threshold of 100 elements, so almost every parameter is in a swap file and, with
+buffer_count=2, most shards are on disk at any moment. Corruption is injected into a rank's own
+parameter record between steps and must be refused, naming the file and the bucket.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import tempfile
+import time
+
+import pytest
+import torch
+
+from harness import run_cases_in_own_groups, run_pooled
+
+STEPS = 20
+LR = 3e-3
+CONFIG = {"zero_optimization": {"stage3_param_persistence_threshold": 100}}
+BUFFERS = 2
+_T0 = time.perf_counter()
+
+
+def _build(precision, group, root=None, optimizer_too=False, param_buffers=BUFFERS):
+    import zeroplus
+    import zero_models as zm
+
+    kw = {}
+    if root is not None:
+        kw["offload_param"] = {"device": "nvme", "nvme_path": root, "buffer_count": param_buffers}
+        if optimizer_too:
+            kw["offload_optimizer"] = {"device": "nvme", "nvme_path": root, "buffer_count": BUFFERS}
+    return zeroplus.initialize(zm.make_model(layers=4), torch.optim.AdamW, stage=3, lr=LR, mixed_precision=precision,
+                               process_group=group, config=CONFIG, **kw)
+
+
+def _train(model, opt, rank, steps, start=0):
+    """Every fifth step accumulates a second micro-batch (spilled gradients are read back and
+    added to)."""
+    import zero_models as zm
+
+    for step in range(start, start + steps):
+        x, y = zm.batch(step, rank)
+        opt.backward(zm.loss_fn(model, x, y))
+        if step % 5 == 4:
+            x, y = zm.batch(1000 + step, rank)
+            opt.backward(zm.loss_fn(model, x, y))
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+def _max_diff(a, b) -> float:
+    import zeroplus
+
+    fa, fb = zeroplus.full_state_dict(a, rank0_only=False), zeroplus.full_state_dict(b, rank0_only=False)
+    assert sorted(fa) == sorted(fb)
+    return max((fa[k].double() - fb[k].double()).abs().max().item() for k in fa)
+
+
+def _max_diff_dicts(fa, fb) -> float:
+    assert sorted(fa) == sorted(fb)
+    return max((fa[k].double() - fb[k].double()).abs().max().item() for k in fa)
+
+
+def _same_state(sa, sb) -> bool:
+    if sorted(sa["state"]) != sorted(sb["state"]):
+        return False
+    return all(sorted(st) == sorted(sb["state"][i]) and all(torch.equal(torch.as_tensor(st[k]),
+                                                                         torch.as_tensor(sb["state"][i][k]))
+                                                            for k in st)
+               for i, st in sa["state"].items())
+
+
+def _shard_bytes(opt) -> int:
+    """Bytes of the non-persistent stage-3 shards held in memory right now."""
+    buckets = list(opt.buckets) + list(opt.placement.frozen_buckets)
+    return sum(b.shard.numel() * b.shard.element_size() for b in buckets if b.shard is not None)
+
+
+# -- parity and memory ----------------------------------------------------------------------------
+
+def _parity_case(precision):
+    def case(rank, group):
+        import zeroplus
+
+        root = tempfile.mkdtemp(prefix="zp-offload-param-")
+        ref, ref_opt = _build(precision, group)
+        model, opt = _build(precision, group, root)
+        # A larger parameter pool here: room to read records ahead of their gather.
+        both, both_opt = _build(precision, group, root, optimizer_too=True, param_buffers=8)
+        store = opt.placement.param_store
+        records = [h.layout.record_bytes for h in store._homes.values()]  # noqa: SLF001 - test introspection
+        in_memory_shards = _shard_bytes(ref_opt)
+        for step in range(STEPS):
+            for m, o in ((ref, ref_opt), (model, opt), (both, both_opt)):
+                _train(m, o, rank, 1, start=step)
+        # Between backward and step the offloaded buckets' gradients are in files, not memory.
+        import zero_models as zm
+        x, y = zm.batch(STEPS, rank)
+        opt.backward(zm.loss_fn(model, x, y))
+        spill = opt.reducer.spill
+        spilled = [i for i in range(len(opt.buckets)) if spill.spills(i)]
+        grads_resident = sum(opt.reducer.accum[i] is not None for i in spilled)
+        grad_records = max(spill._buckets[i].layout.record_bytes for i in spilled)  # noqa: SLF001
+        opt.zero_grad()
+        out = dict(diff=_max_diff(model, ref), diff_both=_max_diff(both, ref),
+                   state=_same_state(opt.state_dict(), ref_opt.state_dict()),
+                   state_both=_same_state(both_opt.state_dict(), ref_opt.state_dict()),
+                   n_records=len(records), max_record=max(records), on_disk=sum(records),
+                   in_memory_shards=in_memory_shards, shards_at_rest=_shard_bytes(opt),
+                   params_at_rest=sum(p.numel() for p in model.parameters()),
+                   peak=store.peak_buffer_bytes, buffer_size=store.buffer_size,
+                   disk=store.disk_bytes(), read=store.bytes_read, written=store.bytes_written,
+                   ahead=store.reads_ahead, ahead_both=both_opt.placement.param_store.reads_ahead, n_spilled=len(spilled), grads_resident=grads_resident,
+                   spill_peak=spill.peak_buffer_bytes, grad_record=grad_records, spill_written=spill.bytes_written,
+                   # fp32: the master is the shard, so the optimizer's records hold no master.
+                   opt_record_keys=sorted({s.key for h in both_opt.offload._homes  # noqa: SLF001
+                                           if h.layout for s in h.layout.slots}),
+                   report=zeroplus.memory_report(model, opt))
+        swap_dir = store.directory.path
+        out["mode"] = stat.S_IMODE(os.stat(swap_dir).st_mode)
+        out["file_modes"] = {stat.S_IMODE(os.stat(os.path.join(swap_dir, f)).st_mode) for f in os.listdir(swap_dir)}
+        for o in (opt, both_opt):
+            o.placement.param_store.close()
+        both_opt.offload.close()
+        out["left"] = os.listdir(root)
+        os.rmdir(root)
+        return out
+    return case
+
+
+def _parity_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {p or "fp32": _parity_case(p) for p in (None, "bf16")})
+
+
+def test_parameter_offload_equals_in_memory_and_residency_is_bounded():
+    results = run_pooled(_parity_cases, 2, timeout=300)
+    for rank, per_rank in enumerate(results):
+        for key, (status, r) in per_rank.items():
+            assert status == "ok", f"rank {rank} case {key}:\n{r}"
+            assert r["diff"] <= 1e-6 and r["diff_both"] <= 1e-6, (rank, key, r["diff"], r["diff_both"])
+            assert r["state"] and r["state_both"], (rank, key)
+            # Most of the model is in records, more than the buffers could hold.
+            assert r["n_records"] > BUFFERS and r["on_disk"] > 2 * BUFFERS * r["max_record"], (rank, key, r)
+            # Parameter shards in memory: none between steps, at most the pool while training.
+            assert r["shards_at_rest"] == 0 and r["params_at_rest"] < r["in_memory_shards"] // 8, (rank, key, r)
+            assert r["peak"] <= BUFFERS * r["buffer_size"], (rank, key, r["peak"], r["buffer_size"])
+            assert r["report"]["offload_param_peak_buffers"] == r["peak"], (rank, key, r["report"])
+            # Gradients of offloaded buckets: none resident after backward; in flight at most
+            # buffer_count records.
+            assert r["n_spilled"] > BUFFERS and r["grads_resident"] == 0 and r["spill_written"] > 0, (rank, key, r)
+            assert 0 < r["spill_peak"] <= BUFFERS * (-(-r["grad_record"] // 4096) * 4096), (rank, key, r)
+            assert r["disk"] >= r["on_disk"] and r["read"] > 0 and r["written"] > 0, (rank, key, r)
+            assert r["ahead_both"] > 0, (rank, key, r)  # records were read ahead in the prefetch order
+            assert r["mode"] == 0o700 and r["file_modes"] == {0o600} and r["left"] == [], (rank, key, r)
+            if key == "fp32":
+                assert "master" not in r["opt_record_keys"], (rank, key, r["opt_record_keys"])
+            else:
+                assert "master" in r["opt_record_keys"], (rank, key, r["opt_record_keys"])
+    print(f"\n[test_offload_param] parity: {time.perf_counter() - _T0:.1f}s")
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+def _corrupt_case(rank, group):
+    """Each rank damages its own record of the same bucket, so both ranks refuse it in the same
+    gather (a refusal on one rank only would leave the other in the all-gather until its timeout).
+    With the good record put back, training continues exactly like an undisturbed run."""
+    root = tempfile.mkdtemp(prefix="zp-offload-param-")
+    ref, ref_opt = _build(None, group)
+    model, opt = _build(None, group, root)
+    _train(model, opt, rank, 1)
+    store = opt.placement.param_store
+    path = os.path.join(store.directory.path, "param-b00001.swp")
+    with open(path, "rb") as f:
+        old = f.read()
+    _train(model, opt, rank, 1, start=1)
+    with open(path, "rb") as f:
+        good = f.read()
+    flipped = bytearray(good)
+    flipped[4096 + 100] ^= 0x10
+    out = {"path": path}
+    for what, data in (("stale", old), ("flipped", bytes(flipped))):
+        with open(path, "r+b") as f:
+            f.write(data)
+        try:
+            _train(model, opt, rank, 1, start=2)
+            out[what] = None
+        except OSError as e:
+            out[what] = (e.errno, str(e), e.filename)
+        with open(path, "r+b") as f:
+            f.write(good)
+    _train(model, opt, rank, 1, start=2)
+    _train(ref, ref_opt, rank, 3)
+    out["diff"] = _max_diff(model, ref)
+    # A spilled gradient damaged between backward and step: step raises naming its file (after
+    # the step's collectives), the bucket is not stepped, and training goes on.
+    import zero_models as zm
+    x, y = zm.batch(3, rank)
+    opt.backward(zm.loss_fn(model, x, y))
+    spill = opt.reducer.spill
+    b = next(i for i in range(len(opt.buckets)) if spill.spills(i) and spill.has(i))
+    gpath = spill.directory.display_path(spill._buckets[b].name(spill._buckets[b].generation))  # noqa: SLF001
+    with open(gpath, "r+b") as f:
+        f.seek(4096 + 8)
+        byte = f.read(1)
+        f.seek(4096 + 8)
+        f.write(bytes([byte[0] ^ 0x01]))
+    try:
+        opt.step()
+        out["grad"] = None
+    except OSError as e:
+        out["grad"] = (e.errno, str(e), e.filename, b)
+    opt.zero_grad()
+    _train(model, opt, rank, 1, start=4)
+    out["gpath"] = gpath
+    # Not built: checkpoints and loading a model state dict refuse, changing nothing.
+    import zeroplus
+    before = zeroplus.full_state_dict(model, rank0_only=False)
+    refusals = []
+    for call in (lambda: zeroplus.save_checkpoint(os.path.join(root, "ckpt"), model, opt),
+                 lambda: model.load_state_dict(before)):
+        try:
+            call()
+            refusals.append(None)
+        except NotImplementedError as e:
+            refusals.append(str(e))
+    out["refusals"] = refusals
+    out["unchanged"] = _max_diff_dicts(before, zeroplus.full_state_dict(model, rank0_only=False))
+    store.close()
+    out["left"] = os.listdir(root)
+    os.rmdir(root)
+    return out
+
+
+def _corrupt_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {"corrupt": _corrupt_case})
+
+
+def test_damaged_parameter_record_is_refused_naming_file_and_bucket():
+    results = run_pooled(_corrupt_cases, 2, timeout=120)
+    for rank, per_rank in enumerate(results):
+        status, r = per_rank["corrupt"]
+        assert status == "ok", f"rank {rank}:\n{r}"
+        for what, why in (("stale", "generation"), ("flipped", "payload checksum")):
+            assert r[what] is not None, (rank, what)
+            code, msg, filename = r[what]
+            assert code == errno.EBADMSG and filename == r["path"], (rank, what, r[what])
+            assert "parameter bucket 1" in msg and why in msg and f"rank {rank}" in msg, (rank, what, msg)
+        assert r["diff"] <= 1e-6 and r["left"] == [], (rank, r)
+        code, msg, filename, b = r["grad"]
+        assert code == errno.EBADMSG and filename == r["gpath"], (rank, r["grad"])
+        assert f"gradient bucket {b}" in msg and "payload checksum" in msg, (rank, msg)
+        assert all(m is not None and "offload_param" in m for m in r["refusals"]), (rank, r["refusals"])
+        assert r["unchanged"] == 0.0 and not os.path.exists(os.path.join(os.path.dirname(r["path"]), "..", "ckpt"))
+    print(f"\n[test_offload_param] faults: {time.perf_counter() - _T0:.1f}s")
+
+
+# -- settings -------------------------------------------------------------------------------------
+
+def test_param_store_preparation(tmp_path):
+    from zeroplus.offload import prepare_param_store
+    from zeroplus.offload.policy import parse_offload
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    nvme = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path)})
+    assert prepare_param_store(parse_offload("offload_param", None), 3, 0, cpu, "E") is None
+    # 'cpu' (pin_memory or not) on CPU training is a no-op, like offload_optimizer's.
+    for block in ({"device": "cpu"}, {"device": "cpu", "pin_memory": True}):
+        assert prepare_param_store(parse_offload("offload_param", block), 3, 0, cpu, "E") is None
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="stage 3 only"):
+        prepare_param_store(nvme, 2, 0, cpu, "E")
+    with pytest.raises(NotImplementedError, match="parameters on cuda"):
+        prepare_param_store(nvme, 3, 0, cuda, "E")
+    assert os.listdir(tmp_path) == []  # refusals create nothing
+    prepared = prepare_param_store(nvme, 3, 0, cpu, "E")
+    assert prepared is not None and len(os.listdir(tmp_path)) == 1
+    prepared[2].close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_offload_param_refusals_name_the_key(tmp_path):
+    from zeroplus.offload import prepare_param_store
+    from zeroplus.offload.policy import parse_offload
+
+    with pytest.raises(ValueError, match="offload_param: device 'nvme' needs nvme_path"):
+        parse_offload("offload_param", {"device": "nvme"})
+    with pytest.raises(ValueError, match="offload_param: unknown keys"):
+        parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path), "bufer_count": 2})
+    with pytest.raises(ValueError, match="offload_param: buffer_count"):
+        parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 0})
+    missing = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path / "missing")})
+    with pytest.raises(FileNotFoundError, match="offload_param: nvme_path"):
+        prepare_param_store(missing, 3, 0, torch.device("cpu"), "E")
+
+
+def test_estimate_memory_offload_param_columns():
+    import subprocess
+    import sys
+
+    import zeroplus
+
+    kw = dict(offload_optimizer="nvme", buffer_count=2, bucket_elems=1 << 22)
+    opt_only = zeroplus.estimate_memory(2e9, 2, 3, None, **kw)
+    both = zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="nvme", param_buffer_count=3, **kw)
+    buckets = -(-2e9 // (1 << 22))
+    record = -(-(4096 + (1 << 21) * 4) // 4096) * 4096
+    assert both["offload_param_buffers"] == 3 * record and opt_only["offload_param_buffers"] == 0
+    assert both["nvme"] == opt_only["nvme"] + opt_only["parameters"] + 2 * opt_only["gradients"] + 3 * 4096 * buckets
+    assert both["resident"] == opt_only["resident"] - opt_only["parameters"] - opt_only["gradients"] + 3 * record
+    assert zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="cpu")["resident"] == \
+        zeroplus.estimate_memory(2e9, 2, 3, None)["model_state"]  # "cpu" on CPU training: no effect
+    for bad, match in (({"offload_param": "disk"}, "offload_param must be"),
+                       ({"offload_param": "nvme", "stage": 2}, "stage 3 only"),
+                       ({"param_buffer_count": 0}, "param_buffer_count")):
+        args = {"num_params": 1e9, "world_size": 2, "stage": 3, **bad}
+        with pytest.raises(ValueError, match=match):
+            zeroplus.estimate_memory(**args)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), "..", "..", "plugin", "python")}
+    out = subprocess.run([sys.executable, "-m", "zeroplus.estimate", "--params", "2e9", "--world-size", "1", "--fp32",
+                          "--offload-param", "nvme", "--offload-optimizer", "nvme"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and "resident" in out.stdout and "nvme" in out.stdout, out.stderr
