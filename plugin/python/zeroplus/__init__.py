@@ -39,6 +39,7 @@ if not _report_requested():
     from .topology import Topology, topology  # noqa: E402
     from .zero import GradScaler, estimate_memory, full_state_dict, init_context, initialize, memory_report  # noqa: E402
     from . import checkpoint  # noqa: E402
+    from . import tensor_parallel  # noqa: E402
     from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "OpStats",
     "reset_comm_stats",
     "save_checkpoint",
+    "tensor_parallel",
     "Topology",
     "topology",
     "ZeroRedundancyOptimizer",

@@ -58,14 +58,21 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                 overlap_with_ddp=False, *, stage=1, **defaults):
         """stage=1 (default) is torch's ZeroRedundancyOptimizer; stage=2 returns the zeroplus
         ZeRO-2 engine (zeroplus.zero.Stage2Optimizer) over the same params, for models that are
-        NOT wrapped in DDP. Extra stage-2 keywords: mixed_precision, reduce_bucket_elems."""
+        NOT wrapped in DDP. Extra stage-2 keywords: mixed_precision, reduce_bucket_elems.
+        Tensor-parallel params (DTensors, torch.distributed.tensor.parallel) at stage 1 give the
+        engine's Stage1Optimizer (process_group: the data-parallel group; docs/tensor_parallel.md)."""
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
-        if stage == 1:
-            return super().__new__(cls)
+        params, tensor_parallel = _with_dtensor(params)
+        if stage == 1 and not tensor_parallel:
+            obj = super().__new__(cls)
+            obj._zp_params = params  # a generator was read here: __init__ takes the list
+            return obj
         if overlap_with_ddp:
-            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True needs DDP and stage=1; stage 2 "
-                             "reduces gradients itself")
+            raise ValueError("ZeroRedundancyOptimizer: overlap_with_ddp=True needs DDP and stage=1 without "
+                             "tensor-parallel (DTensor) params; the ZeRO engine reduces gradients itself")
+        # Stage 2, or tensor-parallel params at stage 1 (torch's per-parameter broadcasts have no
+        # DTensor rule): the ZeRO engine, over local tensors (docs/tensor_parallel.md).
         return STAGE_ENGINES[stage](params, optimizer_class, process_group=process_group, **defaults)
 
     def __init__(
@@ -79,6 +86,7 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         stage: int = 1,
         **defaults: Any,
     ):
+        params = self.__dict__.pop("_zp_params", params)
         self._zp_sync = None  # set before torch's __init__, which calls _build_param_buckets()
         self._zp_stateless = True  # no rank has stepped or loaded state yet (step/load are collective)
         # The DDP-overlap path maps torch classes to functional twins; leave that mapping alone.
@@ -195,6 +203,25 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
             return super().state_dict()
         finally:
             self._all_state_dicts = []  # a later state_dict() after a step still needs consolidation
+
+
+def _with_dtensor(params):
+    """(params as a list, whether any parameter is a DTensor): a generator is read once here."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(params, torch.Tensor):
+        return params, False  # torch's constructor raises its own TypeError for a bare tensor
+    try:
+        params = list(params)
+    except TypeError:
+        return params, False  # not iterable: torch's constructor names the problem
+    found = False
+    for item in params:
+        group = item.get("params", ()) if isinstance(item, dict) else (item,)
+        if isinstance(group, torch.Tensor):
+            group = (group,)
+        found = found or any(isinstance(p, DTensor) for p in group)
+    return params, found
 
 
 def _to_cpu(obj):

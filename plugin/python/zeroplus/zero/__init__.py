@@ -1,5 +1,7 @@
 """ZeRO stages 1-3 behind one call: zeroplus.initialize (see docs/zero.md)."""
 
+import functools
+
 from .full_state import full_state_dict
 from .grad_scaler import GradScaler
 from .sharded_init import init_context
@@ -11,19 +13,21 @@ from .policies import EngineOptions, PrecisionPolicy, Stage3Policy
 from ..optim import zero as _zero_redundancy
 
 
-def _stage2_from_params(params, optimizer_class, *, process_group=None, mixed_precision=None,
+def _engine_from_params(engine, params, optimizer_class, *, process_group=None, mixed_precision=None,
                         reduce_bucket_elems=None, **defaults):
-    """ZeroRedundancyOptimizer(params, ..., stage=2): its extra keywords become the policies."""
+    """ZeroRedundancyOptimizer(params, ..., stage=2), or stage 1 over tensor-parallel (DTensor)
+    parameters: its extra keywords become the policies."""
     try:
         options = EngineOptions(
             precision=PrecisionPolicy(mixed_precision=mixed_precision),
             **({} if reduce_bucket_elems is None else {"reduce_bucket_elems": reduce_bucket_elems}))
     except (TypeError, ValueError) as e:
         raise type(e)(f"ZeroRedundancyOptimizer: {e}") from e
-    return Stage2Optimizer(params, optimizer_class, options=options, process_group=process_group, **defaults)
+    return engine(params, optimizer_class, options=options, process_group=process_group, **defaults)
 
 
-_zero_redundancy.STAGE_ENGINES[2] = _stage2_from_params
+_zero_redundancy.STAGE_ENGINES[1] = functools.partial(_engine_from_params, Stage1Optimizer)
+_zero_redundancy.STAGE_ENGINES[2] = functools.partial(_engine_from_params, Stage2Optimizer)
 
 __all__ = ["EngineOptions", "PrecisionPolicy", "Stage3Policy", "full_state_dict", "GradScaler", "init_context", "initialize", "estimate_memory", "memory_report", "Stage1Optimizer",
            "Stage2Optimizer", "Stage3Optimizer", "DynamicLossScaler", "LossScalerOptions"]

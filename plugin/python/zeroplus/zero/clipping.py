@@ -3,7 +3,8 @@
 Every element of the model's gradient lives in exactly one rank's shard (padding is zero), so the
 2-norm is sqrt(allreduce_sum(sum of squares of my shards)), the inf-norm allreduce_max(max |g|),
 and a p-norm allreduce_sum(sum |g|^p) ** (1/p): the value torch.nn.utils.clip_grad_norm_ returns
-on the unsharded model (up to summation order).
+on the unsharded model (up to summation order). Tensor-parallel models add one allreduce over the
+tensor-parallel group for the sum over their sharded parameters (see global_norm).
 """
 
 from __future__ import annotations
@@ -14,20 +15,32 @@ import torch
 import torch.distributed as dist
 
 
-def global_norm(shards: list[torch.Tensor], norm_type: float, group, device) -> torch.Tensor:
+def global_norm(shards: list[torch.Tensor], norm_type: float, group, device, tp_sharded: list[bool] | None = None,
+                tp_group=None) -> torch.Tensor:
+    """The global norm of the gradients whose shards (one per bucket) this rank holds. With a
+    tensor-parallel model, tp_sharded[b] says bucket b holds tensor-parallel shards: their partial
+    sums are also summed over tp_group (each tensor-parallel rank holds another piece), while the
+    replicated buckets, the same on every tensor-parallel rank, are counted once."""
+    tp_sharded = tp_sharded or [False] * len(shards)
     if math.isinf(norm_type):
         local = torch.zeros((), dtype=torch.float32, device=device)
         for s in shards:
             if s.numel():
                 local = torch.maximum(local, s.detach().abs().max().to(torch.float32))
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        if tp_group is not None:  # a max is a max: replicated pieces are equal on every tp rank
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=tp_group)
         return local
-    local = torch.zeros((), dtype=torch.float32, device=device)
-    for s in shards:
+    parts = torch.zeros(2, dtype=torch.float32, device=device)  # [replicated, tensor-parallel shards]
+    for s, sharded in zip(shards, tp_sharded):
         if s.numel():
-            local += torch.linalg.vector_norm(s.detach(), norm_type, dtype=torch.float32) ** norm_type
-    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    return local ** (1.0 / norm_type)
+            parts[int(sharded)] += torch.linalg.vector_norm(s.detach(), norm_type, dtype=torch.float32) ** norm_type
+    dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+    if tp_group is not None:
+        sharded_sum = parts[1:].clone()
+        dist.all_reduce(sharded_sum, op=dist.ReduceOp.SUM, group=tp_group)
+        parts[1:] = sharded_sum
+    return parts.sum() ** (1.0 / norm_type)
 
 
 def check_norm_args(max_norm, norm_type) -> float:

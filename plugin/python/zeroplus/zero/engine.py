@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..offload import attach_optimizer_store, prepare_optimizer_store
 from ..optim.fused import fused_class_for
-from . import clipping, full_state, module_methods, precision, state
+from . import clipping, dtensor_params, full_state, module_methods, precision, state
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
@@ -83,6 +83,14 @@ class ZeroEngine(torch.optim.Optimizer):
         self.gradient_clipping = float(options.gradient_clipping)
         self._check_params(name)
         self._check_hyperparameters(name, optimizer_class)
+        # Tensor-parallel (DTensor) parameters: the engine works on their local tensors over
+        # process_group, the data-parallel group (dtensor_params.py); None without any.
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if self.stage == 3 and any(dtensor_params.is_dtensor(p) for p in all_params):
+            raise ValueError(f"{name}: ZeRO stage 3 does not take tensor-parallel (DTensor) parameters (params): it "
+                             f"shards and gathers whole parameters itself; use stage=1 or stage=2 with the mesh's 'dp' "
+                             f"group as process_group")
+        self.tp_group = dtensor_params.tensor_parallel_group(name, all_params, process_group)
 
         trainable = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         if not any(trainable):
@@ -255,6 +263,8 @@ class ZeroEngine(torch.optim.Optimizer):
                 local.fill_(1.0)
                 break
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+        if self.tp_group is not None:  # every rank of the mesh skips the same steps
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.tp_group)
         return bool(local.item())
 
     @torch.no_grad()
@@ -263,7 +273,8 @@ class ZeroEngine(torch.optim.Optimizer):
         (what torch.nn.utils.clip_grad_norm_ returns on the unsharded model). Collective."""
         max_norm = clipping.check_norm_args(max_norm, norm_type)
         shards = self.gradient_shards()
-        total = clipping.global_norm(shards, float(norm_type), self.process_group, self.buckets[0].device)
+        total = clipping.global_norm(shards, float(norm_type), self.process_group, self.buckets[0].device,
+                                     [b.tp_sharded for b in self.buckets], self.tp_group)
         total = total / self._grad_scale()
         if not torch.isfinite(total):
             if error_if_nonfinite:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from . import dtensor_params
+
 _LOAD_HOOK_ATTR = "_zeroplus_load_hook"
 
 
@@ -90,6 +92,11 @@ def install_load_hooks(engine) -> None:
                 continue
             b, e, owner = slots[id(p)]
             value = state_dict[key]
+            if dtensor_params.is_dtensor(p) and isinstance(value, torch.Tensor):
+                try:  # a tensor-parallel parameter: this rank's piece of the DTensor (or full tensor)
+                    value = dtensor_params.local_state(value, p, key)
+                except ValueError:
+                    continue  # torch reports the mismatch
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(e.shape):
                 continue  # torch reports the mismatch
             pc = b.piece(e, rank)
@@ -97,7 +104,7 @@ def install_load_hooks(engine) -> None:
             if owner is not None and pc.numel:  # the master, wherever it lives (offload)
                 with torch.no_grad():
                     owner.write_master(pc.shard_lo, pc.shard_hi, flat_value[pc.param_lo:pc.param_hi])
-            if tuple(p.shape) != tuple(e.shape):  # a stage-3 shard: load only this rank's slice
+            if tuple(dtensor_params.local(p).shape) != tuple(e.shape):  # a stage-3 shard: load only this rank's slice
                 state_dict[key] = flat_value[pc.param_lo:pc.param_hi]
 
     for module in engine.module.modules():

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from . import comm
 from .buffer_pool import BufferPool
+from .dtensor_params import local_grad
 from .layout import Bucket
 from .usage import ParamUsage
 
@@ -171,7 +172,7 @@ class GradientReducer:
 
     def _take_grad(self, b: int, e_index: int) -> None:
         entry = self.buckets[b].entries[e_index]
-        grad = entry.param.grad
+        grad = local_grad(entry.param)  # a tensor-parallel parameter's local piece (dtensor_params.py)
         region = self._buffer(b)[entry.offset:entry.offset + entry.numel]
         if grad is not None:
             if self._direct_pass() and self.world_size > 1:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+
+from ..tensor_parallel import auto_plan
 
 from . import config as config_mod
 from . import deferred
@@ -38,12 +41,32 @@ def _check_model(model) -> None:
         raise ValueError("zeroplus.initialize: model has no parameter with requires_grad=True")
 
 
+def _tensor_parallel(tensor_parallel, process_group, model):
+    """tensor_parallel=mesh: the auto plan over mesh['tp'] (checked, not applied) and mesh['dp']'s group."""
+    if not isinstance(tensor_parallel, DeviceMesh):
+        raise TypeError(f"zeroplus.initialize: tensor_parallel must be a 2-D DeviceMesh with dims ('dp', 'tp'), got "
+                        f"{type(tensor_parallel).__name__}")
+    if tensor_parallel.ndim != 2 or tuple(tensor_parallel.mesh_dim_names or ()) != ("dp", "tp"):
+        raise ValueError(f"zeroplus.initialize: tensor_parallel must be a 2-D DeviceMesh with mesh_dim_names "
+                         f"('dp', 'tp'), got {tensor_parallel.ndim}-D {tensor_parallel.mesh_dim_names}")
+    if process_group is not None:
+        raise ValueError("zeroplus.initialize: pass either tensor_parallel (the data-parallel group is its 'dp' "
+                         "dimension) or process_group, not both")
+    return auto_plan(model, tensor_parallel["tp"].size()), tensor_parallel["dp"].get_group()
+
+
 def initialize(model, optimizer_class=None, *, stage=None, process_group=None, mixed_precision=None, config=None,
-               **optimizer_defaults):
-    """Returns (model, optimizer). See docs/zero.md."""
+               tensor_parallel=None, **optimizer_defaults):
+    """Returns (model, optimizer). See docs/zero.md; tensor_parallel: docs/tensor_parallel.md."""
     ds = ds_config.prepare(config, ds_config.auto_from_initialize(model, mixed_precision, optimizer_defaults))
     settings = config_mod.resolve(optimizer_class, stage, mixed_precision, ds.engine, optimizer_defaults)
     _check_model(model)
+    plan = None
+    if tensor_parallel is not None:
+        if settings.stage == 3:
+            raise ValueError("zeroplus.initialize: tensor_parallel needs stage=1 or stage=2 (stage 3 shards whole "
+                             "parameters itself)")
+        plan, process_group = _tensor_parallel(tensor_parallel, process_group, model)
     if settings.stage != 3 and any(deferred.record_of(p) is not None for p in model.parameters()):
         raise ValueError(f"zeroplus.initialize: model was built under zeroplus.init_context() (its parameters are "
                          f"shards); only stage=3 can take it, got stage={settings.stage}")
@@ -54,6 +77,8 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
         raise RuntimeError("zeroplus.initialize: torch.distributed is not initialized; call "
                            "dist.init_process_group(backend='zeroplus') (or gloo/nccl) first")
 
+    if plan is not None:  # every argument is checked: parallelise (parameters become DTensors)
+        plan.apply(model, tensor_parallel["tp"])
     engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
     opt = engine(model.parameters(), settings.optimizer_class, options=settings.options, process_group=process_group,
                  module=model, **settings.optimizer_defaults)

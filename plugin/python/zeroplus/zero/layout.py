@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dtensor_params import is_tp_sharded, local, show_local
+
 # Shard starts are multiples of this many elements: 64 bytes of fp32, the SIMD kernels' width.
 ALIGN_ELEMS = 16
 
@@ -27,7 +29,8 @@ class Entry:
     param: torch.nn.Parameter
     offset: int  # inside the bucket
     numel: int
-    shape: torch.Size = torch.Size()  # the parameter's full shape (at stage 3 .data is a shard)
+    shape: torch.Size = torch.Size()  # the parameter's full shape (at stage 3 .data is a shard); its
+    # local shape for a tensor-parallel (DTensor) parameter: the engine only ever sees local tensors
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class Bucket:
     unit: int = -1                     # stage 3: the gather unit that owns the bucket
     persistent: bool = False           # stage 3: kept whole on every rank (small parameters)
     trainable: bool = True             # stage 3: False for buckets of frozen parameters
+    tp_sharded: bool = False           # its parameters are tensor-parallel shards (dtensor_params.py)
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -78,7 +82,7 @@ class Bucket:
         """Every parameter of the bucket becomes its full-shape view into `flat` (stages 1-2
         always; stage 3 while the bucket is gathered)."""
         for e in self.entries:
-            e.param.data = self.flat[e.offset:e.offset + e.numel].view(e.shape)
+            show_local(e.param, self.flat[e.offset:e.offset + e.numel].view(e.shape))
 
     def show_shard(self, rank: int) -> None:
         """Stage 3 between uses: every parameter becomes its 1-D piece of `shard` (possibly
@@ -96,7 +100,7 @@ class Bucket:
         or None. Such a parameter would silently stop training: the engine writes the buffers."""
         homes = {t.untyped_storage().data_ptr() for t in (self.flat, self.shard) if t is not None}
         for e in self.entries:
-            if e.param.untyped_storage().data_ptr() not in homes:
+            if local(e.param).untyped_storage().data_ptr() not in homes:
                 return e.param
         return None
 
@@ -114,8 +118,10 @@ class Bucket:
 def plan_buckets(groups: list[list[torch.nn.Parameter]], world_size: int, cap_elems: int,
                  dtype_of) -> list[Bucket]:
     """Stage-2 buckets for the trainable parameters of `groups` (lists of parameters, frozen ones
-    excluded by the caller). dtype_of(p) is the compute dtype p will have."""
-    items = [(g, p, (g, dtype_of(p), p.device)) for g in reversed(range(len(groups))) for p in reversed(groups[g])]
+    excluded by the caller). dtype_of(p) is the compute dtype p will have. Tensor-parallel shards and
+    replicated parameters never share a bucket (the global norm counts them differently)."""
+    items = [(g, p, (g, dtype_of(p), p.device, is_tp_sharded(p)))
+             for g in reversed(range(len(groups))) for p in reversed(groups[g])]
     return [b for b, _key in plan_segments(items, world_size, cap_elems, dtype_of)]
 
 
@@ -126,7 +132,7 @@ def plan_segments(items, world_size: int, cap_elems: int, dtype_of) -> list[tupl
     segments, keys = [], {}
     for _g, _p, key in items:
         segments.append(keys.setdefault(key, len(keys)))
-    numels = [p.numel() for _, p, _ in items]
+    numels = [local(p).numel() for _, p, _ in items]
     raw = torch.ops.zeroplus.plan_flat_buckets(numels, segments, world_size, cap_elems, ALIGN_ELEMS)
     out, pos = [], 1
     for index in range(raw[0]):
@@ -138,8 +144,8 @@ def plan_segments(items, world_size: int, cap_elems: int, dtype_of) -> list[tupl
             i, offset, n = raw[pos:pos + 3]
             pos += 3
             first_item = items[i] if first_item is None else first_item
-            entries.append(Entry(items[i][1], offset, n, items[i][1].shape))
+            entries.append(Entry(items[i][1], offset, n, local(items[i][1]).shape))
         group, first, key = first_item
         out.append((Bucket(index=index, group=group, dtype=dtype_of(first), device=first.device, numel=numel,
-                           shard_numel=shard, used=used, entries=entries), key))
+                           shard_numel=shard, used=used, entries=entries, tp_sharded=is_tp_sharded(first)), key))
     return out

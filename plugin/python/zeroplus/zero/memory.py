@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .dtensor_params import local
 from .policies import DEFAULT_REDUCE_BUCKET_ELEMS
 
 _BYTES = {None: 4, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -34,7 +35,7 @@ def _storage_bytes(tensors) -> int:
     for t in tensors:
         if t is None or t.numel() == 0:
             continue
-        s = t.untyped_storage()
+        s = local(t).untyped_storage()  # a tensor-parallel parameter: its local piece
         key = (s.data_ptr(), t.device)
         if key not in seen:
             seen.add(key)

@@ -5,7 +5,9 @@ engine.py, owns gradients, the step loop and state; a placement owns where param
 Buckets are planned by size (layout.plan_buckets); each bucket's flat buffer holds the whole
 parameters and every parameter's .data is a view into it; after each bucket's step the new
 values of this rank's shard are all-gathered into the flat buffer (overlapping the next
-bucket's step). Frozen parameters and buffers take rank 0's values, as DDP does.
+bucket's step). Frozen parameters and buffers take rank 0's values, as DDP does. Tensor-parallel (DTensor)
+parameters are their local tensors here (dtensor_params.py): the collectives run over the
+data-parallel group, whose ranks hold the same piece.
 
 Reads the engine's public attributes (process_group, rank, world_size, compute_dtype, module,
 param_groups, buckets, masters, reducer); called by the engine only.
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .dtensor_params import local, show_local
 from .layout import plan_buckets
 
 
@@ -47,7 +50,7 @@ class ReplicatedParams:
             staging_dtype = torch.float32 if engine.compute_dtype is not None else b.dtype
             flat = torch.zeros(b.numel, dtype=staging_dtype, device=b.device)
             for e in b.entries:
-                flat[e.offset:e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+                flat[e.offset:e.offset + e.numel].copy_(local(e.param).detach().reshape(-1))
             dist.broadcast(flat, src=src, group=engine.process_group)
             lo, hi = b.shard_range(engine.rank)
             if engine.compute_dtype is not None or b.dtype != torch.float32:
@@ -75,13 +78,13 @@ class ReplicatedParams:
                 seen.add(id(p))
                 frozen.append(p)
         src = comm.group_src_rank(engine.process_group, 0)
-        for p in frozen:
+        for p in frozen:  # a tensor-parallel one: its local piece, from the data-parallel rank 0
             if engine.compute_dtype is not None and p.is_floating_point():
-                p.data = p.data.to(engine.compute_dtype)
-            dist.broadcast(p.data, src=src, group=engine.process_group)
+                show_local(p, local(p).detach().to(engine.compute_dtype))
+            dist.broadcast(local(p).detach(), src=src, group=engine.process_group)
         if engine.module is not None:
             for buf in engine.module.buffers():
-                dist.broadcast(buf, src=src, group=engine.process_group)
+                dist.broadcast(local(buf), src=src, group=engine.process_group)
 
     def attach(self) -> None:
         """After the engine's reducer and backward pass exist: nothing to add."""

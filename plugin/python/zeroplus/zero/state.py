@@ -9,7 +9,9 @@ Two formats:
   * consolidated (consolidate_state_dict(to) then state_dict() on rank `to`): the plain
     torch.optim format of the unsharded model: state indexed by parameter position, each tensor
     in the parameter's shape, exactly what the user's optimizer class would save. Every rank can
-    load it at any world size: each keeps its own slices.
+    load it at any world size: each keeps its own slices. Tensor-parallel (DTensor) parameters'
+    elementwise state is a DTensor there, with the parameter's mesh and placements (torch.optim's
+    own format for them); the sharded format holds local pieces (one tensor-parallel rank's).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, dtensor_params
 
 FORMAT = "zeroplus-zero-sharded"
 VERSION = 2
@@ -165,6 +167,9 @@ def _shard_plain_state(opt, plain_state: dict) -> dict:
         pc = bucket.piece(e, opt.rank)
         st = {}
         for key, value in saved.items():
+            if dtensor_params.is_dtensor(e.param) and isinstance(value, torch.Tensor) and value.dim() > 0:
+                # A tensor-parallel parameter's state: DTensor (or plain) of the global shape -> local
+                value = dtensor_params.local_state(value, e.param, f"state[{pi}][{key!r}]")
             if _is_elementwise(value, e.numel):
                 if tuple(value.shape) != tuple(e.shape):
                     raise ValueError(f"load_state_dict: state[{pi}][{key!r}] has shape {tuple(value.shape)}, the "
@@ -220,7 +225,8 @@ def consolidated_state_dict(opt) -> dict:
             gathered[key] = full
         for e, pi in entries:
             for key, value in merged[pi].items():
-                plain[pi][key] = (gathered[key][e.offset:e.offset + e.numel].view(e.shape).clone()
+                plain[pi][key] = (dtensor_params.as_dtensor_like(
+                                      gathered[key][e.offset:e.offset + e.numel].view(e.shape).clone(), e.param)
                                   if isinstance(value, torch.dtype) else _copy(value))
     ordered = {i: plain[i] for i in sorted(plain)}
     return {"state": ordered, "param_groups": _hyperparameters(opt)}
