@@ -89,6 +89,7 @@ def _known_sequence(rank, world_size):
         "other": zeroplus.comm_stats(other).as_dict(),
         "after_reset_total": after_reset.total.calls,
         "delta": (after_one - after_reset).as_dict(),
+        "sum": ((after_one - after_reset) + (after_one - after_reset)).as_dict(),
     }
     dist.destroy_process_group(other)
     dist.destroy_process_group(group)
@@ -130,6 +131,7 @@ def test_known_sequence_counts_exactly():
         assert r["other"] == {"all_reduce": _op(1, 8, 8), "total": _op(1, 8, 8)}
         assert r["after_reset_total"] == 0
         assert r["delta"] == {"all_reduce": _op(1, 8, 8), "total": _op(1, 8, 8)}
+        assert r["sum"] == {"all_reduce": _op(2, 16, 16), "total": _op(2, 16, 16)}
 
 
 def _bad_groups(rank, world_size):
@@ -145,6 +147,14 @@ def _bad_groups(rank, world_size):
             except (TypeError, ValueError) as e:
                 out[(name, key)] = (type(e).__name__, str(e))
     stats = zeroplus.comm_stats()  # the default group
+    single = dist.new_group([0])  # a group of another size; every rank takes part in creating it
+    out["mixed"] = None
+    if rank == 0:
+        try:
+            stats - zeroplus.comm_stats(single)
+        except ValueError as e:
+            out["mixed"] = str(e)
+        dist.destroy_process_group(single)
     try:
         stats["allreduce"]
         out["key"] = None
@@ -155,13 +165,15 @@ def _bad_groups(rank, world_size):
 
 
 def test_bad_groups_are_refused():
-    for out in run_pooled(_bad_groups, 2, timeout=60):
+    for rank, out in enumerate(run_pooled(_bad_groups, 2, timeout=60)):
         for name in ("comm_stats", "reset_comm_stats"):
             assert out[(name, "type")] == (
                 "TypeError", f"zeroplus.{name}: group must be a ProcessGroup or None, got str")
             assert out[(name, "gloo")] == (
                 "ValueError", f"zeroplus.{name}: group must use the zeroplus backend, got 'gloo'")
         assert "unknown collective 'allreduce'" in out["key"] and "all_reduce" in out["key"]
+        if rank == 0:
+            assert out["mixed"] == "CommStats: can only subtract snapshots of groups of one size"
 
 
 def test_uninitialized_is_refused():

@@ -21,7 +21,8 @@ The definitions per op are in docs/comm_stats.md (and process_group/core/comm_st
     barrier                             S = 0
 
 A snapshot or reset taken while another thread issues ops may split one op (its call without its
-bytes); take them between steps. Snapshots subtract (``after - before``) for a window's traffic.
+bytes); take them between steps. Snapshots subtract (``after - before``) for a window's traffic,
+and such differences add up.
 """
 
 from __future__ import annotations
@@ -68,13 +69,20 @@ class CommStats:
             raise KeyError(f"CommStats: unknown collective {op!r}; known: {', '.join(self.ops)}")
         return self.ops[op]
 
-    def __sub__(self, other: CommStats) -> CommStats:
+    def _combine(self, other, what: str, fn) -> CommStats:
         if not isinstance(other, CommStats):
             return NotImplemented
         if other.group_size != self.group_size or set(other.ops) != set(self.ops):
-            raise ValueError("CommStats: can only subtract a snapshot of the same group")
-        return CommStats(self.group_size,
-                         types.MappingProxyType({k: v - other.ops[k] for k, v in self.ops.items()}))
+            raise ValueError(f"CommStats: can only {what} snapshots of groups of one size")
+        return CommStats(self.group_size, types.MappingProxyType({k: fn(v, other.ops[k]) for k, v in self.ops.items()}))
+
+    def __sub__(self, other: CommStats) -> CommStats:
+        """The traffic between snapshot `other` and this one."""
+        return self._combine(other, "subtract", lambda a, b: a - b)
+
+    def __add__(self, other: CommStats) -> CommStats:
+        """The sum of two windows' traffic (e.g. per-step differences)."""
+        return self._combine(other, "add", lambda a, b: a + b)
 
     def as_dict(self) -> dict:
         """{op: {"calls", "bytes", "bus_bytes"}} for the ops with calls, plus "total" (JSON-ready)."""
