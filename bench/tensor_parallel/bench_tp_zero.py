@@ -4,13 +4,17 @@
         [--layers 4] [--heads 8] [--batch 4] [--context 64] [--variants ...] [--out PATH]
     bash bench/tensor_parallel/run.sh            (fp32 and bf16 -> bench/results/tp_zero_{fp32,bf16})
 
-4 CPU ranks on backend zeroplus, the same TinyGPT (examples/tiny_gpt.py) with identical initial
-weights and the same global batch in every variant (4 x --batch sequences per step):
+4 CPU ranks on backend zeroplus, the same small GPT (a Hugging Face GPT2LMHeadModel built from a
+GPT2Config, no download, dropout off, vocabulary 256) with identical initial weights and the same
+global batch in every variant (4 x --batch sequences per step, the learnable synthetic sequences of
+examples/tiny_gpt.py):
   dp4_zero1   zeroplus.initialize(stage=1) over the 4-rank world      (data parallel only)
   dp4_zero3   zeroplus.initialize(stage=3) over the 4-rank world
-  tp2_zero1   a 2 (dp) x 2 (tp) DeviceMesh: parallelize_module(model, mesh["tp"],
-              zeroplus.tensor_parallel.auto_plan(model, 2)), then zeroplus.initialize(stage=1,
-              process_group=mesh dp group); each dp replica takes 2 x --batch sequences
+  tp2_zero1   a 2 (dp) x 2 (tp) DeviceMesh ("dp", "tp"): zeroplus.initialize(stage=1,
+              tensor_parallel=mesh), i.e. zeroplus.tensor_parallel.auto_plan's Megatron plan (q|k|v
+              and c_fc column-parallel, the projections row-parallel, vocabulary-parallel embedding
+              and LM head) over mesh["tp"] and ZeRO-1 over mesh["dp"]; each dp replica takes
+              2 x --batch sequences
   tp2_zero2   the same with stage=2
 Measured per variant, each in its own launch of 4 ranks:
   * model-state bytes per rank: zeroplus.memory_report after a backward (every category live);
@@ -53,26 +57,31 @@ def _tp(name: str) -> int:
     return 2 if name.startswith("tp2") else 1
 
 
-def _build(name, args, dp_group, tp_mesh):
+def _gpt(args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=args.context, n_embd=args.dim, n_layer=args.layers,
+                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    return GPT2LMHeadModel(config)
+
+
+def _build(name, args, mesh):
     import zeroplus
-    from tiny_gpt import TinyGPT
 
     torch.manual_seed(0)
-    model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
+    model = _gpt(args)
     precision = None if args.precision == "fp32" else args.precision
-    stage = int(name[-1])
-    if tp_mesh is not None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        from zeroplus.tensor_parallel import auto_plan
-
-        parallelize_module(model, tp_mesh, auto_plan(model, tp_mesh.size()))
-    return zeroplus.initialize(model, torch.optim.AdamW, stage=stage, process_group=dp_group,
+    return zeroplus.initialize(model, torch.optim.AdamW, stage=int(name[-1]), tensor_parallel=mesh,
                                mixed_precision=precision, lr=3e-4, weight_decay=0.01)
 
 
+def _local_numel(model) -> int:
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+
+
 def _loss(model, tokens, targets):
-    logits = model(tokens)
+    logits = model(input_ids=tokens).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -98,10 +107,11 @@ def _worker(rank, store_path, name, args, out_queue):
 
             mesh = init_device_mesh("cpu", (WORLD // tp, tp), mesh_dim_names=("dp", "tp"))
             groups = {"dp": mesh.get_group("dp"), "tp": mesh.get_group("tp")}
-            dp_rank, tp_mesh = mesh.get_local_rank("dp"), mesh["tp"]
+            dp_rank = mesh.get_local_rank("dp")
         else:
-            groups, dp_rank, tp_mesh = {"dp": dist.group.WORLD}, rank, None
-        model, opt = _build(name, args, groups["dp"], tp_mesh)
+            groups, dp_rank, mesh = {"dp": dist.group.WORLD}, rank, None
+        model, opt = _build(name, args, mesh)
+        local_params = _local_numel(model) if tp > 1 else None  # stage 3's are the engine's shards
         # Every dp replica sees its own batch (the tp ranks of a replica the same one); the global
         # batch is WORLD x args.batch sequences in every variant.
         gen = torch.Generator().manual_seed(1000 + dp_rank)
@@ -124,14 +134,15 @@ def _worker(rank, store_path, name, args, out_queue):
                 times.append(worst.item())
                 for k in groups:
                     d = after[k] - before[k]
-                    per_step[k] = d if per_step[k] is None else _add(per_step[k], d)
+                    per_step[k] = d if per_step[k] is None else per_step[k] + d
         tokens, targets = synthetic_batch(batch, args.context, VOCAB, gen)
         opt.backward(_loss(model, tokens, targets))
         memory = zeroplus.memory_report(model, opt)
         opt.zero_grad()
         comm = {k: {op: {f: v / args.steps for f, v in s.items()} for op, s in per_step[k].as_dict().items()}
                 for k in groups}
-        out_queue.put({"rank": rank, "times": times, "memory": memory, "comm": comm, "final_loss": loss.item()})
+        out_queue.put({"rank": rank, "times": times, "memory": memory, "comm": comm, "final_loss": loss.item(),
+                       "local_params": local_params})
     except Exception as e:  # reported, not hidden: the variant's row says why it could not run
         import traceback
 
@@ -139,12 +150,6 @@ def _worker(rank, store_path, name, args, out_queue):
                        "traceback": traceback.format_exc()})
     finally:
         dist.destroy_process_group()
-
-
-def _add(a, b):
-    from zeroplus import CommStats
-
-    return CommStats(a.group_size, {k: a.ops[k] + b.ops[k] for k in a.ops})
 
 
 def run_variant(name, args):
@@ -164,12 +169,11 @@ def run_variant(name, args):
     return {"ranks": results}
 
 
-def formulas(name, args, psi, psi_tp, precision):
+def formulas(name, args, psi, local, precision):
     """Model-state bytes per rank and bus bytes per step per rank from the formulas of
-    docs/tensor_parallel_vs_zero3.md. psi: all parameters; psi_tp: those auto_plan shards."""
+    docs/tensor_parallel_vs_zero3.md. psi: all parameters; local: those a rank holds under TP."""
     tp = _tp(name)
     dp = WORLD // tp
-    local = psi - psi_tp + psi_tp / tp  # parameters a rank holds under TP
     lp = 2 if precision == "bf16" else 4  # bytes of a parameter/gradient element in compute
     master = 4 if precision == "bf16" else 0
     stage = int(name[-1])
@@ -179,43 +183,43 @@ def formulas(name, args, psi, psi_tp, precision):
         memory = lp * local + (lp + master + 8) * local / dp
     else:
         memory = 2 * lp * local + (master + 8) * local / dp
-    # Data-parallel traffic: stages 1-2 reduce gradients and gather parameters once (2 x (dp-1)/dp
-    # x local), stage 3 gathers parameters twice (forward, backward) and reduce-scatters gradients.
-    dp_bus = (3 if stage == 3 else 2) * (dp - 1) / dp * local * lp
-    # Tensor-parallel traffic (Megatron): per block 2 all-reduces of the activations forward and 2
-    # backward, each batch x context x dim elements at the replica's batch, bus factor 2(tp-1)/tp.
+    # Data-parallel traffic per step, in units of the local parameters' bytes x (dp-1)/dp:
+    # stage 1 all-reduces the gradients (2) and all-gathers the updated parameters (1); stage 2
+    # reduce-scatters them (1) and all-gathers (1); stage 3 all-gathers the parameters for forward
+    # and again for backward (2) and reduce-scatters the gradients (1).
+    dp_bus = {1: 3, 2: 2, 3: 3}[stage] * (dp - 1) / dp * local * lp
+    # Tensor-parallel traffic (Megatron plan): per block 2 all-reduces of the activations forward
+    # (row-parallel outputs) and 2 backward (column-parallel inputs' gradients), plus the
+    # vocabulary-parallel embedding's forward all-reduce and the LM head's input-gradient
+    # all-reduce, each tokens x dim elements (bus factor 2(tp-1)/tp), and the LM head's logits
+    # all-gather, tokens x vocab (bus factor (tp-1)/tp). tokens = the replica's batch x context.
     tokens = args.batch * tp * args.context
-    tp_bus = 0 if tp == 1 else 4 * args.layers * tokens * args.dim * lp * 2 * (tp - 1) / tp
+    tp_bus = 0 if tp == 1 else ((4 * args.layers + 2) * tokens * args.dim * 2 + tokens * VOCAB) * lp * (tp - 1) / tp
     return {"model_state": memory, "dp_bus": dp_bus, "tp_bus": tp_bus}
 
 
-def _summarise(name, res, args, psi, psi_tp):
+def _summarise(name, res, args, psi):
     ranks = res["ranks"]
     row = {"variant": name, "step_ms": statistics.median(ranks[0]["times"]) * 1e3,
            "model_state": max(r["memory"]["model_state"] for r in ranks),
-           "final_loss": ranks[0]["final_loss"]}
+           "memory_rank0": ranks[0]["memory"], "final_loss": ranks[0]["final_loss"]}
     for g in ("dp", "tp"):
         per_rank = [r["comm"].get(g, {}).get("total", {"bytes": 0.0, "bus_bytes": 0.0, "calls": 0.0}) for r in ranks]
         row[f"{g}_bytes"] = max(p["bytes"] for p in per_rank)
         row[f"{g}_bus"] = max(p["bus_bytes"] for p in per_rank)
         row[f"{g}_calls"] = max(p["calls"] for p in per_rank)
         row[f"{g}_bytes_min"] = min(p["bytes"] for p in per_rank)
+        # Every collective here is symmetric: each rank of a group counts the same message sizes.
+        row[f"{g}_ranks_agree"] = len({json.dumps(r["comm"].get(g, {}), sort_keys=True) for r in ranks}) == 1
         row[f"{g}_ops"] = ranks[0]["comm"].get(g, {})
-    row["formula"] = formulas(name, args, psi, psi_tp, args.precision)
+    row["local_params"] = ranks[0]["local_params"] or psi
+    row["formula"] = formulas(name, args, psi, row["local_params"], args.precision)
     return row
 
 
 def _psi(args):
-    from tiny_gpt import TinyGPT
-
     with torch.device("meta"):
-        model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
-    psi = sum(p.numel() for p in model.parameters())
-    # What a 2-way plan shards: the blocks' attention and MLP projections (auto_plan's plan for
-    # nn.TransformerEncoderLayer); embeddings, positions, norms and the LM head stay replicated.
-    sharded = sum(p.numel() for n, p in model.named_parameters()
-                  if n.startswith("blocks.") and ("self_attn" in n or ".linear" in n))
-    return psi, sharded
+        return sum(p.numel() for p in _gpt(args).parameters())  # parameters() lists the tied wte once
 
 
 def main():
@@ -235,14 +239,14 @@ def main():
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     sys.path.insert(0, str(ROOT / "plugin" / "python"))
     sys.path.insert(0, str(ROOT / "examples"))
-    psi, psi_tp = _psi(args)
-    report = {"args": vars(args), "params": psi, "params_tp_sharded": psi_tp, "load_average_start": os.getloadavg(),
+    psi = _psi(args)
+    report = {"args": vars(args), "params": psi, "load_average_start": os.getloadavg(),
               "rows": []}
     for name in args.variants.split(","):
         if name not in VARIANTS:
             parser.error(f"--variants: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
         res = run_variant(name, args)
-        row = {"variant": name, "error": res["error"]} if "error" in res else _summarise(name, res, args, psi, psi_tp)
+        row = {"variant": name, "error": res["error"]} if "error" in res else _summarise(name, res, args, psi)
         report["rows"].append(row)
         print(f"{name}: " + (row["error"] if "error" in row else
                              f"{row['step_ms']:.0f} ms, {row['model_state'] / 2**20:.2f} MiB, "
@@ -261,9 +265,11 @@ def main():
 def _table(report, args):
     mib = 2**20
     psi = report["params"]
-    lines = [f"Tensor parallel x ZeRO vs ZeRO-3: TinyGPT {psi / 1e6:.2f}M params ({report['params_tp_sharded'] / 1e6:.2f}M "
-             f"in the blocks' projections that TP shards; dim {args.dim}, {args.layers} layers, context "
-             f"{args.context}), {args.precision}, {WORLD} CPU ranks on backend zeroplus, global batch "
+    tp_local = next((r["local_params"] for r in report["rows"] if "error" not in r and _tp(r["variant"]) > 1), None)
+    lines = [f"Tensor parallel x ZeRO vs ZeRO-3: GPT-2 (HF) {psi / 1e6:.2f}M params"
+             + (f" ({tp_local / 1e6:.2f}M per rank under TP2)" if tp_local else "")
+             + f", dim {args.dim}, {args.layers} layers, {args.heads} heads, context {args.context}, vocabulary "
+             f"{VOCAB}, {args.precision}, {WORLD} CPU ranks on backend zeroplus, global batch "
              f"{WORLD * args.batch} sequences/step, {args.steps} measured steps; load average "
              f"{report['load_average_start'][0]:.1f} -> {report['load_average_end'][0]:.1f} (step times are "
              "context only; bytes are exact).", "",
@@ -283,6 +289,10 @@ def _table(report, args):
             f"{r['dp_bus'] / mib:.2f} ({f['dp_bus'] / mib:.2f}) | {r['tp_bytes'] / mib:.2f} | "
             f"{r['tp_bus'] / mib:.2f} ({f['tp_bus'] / mib:.2f}) | {(r['dp_bus'] + r['tp_bus']) / mib:.2f} | "
             f"{r['dp_calls']:.0f} + {r['tp_calls']:.0f} | {r['step_ms']:.0f} |")
+    disagree = [f"{r['variant']} {g}" for r in report["rows"] if "error" not in r for g in ("dp", "tp")
+                if not r[f"{g}_ranks_agree"]]
+    lines += ["", "Every rank counted the same calls and bytes per collective in each group." if not disagree else
+              "Ranks counted different traffic in: " + ", ".join(disagree) + " (the table shows the largest)."]
     lines += ["", "Per collective, rank 0, per step (S MiB x calls):", ""]
     for r in report["rows"]:
         if "error" in r:
