@@ -29,12 +29,13 @@ class Block(nn.Module):
         self.down = nn.Linear(4 * d, d)
 
     def forward(self, x):
-        b, t, _ = x.shape
         y = self.ln1(x)
-        # -1 heads: under tensor parallelism each rank has its share of the heads
-        q, k, v = (proj(y).view(b, t, -1, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+        # Shapes from the projections' outputs: under tensor parallelism each rank has its share of
+        # the heads (-1), under sequence parallelism x holds only this rank's part of the sequence.
+        q, k, v = (z.view(*z.shape[:2], -1, self.head_dim).transpose(1, 2)
+                   for z in (self.q_proj(y), self.k_proj(y), self.v_proj(y)))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        a = a.reshape(*a.shape[:2], -1)
         x = x + self.o_proj(a)
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
@@ -98,3 +99,26 @@ def full(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def sequence_parallel_plan(model: TinyGPT) -> dict:
+    """manual_plan with sequence parallelism (torch's SequenceParallel) on the norms: between blocks
+    each tp rank holds its half of the sequence; the norms' weights are Replicate DTensors whose
+    gradients arrive as Partial sums over the tp ranks (the engine redistributes them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "blocks.0": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1),
+                                           use_local_output=True),
+            "ln_f": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.ln1"] = SequenceParallel()
+        plan[f"blocks.{i}.ln2"] = SequenceParallel()
+        for name in ("q_proj", "k_proj", "v_proj", "up"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel(input_layouts=Shard(1))
+        for name in ("o_proj", "down"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel(output_layouts=Shard(1))
+    return plan

@@ -107,6 +107,11 @@ class EngineAdapter(_Base):
 
     def __init__(self, model, opt: ZeroEngine):
         super().__init__(model, opt, opt.rank, opt.world_size)
+        if getattr(opt, "tp_group", None) is not None:
+            # Shards are named by data-parallel rank: the tp ranks of one dp rank would write one file.
+            raise ValueError("checkpoint: does not support tensor-parallel models yet (opt has DTensor parameters): "
+                             "save model.state_dict() and opt's consolidated state_dict (both DTensors) with "
+                             "torch.distributed.checkpoint (docs/tensor_parallel.md)")
         if opt.module is not None and opt.module is not model:
             raise ValueError("checkpoint: model is not the module this optimizer was built for (zeroplus.initialize "
                              "returned another one)")

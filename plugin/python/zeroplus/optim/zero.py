@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer as _TorchZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from .fused import fused_class_for
 
@@ -206,22 +207,28 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
 
 
 def _with_dtensor(params):
-    """(params as a list, whether any parameter is a DTensor): a generator is read once here."""
-    from torch.distributed.tensor import DTensor
-
+    """(params with every generator read into a list, whether any parameter is a DTensor). Anything
+    malformed is passed on unchanged: torch's constructor names the problem."""
     if isinstance(params, torch.Tensor):
-        return params, False  # torch's constructor raises its own TypeError for a bare tensor
+        return params, False
     try:
         params = list(params)
     except TypeError:
-        return params, False  # not iterable: torch's constructor names the problem
-    found = False
+        return params, False
+    found, out = False, []
     for item in params:
         group = item.get("params", ()) if isinstance(item, dict) else (item,)
         if isinstance(group, torch.Tensor):
             group = (group,)
-        found = found or any(isinstance(p, DTensor) for p in group)
-    return params, found
+        elif isinstance(item, dict) and not isinstance(group, (list, tuple)):
+            try:  # a generator inside a group dict: read once, here, for both of us
+                group = list(group)
+                item = {**item, "params": group}
+            except TypeError:
+                pass
+        found = found or any(isinstance(p, DTensor) for p in group if isinstance(p, torch.Tensor))
+        out.append(item)
+    return out, found
 
 
 def _to_cpu(obj):

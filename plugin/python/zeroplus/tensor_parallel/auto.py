@@ -203,5 +203,6 @@ def auto_plan(model: nn.Module, tp_size: int, *, vocab_parallel: bool | None = N
     for mods in owners.values():
         planned = [m for m in mods if m in planner.styles]
         if planned and len(mods) > 1 and not set(mods) <= tied_names:
-            raise ValueError(f"auto_plan: cannot place {planned[0]}: its parameter is shared with {sorted(set(mods) - {planned[0]})}")
+            others = sorted(set(mods) - {planned[0]})
+            raise ValueError(f"auto_plan: cannot place {planned[0]}: its parameter is shared with {others}")
     return TensorParallelPlan(tp_size, planner.styles, planner.attributes, tied, planner.replicated)

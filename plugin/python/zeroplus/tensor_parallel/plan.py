@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 
@@ -62,6 +63,9 @@ class TensorParallelPlan:
         for a, b in self.tied:
             if a not in params or b not in params or params[a] is not params[b]:
                 raise ValueError(f"TensorParallelPlan.apply: {a!r} and {b!r} are not one tied parameter in model")
+        for name in self.styles:
+            if any(isinstance(p, DTensor) for p in modules[name].parameters()):
+                raise ValueError(f"TensorParallelPlan.apply: {name} is already parallelised (DTensor parameters)")
         if any(getattr(p, "_zeroplus_managed", False) for p in params.values()):
             raise ValueError("TensorParallelPlan.apply: model is already managed by a zeroplus ZeRO optimizer; "
                              "parallelise before zeroplus.initialize")

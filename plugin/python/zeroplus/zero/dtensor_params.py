@@ -80,7 +80,7 @@ def tensor_parallel_group(name: str, params, process_group):
     """The tensor-parallel group the DTensor parameters among `params` are sharded over (None when
     there is none), after checking that ZeRO can take them with `process_group` as its data-parallel
     group. ValueError naming the argument otherwise; nothing is changed."""
-    groups, dp_ranks, me = {}, None, dist.get_rank()
+    groups, dp_ranks, me, checked = {}, None, dist.get_rank(), set()
     for p in params:
         if not isinstance(p, DTensor):
             continue
@@ -93,6 +93,9 @@ def tensor_parallel_group(name: str, params, process_group):
                              f"mesh {p.device_mesh.mesh_dim_names}; ZeRO takes tensor-parallel parameters on the "
                              f"mesh's 1-D tensor-parallel dimension (parallelize_module(model, mesh['tp'], plan)) and "
                              f"shards them over process_group (mesh['dp'].get_group())")
+        if id(p.device_mesh) in checked:
+            continue  # one check per mesh (a model's parameters share a handful)
+        checked.add(id(p.device_mesh))
         group = p.device_mesh.get_group()
         groups[id(group)] = group
         if dp_ranks is None:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..tensor_parallel import auto_plan
 
 from . import config as config_mod
-from . import deferred
+from . import deferred, dtensor_params
 from . import ds_config
 from .stages import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 
@@ -49,6 +49,9 @@ def _tensor_parallel(tensor_parallel, process_group, model):
     if tensor_parallel.ndim != 2 or tuple(tensor_parallel.mesh_dim_names or ()) != ("dp", "tp"):
         raise ValueError(f"zeroplus.initialize: tensor_parallel must be a 2-D DeviceMesh with mesh_dim_names "
                          f"('dp', 'tp'), got {tensor_parallel.ndim}-D {tensor_parallel.mesh_dim_names}")
+    if any(dtensor_params.is_dtensor(p) for p in model.parameters()):
+        raise ValueError("zeroplus.initialize: model is already tensor-parallel (DTensor parameters); pass "
+                         "process_group=mesh['dp'].get_group() instead of tensor_parallel")
     if process_group is not None:
         raise ValueError("zeroplus.initialize: pass either tensor_parallel (the data-parallel group is its 'dp' "
                          "dimension) or process_group, not both")
