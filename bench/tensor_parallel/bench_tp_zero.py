@@ -285,7 +285,8 @@ def _table(report, args):
             continue
         f = r["formula"]
         lines.append(
-            f"| {r['variant']} | {r['model_state'] / mib:.2f} ({f['model_state'] / mib:.2f}) | {r['dp_bytes'] / mib:.2f} | "
+            f"| {r['variant']} | {r['model_state'] / mib:.2f} ({f['model_state'] / mib:.2f}) | "
+            f"{r['dp_bytes'] / mib:.2f} | "
             f"{r['dp_bus'] / mib:.2f} ({f['dp_bus'] / mib:.2f}) | {r['tp_bytes'] / mib:.2f} | "
             f"{r['tp_bus'] / mib:.2f} ({f['tp_bus'] / mib:.2f}) | {(r['dp_bus'] + r['tp_bus']) / mib:.2f} | "
             f"{r['dp_calls']:.0f} + {r['tp_calls']:.0f} | {r['step_ms']:.0f} |")
@@ -330,7 +331,8 @@ def _plot(report, out):
     for ax in axes:
         ax.tick_params(axis="x", rotation=20)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"TP x ZeRO vs ZeRO-3, {WORLD} CPU ranks, {report['params'] / 1e6:.2f}M params, {report['args']['precision']}")
+    fig.suptitle(f"TP x ZeRO vs ZeRO-3, {WORLD} CPU ranks, {report['params'] / 1e6:.2f}M params, "
+                 f"{report['args']['precision']}")
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
 
