@@ -18,7 +18,8 @@ examples/tiny_gpt.py):
   tp2_zero2   the same with stage=2
 Measured per variant, each in its own launch of 4 ranks:
   * model-state bytes per rank: zeroplus.memory_report after a backward (every category live);
-    for DTensor parameters these are the local shards;
+    for DTensor parameters these are the local shards; beside them the pooled gather/reduce-scatter
+    buffers the engine keeps for the next step (outside model_state, docs/zero.md);
   * bytes communicated per step per rank: zeroplus.comm_stats of every group the variant uses
     (dp, tp), as the difference of snapshots taken right before and right after each training
     step (so the bench's own timing collectives are not in it), averaged over the steps; `bytes`
@@ -276,17 +277,17 @@ def _table(report, args):
              "Bytes per step per rank, measured with zeroplus.comm_stats: S = message size (nccl-tests/DeepSpeed "
              "convention), bus = bytes each rank moves with a bandwidth-optimal algorithm; formula = the bus bytes "
              "of docs/tensor_parallel_vs_zero3.md.", "",
-             "| variant | model-state MiB/rank (formula) | dp MiB/step S | dp bus MiB (formula) | tp MiB/step S | "
-             "tp bus MiB (formula) | total bus MiB | calls/step dp + tp | step ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | model-state MiB/rank (formula) | pooled buffers MiB | dp MiB/step S | dp bus MiB (formula) | "
+             "tp MiB/step S | tp bus MiB (formula) | total bus MiB | calls/step dp + tp | step ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['variant']} | error: {r['error']} | | | | | | | | |")
             continue
         f = r["formula"]
         lines.append(
             f"| {r['variant']} | {r['model_state'] / mib:.2f} ({f['model_state'] / mib:.2f}) | "
-            f"{r['dp_bytes'] / mib:.2f} | "
+            f"{r['memory_rank0'].get('pooled_buffers', 0) / mib:.2f} | {r['dp_bytes'] / mib:.2f} | "
             f"{r['dp_bus'] / mib:.2f} ({f['dp_bus'] / mib:.2f}) | {r['tp_bytes'] / mib:.2f} | "
             f"{r['tp_bus'] / mib:.2f} ({f['tp_bus'] / mib:.2f}) | {(r['dp_bus'] + r['tp_bus']) / mib:.2f} | "
             f"{r['dp_calls']:.0f} + {r['tp_calls']:.0f} | {r['step_ms']:.0f} |")
