@@ -111,33 +111,35 @@ def _parity(mesh, stage, entry, plan="manual", steps=STEPS):
     return {"param_err": err, "norm_err": norm_err, "inf_norm_err": inf_err, "state_err": state_err}
 
 
-def _bf16(mesh):
-    """mixed_precision="bf16" over DTensor parameters: local tensors and the DTensors' dtype are bf16,
-    the fp32 masters train close to the fp32 reference, memory_report counts local pieces."""
+def _mixed(mesh, precision, stage):
+    """mixed_precision over DTensor parameters: local tensors and the DTensors' dtype are the compute
+    dtype, the fp32 masters train close to the fp32 reference (fp16: with the dynamic loss scale,
+    its overflow checks agreed over both mesh dimensions), memory_report counts local pieces."""
     import zeroplus
     from torch.distributed.tensor import DTensor
 
     tm, mesh, ref, model = _setup(mesh)
     dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
-    _, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, process_group=dp_group, mixed_precision="bf16",
-                                 **HYPER)
+    _, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, process_group=dp_group,
+                                 mixed_precision=precision, **HYPER)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
     up = model.blocks[0].up.weight
-    assert isinstance(up, DTensor) and up.dtype == torch.bfloat16 and up.to_local().dtype == torch.bfloat16
+    assert isinstance(up, DTensor) and up.dtype == dtype and up.to_local().dtype == dtype
     for step in tm.batches(5, 2):
         x, y = step[dp_rank]
-        tm.lm_loss(model(x), y).backward()
+        opt.backward(tm.lm_loss(model(x), y))
         opt.step()
         opt.zero_grad()
         (sum(tm.lm_loss(ref(a), b) for a, b in step) / 2).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     err = max((tm.full(p).float() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    assert err < 2e-2, err  # bf16 rounding of the weights the forward uses
     report = zeroplus.memory_report(model, opt)
     local_numel = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    assert err < 2e-2, err  # the rounding of the weights the forward uses
     assert report["parameters"] == 2 * local_numel, (report["parameters"], local_numel)
-    return {"bf16_err": err}
+    return {"err": err, "skipped_steps": opt.skipped_steps, "loss_scale": opt.loss_scale}
 
 
 def _errors(mesh):
@@ -193,7 +195,8 @@ def _errors(mesh):
 # gradients arrive as Partial DTensors and some vocabulary-parallel ones as Replicate; the engine
 # redistributes them to the parameters' placements.
 CASES = {"zero1": (_parity, 1, "zero_redundancy"), "zero2": (_parity, 2, "initialize"),
-         "zero1_sp": (_parity, 1, "initialize", "sp", 10), "bf16": (_bf16,), "errors": (_errors,)}
+         "zero1_sp": (_parity, 1, "initialize", "sp", 10), "bf16": (_mixed, "bf16", 2), "fp16": (_mixed, "fp16", 1),
+         "errors": (_errors,)}
 
 
 def _all_cases(rank, world):
@@ -236,8 +239,12 @@ def test_tp2_zero_matches_data_parallel(results, key):
     _result(results, key)
 
 
-def test_tp2_zero2_bf16(results):
-    _result(results, "bf16")
+@pytest.mark.parametrize("key", ["bf16", "fp16"])
+def test_tp2_zero_mixed_precision(results, key):
+    """TP2 x ZeRO-2 in bf16, TP2 x ZeRO-1 in fp16 (the dynamic loss scale skips its first steps: every
+    rank of the mesh must skip the same ones)."""
+    _result(results, key)
+    assert len({(r[key][1]["skipped_steps"], r[key][1]["loss_scale"]) for r in results}) == 1, results
 
 
 def test_tp_errors(results):
