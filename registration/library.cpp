@@ -1,7 +1,7 @@
 // TORCH_LIBRARY(zeroplus): the operator namespace every zeroplus registration file extends with
 // TORCH_LIBRARY_FRAGMENT. This file owns the build stamp and the process-group glue:
-// build_info(), backend_config(), attach(), topology(), interhost_plan(), attach_interhost()
-// and watch_interrupts().
+// build_info(), backend_config(), attach(), topology(), interhost_plan(), attach_interhost(),
+// comm_stats(), reset_comm_stats() and watch_interrupts().
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 #include <torch/version.h>
@@ -88,7 +88,7 @@ std::vector<std::string> backendConfig() {
 // the host names by index. `pg` must be a zeroplus group (the Python wrapper checks the backend
 // name first; this check catches a direct call).
 // The zeroplus backend of `pg`, or a ValueError naming `op`.
-pg::ZeroPlusBackend& zeroplusBackend(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+pg::DeviceRouter& zeroplusRouter(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
   TORCH_CHECK_VALUE(pg, "zeroplus ", op, ": group is None");
   c10::intrusive_ptr<c10d::Backend> backend;
   try {
@@ -98,7 +98,34 @@ pg::ZeroPlusBackend& zeroplusBackend(const char* op, const c10::intrusive_ptr<c1
   auto* router = dynamic_cast<pg::DeviceRouter*>(backend.get());
   TORCH_CHECK_VALUE(router != nullptr, "zeroplus ", op, ": group is not a zeroplus group (its CPU backend is '",
                     backend ? backend->getBackendName() : std::string("none"), "')");
-  return const_cast<pg::ZeroPlusBackend&>(router->cpuBackend());
+  return *router;
+}
+
+pg::ZeroPlusBackend& zeroplusBackend(const char* op, const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  return const_cast<pg::ZeroPlusBackend&>(zeroplusRouter(op, pg).cpuBackend());
+}
+
+// zeroplus.comm_stats(group): the op names (core/comm_stats.hpp, in CommOp order), the calls
+// and bytes of each on this rank, and each op's busbw factor at the group's size.
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>> commStats(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  pg::DeviceRouter& router = zeroplusRouter("comm_stats", pg);
+  const pg::CommStatsSnapshot s = router.commStats().snapshot();
+  std::vector<std::string> names;
+  std::vector<int64_t> calls, bytes;
+  std::vector<double> factors;
+  for (size_t i = 0; i < pg::kCommOpCount; ++i) {
+    const auto op = static_cast<pg::CommOp>(i);
+    names.emplace_back(pg::commOpName(op));
+    calls.push_back(static_cast<int64_t>(s.ops[i].calls));
+    bytes.push_back(static_cast<int64_t>(s.ops[i].bytes));
+    factors.push_back(pg::busFactor(op, router.getSize()));
+  }
+  return {names, calls, bytes, factors};
+}
+
+void resetCommStats(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  zeroplusRouter("reset_comm_stats", pg).commStats().reset();
 }
 
 // The group's host topology and transport line: the host index of every group rank, the host
@@ -151,6 +178,10 @@ TORCH_LIBRARY(zeroplus, m) {
       "attach_interhost(__torch__.torch.classes.c10d.ProcessGroup pg, "
       "__torch__.torch.classes.c10d.ProcessGroup interhost_pg) -> ()",
       &zeroplus::registration::attachInterhost);
+  m.def("comm_stats(__torch__.torch.classes.c10d.ProcessGroup pg) -> (str[], int[], int[], float[])",
+        &zeroplus::registration::commStats);
+  m.def("reset_comm_stats(__torch__.torch.classes.c10d.ProcessGroup pg) -> ()",
+        &zeroplus::registration::resetCommStats);
   // Called by backend_hook.py while Python's default SIGINT handler is set (interrupt_watch.hpp).
   m.def("watch_interrupts() -> bool", [] { return zeroplus::pg::installInterruptChain(); });
 }

@@ -9,6 +9,13 @@
 //     (needed when NCCL cannot run, e.g. several ranks sharing one GPU).
 // ZEROPLUS_CUDA_TRANSPORT=nccl|host selects it (process_group/adapter/cuda_transport.hpp).
 // Ops with no tensors (barrier) go to the device named in BarrierOptions, else to CPU.
+//
+// Communication accounting: every op c10d issues on the group passes this object exactly once,
+// whatever its device, so the router is the funnel that counts them (route() in the .cpp):
+// after the serving backend accepted the op (argument errors are not counted), one call and the
+// op's message size go into commStats() (core/comm_stats.hpp has the byte definitions). Two
+// relaxed atomic adds per op; always on. startCoalescing/endCoalescing are not ops of their own:
+// the ops inside the window are counted one by one.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -17,6 +24,7 @@
 #include <mutex>
 
 #include "process_group/adapter/backend.hpp"
+#include "process_group/core/comm_stats.hpp"
 
 namespace zeroplus::pg {
 
@@ -81,8 +89,16 @@ class DeviceRouter final : public c10d::Backend {
   c10d::Backend& backendFor(c10::DeviceType device);
   // The CPU backend (topology and transport queries of registration/library.cpp).
   const ZeroPlusBackend& cpuBackend() const { return *cpu_; }
+  // Calls and bytes per collective type issued on this group by this rank (any thread).
+  CommStats& commStats() { return stats_; }
+  const CommStats& commStats() const { return stats_; }
 
  private:
+  // The funnel: runs call(backendFor(device)) and, once it returned a Work, counts the op.
+  template <class Call>
+  c10::intrusive_ptr<c10d::Work> route(CommOp op, uint64_t bytes, c10::DeviceType device, Call&& call);
+
+  CommStats stats_;
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<ZeroPlusBackend> cpu_;
   std::mutex cudaMutex_;

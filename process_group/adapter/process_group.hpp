@@ -11,6 +11,9 @@
 //    reference go) after the last collective.
 //  * A group spanning hosts runs the flat TCP algorithms here: the hierarchical path's Gloo
 //    groups are created by the Python registration hook (docs/multihost.md).
+//  * commStats(group) is the group's communication accounting (core/comm_stats.hpp): calls and
+//    bytes per collective type, snapshot() and reset(); it throws c10::Error for a group whose
+//    backend is not zeroplus.
 //  * Errors: as ZeroPlusBackend's constructor (c10::Error / c10::DistBackendError naming the
 //    rank and the failed step).
 // Header-only on purpose: it adds no translation unit to libzeroplus.so.
@@ -35,6 +38,13 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(const c10::intrus
   group->setBackend(c10::DeviceType::CUDA, Type::CUSTOM, router);
   group->setDefaultBackend(Type::CUSTOM);
   return group;
+}
+
+inline CommStats& commStats(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  TORCH_CHECK(group, "zeroplus commStats: group is null");
+  auto* router = dynamic_cast<DeviceRouter*>(group->getBackend(c10::DeviceType::CPU).get());
+  TORCH_CHECK(router != nullptr, "zeroplus commStats: group is not a zeroplus group");
+  return router->commStats();
 }
 
 }  // namespace zeroplus::pg

@@ -34,6 +34,7 @@ if not _report_requested():
 
     from . import aio, files, optim  # noqa: E402  (need the library loaded)
     from .backend_options import BackendOptions  # noqa: E402
+    from .comm_stats import CommStats, OpStats, comm_stats, reset_comm_stats  # noqa: E402
     from .optim import ZeroRedundancyOptimizer  # noqa: E402
     from .topology import Topology, topology  # noqa: E402
     from .zero import GradScaler, estimate_memory, full_state_dict, init_context, initialize, memory_report  # noqa: E402
@@ -46,6 +47,8 @@ __all__ = [
     "aio",
     "BackendOptions",
     "checkpoint",
+    "comm_stats",
+    "CommStats",
     "built_torch_version",
     "estimate_memory",
     "files",
@@ -58,6 +61,8 @@ __all__ = [
     "load_checkpoint",
     "load_library",
     "optim",
+    "OpStats",
+    "reset_comm_stats",
     "save_checkpoint",
     "tensor_parallel",
     "Topology",

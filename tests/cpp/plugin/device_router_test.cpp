@@ -12,6 +12,7 @@
 #include "process_group/adapter/cuda_transport.hpp"
 #include "process_group/adapter/device_router.hpp"
 #include "process_group/adapter/host_staging_backend.hpp"
+#include "process_group/adapter/process_group.hpp"
 
 namespace {
 
@@ -76,6 +77,54 @@ TEST(DeviceRouter, RoutesCpuAndRejectsUnknownDevices) {
     EXPECT_TRUE(at::equal(t[0], at::ones({4})));
     EXPECT_EQ(router.getBackendName(), "zeroplus");
   });
+}
+
+// Communication accounting through the LibTorch API (pg::commStats): ops issued through
+// c10d::ProcessGroup reach the router's funnel once each, with comm_stats.hpp's message sizes.
+TEST(DeviceRouter, CountsEveryOpOfTheGroup) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        zeroplus::pg::BackendConfig config;
+        config.timeout = std::chrono::seconds(20);
+        auto group = zeroplus::pg::makeProcessGroup(store, rank, 2, config);
+        using zeroplus::pg::CommOp;
+        std::vector<at::Tensor> t{at::ones({1024})};
+        group->allreduce(t)->wait();
+        at::Tensor in = at::ones({3});
+        at::Tensor out = at::empty({6});
+        group->getBackend(c10::DeviceType::CPU)->_allgather_base(out, in)->wait();  // all_gather_into_tensor
+        std::vector<at::Tensor> p{at::ones({5}, at::kDouble)};
+        if (rank == 0) {
+          group->send(p, 1, 0)->wait();
+        } else {
+          group->recv(p, 0, 0)->wait();
+        }
+        group->barrier()->wait();
+        const auto s = zeroplus::pg::commStats(group).snapshot();
+        EXPECT_EQ(s[CommOp::kAllReduce].calls, 1u);
+        EXPECT_EQ(s[CommOp::kAllReduce].bytes, 4096u);
+        EXPECT_EQ(s[CommOp::kAllGatherIntoTensor].bytes, 24u);  // the whole output
+        EXPECT_EQ(s[rank == 0 ? CommOp::kSend : CommOp::kRecv].bytes, 40u);
+        EXPECT_EQ(s[rank == 0 ? CommOp::kRecv : CommOp::kSend].calls, 0u);
+        EXPECT_EQ(s[CommOp::kBarrier].calls, 1u);
+        EXPECT_EQ(s.total().calls, 4u);
+        EXPECT_EQ(s.total().bytes, 4096u + 24u + 40u);
+        zeroplus::pg::commStats(group).reset();
+        EXPECT_EQ(zeroplus::pg::commStats(group).snapshot().total().calls, 0u);
+        group->shutdown();
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int rank = 0; rank < 2; ++rank) EXPECT_TRUE(errors[rank].empty()) << "rank " << rank << ": " << errors[rank];
+  auto bare = c10::make_intrusive<c10d::ProcessGroup>(store, 0, 1);
+  EXPECT_THROW(zeroplus::pg::commStats(bare), c10::Error);
 }
 
 #ifndef ZEROPLUS_WITH_CUDA
