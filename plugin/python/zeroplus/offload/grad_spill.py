@@ -27,7 +27,6 @@ loads; they never overlap (backward and step alternate).
 
 from __future__ import annotations
 
-import errno as errno_mod
 import math
 
 import torch
@@ -206,15 +205,5 @@ class GradSpill:
 
     def _named(self, e: BaseException, h: _Bucket, generation: int, doing: str) -> OSError:
         path = self.directory.display_path(h.name(generation))
-        if isinstance(e, record.RecordError):
-            code, why = errno_mod.EBADMSG, f"the record is invalid: {e}"
-        else:
-            code = getattr(e, "errno", None) or errno_mod.EIO
-            why = getattr(e, "strerror", None) or str(e)
-        cls = type(e) if isinstance(e, OSError) else OSError
-        msg = (f"offload_param: {doing} gradient file {path!r} (gradient bucket {h.index}, rank {self.rank}) "
-               f"failed: {why}")
-        try:
-            return cls(code, msg, path)
-        except TypeError:
-            return OSError(code, msg, path)
+        return record.swap_error(e, path, f"offload_param: {doing} gradient file {path!r} (gradient bucket "
+                                          f"{h.index}, rank {self.rank})")

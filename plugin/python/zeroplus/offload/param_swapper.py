@@ -366,15 +366,8 @@ class ParamSwapper:
 
     def _named(self, e: BaseException, h: _Home, doing: str, consequence: str = "") -> OSError:
         path = self.directory.display_path(h.name)
-        if isinstance(e, record.RecordError):
-            code, why = errno_mod.EBADMSG, f"the record is invalid: {e}"
-        else:
-            code = getattr(e, "errno", None) or errno_mod.EIO
-            why = getattr(e, "strerror", None) or str(e)
-        cls = type(e) if isinstance(e, OSError) else OSError
-        msg = (f"offload_param: {doing} swap file {path!r} (parameter bucket {h.index}, rank {self.rank}) failed: "
-               f"{why}{consequence}")
-        try:
-            return cls(code, msg, path)
-        except TypeError:
-            return OSError(code, msg, path)
+        err = record.swap_error(e, path, f"offload_param: {doing} swap file {path!r} (parameter bucket {h.index}, "
+                                         f"rank {self.rank})")
+        if consequence:
+            err.strerror += consequence
+        return err

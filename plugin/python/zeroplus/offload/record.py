@@ -25,6 +25,7 @@ and in the file, so one O_DIRECT transfer moves the whole record.
 
 from __future__ import annotations
 
+import errno
 import struct
 import zlib
 from dataclasses import dataclass
@@ -133,3 +134,20 @@ def check(buffer: torch.Tensor, layout: Layout, bucket: int, rank: int, generati
     s, w = _digest(buffer, HEADER_BYTES, layout.payload_bytes)
     if (_signed(s), _signed(w)) != (words[6], words[7]):
         raise RecordError("payload checksum mismatch (torn write or corrupted data)")
+
+
+def swap_error(e: BaseException, path: str, context: str) -> OSError:
+    """The error a swap-file failure raises: `context` (what was being done to which file, for
+    which bucket and rank) + " failed: " + why, with e's OSError subclass and errno where it has
+    them (an invalid record is EBADMSG; anything else without an errno, EIO) and the file's path."""
+    if isinstance(e, RecordError):
+        code, why = errno.EBADMSG, f"the record is invalid: {e}"
+    else:
+        code = getattr(e, "errno", None) or errno.EIO
+        why = getattr(e, "strerror", None) or str(e)
+    cls = type(e) if isinstance(e, OSError) else OSError
+    msg = f"{context} failed: {why}"
+    try:
+        return cls(code, msg, path)
+    except TypeError:  # an OSError subclass with another constructor
+        return OSError(code, msg, path)

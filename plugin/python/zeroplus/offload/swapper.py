@@ -39,7 +39,6 @@ Not thread-safe: the engine calls it from the training thread only.
 
 from __future__ import annotations
 
-import errno as errno_mod
 import time
 from dataclasses import dataclass, field
 
@@ -536,15 +535,8 @@ class OptimizerSwapper:
 
     def _named(self, e: BaseException, h: _Home, doing: str, consequence: str = "") -> OSError:
         path = self.directory.display_path(h.name)
-        if isinstance(e, record.RecordError):
-            code, why = errno_mod.EBADMSG, f"the record is invalid: {e}"
-        else:
-            code = getattr(e, "errno", None) or errno_mod.EIO
-            why = getattr(e, "strerror", None) or str(e)
-        cls = type(e) if isinstance(e, OSError) else OSError
-        msg = (f"offload_optimizer: {doing} swap file {path!r} (bucket {h.index}, rank {self.rank}) failed: "
-               f"{why}{consequence}")
-        try:
-            return cls(code, msg, path)
-        except TypeError:
-            return OSError(code, msg, path)
+        err = record.swap_error(e, path, f"offload_optimizer: {doing} swap file {path!r} (bucket {h.index}, "
+                                         f"rank {self.rank})")
+        if consequence:
+            err.strerror += consequence
+        return err
