@@ -150,19 +150,9 @@ CASES = {"gpt2": (_logits_parity, "gpt2"), "llama": (_logits_parity, "llama"),
 
 
 def _all_cases(rank, world):
-    import traceback
-
     import tp_models as tm
 
-    mesh = tm.mesh_2x2()
-    out = {}
-    for key, (fn, *args) in CASES.items():
-        start = time.monotonic()
-        try:
-            out[key] = ("ok", fn(mesh, *args), time.monotonic() - start)
-        except Exception:  # noqa: BLE001 - reported per case
-            out[key] = ("error", traceback.format_exc(), time.monotonic() - start)
-    return out
+    return tm.run_cases(CASES)
 
 
 @pytest.fixture(scope="module")

@@ -200,19 +200,9 @@ CASES = {"zero1": (_parity, 1, "zero_redundancy"), "zero2": (_parity, 2, "initia
 
 
 def _all_cases(rank, world):
-    import traceback
-
     import tp_models as tm
 
-    mesh = tm.mesh_2x2()
-    out = {}
-    for key, (fn, *args) in CASES.items():
-        start = time.monotonic()
-        try:
-            out[key] = ("ok", fn(mesh, *args), time.monotonic() - start)
-        except Exception:  # noqa: BLE001 - reported per case
-            out[key] = ("error", traceback.format_exc(), time.monotonic() - start)
-    return out
+    return tm.run_cases(CASES)
 
 
 @pytest.fixture(scope="module")

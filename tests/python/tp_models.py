@@ -78,6 +78,24 @@ def mesh_2x2():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
 
+def run_cases(cases: dict) -> dict:
+    """Every case of `cases` ({name: (fn, *args)}, fn(mesh, *args)) on this rank of a 2x2 mesh:
+    {name: ("ok", result, seconds) or ("error", traceback, seconds)}, so one case's failure is
+    reported by its own test and the others still run in the same launch."""
+    import time
+    import traceback
+
+    mesh = mesh_2x2()
+    out = {}
+    for key, (fn, *args) in cases.items():
+        start = time.monotonic()
+        try:
+            out[key] = ("ok", fn(mesh, *args), time.monotonic() - start)
+        except Exception:  # noqa: BLE001 - reported per case
+            out[key] = ("error", traceback.format_exc(), time.monotonic() - start)
+    return out
+
+
 def batches(steps: int, dp_size: int, per_rank: int = 2, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1):
     """[step][dp rank] -> (inputs, targets): the same on every rank."""
     g = torch.Generator().manual_seed(seed)
