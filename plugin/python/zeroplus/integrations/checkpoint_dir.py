@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from .. import files
 from ..checkpoint import fsutil
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
@@ -77,7 +78,7 @@ def write_state_file(directory, name: str, obj) -> None:
     """torch.save(obj) as DIRECTORY/NAME on this rank: temporary file, fdatasync, rename."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    dir_fd = fsutil.open_dir(os.fspath(directory))
+    dir_fd = files.open_directory_at(None, os.fspath(directory), owned=True)
     try:
         fsutil.write_small_file(dir_fd, name, buf.getvalue(), replace=True)
     finally:
@@ -86,9 +87,9 @@ def write_state_file(directory, name: str, obj) -> None:
 
 def read_state_file(directory, name: str, weights_only: bool | None = True):
     """torch.load of DIRECTORY/NAME (no symlink followed at the last component)."""
-    dir_fd = fsutil.open_dir(os.fspath(directory), own=False)
+    dir_fd = files.open_directory_at(None, os.fspath(directory))
     try:
-        fd = fsutil.open_read(dir_fd, name)
+        fd = files.open_regular_at(dir_fd, name)
     finally:
         os.close(dir_fd)
     with os.fdopen(fd, "rb") as f:
