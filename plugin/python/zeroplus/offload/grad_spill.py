@@ -31,7 +31,6 @@ import math
 
 import torch
 
-from ..aio import AioHandle
 from . import record
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
@@ -71,9 +70,7 @@ class GradSpill:
         self.policy = policy
         self.rank = rank
         self.directory = directory
-        knobs = dict(block_size=policy.aio.block_size, queue_depth=policy.aio.queue_depth,
-                     threads=policy.aio.threads)
-        self._io = AioHandle(**knobs)
+        self._io = policy.aio.new_handle()
         self._buckets = {b: _Bucket(b, record.Layout.build([(*_KEY, dtype, numel)]))
                          for b, (dtype, numel) in buckets.items()}
         self._writing: list[tuple[_Bucket, torch.Tensor]] = []  # (bucket, buffer) of writes in flight
@@ -120,11 +117,8 @@ class GradSpill:
         """The pass succeeded everywhere: pending generations become the gradients. Raises the
         pass's write errors (then nothing is committed: call discard)."""
         self._drain()
-        if self._errors:
-            errors, self._errors = self._errors, []
-            first = errors[0]
-            raise type(first)(first.errno, first.strerror + "".join(f"\n  also: {e.strerror}" for e in errors[1:]),
-                              first.filename)
+        errors, self._errors = self._errors, []
+        record.raise_collected(errors)
         for h in self._buckets.values():
             if h.pending is not None:
                 h.generation, h.pending, h.valid = h.pending, None, True

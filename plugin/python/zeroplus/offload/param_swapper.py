@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..aio import AioHandle
 from . import record
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
@@ -78,10 +77,8 @@ class ParamSwapper:
         self.policy = policy
         self.rank = rank
         self.directory = directory
-        knobs = dict(block_size=policy.aio.block_size, queue_depth=policy.aio.queue_depth,
-                     threads=policy.aio.threads)
-        self._reader = AioHandle(**knobs)
-        self._writer = AioHandle(**knobs)
+        self._reader = policy.aio.new_handle()
+        self._writer = policy.aio.new_handle()
         self._homes: dict[int, _Home] = {}
         for i, b in enumerate(buckets):
             layout = record.Layout.build([(*_KEY, b.dtype, b.shard_numel)])
@@ -359,10 +356,7 @@ class ParamSwapper:
 
     def _raise_errors(self) -> None:
         errors, self._errors = self._errors, []
-        if errors:
-            first = errors[0]
-            more = "".join(f"\n  also: {e.strerror}" for e in errors[1:])
-            raise type(first)(first.errno, f"{first.strerror}{more}", first.filename)
+        record.raise_collected(errors)
 
     def _named(self, e: BaseException, h: _Home, doing: str, consequence: str = "") -> OSError:
         path = self.directory.display_path(h.name)

@@ -54,6 +54,12 @@ class AioPolicy:
             if value < minimum:
                 raise ValueError(f"AioPolicy: {key} must be >= {minimum}, got {value!r}")
 
+    def new_handle(self):
+        """A zeroplus.aio.AioHandle with these knobs (each swapper keeps its own reader/writer)."""
+        from ..aio import AioHandle  # the library loads on first use, not when a config is parsed
+
+        return AioHandle(block_size=self.block_size, queue_depth=self.queue_depth, threads=self.threads)
+
 
 @dataclass(frozen=True)
 class OffloadPolicy:

@@ -151,3 +151,12 @@ def swap_error(e: BaseException, path: str, context: str) -> OSError:
         return cls(code, msg, path)
     except TypeError:  # an OSError subclass with another constructor
         return OSError(code, msg, path)
+
+
+def raise_collected(errors: list[OSError]) -> None:
+    """Raise the first of the errors a step collected (its type, errno and file), the others'
+    messages appended; nothing when there are none."""
+    if errors:
+        first = errors[0]
+        more = "".join(f"\n  also: {e.strerror}" for e in errors[1:])
+        raise type(first)(first.errno, f"{first.strerror}{more}", first.filename)

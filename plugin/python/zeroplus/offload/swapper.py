@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..aio import AioHandle
 from . import record
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
@@ -86,10 +85,8 @@ class OptimizerSwapper:
         self.policy = policy
         self.rank = rank
         self.directory = directory
-        knobs = dict(block_size=policy.aio.block_size, queue_depth=policy.aio.queue_depth,
-                     threads=policy.aio.threads)
-        self._reader = AioHandle(**knobs)
-        self._writer = AioHandle(**knobs)
+        self._reader = policy.aio.new_handle()
+        self._writer = policy.aio.new_handle()
         self._bos = list(bucket_optimizers)
         self._homes = [_Home(i, f"optimizer-b{i:05d}.swp") for i in range(len(self._bos))]
         self._index = {id(bo): i for i, bo in enumerate(self._bos)}
@@ -371,10 +368,7 @@ class OptimizerSwapper:
 
     def _raise_errors(self) -> None:
         errors, self._errors = self._errors, []
-        if errors:
-            first = errors[0]
-            more = "".join(f"\n  also: {e.strerror}" for e in errors[1:])
-            raise type(first)(first.errno, f"{first.strerror}{more}", first.filename)
+        record.raise_collected(errors)
 
     # -- binding ------------------------------------------------------------------------------------
 
