@@ -218,6 +218,13 @@ def test_auto_plan_argument_errors():
 
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         auto_plan("gpt2", 2)
+    for bad in ("2", 2.0, True):
+        with pytest.raises(TypeError, match="tp_size must be an int"):
+            auto_plan(_gpt2(), bad)
+        with pytest.raises(TypeError, match="tp_size must be an int"):
+            TensorParallelPlan(bad, {})
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        TensorParallelPlan(0, {})
     with pytest.raises(TypeError, match="vocab_parallel must be None, True or False"):
         auto_plan(_gpt2(), 2, vocab_parallel="yes")
     with pytest.raises(ValueError, match="vocab_parallel=True but TransformerEncoder has no"):

@@ -182,7 +182,9 @@ def auto_plan(model: nn.Module, tp_size: int, *, vocab_parallel: bool | None = N
     plan.apply(model, mesh['tp']) parallelises, or zeroplus.initialize(..., tensor_parallel=mesh)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"auto_plan: model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int):
+        raise TypeError(f"auto_plan: tp_size must be an int, got {tp_size!r}")
+    if tp_size < 1:
         raise ValueError(f"auto_plan: tp_size must be a positive int, got {tp_size!r}")
     if vocab_parallel is not None and not isinstance(vocab_parallel, bool):
         raise TypeError(f"auto_plan: vocab_parallel must be None, True or False, got {vocab_parallel!r}")

@@ -35,7 +35,9 @@ class TensorParallelPlan:
     replicated: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int):
+            raise TypeError(f"TensorParallelPlan: tp_size must be an int, got {self.tp_size!r}")
+        if self.tp_size < 1:
             raise ValueError(f"TensorParallelPlan: tp_size must be a positive int, got {self.tp_size!r}")
         for name, style in self.styles.items():
             if not isinstance(style, ParallelStyle):
