@@ -5,7 +5,8 @@
 
 Format (format.py), the write path (shard_io.py, commit.py, save.py), the read path (reader.py,
 load.py), what each optimizer owns (adapters.py), torch.distributed.checkpoint storage classes
-(dcp_storage.py), offline consolidation and inspection (consolidate.py) and their command line
+(dcp_storage.py), zeroplus's state as DCP state dicts (get_state_dict / set_state_dict,
+dcp_state.py), offline consolidation and inspection (consolidate.py) and their command line
 (`python -m zeroplus.checkpoint`, __main__.py). Guarantees and the format: docs/checkpoints.md.
 """
 
@@ -15,8 +16,8 @@ from .reader import CheckpointReader
 from .save import CheckpointHandle, CheckpointOptions, release_snapshot_memory, save_checkpoint
 
 __all__ = ["AioStorageReader", "AioStorageWriter", "CheckpointCorruptError", "CheckpointError", "CheckpointHandle",
-           "CheckpointOptions", "CheckpointReader", "CheckpointVersionError", "load_checkpoint",
-           "release_snapshot_memory", "save_checkpoint"]
+           "CheckpointOptions", "CheckpointReader", "CheckpointVersionError", "get_state_dict", "load_checkpoint",
+           "release_snapshot_memory", "save_checkpoint", "set_state_dict"]
 
 
 def __getattr__(name: str):
@@ -25,4 +26,8 @@ def __getattr__(name: str):
         from . import dcp_storage
 
         return getattr(dcp_storage, name)
+    if name in ("get_state_dict", "set_state_dict"):
+        from . import dcp_state
+
+        return getattr(dcp_state, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,6 +36,34 @@ def _is_elementwise(value, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == numel
 
 
+def _first_step_state(optimizer_class, hyperparameters: dict, like: torch.Tensor) -> dict:
+    """The state `optimizer_class` creates at its first step for a 2-element parameter like
+    `like`, found the way torch's get_state_dict finds it (_init_optim_state: one step with zero
+    gradients and lr 0), but on a scratch parameter: the real one is left alone."""
+    scratch = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
+    hyper = {k: v for k, v in hyperparameters.items() if k != "params"}
+    if "lr" in hyper:
+        hyper["lr"] = torch.tensor(0.0) if isinstance(hyper["lr"], torch.Tensor) else 0.0
+    opt = optimizer_class([{**hyper, "params": [scratch]}])
+    scratch.grad = torch.zeros_like(scratch)
+    opt.step()
+    return dict(opt.state.get(scratch, {}))
+
+
+def _fresh_state(template: dict, numel: int) -> dict:
+    """`template` (_first_step_state) for a parameter of `numel` elements, as it is before the
+    first step changes it: elementwise tensors and per-parameter tensors (step) zero."""
+    out = {}
+    for key, value in template.items():
+        if _is_elementwise(value, 2):
+            out[key] = torch.zeros(numel, dtype=value.dtype, device=value.device)
+        elif isinstance(value, torch.Tensor):
+            out[key] = torch.zeros_like(value)
+        else:
+            out[key] = value
+    return out
+
+
 class _Base:
     def __init__(self, model: torch.nn.Module, opt, rank: int, world_size: int):
         self.model, self.opt, self.rank, self.world_size = model, opt, rank, world_size
@@ -200,6 +228,18 @@ class EngineAdapter(_Base):
                 i += 1
         return out
 
+    def fresh_optimizer_states(self) -> dict:
+        """{segment index: the state its optimizer would create at its first step} for every
+        range of optimizer_ranges() (the destinations of a load into an optimizer that has not
+        stepped yet)."""
+        out, i = {}, 0
+        for bo in self.opt.bucket_optimizers:
+            template = _first_step_state(type(bo.inner), bo.inner.param_groups[0], bo.master) if bo.segments else {}
+            for seg in bo.segments:
+                out[i] = _fresh_state(template, seg.hi - seg.lo)
+                i += 1
+        return out
+
     def load_optimizer(self, states: dict, groups: list, optimizer_meta: dict) -> None:
         index = {id(p): i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])}
         scaler = optimizer_meta.get("loss_scaler")
@@ -254,6 +294,19 @@ class TorchZeroAdapter(_Base):
     def optimizer_ranges(self) -> list:
         flat = [p for g in self.opt.param_groups for p in g["params"]]
         return [(i, self.name_of[id(p)], 0, p.numel()) for i, p in enumerate(flat) if id(p) in self.owned]
+
+    def fresh_optimizer_states(self) -> dict:
+        """As EngineAdapter.fresh_optimizer_states, for the parameters this rank's optimizer owns."""
+        group_of = {id(p): gi for gi, g in enumerate(self.opt.optim.param_groups) for p in g["params"]}
+        flat = [p for g in self.opt.param_groups for p in g["params"]]
+        templates, out = {}, {}
+        for i, _name, lo, hi in self.optimizer_ranges():
+            gi = group_of[id(flat[i])]
+            key = (gi, flat[i].dtype, flat[i].device)
+            if key not in templates:
+                templates[key] = _first_step_state(type(self.opt.optim), self.opt.optim.param_groups[gi], flat[i])
+            out[i] = _fresh_state(templates[key], hi - lo)
+        return out
 
     def load_optimizer(self, states: dict, groups: list, optimizer_meta: dict) -> None:
         flat = [p for g in self.opt.param_groups for p in g["params"]]

@@ -26,9 +26,16 @@ from .save import wait_for_pending_save
 
 
 def _check_model(manifest: dict, adapter, model) -> None:
-    current = adapter.model_shapes()
     saved = {name: tuple(t["shape"]) for name, t in manifest["tensors"].items()}
     saved.update({alias: saved[target] for alias, target in manifest["aliases"].items()})
+    check_model_shapes(saved, adapter, model)
+
+
+def check_model_shapes(saved: dict, adapter, model) -> None:
+    """`saved` (state_dict key -> global shape) against the model, as model.load_state_dict(strict=True)
+    checks a state dict: RuntimeError with torch's wording naming every missing, unexpected and
+    mis-shaped key. Also used by dcp_state.set_state_dict."""
+    current = adapter.model_shapes()
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     errors = []
