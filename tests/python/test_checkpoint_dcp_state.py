@@ -35,11 +35,12 @@ SAVES = {
     "s2": (2, None, "torch"),
     "s3": (3, None, "aio"),
     "s2bf16": (2, "bf16", "aio"),
+    "s1fp16": (1, "fp16", "torch"),
     "zro": ("zro", None, "torch"),
 }
 LOADS = {
     1: [("s1", 2), ("s2", 3), ("s3", 1), ("zro", 2)],
-    3: [("s1", 3), ("s2", 1), ("s3", "zro"), ("s3", 2), ("s2bf16", 3)],
+    3: [("s1", 3), ("s2", 1), ("s3", "zro"), ("s3", 2), ("s2bf16", 3), ("s1fp16", 2)],
 }
 
 
@@ -69,8 +70,9 @@ def _save_case(root, name, rank, group):
              process_group=group)
     full = cm.full_params(kind, model)
     plain = cm.consolidated_optimizer(opt, rank)
+    scaler = opt.scaler.state_dict() if precision == "fp16" else None  # fp16: the loss scale goes along
     if rank == 0:
-        torch.save((full, plain), os.path.join(root, name + ".handover"))
+        torch.save((full, plain, scaler), os.path.join(root, name + ".handover"))
     return True
 
 
@@ -110,13 +112,21 @@ def _load_case(root, name, stage, rank, group):
 
     precision = SAVES[name][1]
     kind, stage = _split(stage)
-    full, plain = torch.load(os.path.join(root, name + ".handover"), weights_only=False)
+    full, plain, scaler = torch.load(os.path.join(root, name + ".handover"), weights_only=False)
     model_a, call_a, opt_a = cm.build(kind, stage, precision, group, seed=1, lr=1e-3)
     model_sd, optim_sd = zeroplus.checkpoint.get_state_dict(model_a, opt_a)
+    # the local shards per tensor (> 1: a flat range became several boxes)
+    most_shards = max(len(v.local_shards()) for v in model_sd.values() if hasattr(v, "local_shards")) \
+        if any(hasattr(v, "local_shards") for v in model_sd.values()) else 0
+    masters = [m.clone() for m in getattr(opt_a, "masters", [])]
     dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=AioStorageReader(os.path.join(root, name)),
              process_group=group)
+    # the model's tensors are views of the masters: dcp.load alone changed them
+    in_place = all(not torch.equal(a, b) for a, b in zip(masters, opt_a.masters) if a.numel()) if masters else None
     zeroplus.checkpoint.set_state_dict(model_a, opt_a, model_sd, optim_sd)
-    out = {}
+    out = {"most_shards": most_shards, "in_place": in_place}
+    if scaler is not None:
+        out["scaler_equal"] = opt_a.scaler.state_dict() == scaler
     loaded = cm.full_params(kind, model_a)
     out["params_differ"] = sorted(k for k in full if not torch.equal(full[k], loaded[k].to(full[k].dtype)))
     loaded_opt = cm.consolidated_optimizer(opt_a, rank)
@@ -125,6 +135,8 @@ def _load_case(root, name, stage, rank, group):
     fresh.load_state_dict({k: v.float() for k, v in full.items()})
     model_b, call_b, opt_b = cm.build(kind, stage, precision, group, seed=1, lr=1e-3, model=fresh)
     opt_b.load_state_dict(plain)
+    if scaler is not None:
+        opt_b.scaler.load_state_dict(scaler)
     cm.train(call_a, opt_a, 1, rank, first_step=10)
     cm.train(call_b, opt_b, 1, rank, first_step=10)
     pa, pb = cm.full_params(kind, model_a), cm.full_params(kind, model_b)
@@ -152,7 +164,7 @@ def case_zeroplus_to_torch(root, rank, group):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    full, plain = torch.load(os.path.join(root, "s2.handover"), weights_only=False)
+    full, plain, _scaler = torch.load(os.path.join(root, "s2.handover"), weights_only=False)
     model, opt = _plain(seed=1)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "s2"), process_group=group)
@@ -291,6 +303,29 @@ def _interop_all(rank, world, root):
 
 # -- pytest ---------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2), (5, 1), (1,)], ids=str)
+def test_boxes_tile_every_flat_range(shape):
+    """Every flat range [lo, hi) of every shape: the boxes cover exactly its elements, once, in
+    flat order, each one contiguous run (at most 2 * ndim - 1 of them)."""
+    import math
+
+    from zeroplus.checkpoint.dcp_state import boxes
+
+    n = math.prod(shape)
+    for lo in range(n + 1):
+        for hi in range(lo, n + 1):
+            hits = torch.zeros(shape, dtype=torch.int64)
+            pos = lo
+            found = boxes(shape, lo, hi)
+            for offsets, sizes, start in found:
+                assert start == pos, (shape, lo, hi, found)
+                hits[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))] += 1
+                pos += math.prod(sizes)
+            assert pos == hi and len(found) <= 2 * len(shape) - 1, (shape, lo, hi, found)
+            flat = hits.reshape(-1)
+            assert flat[lo:hi].eq(1).all() and flat[:lo].eq(0).all() and flat[hi:].eq(0).all(), (shape, lo, hi)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dcp_state"))
@@ -318,7 +353,13 @@ def _ok(per_rank: list, case: str) -> list:
 def test_reshard_through_dcp(results, world, case):
     for name in SAVES:
         _ok(results["save"], name)
-    for rank, value in enumerate(_ok(results[world], f"{case[0]}->{case[1]}")):
+    values = _ok(results[world], f"{case[0]}->{case[1]}")
+    if world == 3 and case[1] != "zro":
+        assert max(v["most_shards"] for v in values) > 1, "no rank held a parameter as several boxes"
+    for rank, value in enumerate(values):
+        assert value["in_place"] in (None, True), f"rank {rank}: dcp.load did not write into the engine's masters"
+        if "scaler_equal" in value:
+            assert value["scaler_equal"], f"rank {rank}: the fp16 loss scaler did not travel"
         assert value["params_differ"] == [], f"rank {rank}: loaded parameters differ from the saved ones"
         assert value["opt_diffs"] == [], f"rank {rank}: optimizer state differs: {value['opt_diffs'][:5]}"
         assert value["step_diff"] <= value["tol"], (
