@@ -173,6 +173,30 @@ def case_zeroplus_to_torch(root, rank, group):
     return {"params_differ": params_differ, "opt_diffs": _states_equal(plain, opt.state_dict())}
 
 
+def case_zeroplus_to_fsdp2(root, rank, group):
+    """The s3 checkpoint (stage 3) loads into an FSDP2 (fully_shard) model + AdamW through torch's
+    API: DCP reshards zeroplus's boxes into FSDP2's row shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    full, plain, _scaler = torch.load(os.path.join(root, "s3.handover"), weights_only=False)
+    model = cm.make(1)
+    fully_shard(model, mesh=DeviceMesh.from_group(group, "cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)  # over the DTensor parameters
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "s3"), process_group=group)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    got_model, got_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    names = [n for n, _p in cm.make(0).named_parameters()]
+    by_index = {"state": {i: got_optim["state"][n] for i, n in enumerate(names) if n in got_optim["state"]},
+                "param_groups": got_optim["param_groups"]}
+    return {"sharded": type(model_sd["lin1.weight"]).__name__,
+            "params_differ": sorted(k for k, v in got_model.items() if not torch.equal(v, full[k])),
+            "opt_diffs": _states_equal(plain, by_index)}
+
+
 def case_torch_to_zeroplus(root, rank, group):
     """A checkpoint of a plain module + AdamW saved through torch's get_state_dict loads into a
     zeroplus stage-3 model (and into stage 1): the same parameters and optimizer state."""
@@ -368,6 +392,12 @@ def test_reshard_through_dcp(results, world, case):
 
 def test_zeroplus_checkpoint_loads_into_plain_torch(results):
     for value in _ok(results["interop"], "zeroplus_to_torch"):
+        assert value["params_differ"] == [] and value["opt_diffs"] == [], value
+
+
+def test_zeroplus_checkpoint_loads_into_fsdp2(results):
+    for value in _ok(results["interop"], "zeroplus_to_fsdp2"):
+        assert value["sharded"] == "DTensor", value
         assert value["params_differ"] == [] and value["opt_diffs"] == [], value
 
 
