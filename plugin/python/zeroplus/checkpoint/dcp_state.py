@@ -263,11 +263,16 @@ def get_state_dict(model, optimizers, *, options=None) -> tuple[dict, dict]:
 
 # -- set_state_dict --------------------------------------------------------------------------------------
 
+def _size(value: torch.Tensor) -> tuple:
+    """The global shape (ShardedTensor.size() works too, with a FutureWarning each call)."""
+    return tuple(value.metadata().size if isinstance(value, ShardedTensor) else value.size())
+
+
 def _runs(value: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(flat start, flat view) of every piece of `value` this rank holds: a ShardedTensor's local
     shards (each a box, hence a contiguous flat run), or the whole of a plain tensor."""
     if isinstance(value, ShardedTensor):
-        shape = value.size()
+        shape = _size(value)
         return [(_flat_start(shape, s.metadata.shard_offsets), s.tensor.reshape(-1)) for s in value.local_shards()]
     if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
         raise TypeError(f"a {type(value).__name__} (plain tensors and ShardedTensors only)")
@@ -306,7 +311,7 @@ def _check_model_values(model_sd: dict, adapter) -> list:
     for key, value in model_sd.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"set_state_dict: model_state_dict[{key!r}] is a {type(value).__name__}, expected a tensor")
-    check_model_shapes({k: tuple(v.size()) for k, v in model_sd.items()}, adapter, adapter.model)
+    check_model_shapes({k: _size(v) for k, v in model_sd.items()}, adapter, adapter.model)
     pairs = []
     for name, lo, hi, dest in adapter.destinations():
         value = model_sd[name]
@@ -372,9 +377,9 @@ def _check_state(optim_sd: dict, adapter) -> dict:
         st = {}
         for key, value in saved.items():
             what = f"optim_state_dict['state'][{name!r}][{key!r}]"
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                if tuple(value.size()) != tuple(shapes[name]):
-                    raise ValueError(f"set_state_dict: {what} has shape {tuple(value.size())}, the parameter has "
+            if isinstance(value, torch.Tensor) and _size(value):
+                if _size(value) != tuple(shapes[name]):
+                    raise ValueError(f"set_state_dict: {what} has shape {_size(value)}, the parameter has "
                                      f"{tuple(shapes[name])}")
                 piece = _take(value, lo, hi, what)
                 # the optimizer's load_state_dict deep-copies: a view would copy its whole storage
