@@ -181,8 +181,9 @@ def _sharded(shape, dtype, local: list, everyone: list, ranks: list[int], group)
 
 def _dcp_tensors(entries: dict, shapes: dict, everyone: list[dict], ranks: list[int], group) -> dict:
     """{key: tensor for DCP} from this rank's {key: [(lo, hi, flat view)]} and every rank's
-    {key: ([(lo, hi, device)], dtype)}: a plain view where this rank holds the whole tensor, a
-    ShardedTensor otherwise."""
+    {key: ([(lo, hi, device)], dtype)}: a plain view where every rank holds the whole tensor
+    (replicated: DCP writes it once), a ShardedTensor otherwise (a rank holding the whole tensor
+    while others hold none of it included: DCP would take a plain tensor for a replicated one)."""
     out = {}
     keys = sorted({k for per_rank in everyone for k in per_rank}, key=str)
     for key in keys:
