@@ -48,6 +48,21 @@ def _split(stage):
     return ("zro", 1) if stage == "zro" else ("engine", stage)
 
 
+def _build(kind, stage, precision, group, seed, lr=1e-2, model=None, persist=0):
+    """checkpoint_models.build, but stage 3 keeps only parameters of at most `persist` elements
+    whole on every rank (the default threshold, 1e5, would keep all of this small model whole:
+    0 shards every parameter, the frozen one included; 8 keeps the frozen one and lin2.bias whole)."""
+    if kind != "engine" or stage != 3:
+        return cm.build(kind, stage, precision, group, seed, lr=lr, model=model)
+    import zeroplus
+
+    model = cm.make(seed) if model is None else model
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persist}}
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, lr=lr, weight_decay=0.1, mixed_precision=precision,
+                                     process_group=group, config=config)
+    return model, model, opt
+
+
 def _writer(kind, path):
     import torch.distributed.checkpoint as dcp
 
@@ -63,7 +78,7 @@ def _save_case(root, name, rank, group):
 
     stage, precision, storage = SAVES[name]
     kind, stage = _split(stage)
-    model, call, opt = cm.build(kind, stage, precision, group, seed=0)
+    model, call, opt = _build(kind, stage, precision, group, seed=0)
     cm.train(call, opt, 3, rank)
     model_sd, optim_sd = zeroplus.checkpoint.get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(storage, os.path.join(root, name)),
@@ -113,7 +128,7 @@ def _load_case(root, name, stage, rank, group):
     precision = SAVES[name][1]
     kind, stage = _split(stage)
     full, plain, scaler = torch.load(os.path.join(root, name + ".handover"), weights_only=False)
-    model_a, call_a, opt_a = cm.build(kind, stage, precision, group, seed=1, lr=1e-3)
+    model_a, call_a, opt_a = _build(kind, stage, precision, group, seed=1, lr=1e-3, persist=8)
     model_sd, optim_sd = zeroplus.checkpoint.get_state_dict(model_a, opt_a)
     # the local shards per tensor (> 1: a flat range became several boxes)
     most_shards = max(len(v.local_shards()) for v in model_sd.values() if hasattr(v, "local_shards")) \
@@ -121,8 +136,11 @@ def _load_case(root, name, stage, rank, group):
     masters = [m.clone() for m in getattr(opt_a, "masters", [])]
     dcp.load({"model": model_sd, "optim": optim_sd}, storage_reader=AioStorageReader(os.path.join(root, name)),
              process_group=group)
-    # the model's tensors are views of the masters: dcp.load alone changed them
-    in_place = all(not torch.equal(a, b) for a, b in zip(masters, opt_a.masters) if a.numel()) if masters else None
+    # the model's shards are views of the masters, so dcp.load alone changed them
+    homes = {m.untyped_storage().data_ptr() for m in getattr(opt_a, "masters", [])}
+    views = all(s.tensor.untyped_storage().data_ptr() in homes for v in model_sd.values()
+                if hasattr(v, "local_shards") for s in v.local_shards() if s.tensor.numel())
+    in_place = (views and any(not torch.equal(a, b) for a, b in zip(masters, opt_a.masters))) if masters else None
     zeroplus.checkpoint.set_state_dict(model_a, opt_a, model_sd, optim_sd)
     out = {"most_shards": most_shards, "in_place": in_place}
     if scaler is not None:
@@ -133,7 +151,7 @@ def _load_case(root, name, stage, rank, group):
     out["opt_diffs"] = _states_equal(plain, loaded_opt) if rank == 0 else []
     fresh = cm.make(1)
     fresh.load_state_dict({k: v.float() for k, v in full.items()})
-    model_b, call_b, opt_b = cm.build(kind, stage, precision, group, seed=1, lr=1e-3, model=fresh)
+    model_b, call_b, opt_b = _build(kind, stage, precision, group, seed=1, lr=1e-3, model=fresh, persist=8)
     opt_b.load_state_dict(plain)
     if scaler is not None:
         opt_b.scaler.load_state_dict(scaler)
@@ -212,7 +230,7 @@ def case_torch_to_zeroplus(root, rank, group):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
     out = {}
     for stage in (3, 1):
-        zmodel, _call, zopt = cm.build("engine", stage, None, group, seed=1, lr=1e-3)
+        zmodel, _call, zopt = _build("engine", stage, None, group, seed=1, lr=1e-3)
         zmodel_sd, zoptim_sd = zeroplus.checkpoint.get_state_dict(zmodel, zopt)
         dcp.load({"model": zmodel_sd, "optim": zoptim_sd}, checkpoint_id=path, process_group=group)
         zeroplus.checkpoint.set_state_dict(zmodel, zopt, zmodel_sd, zoptim_sd)
@@ -279,10 +297,10 @@ def case_set_state_dict_errors(root, rank, group):
     import zeroplus
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    model, call, opt = cm.build("engine", 3, None, group, seed=4)
+    model, call, opt = _build("engine", 3, None, group, seed=4)
     cm.train(call, opt, 1, rank)
     before = _snapshot("engine", model, opt, rank)
-    donor, dcall, dopt = cm.build("engine", 3, None, group, seed=5)
+    donor, dcall, dopt = _build("engine", 3, None, group, seed=5)  # the same layout: its dicts hold our ranges
     cm.train(dcall, dopt, 2, rank)
     out = {}
 
