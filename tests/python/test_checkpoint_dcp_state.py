@@ -329,6 +329,9 @@ def case_set_state_dict_errors(root, rank, group):
                                                                   options=StateDictOptions(full_state_dict=True)))
     attempt("two_optimizers", lambda: zeroplus.checkpoint.get_state_dict(model, [opt, opt]))
     attempt("not_zeroplus", lambda: zeroplus.checkpoint.get_state_dict(model, torch.optim.SGD(model.parameters(), 0.1)))
+    attempt("options_type", lambda: zeroplus.checkpoint.get_state_dict(model, opt, options={"strict": True}))
+    attempt("optimizers_type", lambda: zeroplus.checkpoint.get_state_dict(model, 42))
+    attempt("model_sd_type", lambda: zeroplus.checkpoint.set_state_dict(model, opt, [], {}))
     # a good round trip between two live engines still works afterwards (and changes the model)
     msd, osd = zeroplus.checkpoint.get_state_dict(donor, dopt)
     zeroplus.checkpoint.set_state_dict(model, opt, msd, osd)
@@ -446,4 +449,7 @@ def test_set_state_dict_errors(results):
         assert value["options"].startswith("ValueError") and "full_state_dict" in value["options"]
         assert value["two_optimizers"].startswith("ValueError") and "optimizers" in value["two_optimizers"]
         assert value["not_zeroplus"].startswith("TypeError") and "SGD" in value["not_zeroplus"]
+        assert value["options_type"].startswith("TypeError") and "options" in value["options_type"]
+        assert value["optimizers_type"].startswith("TypeError") and "optimizers" in value["optimizers_type"]
+        assert value["model_sd_type"].startswith("TypeError") and "model_state_dict" in value["model_sd_type"]
         assert value["handover_equal"]

@@ -327,14 +327,14 @@ def _in_place(value, lo: int, hi: int, dest: torch.Tensor) -> bool:
         runs = _runs(value)
     except TypeError:
         return False
-    covered, size = 0, dest.element_size()
+    covered = 0
     for start, flat in runs:
         a, z = max(lo, start), min(hi, start + flat.numel())
         if a < z:
             if flat.dtype != dest.dtype or flat[a - start:].data_ptr() != dest[a - lo:].data_ptr():
                 return False
             covered += z - a
-    return covered == hi - lo and size > 0
+    return covered == hi - lo
 
 
 def _check_groups(optim_sd: dict, adapter) -> list[dict]:
@@ -419,7 +419,9 @@ def set_state_dict(model, optimizers, model_state_dict, optim_state_dict, *, opt
         groups = _check_groups(optim_state_dict, adapter)
         states = _check_state(optim_state_dict, adapter)
         extra = optim_state_dict.get(_EXTRA)
-        optimizer_meta = extra if isinstance(extra, dict) else {"skipped_steps": getattr(adapter.opt, "skipped_steps", 0)}
+        # fp16's loss scaler, when the dict carries it; otherwise the optimizer keeps its own
+        optimizer_meta = (extra if isinstance(extra, dict)
+                          else {"skipped_steps": getattr(adapter.opt, "skipped_steps", 0)})
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised
         error = e
     _agree(group, error)
