@@ -5,7 +5,8 @@ parameter, a buffer):
   * at 2 ranks, each SAVES case trains 3 steps at stage s (fp32, bf16, ZeroRedundancyOptimizer),
     dcp.saves get_state_dict's dicts (through AioStorageWriter or torch's FileSystemWriter) and
     keeps the same state in memory (full parameters + the consolidated optimizer state);
-  * at 1 and at 3 ranks, each LOADS case builds a fresh model at stage t (other seed, other lr),
+  * at 1 and at 3 ranks, each LOADS case builds a fresh model at stage t (other seed, other lr;
+    some trained a step first, WARM),
     get_state_dict + dcp.load + set_state_dict (A), and the same fresh model given the in-memory
     state (B): right after the load A's parameters and consolidated optimizer state equal the
     saved ones exactly (hyperparameters included: lr comes back), and after one training step
@@ -42,6 +43,8 @@ LOADS = {
     1: [("s1", 2), ("s2", 3), ("s3", 1), ("zro", 2)],
     3: [("s1", 3), ("s2", 1), ("s3", "zro"), ("s3", 2), ("s2bf16", 3), ("s1fp16", 2)],
 }
+# loads into a model that trained a step first: the dicts view live optimizer state, not new zeros
+WARM = {(1, "s3", 1), (3, "s2", 1), (3, "s3", "zro")}
 
 
 def _split(stage):
@@ -125,10 +128,15 @@ def _load_case(root, name, stage, rank, group):
     import zeroplus
     from zeroplus.checkpoint import AioStorageReader
 
+    import torch.distributed as dist
+
     precision = SAVES[name][1]
+    load_stage = stage
     kind, stage = _split(stage)
     full, plain, scaler = torch.load(os.path.join(root, name + ".handover"), weights_only=False)
     model_a, call_a, opt_a = _build(kind, stage, precision, group, seed=1, lr=1e-3, persist=8)
+    if (dist.get_world_size(group), name, load_stage) in WARM:
+        cm.train(call_a, opt_a, 1, rank, first_step=20)
     model_sd, optim_sd = zeroplus.checkpoint.get_state_dict(model_a, opt_a)
     # the local shards per tensor (> 1: a flat range became several boxes)
     most_shards = max(len(v.local_shards()) for v in model_sd.values() if hasattr(v, "local_shards")) \
