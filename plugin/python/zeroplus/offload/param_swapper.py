@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import record
+from .io_lanes import IoLanes
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
 
@@ -60,14 +61,15 @@ class _Home:
     io_path: str | None = None
     generation: int = 0
     buffer: torch.Tensor | None = None
-    reading: bool = False          # an async read into `buffer` was issued
+    lane: object | None = None     # the read into `buffer` in flight (io_lanes.IoLanes)
     checked: bool = False          # `buffer` holds this generation's record, verified
     writing: bool = False
     dirty: bool = False            # `buffer` holds a record not (yet) on disk
     pins: int = 0
+    last_used: int = 0             # the pool's clock at the last pin/write (LRU eviction)
 
     def busy(self) -> bool:
-        return self.reading or self.writing or self.dirty or self.pins > 0
+        return self.lane is not None or self.writing or self.dirty or self.pins > 0
 
 
 class ParamSwapper:
@@ -77,7 +79,7 @@ class ParamSwapper:
         self.policy = policy
         self.rank = rank
         self.directory = directory
-        self._reader = policy.aio.new_handle()
+        self._lanes = IoLanes(policy.aio)
         self._writer = policy.aio.new_handle()
         self._homes: dict[int, _Home] = {}
         for i, b in enumerate(buckets):
@@ -85,7 +87,11 @@ class ParamSwapper:
             self._homes[id(b)] = _Home(i, f"param-b{i:05d}.swp", layout)
         self._by_path: dict[str, _Home] = {}
         records = [h.layout.record_bytes for h in self._homes.values()]
-        self.buffer_size = -(-max(records, default=4096) // 4096) * 4096  # the largest record's buffer
+        # DeepSpeed's meaning: buffer_count buffers of buffer_size elements each (of the shards'
+        # dtype); a buffer is never smaller than the largest record.
+        itemsize = max((b.dtype.itemsize for b in buckets), default=4)
+        largest = max(records, default=4096)
+        self.buffer_size = -(-max(largest, policy.buffer_size * itemsize) // 4096) * 4096
         self.budget_bytes = policy.buffer_count * self.buffer_size
         self._free: list[torch.Tensor] = []
         self.buffer_bytes = 0    # allocated (free + in use)
@@ -96,6 +102,7 @@ class ParamSwapper:
         self.read_wait_s = 0.0
         self.write_wait_s = 0.0
         self.checksum_s = 0.0
+        self._clock = 0
         self.reads_ahead = 0   # records read ahead (issued before their pin)
         self.reads_on_demand = 0
 
@@ -122,13 +129,16 @@ class ParamSwapper:
 
     # -- the gather path ----------------------------------------------------------------------------
 
-    def read_ahead(self, buckets) -> None:
-        """Start reading these buckets' records (in this order) while a buffer is free."""
+    def read_ahead(self, buckets, depth: int | None = None) -> None:
+        """Start reading these buckets' records (in this order; only the first `depth` of them
+        when given) while a buffer is free."""
+        buckets = list(buckets) if depth is None else list(buckets)[:depth]
+        wanted = {id(b) for b in buckets}  # cached records these need are not evicted for them
         for b in buckets:
             h = self._homes.get(id(b))
             if h is None or h.buffer is not None or h.io_path is None:
                 continue
-            buf = self._try_acquire(h.layout.record_bytes)
+            buf = self._try_acquire(h.layout.record_bytes, keep=wanted)
             if buf is None:
                 return
             try:
@@ -151,22 +161,17 @@ class ParamSwapper:
                 self._give(buf)
                 raise self._named(e, h, "reading") from None
             self.reads_on_demand += 1
-        if h.reading:
+        if h.lane is not None:
+            lane, h.lane = h.lane, None
             t0 = time.perf_counter()
             try:
-                self._reader.wait()
+                self._lanes.wait(lane)  # this record's read only (the ones ahead go on)
             except OSError as e:
-                # wait() reports the first failure of the batch: every record read with it is
-                # dropped (read again when pinned), and this one is read once more for its own
-                # error.
-                self._drop_reads()
-                if e.filename is None or self._by_path.get(e.filename, h) is h:
-                    raise self._named(e, h, "reading") from None
-                return self.pin(bucket)
+                buf, h.buffer = h.buffer, None
+                self._give(buf)
+                raise self._named(e, h, "reading") from None
             finally:
                 self.read_wait_s += time.perf_counter() - t0
-            for other in self._homes.values():
-                other.reading = False
         if not h.checked:
             t0 = time.perf_counter()
             try:
@@ -179,6 +184,7 @@ class ParamSwapper:
                 self.checksum_s += time.perf_counter() - t0
             h.checked = True
         h.pins += 1
+        self._touch(h)
         h.shard.data = self._view(h, h.buffer)
         return h.shard
 
@@ -211,6 +217,7 @@ class ParamSwapper:
             self._view(h, h.buffer).copy_(src.reshape(-1))
             h.checked = True
         h.dirty = True
+        self._touch(h)
         self._start_write(h)
 
     def end_step(self) -> None:
@@ -229,9 +236,12 @@ class ParamSwapper:
     def close(self) -> None:
         try:
             self._drain_writes()
-            self._reader.wait()
         except OSError:
             pass
+        for h in self._homes.values():
+            if h.lane is not None:
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
         self.directory.close()
 
     # -- I/O ------------------------------------------------------------------------------------------
@@ -263,16 +273,9 @@ class ParamSwapper:
     def _read_into(self, h: _Home, buf: torch.Tensor) -> None:
         if h.io_path is None:
             raise OSError(errno_mod.ENOENT, "no record was written", self.directory.display_path(h.name))
-        self._reader.async_pread(buf[:h.layout.record_bytes], h.io_path)
+        h.lane = self._lanes.read(buf[:h.layout.record_bytes], h.io_path)
         self.bytes_read += h.layout.record_bytes
-        h.buffer, h.reading, h.checked = buf, True, False
-
-    def _drop_reads(self) -> None:
-        for h in self._homes.values():
-            if h.reading:
-                h.reading = False
-                buf, h.buffer = h.buffer, None
-                self._give(buf)
+        h.buffer, h.checked = buf, False
 
     def _drain_writes(self) -> None:
         writing = [h for h in self._homes.values() if h.writing]
@@ -294,23 +297,43 @@ class ParamSwapper:
             self.bytes_written += h.layout.record_bytes
             self._release_if_idle(h)
 
+    def _touch(self, h: _Home) -> None:
+        self._clock += 1
+        h.last_used = self._clock
+
     def _release_if_idle(self, h: _Home) -> None:
-        if h.buffer is not None and not h.busy():
+        """An idle record stays in its buffer (cached: the next pin needs no read) while it is
+        the current, verified one; the pool evicts it when it needs the buffer (_evict)."""
+        if h.buffer is not None and not h.busy() and not h.checked:
             buf, h.buffer = h.buffer, None
             h.checked = False
             self._give(buf)
 
-    def _try_acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A pooled buffer of at least nbytes without waiting, or None (the budget is used)."""
-        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+    def _try_acquire(self, nbytes: int, keep=frozenset()) -> torch.Tensor | None:
+        """A pooled buffer of at least nbytes without waiting, or None (the budget is used by
+        records in use). Evicts the least recently used cached records (never those of buckets
+        whose ids are in `keep`)."""
         need = -(-nbytes // 4096) * 4096
-        while self._free and self.buffer_bytes + need > self.budget_bytes:
-            self._drop(self._free.pop())  # too small for this record: make room
-        if self.buffer_bytes + need <= self.budget_bytes:
-            return self._allocate(need)
-        return None
+        while True:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            while self._free and self.buffer_bytes + need > self.budget_bytes:
+                self._drop(self._free.pop())  # too small for this record: make room
+            if self.buffer_bytes + need <= self.budget_bytes:
+                return self._allocate(need)
+            if not self._evict(keep):
+                return None
+
+    def _evict(self, keep=frozenset()) -> bool:
+        """Gives the least recently used cached record's buffer back to the pool; False: none."""
+        cached = [h for key, h in self._homes.items() if h.buffer is not None and not h.busy() and key not in keep]
+        if not cached:
+            return False
+        h = min(cached, key=lambda c: c.last_used)
+        buf, h.buffer, h.checked = h.buffer, None, False
+        self._give(buf)
+        return True
 
     def _acquire(self, nbytes: int) -> torch.Tensor:
         while True:
@@ -324,21 +347,16 @@ class ParamSwapper:
                      and not h.writing]
             if ahead:  # a record read ahead and not used yet gives its buffer up
                 h = ahead[-1]
-                if h.reading:
-                    try:
-                        self._reader.wait()
-                    except OSError:
-                        self._drop_reads()
-                        continue
-                    for other in self._homes.values():
-                        other.reading = False
+                if h.lane is not None:
+                    lane, h.lane = h.lane, None
+                    self._lanes.wait_quietly(lane)  # read again (and checked) when pinned
                 self._release_if_idle(h)
                 continue
             # Everything pinned or dirty: over the budget (peak_buffer_bytes shows it).
             return self._allocate(-(-nbytes // 4096) * 4096)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buf = self._reader.new_cpu_locked_tensor(nbytes, torch.uint8)
+        buf = self._writer.new_cpu_locked_tensor(nbytes, torch.uint8)
         self.buffer_bytes += buf.numel()
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         return buf

@@ -359,6 +359,7 @@ class ZeroEngine(torch.optim.Optimizer):
                 bo.fetch()
                 bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
                 del grad_shard
+                self.reducer.release_shard(i)
                 bo.store()
                 work = self.placement.publish(i)
                 if work is not None:

@@ -45,6 +45,8 @@ from .param_gatherer import ParameterGatherer
 from .policies import Stage3Policy
 from .units import build_units
 
+STEP_READ_AHEAD = 2  # offloaded fp32 masters read ahead of the bucket stepping (offload_param nvme)
+
 _NO_CAP = 1 << 60
 
 
@@ -205,6 +207,11 @@ class ShardedParams:
         except OSError as e:
             self._step_errors.append(e)
             return False
+        # The next buckets' masters are read while this one steps (a few ahead: their optimizer
+        # records and gradients are read in the same order, through the same disk).
+        buckets = self.engine.buckets
+        self.param_store.read_ahead((buckets[j] for j in range(i + 1, len(buckets))
+                                     if self._master_is_offloaded_shard(j)), depth=STEP_READ_AHEAD)
         self.engine.bucket_optimizers[i].point_master(b.shard)
         return True
 
@@ -213,7 +220,10 @@ class ShardedParams:
         error is raised by end_step, after the step's last collective; the bucket does not step,
         and a master pinned for it is released unchanged)."""
         try:
-            return reducer.shard(i)
+            shard = reducer.shard(i)
+            # The next buckets' spilled gradients are read while this one steps.
+            reducer.read_ahead_shards(range(i + 1, len(self.engine.buckets)), STEP_READ_AHEAD)
+            return shard
         except OSError as e:
             self._step_errors.append(e)
             b = self.engine.buckets[i]
