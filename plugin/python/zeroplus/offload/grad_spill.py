@@ -163,7 +163,8 @@ class GradSpill:
             if buf is None:
                 return
             try:
-                lane = self._lanes.read(buf[:h.layout.record_bytes], h.io_paths[h.generation % 2])
+                lane = self._lanes.read(buf[:h.layout.record_bytes], h.io_paths[h.generation % 2],
+                                        self._checker(h, buf, h.generation))
             except OSError:
                 self._give(buf)  # refused at the call: load() reads again and reports it
                 continue
@@ -194,14 +195,10 @@ class GradSpill:
             else:
                 buf = self._take(h.layout.record_bytes)
                 try:
-                    self._lanes.wait(self._lanes.read(buf[:h.layout.record_bytes], path))
+                    self._lanes.wait(self._lanes.read(buf[:h.layout.record_bytes], path,
+                                                      self._checker(h, buf, h.generation)))
                 finally:
                     self.read_wait_s += time.perf_counter() - t0
-            t1 = time.perf_counter()
-            try:
-                record.check(buf, h.layout, h.index, self.rank, h.generation)
-            finally:
-                self.checksum_s += time.perf_counter() - t1
         except (OSError, record.RecordError) as e:
             self._give(buf)
             raise self._named(e, h, h.generation, "reading") from None
@@ -239,6 +236,15 @@ class GradSpill:
                 h.scales.append(coef.detach().clone())
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _checker(self, h: _Bucket, buf: torch.Tensor, generation: int):
+        layout, index, rank = h.layout, h.index, self.rank
+        return lambda: record.check(buf, layout, index, rank, generation)
+
+    @property
+    def background_check_s(self) -> float:
+        """Seconds spent checking records read, on the lanes' thread (not the training thread's)."""
+        return self._lanes.check_s
 
     def _take(self, nbytes: int, wait: bool = True) -> torch.Tensor | None:
         """A pooled page-locked buffer for one record; beyond buffer_count buffers a new one

@@ -165,13 +165,14 @@ class ParamSwapper:
             lane, h.lane = h.lane, None
             t0 = time.perf_counter()
             try:
-                self._lanes.wait(lane)  # this record's read only (the ones ahead go on)
-            except OSError as e:
+                self._lanes.wait(lane)  # this record's read only (the ones ahead go on), checked
+            except (OSError, record.RecordError) as e:
                 buf, h.buffer = h.buffer, None
                 self._give(buf)
                 raise self._named(e, h, "reading") from None
             finally:
                 self.read_wait_s += time.perf_counter() - t0
+            h.checked = True  # by the lanes' background thread
         if not h.checked:
             t0 = time.perf_counter()
             try:
@@ -229,6 +230,11 @@ class ParamSwapper:
     def disk_bytes(self) -> int:
         return self.directory.disk_bytes()
 
+    @property
+    def background_check_s(self) -> float:
+        """Seconds spent checking records read, on the lanes' thread (not the training thread's)."""
+        return self._lanes.check_s
+
     def resident_bytes(self) -> int:
         """Bytes of the pool's buffers (what parameter shards occupy in memory)."""
         return self.buffer_bytes
@@ -242,6 +248,7 @@ class ParamSwapper:
             if h.lane is not None:
                 lane, h.lane = h.lane, None
                 self._lanes.wait_quietly(lane)
+        self._lanes.close()
         self.directory.close()
 
     # -- I/O ------------------------------------------------------------------------------------------
@@ -273,7 +280,9 @@ class ParamSwapper:
     def _read_into(self, h: _Home, buf: torch.Tensor) -> None:
         if h.io_path is None:
             raise OSError(errno_mod.ENOENT, "no record was written", self.directory.display_path(h.name))
-        h.lane = self._lanes.read(buf[:h.layout.record_bytes], h.io_path)
+        layout, index, generation = h.layout, h.index, h.generation
+        h.lane = self._lanes.read(buf[:layout.record_bytes], h.io_path,
+                                  lambda: record.check(buf, layout, index, self.rank, generation))
         self.bytes_read += h.layout.record_bytes
         h.buffer, h.checked = buf, False
 

@@ -210,10 +210,15 @@ class ShardedParams:
         # The next buckets' masters are read while this one steps (a few ahead: their optimizer
         # records and gradients are read in the same order, through the same disk).
         buckets = self.engine.buckets
-        self.param_store.read_ahead((buckets[j] for j in range(i + 1, len(buckets))
-                                     if self._master_is_offloaded_shard(j)), depth=STEP_READ_AHEAD)
+        self.param_store.read_ahead((buckets[j] for j in self._after(i) if self._master_is_offloaded_shard(j)),
+                                    depth=STEP_READ_AHEAD)
         self.engine.bucket_optimizers[i].point_master(b.shard)
         return True
+
+    def _after(self, i: int) -> list[int]:
+        """The buckets the step visits after bucket i (the engine's order of this step)."""
+        order = self.engine.step_order
+        return order[order.index(i) + 1:]
 
     def gradient_shard(self, i: int, reducer):
         """Bucket i's gradient shard for its step, or None: a spilled one could not be read (the
@@ -222,7 +227,7 @@ class ShardedParams:
         try:
             shard = reducer.shard(i)
             # The next buckets' spilled gradients are read while this one steps.
-            reducer.read_ahead_shards(range(i + 1, len(self.engine.buckets)), STEP_READ_AHEAD)
+            reducer.read_ahead_shards(self._after(i), STEP_READ_AHEAD)
             return shard
         except OSError as e:
             self._step_errors.append(e)
