@@ -331,17 +331,25 @@ def test_estimate_memory_offload_param_columns():
 
     kw = dict(offload_optimizer="nvme", buffer_count=2, bucket_elems=1 << 22)
     opt_only = zeroplus.estimate_memory(2e9, 2, 3, None, **kw)
-    both = zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="nvme", param_buffer_count=3, **kw)
+    both = zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="nvme", param_buffer_count=3,
+                                    param_buffer_size=1, **kw)
     buckets = -(-2e9 // (1 << 22))
     record = -(-(4096 + (1 << 21) * 4) // 4096) * 4096
     assert both["offload_param_buffers"] == 3 * record and opt_only["offload_param_buffers"] == 0
+    # DeepSpeed's default pool, 3 x 1e8 elements of fp32 (page-rounded), and a model smaller than
+    # the pool: every record, no more.
+    default = zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="nvme", param_buffer_count=3, **kw)
+    assert default["offload_param_buffers"] == 3 * -(-400_000_000 // 4096) * 4096, default
+    small = zeroplus.estimate_memory(1e8, 1, 3, None, offload_param="nvme", bucket_elems=1 << 22)
+    assert small["offload_param_buffers"] == 4e8 + 4096 * -(-1e8 // (1 << 22)), small
     assert both["nvme"] == opt_only["nvme"] + opt_only["parameters"] + 2 * opt_only["gradients"] + 3 * 4096 * buckets
     assert both["resident"] == opt_only["resident"] - opt_only["parameters"] - opt_only["gradients"] + 3 * record
     assert zeroplus.estimate_memory(2e9, 2, 3, None, offload_param="cpu")["resident"] == \
         zeroplus.estimate_memory(2e9, 2, 3, None)["model_state"]  # "cpu" on CPU training: no effect
     for bad, match in (({"offload_param": "disk"}, "offload_param must be"),
                        ({"offload_param": "nvme", "stage": 2}, "stage 3 only"),
-                       ({"param_buffer_count": 0}, "param_buffer_count")):
+                       ({"param_buffer_count": 0}, "param_buffer_count"),
+                       ({"param_buffer_size": 0}, "param_buffer_size")):
         args = {"num_params": 1e9, "world_size": 2, "stage": 3, **bad}
         with pytest.raises(ValueError, match=match):
             zeroplus.estimate_memory(**args)
