@@ -64,7 +64,8 @@ def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
     if not shard.numel():
         return None
     if math.isinf(norm_type):
-        return shard.detach().abs().max().to(torch.float32)
+        lo, hi = torch.aminmax(shard.detach())  # max |g| in one pass (clipping.max_abs)
+        return torch.maximum(-lo, hi).to(torch.float32)
     return torch.linalg.vector_norm(shard.detach(), norm_type, dtype=torch.float32) ** norm_type
 
 
@@ -101,8 +102,10 @@ class GradSpill:
     def stage(self, b: int, value: torch.Tensor) -> None:
         """The pass's new gradient of bucket b (written as the pending generation)."""
         h = self._buckets[b]
-        h.pending_stats = {"2": local_term(value, 2.0), "inf": local_term(value, math.inf),
-                           "finite": bool(torch.isfinite(value).all())}
+        inf = local_term(value, math.inf)
+        # Finite exactly when max |g| is (NaN and inf propagate through it): no pass of its own.
+        h.pending_stats = {"2": local_term(value, 2.0), "inf": inf,
+                           "finite": inf is None or bool(torch.isfinite(inf))}
         if len(self._writing) >= self.policy.buffer_count:
             self._drain()
         generation = h.generation + 1

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import clipping, comm
 from .buffer_pool import BufferPool
 from .dtensor_params import local_grad
 from .layout import Bucket
@@ -181,7 +181,7 @@ class GradientReducer:
             known = self.spill.finite(b) if self._spilled(b) else None
             if known is None:
                 g = self.shard(b)
-                known = not g.numel() or bool(torch.isfinite(g).all())
+                known = clipping.all_finite(g)
                 del g
                 self.release_shard(b)
             if not known:
