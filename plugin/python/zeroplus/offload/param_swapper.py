@@ -64,6 +64,7 @@ class _Home:
     lane: object | None = None     # the read into `buffer` in flight (io_lanes.IoLanes)
     checked: bool = False          # `buffer` holds this generation's record, verified
     writing: bool = False
+    write_epoch: int = 0           # the step (ParamSwapper._epoch) whose writer holds the write
     dirty: bool = False            # `buffer` holds a record not (yet) on disk
     pins: int = 0
     last_used: int = 0             # the pool's clock at the last pin/write (LRU eviction)
@@ -80,7 +81,10 @@ class ParamSwapper:
         self.rank = rank
         self.directory = directory
         self._lanes = IoLanes(policy.aio)
-        self._writer = policy.aio.new_handle()
+        # Writes of step e go through _writers[e % 2]: end_step waits for the previous step's
+        # only, so a step's writes finish during the next forward instead of ending the step.
+        self._writers = (policy.aio.new_handle(), policy.aio.new_handle())
+        self._epoch = 0
         self._homes: dict[int, _Home] = {}
         for i, b in enumerate(buckets):
             layout = record.Layout.build([(*_KEY, b.dtype, b.shard_numel)])
@@ -148,11 +152,13 @@ class ParamSwapper:
                 continue
             self.reads_ahead += 1
 
-    def pin(self, bucket) -> torch.Tensor:
-        """The bucket's shard, resident and checked (see the module doc). Raises OSError."""
+    def pin(self, bucket, update: bool = False) -> torch.Tensor:
+        """The bucket's shard, resident and checked (see the module doc). `update`: the caller
+        changes it in place (the step's fp32 master), so a write of it still in flight is waited
+        for first (a gather only reads it). Raises OSError."""
         h = self._homes[id(bucket)]
-        if h.writing:
-            self._drain_writes()  # the caller may change the shard in place (the fp32 master)
+        if h.writing and update:
+            self._drain_writes(h.write_epoch)
         if h.buffer is None:
             buf = self._acquire(h.layout.record_bytes)
             try:
@@ -208,7 +214,7 @@ class ParamSwapper:
         shard as it is. Errors are kept for end_step()."""
         h = self._homes[id(bucket)]
         if h.writing:
-            self._drain_writes()
+            self._drain_writes(h.write_epoch)
         if src is None:
             if h.pins <= 0 or h.buffer is None:
                 raise RuntimeError(f"offload_param: bucket {h.index} written in place while not pinned")
@@ -222,6 +228,15 @@ class ParamSwapper:
         self._start_write(h)
 
     def end_step(self) -> None:
+        """This step's writes go on (they finish while the next forward computes); the previous
+        step's are waited for, and the errors collected so far raised: a failed write is raised
+        by the step after the one that issued it (its record is kept in memory meanwhile)."""
+        self._drain_writes(self._epoch - 1)
+        self._epoch += 1
+        self._raise_errors()
+
+    def drain(self) -> None:
+        """Waits for every write in flight; raises the errors collected so far."""
         self._drain_writes()
         self._raise_errors()
 
@@ -271,11 +286,11 @@ class ParamSwapper:
         record.seal(h.buffer, h.layout, h.index, self.rank, h.generation)
         self.checksum_s += time.perf_counter() - t0
         try:
-            self._writer.async_pwrite(h.buffer[:h.layout.record_bytes], h.io_path)
+            self._writers[self._epoch % 2].async_pwrite(h.buffer[:h.layout.record_bytes], h.io_path)
         except OSError as e:
             self._errors.append(self._named(e, h, "writing", _KEPT))
             return
-        h.writing = True
+        h.writing, h.write_epoch = True, self._epoch
 
     def _read_into(self, h: _Home, buf: torch.Tensor) -> None:
         if h.io_path is None:
@@ -286,13 +301,18 @@ class ParamSwapper:
         self.bytes_read += h.layout.record_bytes
         h.buffer, h.checked = buf, False
 
-    def _drain_writes(self) -> None:
-        writing = [h for h in self._homes.values() if h.writing]
+    def _drain_writes(self, epoch: int | None = None) -> None:
+        """Waits for the writes of step `epoch` (None: all)."""
+        if epoch is None:
+            for e in sorted({h.write_epoch for h in self._homes.values() if h.writing}):
+                self._drain_writes(e)
+            return
+        writing = [h for h in self._homes.values() if h.writing and h.write_epoch == epoch]
         if not writing:
             return
         t0 = time.perf_counter()
         try:
-            self._writer.wait()
+            self._writers[epoch % 2].wait()
         except OSError as e:
             failed = self._by_path.get(e.filename) or writing[0]
             self._errors.append(self._named(e, failed, "writing", _KEPT))
@@ -365,7 +385,7 @@ class ParamSwapper:
             return self._allocate(-(-nbytes // 4096) * 4096)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buf = self._writer.new_cpu_locked_tensor(nbytes, torch.uint8)
+        buf = self._writers[0].new_cpu_locked_tensor(nbytes, torch.uint8)
         self.buffer_bytes += buf.numel()
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         return buf

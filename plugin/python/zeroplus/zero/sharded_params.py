@@ -203,7 +203,7 @@ class ShardedParams:
             return True
         b = self.engine.buckets[i]
         try:
-            self.param_store.pin(b)
+            self.param_store.pin(b, update=True)  # the step changes it in place
         except OSError as e:
             self._step_errors.append(e)
             return False
