@@ -7,11 +7,14 @@ Collective over the optimizer's process group. Every rank:
   2. checks the model against it as model.load_state_dict(strict=True) would (missing and
      unexpected keys, size mismatches: RuntimeError with torch's wording) and the param groups;
   3. reads the element ranges it owns now (master or parameter, buffers, optimizer state),
-     verifying the checksum of every block it touches;
+     verifying the checksum of every block it touches; ranges whose home is a parameter swap
+     file (offload_param nvme) are read one bucket at a time and staged as side records of the
+     swapper (adapters.py), so a model larger than memory loads in bounded memory;
 then the ranks agree (one all_gather_object) that all of them succeeded. Only then is anything
 changed: the optimizer's state goes in through its own load_state_dict, masters/parameters and
 buffers are copied, and the engine publishes the masters into the (possibly sharded)
-parameters. On any error every rank raises and model and optimizer are untouched.
+parameters, and the staged records replace the swapped ones. On any error every rank raises, the
+staged records are removed, and model and optimizer are untouched.
 """
 
 from __future__ import annotations
@@ -86,6 +89,21 @@ def _read_everything(reader: CheckpointReader, adapter) -> tuple[list, list, dic
 def load_checkpoint(path, model, opt):
     """Load a checkpoint saved by zeroplus.save_checkpoint into (model, opt); returns its extra."""
     adapter = adapter_for(model, opt)
+    try:
+        return _load(path, model, opt, adapter)
+    finally:
+        adapter.discard_offloaded()  # side records not committed (an error): removed; else a no-op
+
+
+def _stage_offloaded(reader: CheckpointReader, adapter) -> None:
+    """Offloaded shards: read bucket by bucket, each written as a side record (nothing changes)."""
+    for bucket, ranges in adapter.offloaded_destinations():
+        values = reader.read_many([(n, "param", lo, hi) for n, lo, hi, _slo, _shi in ranges])
+        adapter.stage_offloaded(bucket, ranges, values)
+        del values
+
+
+def _load(path, model, opt, adapter):
     group = opt.process_group
     wait_for_pending_save()  # an async save of this process finishes first (it may be this path)
     error, which = None, None
@@ -96,6 +114,7 @@ def load_checkpoint(path, model, opt):
             _check_model(manifest, adapter, model)
             groups = _check_groups(manifest, adapter)
             dests, values, states = _read_everything(reader, adapter)
+            _stage_offloaded(reader, adapter)
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised
         error = e
     everyone = [None] * dist.get_world_size(group)
@@ -114,5 +133,6 @@ def load_checkpoint(path, model, opt):
     with torch.no_grad():
         for (_n, _lo, _hi, dest), value in zip(dests, values):
             dest.copy_(value)
+    adapter.commit_offloaded()
     adapter.finish_load()
     return manifest.get("extra")
