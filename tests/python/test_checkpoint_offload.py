@@ -6,6 +6,7 @@ buffer. Stages 2 and 3, one launch."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
@@ -237,6 +238,15 @@ def _corrupt_and_bf16(rank, world, root):
         out["opt unchanged"] = all(torch.equal(opt_before["state"][i][k], opt_after["state"][i][k])
                                    for i in opt_before["state"] for k in opt_before["state"][i])
     out["side files"] = _side_files(opt)
+    # A disk that takes no side record (RLIMIT_FSIZE below one record: EFBIG, as ENOSPC would):
+    # the load raises naming the swap file and changes nothing either.
+    try:
+        cm.fsize_limited(lambda: zeroplus.load_checkpoint(os.path.join(root, "sync"), model, opt), 2048)
+        out["full"] = None
+    except OSError as e:
+        out["full"] = (e.errno, str(e))
+    out["unchanged after full"] = _diff(cm.full_params("engine", model), before)
+    out["side files after full"] = _side_files(opt)
     # bf16
     saver, saver_opt = _offloaded(nvme, group, precision="bf16")
     cm.train(saver, saver_opt, 3, rank)
@@ -268,7 +278,8 @@ def _param_offload_all(rank, world, root):
 
 def test_offloaded_parameters_checkpoint_stream_and_load_anywhere(tmp_path):
     results = run_pooled(_param_offload_all, 2, str(tmp_path), timeout=300)
-    print(f"\n[test_checkpoint_offload] parameter offload: {results[0]['seconds']:.1f}s")
+    print(f"\n[test_checkpoint_offload] parameter offload: {results[0]['seconds']:.1f}s; a full disk at load: "
+          f"{results[0]['corrupt']['full']}")
     for rank, r in enumerate(results):
         m = r["main"]
         # Streaming: the records are more than the pool; the saves never held more than the pool.
@@ -287,6 +298,8 @@ def test_offloaded_parameters_checkpoint_stream_and_load_anywhere(tmp_path):
         c = r["corrupt"]
         assert c["bad"] is not None and "checksum" in c["bad"], (rank, c["bad"])
         assert c["unchanged"] == 0.0 and c["side files"] == [], (rank, c)
+        assert c["full"] is not None and c["full"][0] == errno.EFBIG and "param-b" in c["full"][1], (rank, c["full"])
+        assert c["unchanged after full"] == 0.0 and c["side files after full"] == [], (rank, c)
         assert all(d == 0.0 for d in c["bf16"]), (rank, c["bf16"])
     assert results[0]["corrupt"]["opt unchanged"] is True
     assert results[0]["one rank"] == {"loaded": 0.0, "stepped": 0.0}, results[0]["one rank"]
