@@ -6,6 +6,7 @@ buffer. Stages 2 and 3, one launch."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
@@ -100,6 +101,26 @@ def _side_files(opt) -> list:
     return [n for n in os.listdir(store.directory.path) if n.endswith(".new")]
 
 
+@contextlib.contextmanager
+def _largest_read():
+    """[largest bytes one CheckpointReader.read_many call returned, total bytes]: a load that
+    streams never holds much more than its largest call."""
+    from zeroplus.checkpoint.reader import CheckpointReader
+
+    real, seen = CheckpointReader.read_many, [0, 0]
+
+    def counting(self, requests):
+        values = real(self, requests)
+        n = sum(v.numel() * v.element_size() for v in values)
+        seen[0], seen[1] = max(seen[0], n), seen[1] + n
+        return values
+    CheckpointReader.read_many = counting
+    try:
+        yield seen
+    finally:
+        CheckpointReader.read_many = real
+
+
 def _param_offload(rank, world, root):
     """Saver: offloaded parameters and optimizer state (fp32); ref: the in-memory stage-3 run.
     Both train 3 steps, the saver saves (sync and async), then one more step from every loaded
@@ -139,7 +160,9 @@ def _param_offload(rank, world, root):
                         ("memory s2", lambda: _in_memory(2, group, seed=1))):
         for ck in ("sync", "async"):
             model, opt = make()
-            extra = zeroplus.load_checkpoint(os.path.join(root, ck), model, opt)
+            with _largest_read() as reads:
+                extra = zeroplus.load_checkpoint(os.path.join(root, ck), model, opt)
+            out[(label, ck, "reads")] = reads
             loaded = _diff(cm.full_params("engine", model), want3)
             cm.train(model, opt, 1, rank, first_step=3)
             out[(label, ck)] = (extra, loaded, _diff(cm.full_params("engine", model), want))
@@ -290,6 +313,11 @@ def test_offloaded_parameters_checkpoint_stream_and_load_anywhere(tmp_path):
                 extra, loaded, stepped = m[(label, ck)]
                 assert extra == {"step": 3} and loaded == 0.0 and stepped == 0.0, (rank, label, ck, m[(label, ck)])
             assert m.get((label, "sync", "side files"), []) == []
+        # Into the offloaded engine every parameter shard and optimizer state is read bucket by
+        # bucket (twice: checked before anything changes, then loaded), never all in one call.
+        for ck in ("sync", "async"):
+            largest, total = m[("offloaded", ck, "reads")]
+            assert largest * 4 <= total, (rank, ck, largest, total)
         assert m["from s2"] == 0.0, (rank, m["from s2"])
         assert m[("load_state_dict", None)] == (0.0, 0.0, 0.0), (rank, m[("load_state_dict", None)])
         # bf16: the loaded parameters are the fp32 values rounded, exactly as in memory

@@ -142,7 +142,6 @@ class EngineAdapter(_Base):
         self.frozen_buckets = list(opt.placement.frozen_buckets)
         self.entry_of = {id(e.param): e for b in list(opt.buckets) + self.frozen_buckets for e in b.entries}
         self.bucketed = set(self.entry_of)
-        self._swapped_masters = []  # (bucket optimizer, loaded master) of destinations(): finish_load writes them
 
     def global_shape(self, p):
         e = self.entry_of.get(id(p))
@@ -242,15 +241,11 @@ class EngineAdapter(_Base):
     def destinations(self) -> list:
         """In-memory destinations; those of offloaded shards are offloaded_destinations()'s."""
         out = []
-        self._swapped_masters = []
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
             if self._offloaded(b) and master is b.shard:
                 continue
-            if bo.store_ is not None and bo.offloads_master and bo.segments:
-                # The master lives in the optimizer's record (mixed precision, offload_optimizer
-                # nvme): read into a copy, written into the record by finish_load.
-                master = torch.zeros(b.shard_numel, dtype=torch.float32)
-                self._swapped_masters.append((bo, master))
+            if bo.store_ is not None and bo.offloads_master:
+                continue  # the master lives in the optimizer's record: streamed_buckets()
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
                 out.append((self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi,
@@ -323,9 +318,32 @@ class EngineAdapter(_Base):
         }
         self.opt.load_state_dict(sharded)
 
-    def finish_load(self) -> None:
-        for bo, master in self._swapped_masters:
+    def streamed_buckets(self) -> list:
+        """(bucket optimizer, [(segment index, name, lo, hi, segment)]) of the buckets whose
+        optimizer state (and, in mixed precision, master) lives in an offload store: a load reads
+        and loads them one bucket at a time (load_streamed), never the whole state at once."""
+        out, i = [], 0
+        for b, bo in zip(self.opt.buckets, self.opt.bucket_optimizers):
+            segs = []
+            for seg in bo.segments:
+                pc = b.piece(b.entries[seg.entry], self.rank)
+                segs.append((i, self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi, seg))
+                i += 1
+            if bo.store_ is not None and segs:
+                out.append((bo, segs))
+        return out
+
+    def load_streamed(self, bo, states: list, masters: list | None) -> None:
+        """One streamed bucket: its segments' state (through the optimizer's own load_state_dict),
+        then its master where the store holds it (masters: one tensor per segment)."""
+        bo.load_segment_states(states, self.opt.param_groups[bo.bucket.group])
+        if masters is not None:
+            master = torch.zeros(bo.bucket.shard_numel, dtype=torch.float32)
+            for seg, value in zip(bo.segments, masters):
+                master[seg.lo:seg.hi].copy_(value)
             bo.write_master(0, master.numel(), master)
+
+    def finish_load(self) -> None:
         self.opt.publish_masters()
 
 
@@ -377,6 +395,9 @@ class TorchZeroAdapter(_Base):
         pass
 
     def offloaded_destinations(self) -> list:
+        return []
+
+    def streamed_buckets(self) -> list:
         return []
 
     def commit_offloaded(self) -> None:
