@@ -163,7 +163,8 @@ def main() -> int:
         t_load = time.perf_counter()
         first = zeroplus.load_checkpoint(args.checkpoint, model, opt)["step"]
         say(f"resumed from {args.checkpoint} (step {first}) in {time.perf_counter() - t_load:.1f}s, peak RSS "
-            f"{gib(peak_rss())} ({peak_rss() / ram:.1%} of RAM)")
+            f"{gib(peak_rss())} ({peak_rss() / ram:.1%} of RAM); pooled buffers (peak): params "
+            f"{gib(pstore.peak_buffer_bytes)} optimizer {gib(ostore.peak_buffer_bytes)}")
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
