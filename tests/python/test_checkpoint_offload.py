@@ -2,7 +2,14 @@
 engine whose optimizer state lives in NVMe swap files saves a checkpoint that an in-memory engine
 loads, and the reverse; training on from either equals training on from the engine that saved
 (bitwise in fp32). The state a checkpoint holds is read through the swap store, never from a stale
-buffer. Stages 2 and 3, one launch."""
+buffer. Stages 2 and 3, one launch.
+
+Parameter offload (offload_param nvme, stage 3, with and without offload_optimizer): saves stream
+one swapped bucket at a time (the parameter pool's peak during sync and async saves stays within
+its budget), loads at the same and at another world size and stage, into offloaded and in-memory
+engines, continue bit for bit like the in-memory run in fp32 (bf16: like the saver); a load reads
+swapped state bucket by bucket; a corrupt checkpoint or a full disk at load changes nothing;
+model.load_state_dict changes the swapped records. One launch of 2 ranks (~10 s)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,10 @@ error).
 Two adapters: EngineAdapter for the flat-bucket engines (zeroplus.initialize stages 1-3 and
 ZeroRedundancyOptimizer(stage=2)), TorchZeroAdapter for zeroplus.ZeroRedundancyOptimizer stage 1
 (torch's partition: whole parameters per rank). Engine accessors used: buckets, masters,
-bucket_optimizers (segments, segment_state), frozen_buckets (stage 3), scaler, skipped_steps,
-publish_masters(); zero.state's public sharded format.
+bucket_optimizers (segments, segment_state, segment_scalars, master_values, load_segment_states,
+write_master, swapped), frozen_buckets and param_store (stage 3: ParamSwapper pin/unpin and
+stage/commit/discard_replacements), scaler, skipped_steps, publish_masters(); zero.state's public
+sharded format.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ class EngineAdapter(_Base):
         """Pieces in memory as tuples; buckets with swapped values as LazyPieces (module doc)."""
         pieces, scalars = [], {}
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
-            if bo.store_ is not None or (self._offloaded(b) and master is b.shard):
+            if bo.swapped or (self._offloaded(b) and master is b.shard):
                 for seg in bo.segments:
                     pc = b.piece(b.entries[seg.entry], self.rank)
                     st = bo.segment_scalars(seg)
@@ -244,7 +246,7 @@ class EngineAdapter(_Base):
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
             if self._offloaded(b) and master is b.shard:
                 continue
-            if bo.store_ is not None and bo.offloads_master:
+            if bo.swapped and bo.offloads_master:
                 continue  # the master lives in the optimizer's record: streamed_buckets()
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
@@ -329,7 +331,7 @@ class EngineAdapter(_Base):
                 pc = b.piece(b.entries[seg.entry], self.rank)
                 segs.append((i, self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi, seg))
                 i += 1
-            if bo.store_ is not None and segs:
+            if bo.swapped and segs:
                 out.append((bo, segs))
         return out
 

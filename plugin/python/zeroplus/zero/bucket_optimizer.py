@@ -64,6 +64,12 @@ class BucketOptimizer:
     def attach_store(self, store) -> None:
         self.store_ = store
 
+    @property
+    def swapped(self) -> bool:
+        """The optimizer state lives in an offload store between steps (read it through
+        segment_state / master_values, replace it through load_segment_states / write_master)."""
+        return self.store_ is not None
+
     def point_master(self, flat: torch.Tensor) -> None:
         """The master (and each segment, a view of it) now lives in `flat` (an offload store
         moved it; identity is kept, so the inner optimizer's parameters stay the same objects)."""
