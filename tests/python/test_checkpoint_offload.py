@@ -23,12 +23,12 @@ import checkpoint_models as cm
 from harness import run_pooled
 
 
-def _engine(stage, nvme_dir, group):
+def _engine(stage, nvme_dir, group, precision=None, seed=0):
     import zeroplus
 
     offload = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir}} if nvme_dir else {}
-    model, opt = zeroplus.initialize(cm.make(0), torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1,
-                                     process_group=group, **offload)
+    model, opt = zeroplus.initialize(cm.make(seed), torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1,
+                                     mixed_precision=precision, process_group=group, **offload)
     return model, opt
 
 
@@ -284,7 +284,8 @@ def _corrupt_and_bf16(rank, world, root):
     loaded = []
     for make in (lambda: _offloaded(nvme, group, precision="bf16", seed=1),
                  lambda: _offloaded(nvme, group, precision="bf16", seed=1, optimizer=False),
-                 lambda: _in_memory(3, group, precision="bf16", seed=1)):
+                 lambda: _in_memory(3, group, precision="bf16", seed=1),
+                 lambda: _engine(2, nvme, group, precision="bf16", seed=1)):  # masters in optimizer records
         m, o = make()
         zeroplus.load_checkpoint(os.path.join(root, "bf16"), m, o)
         loaded.append((m, o))
