@@ -242,19 +242,14 @@ def _corrupt_case(rank, group):
     opt.zero_grad()
     _train(model, opt, rank, 1, start=4)
     out["gpath"] = gpath
-    # Not built: checkpoints and loading a model state dict refuse, changing nothing.
+    # Loading a model state dict changes the records in place: its own state round-trips exactly,
+    # and a state dict of the in-memory run (3 steps behind now) makes the two models equal.
     import zeroplus
     before = zeroplus.full_state_dict(model, rank0_only=False)
-    refusals = []
-    for call in (lambda: zeroplus.save_checkpoint(os.path.join(root, "ckpt"), model, opt),
-                 lambda: model.load_state_dict(before)):
-        try:
-            call()
-            refusals.append(None)
-        except NotImplementedError as e:
-            refusals.append(str(e))
-    out["refusals"] = refusals
+    model.load_state_dict(before)
     out["unchanged"] = _max_diff_dicts(before, zeroplus.full_state_dict(model, rank0_only=False))
+    model.load_state_dict(zeroplus.full_state_dict(ref, rank0_only=False))
+    out["loaded"] = _max_diff(model, ref)
     store.close()
     out["left"] = os.listdir(root)
     os.rmdir(root)
@@ -328,8 +323,7 @@ def test_damaged_parameter_record_is_refused_naming_file_and_bucket():
         code, msg, filename, b = r["grad"]
         assert code == errno.EBADMSG and filename == r["gpath"], (rank, r["grad"])
         assert f"gradient bucket {b}" in msg and "payload checksum" in msg, (rank, msg)
-        assert all(m is not None and "offload_param" in m for m in r["refusals"]), (rank, r["refusals"])
-        assert r["unchanged"] == 0.0 and not os.path.exists(os.path.join(os.path.dirname(r["path"]), "..", "ckpt"))
+        assert r["unchanged"] == 0.0 and r["loaded"] == 0.0, (rank, r)
         status, w = per_rank["write_fault"]
         assert status == "ok", f"rank {rank}:\n{w}"
         assert w["diff"] == 0.0 and w["left"] == [], (rank, w)

@@ -19,6 +19,17 @@ parameters are empty 1-D views. The swapper makes a shard resident only while so
                          swapper) is sealed as the next generation and written asynchronously;
                          the buffer stays busy until the write completes.
 
+Replacing shards (load_checkpoint: change nothing until every rank has read everything):
+
+    stage_replacement(bucket, src)  writes `src` as the bucket's next record into a side file
+                         (`param-bNNNNN.new`), through one pooled buffer, synchronously; the live
+                         record, its cached copy and the module are untouched;
+    commit_replacements()  renames every side file over its live file (the new generation is
+                         current from now on; a cached copy of the old record is dropped);
+    discard_replacements()  removes the side files (an error anywhere: nothing changed).
+So a load holds one bucket's shard in memory at a time, and needs the disk space of the
+replaced records twice until the commit.
+
 Memory: pooled buffers, each one record (page-rounded), at most `buffer_count` x the largest
 record in bytes (`budget_bytes`). Pins beyond that (more shards in use at once than the budget
 holds) allocate above the budget rather than fail; peak_buffer_bytes reports it. So the resident
@@ -67,6 +78,7 @@ class _Home:
     write_epoch: int = 0           # the step (ParamSwapper._epoch) whose writer holds the write
     dirty: bool = False            # `buffer` holds a record not (yet) on disk
     pins: int = 0
+    staged: str | None = None      # the side file holding a replacement record (stage_replacement)
     last_used: int = 0             # the pool's clock at the last pin/write (LRU eviction)
 
     def busy(self) -> bool:
@@ -239,6 +251,69 @@ class ParamSwapper:
         """Waits for every write in flight; raises the errors collected so far."""
         self._drain_writes()
         self._raise_errors()
+
+    # -- replacing records (load_checkpoint) ------------------------------------------------------------
+
+    def stage_replacement(self, bucket, src: torch.Tensor) -> None:
+        """Writes `src` (the bucket's whole new shard) as its next record into a side file; the
+        live record stays current until commit_replacements(). Raises OSError naming the file
+        (the side file is removed then). Not while the bucket is pinned."""
+        h = self._homes[id(bucket)]
+        if h.pins:
+            raise RuntimeError(f"offload_param: bucket {h.index} replaced while pinned (in use)")
+        if src.numel() != h.layout.slots[0].numel:
+            raise ValueError(f"offload_param: replacement shard of bucket {h.index} has {src.numel()} elements, "
+                             f"expected {h.layout.slots[0].numel}")
+        self._drain_writes()  # the generation of a record being written is settled first
+        self._raise_errors()
+        side = h.name[:-len(".swp")] + ".new"
+        if h.staged is not None:
+            self.directory.remove(h.staged)
+            h.staged = None
+        buf = self._acquire(h.layout.record_bytes)
+        try:
+            self._view(h, buf).copy_(src.reshape(-1))
+            record.seal(buf, h.layout, h.index, self.rank, h.generation + 1)
+            try:
+                io_path = self.directory.create(side, h.layout.record_bytes)
+            except OSError as e:
+                raise self._named(e, h, "creating the replacement for") from None
+            h.staged = side
+            try:
+                self._writers[0].sync_pwrite(buf[:h.layout.record_bytes], io_path)  # none in flight (drained)
+            except OSError as e:
+                self.directory.remove(side)
+                h.staged = None
+                raise self._named(e, h, "writing the replacement for") from None
+            self.bytes_written += h.layout.record_bytes
+        finally:
+            self._give(buf)
+
+    def commit_replacements(self) -> None:
+        """Every staged record becomes its bucket's current one (see the module doc)."""
+        self._drain_writes()  # no write may still go to a file about to be replaced
+        for h in self._homes.values():
+            if h.staged is None:
+                continue
+            if h.lane is not None:  # a read ahead of the old record: let it finish, then drop it
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
+            self.directory.replace(h.staged, h.name)
+            h.staged = None
+            if h.io_path is None:
+                h.io_path = self.directory.io_path(h.name)
+                self._by_path[h.io_path] = h
+            h.generation += 1
+            h.dirty = False  # a write that failed earlier is superseded by the new record
+            if h.buffer is not None and h.pins == 0:
+                buf, h.buffer, h.checked = h.buffer, None, False
+                self._give(buf)
+
+    def discard_replacements(self) -> None:
+        for h in self._homes.values():
+            if h.staged is not None:
+                self.directory.remove(h.staged)
+                h.staged = None
 
     # -- accounting ---------------------------------------------------------------------------------
 

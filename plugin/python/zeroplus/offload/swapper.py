@@ -206,11 +206,25 @@ class OptimizerSwapper:
             return self._cache[2]
         out = {}
         with self._record(h) as buf:
-            for slot in h.layout.slots:
-                if slot.segment >= 0:
-                    out.setdefault(slot.segment, {})[slot.key] = h.layout.view(buf, slot).clone()
+            for slot in h.layout.slots:  # the master (segment -1, when offloaded) too: master_copy
+                out.setdefault(slot.segment, {})[slot.key] = h.layout.view(buf, slot).clone()
         self._cache = (h.index, h.generation, out)
         self._raise_errors()  # of writes drained on the way
+        return out
+
+    def master_copy(self, bo) -> torch.Tensor | None:
+        """A copy of the bucket's fp32 master where this swapper holds it (mixed precision), read
+        through the file when it is not resident (one read serves segment_states too); None: the
+        master is not in a record (fp32 training, or nothing stored yet). Raises OSError."""
+        if not bo.offloads_master or self._home(bo).layout is None:
+            return None
+        return self.segment_states(bo).get(_MASTER[0], {}).get(_MASTER[1])
+
+    def swapped_keys(self, bo) -> dict[int, set]:
+        """{segment index: the state keys whose tensors live in the bucket's record}."""
+        out: dict[int, set] = {}
+        for segment, key in self._home(bo).handles:
+            out.setdefault(segment, set()).add(key)
         return out
 
     def write_master(self, bo, lo: int, hi: int, values: torch.Tensor) -> None:

@@ -392,7 +392,12 @@ class ZeroEngine(torch.optim.Optimizer):
         For code that changed masters outside step(): zeroplus.load_checkpoint."""
         self._consolidated = None
         self.placement.before_publish()
-        works = [w for w in (self.placement.publish(i) for i in range(len(self.buckets))) if w is not None]
+        works = []
+        for i, bo in enumerate(self.bucket_optimizers):
+            with bo.resident_master():  # a master swapped out by offload_optimizer: read back for this
+                work = self.placement.publish(i)
+            if work is not None:
+                works.append(work)
         for w in works:
             w.wait()
 
