@@ -81,14 +81,14 @@ def _into_record(store, b, pc, values: torch.Tensor) -> None:
     """values -> this rank's slice [pc.shard_lo, pc.shard_hi) of bucket b's swapped shard."""
     if not pc.numel:
         return
-    shard = store.pin(b)
+    shard = store.pin(b, update=True)  # changed in place: a write of it in flight finishes first
     try:
         with torch.no_grad():
             shard[pc.shard_lo:pc.shard_hi].copy_(values)
         store.write(b, None)
     finally:
         store.unpin(b)
-    store.end_step()  # the write done (or its error raised, naming the file)
+    store.drain()  # the write done (or its error raised, naming the file)
 
 
 def install_load_hooks(engine) -> None:
