@@ -10,8 +10,12 @@ runs them interleaved, one step of each per round, on its own synthetic batches:
   in_memory      zeroplus.initialize(stage=S)
   nvme           the same with offload_optimizer={"device": "nvme", "nvme_path": DIR,
                  "buffer_count": N}: fp32 master (bf16) and optimizer state in swap files
-  nvme_param     (stage 3) the same plus offload_param={"device": "nvme", ..., "buffer_count": M}:
-                 the parameter shards in swap files too, read in forward, backward and the step
+  nvme_param     (stage 3) the same plus offload_param={"device": "nvme", ..., "buffer_count": M,
+                 "buffer_size": E}: the parameter shards in swap files too, written every step; with
+                 DeepSpeed's default pool (5 x 1e8 elements) a 100M model's records stay cached in it
+                 after the first step, so they are written but not read again
+  nvme_param_stream  the same with a pool of M records only (buffer_size 1): the records are read
+                 again in forward, backward and the step (most of them are not in memory)
 A round's time is the slower rank's. Per variant: forward+backward ("compute") and opt.step()
 medians; for nvme, inside the step, the training thread's waits for swap-in reads and swap-out
 writes and the checksum time (zeroplus.offload's counters), bytes read and written per step and
@@ -98,18 +102,22 @@ def _worker(rank, world, store_path, args, out_queue):
         offload = {"device": "nvme", "nvme_path": args.nvme_path, "buffer_count": args.buffer_count}
         variants = {"in_memory": _build(args, None, rank), "nvme": _build(args, offload, rank)}
         if args.stage == 3:  # parameters too (offload_param), with the optimizer state
-            variants["nvme_param"] = _build(args, offload, rank, {**offload, "buffer_count": args.param_buffer_count})
+            param = {**offload, "buffer_count": args.param_buffer_count, "buffer_size": args.param_buffer_size}
+            variants["nvme_param"] = _build(args, offload, rank, param)
+            variants["nvme_param_stream"] = _build(args, offload, rank, {**param, "buffer_size": 1})
         swapper = variants["nvme"][1].offload
 
         def counters(name):
             stores = [variants[name][1].offload]
-            if name == "nvme_param":  # + the parameter records and the spilled gradients
+            if name.startswith("nvme_param"):  # + the parameter records and the spilled gradients
                 stores += [variants[name][1].placement.param_store, variants[name][1].reducer.spill]
             return [sum(getattr(s, k, 0.0) for s in stores)
-                    for k in ("read_wait_s", "write_wait_s", "checksum_s", "bytes_read", "bytes_written")]
+                    for k in ("read_wait_s", "write_wait_s", "checksum_s", "bytes_read", "bytes_written",
+                              "background_check_s")]
 
         rows = {name: {"compute": [], "step": []} for name in variants}
-        swaps = {name: {"read_wait": [], "write_wait": [], "checksum": [], "bytes_read": [], "bytes_written": []}
+        swaps = {name: {"read_wait": [], "write_wait": [], "checksum": [], "bytes_read": [], "bytes_written": [],
+                        "background_check": []}
                  for name in variants if name != "in_memory"}
         swap = swaps["nvme"]
         gen = {name: torch.Generator().manual_seed(rank) for name in variants}
@@ -141,8 +149,9 @@ def _worker(rank, world, store_path, args, out_queue):
             bit_exact[name] = _slowest(0.0 if same else 1.0) == 0.0
         same = bit_exact["nvme"]
         disk = {name: variants[name][1].offload.disk_bytes() for name in swaps}
-        if "nvme_param" in variants:
-            disk["nvme_param"] += variants["nvme_param"][1].placement.param_store.disk_bytes()
+        for name in ("nvme_param", "nvme_param_stream"):
+            if name in variants:
+                disk[name] += variants[name][1].placement.param_store.disk_bytes()
         report = zeroplus.memory_report(*variants["nvme"])
         ref_report = zeroplus.memory_report(*variants["in_memory"])
         out_queue.put({"rank": rank, "rows": rows, "swap": swap, "swaps": swaps, "bit_exact": same,
@@ -152,8 +161,9 @@ def _worker(rank, world, store_path, args, out_queue):
                        "engine": swapper.engine})
         for name in swaps:
             variants[name][1].offload.close()
-        if "nvme_param" in variants:
-            variants["nvme_param"][1].placement.param_store.close()
+        for name in ("nvme_param", "nvme_param_stream"):
+            if name in variants:
+                variants[name][1].placement.param_store.close()
     except Exception as e:  # reported, not hidden
         out_queue.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     finally:
@@ -205,6 +215,8 @@ def main():
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count (stage 3)")
+    parser.add_argument("--param-buffer-size", type=int, default=100_000_000,
+                        help="offload_param.buffer_size in elements (DeepSpeed's default 1e8)")
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
     args = parser.parse_args()
@@ -222,13 +234,15 @@ def main():
               flush=True)
         results[world] = run_world(world, args)
     lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
-             f"AdamW, buffer_count {args.buffer_count}, {args.steps} timed rounds (medians, slowest rank)", "",
+             f"AdamW, buffer_count {args.buffer_count}, offload_param pool {args.param_buffer_count} x "
+             f"{args.param_buffer_size:g} elements (stream: {args.param_buffer_count} records), {args.steps} timed "
+             f"rounds (medians, slowest rank)", "",
              f"nvme_path {args.nvme_path}; fio O_DIRECT 1 MiB QD32 io_uring: read {_gbps(fio['read'])}, "
              f"write {_gbps(fio['write'])}; swap engine {_engine(results)}", "",
              "| ranks | variant | compute s | step s | step / in-memory step | (compute + step) / in-memory | "
-             "swap-in wait s | swap-out wait s | checksum s | GB moved per step | GB/s | disk GB (all ranks) | "
-             "bit-exact |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "swap-in wait s | swap-out wait s | checksum s | checked in background s | GB read per step | "
+             "GB written per step | GB/s | disk GB (all ranks) | bit-exact |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for world, r in results.items():
         if "error" in r:
             lines.append(f"| {world} | — | error: {r['error']} |")
@@ -241,13 +255,14 @@ def main():
             total = step + _med(row["compute"])
             if name != "in_memory":
                 s = r["swaps"][name]
-                moved = (_med(s["bytes_read"]) + _med(s["bytes_written"])) / 1e9
+                read, written = _med(s["bytes_read"]) / 1e9, _med(s["bytes_written"]) / 1e9
                 seconds = step if name == "nvme" else total  # parameters move in forward and backward too
                 extra = (f"{_med(s['read_wait']):.3f} | {_med(s['write_wait']):.3f} | {_med(s['checksum']):.3f} | "
-                         f"{moved:.3f} | {moved / seconds:.2f} | {r['disk_all_ranks_by_variant'][name] / 1e9:.3f} | "
+                         f"{_med(s['background_check']):.3f} | {read:.3f} | {written:.3f} | "
+                         f"{(read + written) / seconds:.2f} | {r['disk_all_ranks_by_variant'][name] / 1e9:.3f} | "
                          f"{'yes' if r['bit_exact_by_variant'][name] else 'NO'}")
             else:
-                extra = "— | — | — | — | — | — | —"
+                extra = "— | — | — | — | — | — | — | — | —"
             lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
                          f"{total / ref_total:.2f} | {extra} |")
     table = "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python examples/offload/train_larger_than_memory.py --nvme-path /work/zp-nvme          # ~2.12e9 params
     python examples/offload/train_larger_than_memory.py --nvme-path /tmp/x --layers 2 --dim 256   # a smoke run
+    ... --checkpoint /work/zp-ckpt     # resume from /work/zp-ckpt/latest if there is one; save after the steps
     torchrun --nproc-per-node 2 examples/offload/train_larger_than_memory.py ...               # 2 ranks
 
 Stage 3 with parameter and optimizer-state offload to NVMe (docs/offload.md): the model is built
@@ -119,6 +120,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--buffer-count", type=int, default=2, help="pooled buffers of each swapper")
+    ap.add_argument("--checkpoint", help="checkpoint root: resume from its `latest`, save ROOT/stepN after training")
     args = ap.parse_args()
     for key in ("layers", "dim", "heads", "vocab", "seq", "batch", "steps", "buffer_count"):
         if getattr(args, key) < 1:
@@ -156,11 +158,18 @@ def main() -> int:
     say(f"built in {time.perf_counter() - t0:.1f}s: {len(opt.buckets)} buckets, parameter records on disk "
         f"{gib(pstore.disk_bytes())}, peak RSS so far {gib(peak_rss())} ({peak_rss() / ram:.1%} of RAM)")
 
+    first = 0
+    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, "latest")):
+        t_load = time.perf_counter()
+        first = zeroplus.load_checkpoint(args.checkpoint, model, opt)["step"]
+        say(f"resumed from {args.checkpoint} (step {first}) in {time.perf_counter() - t_load:.1f}s, peak RSS "
+            f"{gib(peak_rss())} ({peak_rss() / ram:.1%} of RAM); pooled buffers (peak): params "
+            f"{gib(pstore.peak_buffer_bytes)} optimizer {gib(ostore.peak_buffer_bytes)}")
     g = torch.Generator().manual_seed(1234 + rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     x, y = tokens[:, :-1], tokens[:, 1:]
     losses = []
-    for step in range(args.steps):
+    for step in range(first, first + args.steps):
         io0 = (pstore.bytes_read, pstore.bytes_written, ostore.bytes_read, ostore.bytes_written,
                spill.bytes_read, spill.bytes_written,
                pstore.read_wait_s + ostore.read_wait_s, pstore.write_wait_s + ostore.write_wait_s)
@@ -194,6 +203,12 @@ def main() -> int:
     say(f"losses {['%.4f' % v for v in losses]}: {'falling' if falling else 'NOT falling'}; peak RSS rank 0 "
         f"{gib(peak)} = {peak / ram:.1%} of RAM ({'<=' if peak <= 0.6 * ram else '>'} 60%); "
         f"{time.perf_counter() - t0:.0f}s in all")
+    if args.checkpoint:  # streamed: one swapped bucket in memory at a time (docs/checkpoints.md)
+        t_save = time.perf_counter()
+        where = os.path.join(args.checkpoint, f"step{first + args.steps}")
+        zeroplus.save_checkpoint(where, model, opt, extra={"step": first + args.steps})
+        say(f"saved {where} in {time.perf_counter() - t_save:.1f}s, peak RSS {gib(peak_rss())} "
+            f"({peak_rss() / ram:.1%} of RAM)")
     pstore.close()
     ostore.close()
     dist.destroy_process_group()

@@ -340,6 +340,19 @@ def case_set_state_dict_errors(root, rank, group):
     attempt("options_type", lambda: zeroplus.checkpoint.get_state_dict(model, opt, options={"strict": True}))
     attempt("optimizers_type", lambda: zeroplus.checkpoint.get_state_dict(model, 42))
     attempt("model_sd_type", lambda: zeroplus.checkpoint.set_state_dict(model, opt, [], {}))
+    # Offloaded state lives in swap files, not in tensors DCP could view: refused, nothing made.
+    import tempfile
+    with tempfile.TemporaryDirectory() as nvme:
+        for label, kw in (("offload_param", {"offload_param": {"device": "nvme", "nvme_path": nvme}}),
+                          ("offload_optimizer", {"offload_optimizer": {"device": "nvme", "nvme_path": nvme}})):
+            om, oo = zeroplus.initialize(cm.make(6), torch.optim.AdamW, lr=1e-2, process_group=group,
+                                         config={"zero_optimization": {"stage": 3,
+                                                                       "stage3_param_persistence_threshold": 0}},
+                                         **kw)
+            attempt(label, lambda: zeroplus.checkpoint.get_state_dict(om, oo))
+            for store in (getattr(oo.placement, "param_store", None), oo.offload):
+                if store is not None:
+                    store.close()
     # a good round trip between two live engines still works afterwards (and changes the model)
     msd, osd = zeroplus.checkpoint.get_state_dict(donor, dopt)
     zeroplus.checkpoint.set_state_dict(model, opt, msd, osd)
@@ -461,3 +474,5 @@ def test_set_state_dict_errors(results):
         assert value["optimizers_type"].startswith("TypeError") and "optimizers" in value["optimizers_type"]
         assert value["model_sd_type"].startswith("TypeError") and "model_state_dict" in value["model_sd_type"]
         assert value["handover_equal"]
+        for label in ("offload_param", "offload_optimizer"):
+            assert value[label].startswith("NotImplementedError") and label in value[label], value[label]

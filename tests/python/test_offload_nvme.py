@@ -117,11 +117,12 @@ def _parity_case(stage, precision, optimizer, **knobs):
         swap_dir = opt.offload.directory.path
         mode = stat.S_IMODE(os.stat(swap_dir).st_mode)
         file_modes = {stat.S_IMODE(os.stat(os.path.join(swap_dir, f)).st_mode) for f in os.listdir(swap_dir)}
+        cache_hits, checked = opt.offload.cache_hits, opt.offload.background_check_s
         opt.offload.close()
         opt2.offload.close()
         left = os.listdir(root)
         os.rmdir(root)
-        return dict(params=same_params,
+        return dict(params=same_params, cache_hits=cache_hits, checked=checked,
                     continued=_same_params(model2, ref2), sharded=sharded_equal, consolidated=consolidated_equal,
                     n_buckets=n_buckets, peak=report["offload_peak_buffers"], max_record=max(records),
                     on_disk=on_disk, disk=report["offload_disk"], resident=resident_state,
@@ -158,6 +159,10 @@ def test_offloaded_runs_equal_in_memory_runs_and_memory_is_bounded():
             assert r["resident"] <= 64 * 4 and r["after_load"] <= 64 * 4, (rank, key, r)
             assert r["in_memory"] > 8 * r["resident"], (rank, key, r)
             assert r["disk"] >= r["on_disk"], (rank, key, r)
+            # Every other step runs the buckets in reverse, starting with the records still in
+            # the pool from the step before (no read); records read are checked off the
+            # training thread.
+            assert r["cache_hits"] >= STEPS // 2 and r["checked"] > 0, (rank, key, r["cache_hits"], r["checked"])
             assert r["mode"] == 0o700 and r["file_modes"] == {0o600}, (rank, key, r)
             assert r["left"] == [], (rank, key, r)
             if key[0] == 2 and r["buffers"] == 2:  # stage 2: buckets at most the largest one, as estimated

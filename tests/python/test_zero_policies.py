@@ -42,3 +42,21 @@ def test_defaults_are_deepspeeds_and_policies_are_frozen():
 def test_an_engine_refuses_options_of_another_type():
     with pytest.raises(TypeError, match="options must be a zeroplus.zero.EngineOptions"):
         Stage2Optimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.AdamW, options={"reduce_bucket_elems": 4})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_max_abs_and_all_finite_match_the_elementwise_definitions(dtype):
+    """clipping.max_abs (one min/max pass) is abs().max() bit for bit, the inf-norm clipping and
+    the gradient spill use; all_finite is isfinite().all(), fp16's overflow check."""
+    from zeroplus.zero import clipping
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4097, generator=g) * 300).to(dtype)
+    assert clipping.max_abs(x).item() == x.abs().max().float().item()
+    assert clipping.max_abs(-x.abs()).item() == x.abs().max().float().item()  # the maximum is a negative value
+    assert clipping.all_finite(x) and clipping.all_finite(x[:0])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[4000] = bad
+        assert not clipping.all_finite(y), bad
+        assert clipping.all_finite(y) == bool(torch.isfinite(y).all())

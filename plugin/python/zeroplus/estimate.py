@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--offload-param", choices=["none", "cpu", "nvme"], default="none",
                         help="stage-3 parameter offload (docs/offload.md)")
     parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count")
+    parser.add_argument("--param-buffer-size", type=int, default=100_000_000,
+                        help="offload_param.buffer_size (elements per pool buffer; DeepSpeed's 1e8)")
     parser.add_argument("--bucket-elems", type=int, default=1 << 22,
                         help="elements per bucket (reduce_bucket_size; stage 3: the largest gather unit)")
     args = parser.parse_args(argv)
@@ -41,7 +43,8 @@ def main(argv=None) -> int:
     def row(stage):
         return estimate_memory(args.params, args.world_size, stage, precision, args.optimizer,
                                offload if stage else "none", args.buffer_count, args.bucket_elems,
-                               args.offload_param if stage == 3 else "none", args.param_buffer_count)
+                               args.offload_param if stage == 3 else "none", args.param_buffer_count,
+                               args.param_buffer_size)
     try:
         rows = [(s, row(s)) for s in range(4)]
     except ValueError as e:

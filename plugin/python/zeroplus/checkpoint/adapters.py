@@ -11,14 +11,28 @@ An adapter turns (model, optimizer) into:
   * `load_optimizer(...)` / `finish_load()`: hand the read state to the optimizer through its own
     load_state_dict (which validates before it replaces anything) and publish masters.
 
+Swapped state (docs/offload.md): a bucket whose master or optimizer state lives in swap files
+(offload_param nvme in fp32, where the master IS the offloaded parameter shard; offload_optimizer
+nvme) is one LazyPieces item among the pieces: its values exist only inside
+`with item.resident() as pieces:` (the shard pinned, the state read through its store) and are
+released after, so a save holds one such bucket at a time, never the model. At load, the
+destinations of offloaded parameter shards come apart (`offloaded_destinations()`): each bucket's
+new shard is staged as a side record (`stage_offloaded`) while nothing else changes, and becomes
+current only after every rank has read everything (`commit_offloaded`; `discard_offloaded` on any
+error).
+
 Two adapters: EngineAdapter for the flat-bucket engines (zeroplus.initialize stages 1-3 and
 ZeroRedundancyOptimizer(stage=2)), TorchZeroAdapter for zeroplus.ZeroRedundancyOptimizer stage 1
 (torch's partition: whole parameters per rank). Engine accessors used: buckets, masters,
-bucket_optimizers (segments, segment_state), frozen_buckets (stage 3), scaler, skipped_steps,
-publish_masters(); zero.state's public sharded format.
+bucket_optimizers (segments, segment_state, segment_scalars, master_values, load_segment_states,
+write_master, swapped), frozen_buckets and param_store (stage 3: ParamSwapper pin/unpin and
+stage/commit/discard_replacements), scaler, skipped_steps, publish_masters(); zero.state's public
+sharded format.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -62,6 +76,17 @@ def _fresh_state(template: dict, numel: int) -> dict:
         else:
             out[key] = value
     return out
+
+
+class LazyPieces:
+    """One bucket's pieces whose values live in swap files. `resident()` is a context manager
+    giving the pieces (name, key, lo, hi, tensor); the tensors are valid only inside it."""
+
+    def __init__(self, open_fn):
+        self._open = open_fn
+
+    def resident(self):
+        return self._open()
 
 
 class _Base:
@@ -143,10 +168,7 @@ class EngineAdapter(_Base):
         if opt.module is not None and opt.module is not model:
             raise ValueError("checkpoint: model is not the module this optimizer was built for (zeroplus.initialize "
                              "returned another one)")
-        if getattr(opt.placement, "param_store", None) is not None:
-            raise NotImplementedError("checkpoint: zeroplus checkpoints of a model with offload_param device 'nvme' "
-                                      "are not built yet (the parameter shards live in swap files); nothing was "
-                                      "read or written")
+        self.param_store = getattr(opt.placement, "param_store", None)
         self.frozen_buckets = list(opt.placement.frozen_buckets)
         self.entry_of = {id(e.param): e for b in list(opt.buckets) + self.frozen_buckets for e in b.entries}
         self.bucketed = set(self.entry_of)
@@ -163,11 +185,16 @@ class EngineAdapter(_Base):
         return {"stage": self.opt.stage, "world_size": self.world_size, "mixed_precision": self.opt.mixed_precision,
                 "engine": type(self.opt).__name__, "optimizer_class": type(inner).__name__ if inner else None}
 
+    def _offloaded(self, b) -> bool:
+        """The bucket's shard lives in a parameter swap file (offload_param nvme)."""
+        return self.param_store is not None and self.param_store.offloads(b)
+
     def _own_frozen(self, persistent: bool = True):
         """(entry, piece, the tensor holding this rank's shard of the bucket) of the stage-3
-        frozen buckets (persistent ones, kept whole on every rank, included unless told not to)."""
+        frozen buckets in memory (persistent ones, kept whole on every rank, included unless
+        told not to)."""
         for b in self.frozen_buckets:
-            if b.persistent and not persistent:
+            if (b.persistent and not persistent) or self._offloaded(b):
                 continue
             lo, hi = b.shard_range(self.rank)
             own = b.flat[lo:hi] if b.persistent else b.shard
@@ -180,19 +207,61 @@ class EngineAdapter(_Base):
         return [(n, p) for n, p in self.params.items() if id(p) not in self.bucketed]
 
     def pieces(self) -> tuple[list, dict]:
+        """Pieces in memory as tuples; buckets with swapped values as LazyPieces (module doc)."""
         pieces, scalars = [], {}
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
+            if bo.swapped or (self._offloaded(b) and master is b.shard):
+                for seg in bo.segments:
+                    pc = b.piece(b.entries[seg.entry], self.rank)
+                    st = bo.segment_scalars(seg)
+                    if st:
+                        scalars.setdefault(self.name_of[id(b.entries[seg.entry].param)], {}).update(st)
+                pieces.append(LazyPieces(lambda b=b, bo=bo, master=master: self._swapped_bucket(b, bo, master)))
+                continue
             for seg in bo.segments:
                 e = b.entries[seg.entry]
                 pc = b.piece(e, self.rank)
                 name = self.name_of[id(e.param)]
                 pieces.append((name, "param", pc.param_lo, pc.param_hi, master[seg.lo:seg.hi]))
                 self._state_pieces(name, pc.param_lo, pc.param_hi, bo.segment_state(seg), scalars, pieces)
+        for b in self.frozen_buckets:
+            if self._offloaded(b):
+                pieces.append(LazyPieces(lambda b=b: self._pinned_frozen(b)))
         for e, pc, own in self._own_frozen():
             pieces.append((self.name_of[id(e.param)], "param", pc.param_lo, pc.param_hi,
                            own[pc.shard_lo:pc.shard_hi]))
         pieces += self._replicated_pieces(self._unbucketed() + list(self.buffers.items()))
         return pieces, scalars
+
+    @contextlib.contextmanager
+    def _swapped_bucket(self, b, bo, master):
+        """A trainable bucket whose master and/or optimizer state is swapped: the master from the
+        pinned parameter shard (fp32 offload_param) or the optimizer's store, the state through
+        the store (copies of one bucket)."""
+        pin = self._offloaded(b) and master is b.shard
+        source = self.param_store.pin(b) if pin else bo.master_values()
+        try:
+            pieces = []
+            for seg in bo.segments:
+                pc = b.piece(b.entries[seg.entry], self.rank)
+                name = self.name_of[id(b.entries[seg.entry].param)]
+                pieces.append((name, "param", pc.param_lo, pc.param_hi, source[seg.lo:seg.hi]))
+                n = pc.param_hi - pc.param_lo
+                pieces += [(name, k, pc.param_lo, pc.param_hi, v.detach().reshape(-1))
+                           for k, v in bo.segment_state(seg).items() if _is_elementwise(v, n)]
+            yield pieces
+        finally:
+            if pin:
+                self.param_store.unpin(b)
+
+    @contextlib.contextmanager
+    def _pinned_frozen(self, b):
+        shard = self.param_store.pin(b)
+        try:
+            yield [(self.name_of[id(e.param)], "param", pc.param_lo, pc.param_hi, shard[pc.shard_lo:pc.shard_hi])
+                   for e in b.entries for pc in (b.piece(e, self.rank),) if pc.numel]
+        finally:
+            self.param_store.unpin(b)
 
     def optimizer_meta(self) -> dict:
         return {"loss_scaler": self.opt.scaler.state_dict(), "skipped_steps": int(self.opt.skipped_steps)}
@@ -200,8 +269,13 @@ class EngineAdapter(_Base):
     # -- load --------------------------------------------------------------------------------------
 
     def destinations(self) -> list:
+        """In-memory destinations; those of offloaded shards are offloaded_destinations()'s."""
         out = []
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
+            if self._offloaded(b) and master is b.shard:
+                continue
+            if bo.swapped and bo.offloads_master:
+                continue  # the master lives in the optimizer's record: streamed_buckets()
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
                 out.append((self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi,
@@ -216,6 +290,35 @@ class EngineAdapter(_Base):
             if t.numel():
                 out.append((n, 0, t.numel(), t.data.view(-1)))
         return out
+
+    def offloaded_destinations(self) -> list:
+        """(bucket, [(name, lo, hi, shard_lo, shard_hi)]) of every bucket whose shard lives in a
+        parameter swap file and is what a load replaces (fp32 masters, frozen parameters; a
+        mixed-precision shard is written from its master by finish_load)."""
+        out = []
+        for b, master in list(zip(self.opt.buckets, self.opt.masters)) + [(b, None) for b in self.frozen_buckets]:
+            if not self._offloaded(b) or (master is not None and master is not b.shard):
+                continue
+            ranges = [(self.name_of[id(e.param)], pc.param_lo, pc.param_hi, pc.shard_lo, pc.shard_hi)
+                      for e in b.entries for pc in (b.piece(e, self.rank),) if pc.numel]
+            out.append((b, ranges))
+        return out
+
+    def stage_offloaded(self, bucket, ranges: list, values: list) -> None:
+        """Stages the bucket's new shard (ranges and bucket: an item of offloaded_destinations;
+        values: one tensor per range). Raises OSError naming the swap file."""
+        shard = torch.zeros(bucket.shard_numel, dtype=bucket.dtype)
+        for (_n, _lo, _hi, slo, shi), v in zip(ranges, values):
+            shard[slo:shi].copy_(v.reshape(-1))
+        self.param_store.stage_replacement(bucket, shard)
+
+    def commit_offloaded(self) -> None:
+        if self.param_store is not None:
+            self.param_store.commit_replacements()
+
+    def discard_offloaded(self) -> None:
+        if self.param_store is not None:
+            self.param_store.discard_replacements()
 
     def optimizer_ranges(self) -> list:
         """(segment index, name, lo, hi) in the order of the engine's sharded state dict."""
@@ -256,6 +359,31 @@ class EngineAdapter(_Base):
                          "skipped_steps": int(optimizer_meta.get("skipped_steps", 0))},
         }
         self.opt.load_state_dict(sharded)
+
+    def streamed_buckets(self) -> list:
+        """(bucket optimizer, [(segment index, name, lo, hi, segment)]) of the buckets whose
+        optimizer state (and, in mixed precision, master) lives in an offload store: a load reads
+        and loads them one bucket at a time (load_streamed), never the whole state at once."""
+        out, i = [], 0
+        for b, bo in zip(self.opt.buckets, self.opt.bucket_optimizers):
+            segs = []
+            for seg in bo.segments:
+                pc = b.piece(b.entries[seg.entry], self.rank)
+                segs.append((i, self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi, seg))
+                i += 1
+            if bo.swapped and segs:
+                out.append((bo, segs))
+        return out
+
+    def load_streamed(self, bo, states: list, masters: list | None) -> None:
+        """One streamed bucket: its segments' state (through the optimizer's own load_state_dict),
+        then its master where the store holds it (masters: one tensor per segment)."""
+        bo.load_segment_states(states, self.opt.param_groups[bo.bucket.group])
+        if masters is not None:
+            master = torch.zeros(bo.bucket.shard_numel, dtype=torch.float32)
+            for seg, value in zip(bo.segments, masters):
+                master[seg.lo:seg.hi].copy_(value)
+            bo.write_master(0, master.numel(), master)
 
     def finish_load(self) -> None:
         self.opt.publish_masters()
@@ -319,6 +447,18 @@ class TorchZeroAdapter(_Base):
         self.opt.load_state_dict({"state": state, "param_groups": plain})
 
     def finish_load(self) -> None:
+        pass
+
+    def offloaded_destinations(self) -> list:
+        return []
+
+    def streamed_buckets(self) -> list:
+        return []
+
+    def commit_offloaded(self) -> None:
+        pass
+
+    def discard_offloaded(self) -> None:
         pass
 
 

@@ -38,7 +38,8 @@ mismatch while planning, before it reads anything; an I/O error in the middle of
 what it had already written into the model's masters (as it does with FSDP2's DTensors).
 
 Both calls are collective over the optimizer's process group. Refused with a clear error:
-offload_param "nvme" and tensor-parallel models (adapters.py), offload_optimizer stores (the
+offload_param "nvme" (the shards are in swap files; zeroplus.save_checkpoint handles it),
+tensor-parallel models (adapters.py), offload_optimizer stores (the
 state lives in swap files: use zeroplus.save_checkpoint), several optimizers, and
 StateDictOptions other than the defaults (and strict=True).
 """
@@ -86,6 +87,10 @@ def _adapter(model, optimizers, options, op: str):
             if getattr(options, field) != getattr(default, field):
                 raise ValueError(f"{op}: does not support options.{field}={getattr(options, field)!r} (sharded, "
                                  f"strict state dicts only; a full state dict: zeroplus.full_state_dict)")
+    if getattr(getattr(opt, "placement", None), "param_store", None) is not None:
+        raise NotImplementedError(f"{op}: does not support offload_param 'nvme' yet (the parameter shards live in "
+                                  f"swap files, not in tensors DCP could view); save with zeroplus.save_checkpoint. "
+                                  f"Nothing was changed")
     adapter = adapter_for(model, opt)
     if getattr(opt, "offload", None) is not None:
         raise NotImplementedError(f"{op}: does not support offload_optimizer stores yet (the optimizer state lives "

@@ -7,11 +7,14 @@ Collective over the optimizer's process group. Every rank:
   2. checks the model against it as model.load_state_dict(strict=True) would (missing and
      unexpected keys, size mismatches: RuntimeError with torch's wording) and the param groups;
   3. reads the element ranges it owns now (master or parameter, buffers, optimizer state),
-     verifying the checksum of every block it touches;
+     verifying the checksum of every block it touches; ranges whose home is a parameter swap
+     file (offload_param nvme) are read one bucket at a time and staged as side records of the
+     swapper (adapters.py), so a model larger than memory loads in bounded memory;
 then the ranks agree (one all_gather_object) that all of them succeeded. Only then is anything
 changed: the optimizer's state goes in through its own load_state_dict, masters/parameters and
 buffers are copied, and the engine publishes the masters into the (possibly sharded)
-parameters. On any error every rank raises and model and optimizer are untouched.
+parameters, and the staged records replace the swapped ones. On any error every rank raises, the
+staged records are removed, and model and optimizer are untouched.
 """
 
 from __future__ import annotations
@@ -67,13 +70,17 @@ def _check_groups(manifest: dict, adapter) -> list[dict]:
     return out
 
 
-def _read_everything(reader: CheckpointReader, adapter) -> tuple[list, list, dict]:
+def _read_everything(reader: CheckpointReader, adapter, streamed: set) -> tuple[list, list, dict]:
+    """The in-memory destinations' values and the optimizer state of every segment not in
+    `streamed` (indices of segments whose state is read bucket by bucket: _read_streamed)."""
     m = reader.manifest
     dests = adapter.destinations()
     requests = [(n, "param" if m["tensors"][n]["kind"] == "param" else "value", lo, hi) for n, lo, hi, _ in dests]
     ranges = adapter.optimizer_ranges()
     state_requests, plan = [], []
     for i, name, lo, hi in ranges:
+        if i in streamed:
+            continue
         t = m["tensors"][name]
         keys = sorted(t.get("state", {}))
         if not keys and not t.get("scalars"):
@@ -90,21 +97,71 @@ def _read_everything(reader: CheckpointReader, adapter) -> tuple[list, list, dic
     return dests, param_values, states
 
 
+def _read_streamed(reader: CheckpointReader, bo, segs) -> tuple[list, list | None]:
+    """One streamed bucket (adapters.streamed_buckets): its segments' state dicts (None: no
+    state) and, where its optimizer store holds the master, the master's pieces."""
+    m = reader.manifest
+    requests, plan = [], []
+    for _i, name, lo, hi, _seg in segs:
+        keys = sorted(m["tensors"][name].get("state", {}))
+        plan.append((name, keys, len(requests)))
+        requests += [(name, k, lo, hi) for k in keys]
+    masters_at = len(requests)
+    if bo.offloads_master:
+        requests += [(name, "param", lo, hi) for _i, name, lo, hi, _seg in segs]
+    values = reader.read_many(requests)
+    states = []
+    for name, keys, at in plan:
+        st = {k: decode_value(v) for k, v in m["tensors"][name].get("scalars", {}).items()}
+        st.update({k: values[at + j] for j, k in enumerate(keys)})
+        states.append(st or None)
+    return states, (values[masters_at:] if bo.offloads_master else None)
+
+
 def load_checkpoint(path, model, opt):
     """Load a checkpoint saved by zeroplus.save_checkpoint into (model, opt); returns its extra."""
     adapter = adapter_for(model, opt)
+    try:
+        return _load(path, model, opt, adapter)
+    finally:
+        adapter.discard_offloaded()  # side records not committed (an error): removed; else a no-op
+
+
+def _stage_offloaded(reader: CheckpointReader, adapter) -> None:
+    """Offloaded shards: read bucket by bucket, each written as a side record (nothing changes)."""
+    for bucket, ranges in adapter.offloaded_destinations():
+        values = reader.read_many([(n, "param", lo, hi) for n, lo, hi, _slo, _shi in ranges])
+        adapter.stage_offloaded(bucket, ranges, values)
+        del values
+
+
+def _load(path, model, opt, adapter):
     group = opt.process_group
     wait_for_pending_save()  # an async save of this process finishes first (it may be this path)
-    error, which = None, None
+    error, which, reader = None, None, None
+    streamed = adapter.streamed_buckets()
     try:
-        with CheckpointReader(path) as reader:
-            manifest = reader.manifest
-            which = (reader.path, reader.manifest_crc32)
-            _check_model(manifest, adapter, model)
-            groups = _check_groups(manifest, adapter)
-            dests, values, states = _read_everything(reader, adapter)
+        reader = CheckpointReader(path)
+        manifest = reader.manifest
+        which = (reader.path, reader.manifest_crc32)
+        _check_model(manifest, adapter, model)
+        groups = _check_groups(manifest, adapter)
+        dests, values, states = _read_everything(reader, adapter, {s[0] for _bo, segs in streamed for s in segs})
+        for bo, segs in streamed:  # read (every block checked) and dropped: read again below
+            _read_streamed(reader, bo, segs)
+        _stage_offloaded(reader, adapter)
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised
         error = e
+    try:
+        return _change(adapter, group, path, error, which, reader,
+                       None if error else (manifest, groups, dests, values, states, streamed))
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _change(adapter, group, path, error, which, reader, loaded):
+    """Agree with the other ranks, then change the model and the optimizer."""
     everyone = [None] * dist.get_world_size(group)
     mine = (None if error is None else f"{type(error).__name__}: {error}", which)
     dist.all_gather_object(everyone, mine, group=group)
@@ -117,9 +174,16 @@ def load_checkpoint(path, model, opt):
     if len({w for _e, w in everyone}) > 1:  # `latest` moved or the checkpoint was replaced meanwhile
         raise RuntimeError(f"load_checkpoint: the ranks read different checkpoints at {path} (it was replaced, or "
                            f"`latest` moved, during the load: {sorted({w for _e, w in everyone})}); nothing was changed")
+    manifest, groups, dests, values, states, streamed = loaded
     adapter.load_optimizer(states, groups, manifest["optimizer"])
     with torch.no_grad():
         for (_n, _lo, _hi, dest), value in zip(dests, values):
             dest.copy_(value)
+    # Optimizer state in NVMe swap files, one bucket in memory at a time. Its blocks were all
+    # checked above; a read failing now (the file changed or the disk failed since) leaves the
+    # buckets before it loaded: the one window of this contract (docs/checkpoints.md).
+    for bo, segs in streamed:
+        adapter.load_streamed(bo, *_read_streamed(reader, bo, segs))
+    adapter.commit_offloaded()
     adapter.finish_load()
     return manifest.get("extra")

@@ -11,7 +11,9 @@ Collective over the optimizer's process group (every rank calls it with the same
 
 Synchronous (async_=False, default): returns a finished CheckpointHandle after the checkpoint is
 complete and durable on every rank. async_=True: blocks only to snapshot this rank's shard into
-CPU memory (handle.snapshot_bytes), then writes in a background thread while training goes on;
+CPU memory (handle.snapshot_bytes), then writes in a background thread while training goes on
+(buckets whose values live in swap files, offload nvme, are not snapshotted: they are written into
+the shard file before save_checkpoint returns, one bucket in memory at a time; shard_io.py);
 handle.wait() blocks until this rank's part is durable and the commit is done, and raises any
 error (OSError from the disk, CheckpointError naming the rank that failed). On rank 0 wait()
 returns after `latest` names the new checkpoint; on other ranks as soon as the checkpoint is
@@ -35,7 +37,7 @@ from .. import files
 from . import commit, fsutil
 from .adapters import adapter_for
 from .format import BLOCK_BYTES, check_dir_name, check_json, encode_value
-from .shard_io import write_shard
+from .shard_io import write_shard, write_swapped_first
 
 _MAX_SCALAR_ELEMS = 4096
 
@@ -271,11 +273,12 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
     where = os.path.join(root, name)
     # From here on a failure must reach rank 0 as a failure marker (commit.py), never as a rank
     # that silently stops: rank 0 would wait for its shard until commit_timeout_s.
-    pieces, scalars, snapshot_error = [], {}, None
+    pieces, scalars, snapshot_error, started = [], {}, None, None
     try:
         pieces, scalars = adapter.pieces()
         scalars = _encode_scalars(scalars)
         if async_:  # the snapshot: training may change every live tensor after we return
+            started, pieces = write_swapped_first(root, staging, rank, pieces, options.io, options.block_bytes)
             pieces = _snapshot(pieces)
     except Exception as e:  # noqa: BLE001 - handled in work()
         snapshot_error = e
@@ -296,9 +299,11 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
             try:
                 try:
                     if snapshot_error is not None:
+                        if started is not None:
+                            started.abort()
                         raise snapshot_error
                     record, chunks = write_shard(staging_fd, os.path.join(root, staging), rank, pieces, options.io,
-                                                 options.block_bytes)
+                                                 options.block_bytes, started=started)
                     commit.write_index(staging_fd, rank, _index(rank, record, chunks, scalars))
                 except BaseException as e:
                     commit.write_failure(staging_fd, rank, e)

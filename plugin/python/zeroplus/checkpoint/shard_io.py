@@ -6,6 +6,11 @@ gap before it zero), computing the CRC-32 of every `block_bytes` block as the by
 file durable under its final name (temp name -> fdatasync -> rename -> fsync dir; fsutil.py).
 Returns the file record and the chunk table the manifest needs.
 
+ShardWriter does the work (write_shard is its one-call form). An item of `pieces` may also be a LazyPieces (adapters.py: a bucket whose values live in swap
+files): its pieces are written inside its `resident()` context, and every write of them has
+completed (and the coalescing buffer is flushed) before the context is left, so the swapper can
+reuse their buffers: at most one such bucket is resident at a time.
+
 Bulk bytes go through zeroplus.aio.AioHandle (io="aio": io_uring, several requests in flight,
 O_DIRECT where the file system takes it, the CRC of a piece computed while the engine writes it) into the temporary file this module
 created exclusively inside the checkpoint's private 0700 staging directory (nobody else can plant
@@ -93,70 +98,153 @@ class _Sink:
             finally:
                 self.keep.clear()
 
+    drain = finish  # every queued write done: the tensors written may be reused
+
+
+class ShardWriter:
+    """One shard file being written: add() pieces in file order (more than once: an async save
+    writes its swapped buckets in the caller's thread and the snapshot later, on its writer
+    thread), then finish() (durable under the final name) or abort() (the temporary file is
+    removed). Owns a duplicate of dir_fd until finish/abort. Raises OSError (ENOSPC, EFBIG,
+    EIO...); the caller aborts then."""
+
+    def __init__(self, dir_fd: int, dir_path: str, rank: int, io: str = "aio", block_bytes: int = BLOCK_BYTES):
+        self.final = shard_file_name(rank)
+        self.dir_fd = os.dup(dir_fd)
+        try:
+            self.fd, self.tmp = files.create_temporary_at(self.dir_fd, fsutil.temp_prefix(self.final))
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
+        self.sink = _Sink(self.fd, os.path.join(dir_path, self.tmp), io)
+        self.crc = _BlockCrc(block_bytes)
+        self.chunks, self.offset = [], 0
+        self.pending, self.pending_at, self.pending_bytes = [], 0, 0
+
+    def _align(self) -> None:
+        pad = -self.offset % _ALIGN
+        if pad:  # a hole in the file, zero when read; the checksums cover it as zeros
+            self.crc.feed(memoryview(_ZEROS)[:pad])
+            self.offset += pad
+
+    def _flush(self) -> None:
+        if self.pending:
+            buf = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+            self.sink.write(buf, self.pending_at)
+            self.pending, self.pending_bytes = [], 0
+
+    def _place(self, name, key, lo, hi, tensor) -> None:
+        data = as_bytes(tensor.detach().reshape(-1))
+        n = data.numel()
+        dtype = str(tensor.dtype).replace("torch.", "")
+        if n == 0:  # nothing to place: no alignment either (a pad at the end would be a hole past EOF)
+            self.chunks.append([name, key, lo, hi, dtype, 0, self.offset])
+            return
+        if n >= _COALESCE_BYTES:
+            self._flush()
+            self._align()
+        elif not self.pending:
+            self._align()
+            self.pending_at = self.offset
+        self.chunks.append([name, key, lo, hi, dtype, 0, self.offset])
+        if n < _COALESCE_BYTES:
+            self.pending.append(data.clone() if self.sink.handle is not None else data)
+            self.pending_bytes += n
+            if self.pending_bytes >= _FLUSH_BYTES:
+                self._flush()
+        else:
+            self.sink.write(data, self.offset)  # queued first: the engine writes while we checksum
+        self.crc.feed(memoryview(data.numpy()))
+        self.offset += n
+
+    def add(self, pieces) -> None:
+        for item in pieces:
+            if not isinstance(item, tuple):  # LazyPieces: resident only inside its context
+                with item.resident() as resident:
+                    for piece in resident:
+                        self._place(*piece)
+                    self._flush()
+                    self.sink.drain()  # nothing in flight reads the swapper's buffers after this
+                continue
+            self._place(*item)
+        if self.sink.handle is None:
+            self._flush()  # posix: pending holds views of the caller's tensors, valid only now
+
+    def finish(self) -> tuple[dict, list]:
+        try:
+            try:
+                self._flush()
+                self.sink.finish()
+                os.fdatasync(self.fd)
+                st = os.fstat(self.fd)
+                here = os.stat(self.tmp, dir_fd=self.dir_fd, follow_symlinks=False)
+                if (here.st_ino, here.st_dev) != (st.st_ino, st.st_dev) or st.st_size != self.offset:
+                    raise OSError(errno.EIO, f"checkpoint: shard file changed under the writer (size {st.st_size}, "
+                                             f"expected {self.offset})", self.tmp)
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+            fsutil.publish(self.dir_fd, self.tmp, self.final)
+        except BaseException:
+            self.abort()
+            raise
+        os.close(self.dir_fd)
+        self.dir_fd = -1
+        return {"name": self.final, "bytes": self.offset, "block_crc32": self.crc.finish()}, self.chunks
+
+    def abort(self) -> None:
+        """Removes the temporary file (idempotent)."""
+        if self.dir_fd < 0:
+            return
+        try:
+            self.sink.finish()
+        except OSError:
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        fsutil.remove_quietly(self.dir_fd, self.tmp)
+        os.close(self.dir_fd)
+        self.dir_fd = -1
+
 
 def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
-                block_bytes: int = BLOCK_BYTES) -> tuple[dict, list]:
-    """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
+                block_bytes: int = BLOCK_BYTES, started: ShardWriter | None = None) -> tuple[dict, list]:
+    """pieces: (name, key, lo, hi, tensor) or LazyPieces -> ({name, bytes, block_crc32}, [[name, key, lo, hi,
+    dtype, 0, offset]]), appended to `started` (a ShardWriter given pieces already) when given.
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
     the temporary file is removed then, and nothing is left under the final name."""
-    final = shard_file_name(rank)
-    fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(final))
+    writer = ShardWriter(dir_fd, dir_path, rank, io, block_bytes) if started is None else started
     try:
-        try:
-            sink = _Sink(fd, os.path.join(dir_path, tmp), io)
-            crc = _BlockCrc(block_bytes)
-            chunks, offset = [], 0
-            pending, pending_at = [], 0
-            pending_bytes = 0
-
-            def align():
-                nonlocal offset
-                pad = -offset % _ALIGN
-                if pad:  # a hole in the file, zero when read; the checksums cover it as zeros
-                    crc.feed(memoryview(_ZEROS)[:pad])
-                    offset += pad
-
-            def flush():
-                nonlocal pending, pending_bytes
-                if pending:
-                    buf = torch.cat(pending) if len(pending) > 1 else pending[0]
-                    sink.write(buf, pending_at)
-                    pending, pending_bytes = [], 0
-
-            for name, key, lo, hi, tensor in pieces:
-                data = as_bytes(tensor.detach().reshape(-1))
-                n = data.numel()
-                if n == 0:  # nothing to place: no alignment either (a pad at the end would be a hole past EOF)
-                    chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
-                    continue
-                if n >= _COALESCE_BYTES:
-                    flush()
-                    align()
-                elif not pending:
-                    align()
-                    pending_at = offset
-                chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
-                if n < _COALESCE_BYTES:
-                    pending.append(data.clone() if sink.handle is not None else data)
-                    pending_bytes += n
-                    if pending_bytes >= _FLUSH_BYTES:
-                        flush()
-                else:
-                    sink.write(data, offset)  # queued first: the engine writes while we checksum
-                crc.feed(memoryview(data.numpy()))
-                offset += n
-            flush()
-            sink.finish()
-            os.fdatasync(fd)
-            st = os.fstat(fd)
-            here = os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False)
-            if (here.st_ino, here.st_dev) != (st.st_ino, st.st_dev) or st.st_size != offset:
-                raise OSError(errno.EIO, f"checkpoint: shard file changed under the writer (size {st.st_size}, "
-                                         f"expected {offset})", tmp)
-        finally:
-            os.close(fd)
-        fsutil.publish(dir_fd, tmp, final)
+        writer.add(pieces)
     except BaseException:
-        fsutil.remove_quietly(dir_fd, tmp)
+        writer.abort()
         raise
-    return {"name": final, "bytes": offset, "block_crc32": crc.finish()}, chunks
+    return writer.finish()
+
+
+def write_swapped_first(root: str, staging: str, rank: int, pieces: list, io: str,
+                        block_bytes: int) -> tuple[ShardWriter | None, list]:
+    """An async save's swapped buckets (LazyPieces): written into the shard now, in the caller's
+    thread, one bucket resident at a time (a copy of them in memory could exceed it, and training
+    changes the swap files once it goes on); returns the started writer (None: nothing swapped)
+    and the in-memory pieces, which the caller snapshots and writes later with write_shard(...,
+    started=writer)."""
+    lazy = [p for p in pieces if not isinstance(p, tuple)]
+    if not lazy:
+        return None, pieces
+    root_fd = files.open_directory_at(None, root)
+    try:
+        staging_fd = files.open_directory_at(root_fd, staging, owned=True)
+        try:
+            writer = ShardWriter(staging_fd, os.path.join(root, staging), rank, io, block_bytes)
+        finally:
+            os.close(staging_fd)
+    finally:
+        os.close(root_fd)
+    try:
+        writer.add(lazy)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer, [p for p in pieces if isinstance(p, tuple)]

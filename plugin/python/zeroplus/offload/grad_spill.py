@@ -28,10 +28,12 @@ loads; they never overlap (backward and step alternate).
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from . import record
+from .io_lanes import IoLanes
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
 
@@ -49,6 +51,8 @@ class _Bucket:
         self.stats: dict | None = None     # of the committed gradient, before `scales`
         self.pending_stats: dict | None = None
         self.scales: list[torch.Tensor] = []  # applied in order at load
+        self.ahead: tuple | None = None    # (generation, buffer, lane) of a read ahead of its load
+        self.loaned: torch.Tensor | None = None  # the buffer the last load() returned a view of
 
     def name(self, generation: int) -> str:
         return f"grad-b{self.index:05d}-{generation % 2}.swp"
@@ -60,7 +64,8 @@ def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
     if not shard.numel():
         return None
     if math.isinf(norm_type):
-        return shard.detach().abs().max().to(torch.float32)
+        lo, hi = torch.aminmax(shard.detach())  # max |g| in one pass (clipping.max_abs)
+        return torch.maximum(-lo, hi).to(torch.float32)
     return torch.linalg.vector_norm(shard.detach(), norm_type, dtype=torch.float32) ** norm_type
 
 
@@ -71,6 +76,7 @@ class GradSpill:
         self.rank = rank
         self.directory = directory
         self._io = policy.aio.new_handle()
+        self._lanes = IoLanes(policy.aio)
         self._buckets = {b: _Bucket(b, record.Layout.build([(*_KEY, dtype, numel)]))
                          for b, (dtype, numel) in buckets.items()}
         self._writing: list[tuple[_Bucket, torch.Tensor]] = []  # (bucket, buffer) of writes in flight
@@ -79,6 +85,11 @@ class GradSpill:
         self.bytes_written = 0
         self.peak_buffer_bytes = 0
         self._buffer_bytes = 0
+        self._free: list[torch.Tensor] = []  # pooled record buffers (at most buffer_count kept)
+        self.read_wait_s = 0.0
+        self.write_wait_s = 0.0
+        self.checksum_s = 0.0
+        self.reads_ahead = 0
 
     def spills(self, b: int) -> bool:
         return b in self._buckets
@@ -91,16 +102,18 @@ class GradSpill:
     def stage(self, b: int, value: torch.Tensor) -> None:
         """The pass's new gradient of bucket b (written as the pending generation)."""
         h = self._buckets[b]
-        h.pending_stats = {"2": local_term(value, 2.0), "inf": local_term(value, math.inf),
-                           "finite": bool(torch.isfinite(value).all())}
+        inf = local_term(value, math.inf)
+        # Finite exactly when max |g| is (NaN and inf propagate through it): no pass of its own.
+        h.pending_stats = {"2": local_term(value, 2.0), "inf": inf,
+                           "finite": inf is None or bool(torch.isfinite(inf))}
         if len(self._writing) >= self.policy.buffer_count:
             self._drain()
         generation = h.generation + 1
-        buf = self._io.new_cpu_locked_tensor(-(-h.layout.record_bytes // 4096) * 4096, torch.uint8)
-        self._buffer_bytes += buf.numel()
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buffer_bytes)
+        buf = self._take(h.layout.record_bytes)
         h.layout.view(buf, h.layout.slots[0]).copy_(value.reshape(-1))
+        t0 = time.perf_counter()
         record.seal(buf, h.layout, h.index, self.rank, generation)
+        self.checksum_s += time.perf_counter() - t0
         h.pending = generation
         slot = generation % 2
         try:
@@ -108,7 +121,7 @@ class GradSpill:
                 h.io_paths[slot] = self.directory.create(h.name(generation), h.layout.record_bytes)
             self._io.async_pwrite(buf[:h.layout.record_bytes], h.io_paths[slot])
         except OSError as e:
-            self._buffer_bytes -= buf.numel()
+            self._give(buf)
             self._errors.append(self._named(e, h, generation, "writing"))
             return
         self._writing.append((h, buf))
@@ -132,6 +145,7 @@ class GradSpill:
         self._errors = []
         for h in self._buckets.values():
             h.pending, h.pending_stats = None, None
+            self._drop_ahead(h)
 
     def clear(self) -> None:
         """zero_grad: every gradient is zero again (the files stay, for the next pass)."""
@@ -141,24 +155,69 @@ class GradSpill:
 
     # -- the step: read back, one bucket at a time --------------------------------------------------
 
+    def read_ahead(self, indices, depth: int) -> None:
+        """Start reading the gradients of the first `depth` of these buckets (the step's next
+        ones) into pooled buffers, as far as the pool's budget goes (never waiting)."""
+        for b in list(indices)[:depth]:
+            h = self._buckets.get(b)
+            if h is None or not h.valid or h.ahead is not None:
+                continue
+            buf = self._take(h.layout.record_bytes, wait=False)
+            if buf is None:
+                return
+            try:
+                lane = self._lanes.read(buf[:h.layout.record_bytes], h.io_paths[h.generation % 2],
+                                        self._checker(h, buf, h.generation))
+            except OSError:
+                self._give(buf)  # refused at the call: load() reads again and reports it
+                continue
+            h.ahead = (h.generation, buf, lane)
+            self.reads_ahead += 1
+
     def load(self, b: int) -> torch.Tensor | None:
-        """Bucket b's gradient shard (a fresh tensor the caller owns, scalings applied), or None
-        when it has none (zeros). Raises OSError naming the file."""
+        """Bucket b's gradient shard (scalings applied), or None when it has none (zeros).
+        The tensor is the caller's until it calls give_back(b) (then the buffer is reused);
+        a caller that never gives it back just owns it. Raises OSError naming the file."""
         h = self._buckets[b]
         if not h.valid:
             return None
         path = h.io_paths[h.generation % 2]
-        buf = self._io.new_cpu_locked_tensor(-(-h.layout.record_bytes // 4096) * 4096, torch.uint8)
+        ahead, h.ahead = h.ahead, None
+        if ahead is not None and ahead[0] != h.generation:  # read before a newer pass: stale
+            self._lanes.wait_quietly(ahead[2])
+            self._give(ahead[1])
+            ahead = None
+        t0 = time.perf_counter()
         try:
-            self._io.sync_pread(buf[:h.layout.record_bytes], path)
-            record.check(buf, h.layout, h.index, self.rank, h.generation)
+            if ahead is not None:
+                buf = ahead[1]
+                try:
+                    self._lanes.wait(ahead[2])
+                finally:
+                    self.read_wait_s += time.perf_counter() - t0
+            else:
+                buf = self._take(h.layout.record_bytes)
+                try:
+                    self._lanes.wait(self._lanes.read(buf[:h.layout.record_bytes], path,
+                                                      self._checker(h, buf, h.generation)))
+                finally:
+                    self.read_wait_s += time.perf_counter() - t0
         except (OSError, record.RecordError) as e:
+            self._give(buf)
             raise self._named(e, h, h.generation, "reading") from None
         self.bytes_read += h.layout.record_bytes
         value = h.layout.view(buf, h.layout.slots[0])
         for coef in h.scales:
             value.mul_(coef.to(value.dtype))
+        h.loaned = buf
         return value
+
+    def give_back(self, b: int) -> None:
+        """The caller of load(b) no longer uses the tensor it got: its buffer is reused."""
+        h = self._buckets.get(b)
+        if h is not None and h.loaned is not None:
+            buf, h.loaned = h.loaned, None
+            self._give(buf)
 
     def term(self, b: int, norm_type: float) -> torch.Tensor | None:
         """The clipping term of bucket b's gradient without reading it, or None (load it)."""
@@ -181,10 +240,57 @@ class GradSpill:
 
     # -- internals ----------------------------------------------------------------------------------
 
+    def _checker(self, h: _Bucket, buf: torch.Tensor, generation: int):
+        layout, index, rank = h.layout, h.index, self.rank
+        return lambda: record.check(buf, layout, index, rank, generation)
+
+    @property
+    def background_check_s(self) -> float:
+        """Seconds spent checking records read, on the lanes' thread (not the training thread's)."""
+        return self._lanes.check_s
+
+    def _take(self, nbytes: int, wait: bool = True) -> torch.Tensor | None:
+        """A pooled page-locked buffer for one record; beyond buffer_count buffers a new one
+        when `wait` (after draining the writes in flight), else None."""
+        nbytes = -(-nbytes // 4096) * 4096
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= nbytes:
+                return self._free.pop(i)
+        if self._in_use() >= self.policy.buffer_count:
+            if not wait:
+                return None
+            self._drain()
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+        buf = self._io.new_cpu_locked_tensor(nbytes, torch.uint8)
+        self._buffer_bytes += buf.numel()
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buffer_bytes)
+        return buf
+
+    def _in_use(self) -> int:
+        return len(self._writing) + sum((h.ahead is not None) + (h.loaned is not None) for h in self._buckets.values())
+
+    def _give(self, buf: torch.Tensor | None) -> None:
+        if buf is None:
+            return
+        if len(self._free) + self._in_use() >= self.policy.buffer_count:
+            self._buffer_bytes -= buf.numel()  # over the pool's size: let it go
+            return
+        self._free.append(buf)
+
+    def _drop_ahead(self, h: _Bucket) -> None:
+        if h.ahead is not None:
+            _, buf, lane = h.ahead
+            h.ahead = None
+            self._lanes.wait_quietly(lane)
+            self._give(buf)
+
     def _drain(self) -> None:
         if not self._writing:
             return
         writing, self._writing = self._writing, []
+        t0 = time.perf_counter()
         try:
             self._io.wait()
         except OSError as e:
@@ -195,7 +301,9 @@ class GradSpill:
         else:
             self.bytes_written += sum(h.layout.record_bytes for h, _ in writing)
         finally:
-            self._buffer_bytes -= sum(buf.numel() for _, buf in writing)
+            self.write_wait_s += time.perf_counter() - t0
+            for _, buf in writing:
+                self._give(buf)
 
     def _named(self, e: BaseException, h: _Bucket, generation: int, doing: str) -> OSError:
         path = self.directory.display_path(h.name(generation))

@@ -169,6 +169,17 @@ class SwapDirectory:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
 
+    def replace(self, src: str, dst: str) -> None:
+        """Renames our file `src` over our file `dst` (atomic, inside this directory)."""
+        try:
+            os.replace(src, dst, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except OSError as e:
+            path = os.path.join(self.path, dst)
+            raise type(e)(e.errno, f"{self.what}: cannot replace swap file {path!r}: {os.strerror(e.errno)}",
+                          path) from None
+        self._files.discard(src)
+        self._files.add(dst)
+
     def remove(self, name: str) -> None:
         try:
             os.unlink(name, dir_fd=self._dir_fd)

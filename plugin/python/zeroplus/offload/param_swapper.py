@@ -19,6 +19,17 @@ parameters are empty 1-D views. The swapper makes a shard resident only while so
                          swapper) is sealed as the next generation and written asynchronously;
                          the buffer stays busy until the write completes.
 
+Replacing shards (load_checkpoint: change nothing until every rank has read everything):
+
+    stage_replacement(bucket, src)  writes `src` as the bucket's next record into a side file
+                         (`param-bNNNNN.new`), through one pooled buffer, synchronously; the live
+                         record, its cached copy and the module are untouched;
+    commit_replacements()  renames every side file over its live file (the new generation is
+                         current from now on; a cached copy of the old record is dropped);
+    discard_replacements()  removes the side files (an error anywhere: nothing changed).
+So a load holds one bucket's shard in memory at a time, and needs the disk space of the
+replaced records twice until the commit.
+
 Memory: pooled buffers, each one record (page-rounded), at most `buffer_count` x the largest
 record in bytes (`budget_bytes`). Pins beyond that (more shards in use at once than the budget
 holds) allocate above the budget rather than fail; peak_buffer_bytes reports it. So the resident
@@ -43,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from . import record
+from .io_lanes import IoLanes
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
 
@@ -60,14 +72,17 @@ class _Home:
     io_path: str | None = None
     generation: int = 0
     buffer: torch.Tensor | None = None
-    reading: bool = False          # an async read into `buffer` was issued
+    lane: object | None = None     # the read into `buffer` in flight (io_lanes.IoLanes)
     checked: bool = False          # `buffer` holds this generation's record, verified
     writing: bool = False
+    write_epoch: int = 0           # the step (ParamSwapper._epoch) whose writer holds the write
     dirty: bool = False            # `buffer` holds a record not (yet) on disk
     pins: int = 0
+    staged: str | None = None      # the side file holding a replacement record (stage_replacement)
+    last_used: int = 0             # the pool's clock at the last pin/write (LRU eviction)
 
     def busy(self) -> bool:
-        return self.reading or self.writing or self.dirty or self.pins > 0
+        return self.lane is not None or self.writing or self.dirty or self.pins > 0
 
 
 class ParamSwapper:
@@ -77,15 +92,22 @@ class ParamSwapper:
         self.policy = policy
         self.rank = rank
         self.directory = directory
-        self._reader = policy.aio.new_handle()
-        self._writer = policy.aio.new_handle()
+        self._lanes = IoLanes(policy.aio)
+        # Writes of step e go through _writers[e % 2]: end_step waits for the previous step's
+        # only, so a step's writes finish during the next forward instead of ending the step.
+        self._writers = (policy.aio.new_handle(), policy.aio.new_handle())
+        self._epoch = 0
         self._homes: dict[int, _Home] = {}
         for i, b in enumerate(buckets):
             layout = record.Layout.build([(*_KEY, b.dtype, b.shard_numel)])
             self._homes[id(b)] = _Home(i, f"param-b{i:05d}.swp", layout)
         self._by_path: dict[str, _Home] = {}
         records = [h.layout.record_bytes for h in self._homes.values()]
-        self.buffer_size = -(-max(records, default=4096) // 4096) * 4096  # the largest record's buffer
+        # DeepSpeed's meaning: buffer_count buffers of buffer_size elements each (of the shards'
+        # dtype); a buffer is never smaller than the largest record.
+        itemsize = max((b.dtype.itemsize for b in buckets), default=4)
+        largest = max(records, default=4096)
+        self.buffer_size = -(-max(largest, policy.buffer_size * itemsize) // 4096) * 4096
         self.budget_bytes = policy.buffer_count * self.buffer_size
         self._free: list[torch.Tensor] = []
         self.buffer_bytes = 0    # allocated (free + in use)
@@ -96,6 +118,7 @@ class ParamSwapper:
         self.read_wait_s = 0.0
         self.write_wait_s = 0.0
         self.checksum_s = 0.0
+        self._clock = 0
         self.reads_ahead = 0   # records read ahead (issued before their pin)
         self.reads_on_demand = 0
 
@@ -122,13 +145,16 @@ class ParamSwapper:
 
     # -- the gather path ----------------------------------------------------------------------------
 
-    def read_ahead(self, buckets) -> None:
-        """Start reading these buckets' records (in this order) while a buffer is free."""
+    def read_ahead(self, buckets, depth: int | None = None) -> None:
+        """Start reading these buckets' records (in this order; only the first `depth` of them
+        when given) while a buffer is free."""
+        buckets = list(buckets) if depth is None else list(buckets)[:depth]
+        wanted = {id(b) for b in buckets}  # cached records these need are not evicted for them
         for b in buckets:
             h = self._homes.get(id(b))
             if h is None or h.buffer is not None or h.io_path is None:
                 continue
-            buf = self._try_acquire(h.layout.record_bytes)
+            buf = self._try_acquire(h.layout.record_bytes, keep=wanted)
             if buf is None:
                 return
             try:
@@ -138,11 +164,13 @@ class ParamSwapper:
                 continue
             self.reads_ahead += 1
 
-    def pin(self, bucket) -> torch.Tensor:
-        """The bucket's shard, resident and checked (see the module doc). Raises OSError."""
+    def pin(self, bucket, update: bool = False) -> torch.Tensor:
+        """The bucket's shard, resident and checked (see the module doc). `update`: the caller
+        changes it in place (the step's fp32 master), so a write of it still in flight is waited
+        for first (a gather only reads it). Raises OSError."""
         h = self._homes[id(bucket)]
-        if h.writing:
-            self._drain_writes()  # the caller may change the shard in place (the fp32 master)
+        if h.writing and update:
+            self._drain_writes(h.write_epoch)
         if h.buffer is None:
             buf = self._acquire(h.layout.record_bytes)
             try:
@@ -151,22 +179,18 @@ class ParamSwapper:
                 self._give(buf)
                 raise self._named(e, h, "reading") from None
             self.reads_on_demand += 1
-        if h.reading:
+        if h.lane is not None:
+            lane, h.lane = h.lane, None
             t0 = time.perf_counter()
             try:
-                self._reader.wait()
-            except OSError as e:
-                # wait() reports the first failure of the batch: every record read with it is
-                # dropped (read again when pinned), and this one is read once more for its own
-                # error.
-                self._drop_reads()
-                if e.filename is None or self._by_path.get(e.filename, h) is h:
-                    raise self._named(e, h, "reading") from None
-                return self.pin(bucket)
+                self._lanes.wait(lane)  # this record's read only (the ones ahead go on), checked
+            except (OSError, record.RecordError) as e:
+                buf, h.buffer = h.buffer, None
+                self._give(buf)
+                raise self._named(e, h, "reading") from None
             finally:
                 self.read_wait_s += time.perf_counter() - t0
-            for other in self._homes.values():
-                other.reading = False
+            h.checked = True  # by the lanes' background thread
         if not h.checked:
             t0 = time.perf_counter()
             try:
@@ -179,6 +203,7 @@ class ParamSwapper:
                 self.checksum_s += time.perf_counter() - t0
             h.checked = True
         h.pins += 1
+        self._touch(h)
         h.shard.data = self._view(h, h.buffer)
         return h.shard
 
@@ -201,7 +226,7 @@ class ParamSwapper:
         shard as it is. Errors are kept for end_step()."""
         h = self._homes[id(bucket)]
         if h.writing:
-            self._drain_writes()
+            self._drain_writes(h.write_epoch)
         if src is None:
             if h.pins <= 0 or h.buffer is None:
                 raise RuntimeError(f"offload_param: bucket {h.index} written in place while not pinned")
@@ -211,16 +236,94 @@ class ParamSwapper:
             self._view(h, h.buffer).copy_(src.reshape(-1))
             h.checked = True
         h.dirty = True
+        self._touch(h)
         self._start_write(h)
 
     def end_step(self) -> None:
+        """This step's writes go on (they finish while the next forward computes); the previous
+        step's are waited for, and the errors collected so far raised: a failed write is raised
+        by the step after the one that issued it (its record is kept in memory meanwhile)."""
+        self._drain_writes(self._epoch - 1)
+        self._epoch += 1
+        self._raise_errors()
+
+    def drain(self) -> None:
+        """Waits for every write in flight; raises the errors collected so far."""
         self._drain_writes()
         self._raise_errors()
+
+    # -- replacing records (load_checkpoint) ------------------------------------------------------------
+
+    def stage_replacement(self, bucket, src: torch.Tensor) -> None:
+        """Writes `src` (the bucket's whole new shard) as its next record into a side file; the
+        live record stays current until commit_replacements(). Raises OSError naming the file
+        (the side file is removed then). Not while the bucket is pinned."""
+        h = self._homes[id(bucket)]
+        if h.pins:
+            raise RuntimeError(f"offload_param: bucket {h.index} replaced while pinned (in use)")
+        if src.numel() != h.layout.slots[0].numel:
+            raise ValueError(f"offload_param: replacement shard of bucket {h.index} has {src.numel()} elements, "
+                             f"expected {h.layout.slots[0].numel}")
+        self._drain_writes()  # the generation of a record being written is settled first
+        self._raise_errors()
+        side = h.name[:-len(".swp")] + ".new"
+        if h.staged is not None:
+            self.directory.remove(h.staged)
+            h.staged = None
+        buf = self._acquire(h.layout.record_bytes)
+        try:
+            self._view(h, buf).copy_(src.reshape(-1))
+            record.seal(buf, h.layout, h.index, self.rank, h.generation + 1)
+            try:
+                io_path = self.directory.create(side, h.layout.record_bytes)
+            except OSError as e:
+                raise self._named(e, h, "creating the replacement for") from None
+            h.staged = side
+            try:
+                self._writers[0].sync_pwrite(buf[:h.layout.record_bytes], io_path)  # none in flight (drained)
+            except OSError as e:
+                self.directory.remove(side)
+                h.staged = None
+                raise self._named(e, h, "writing the replacement for") from None
+            self.bytes_written += h.layout.record_bytes
+        finally:
+            self._give(buf)
+
+    def commit_replacements(self) -> None:
+        """Every staged record becomes its bucket's current one (see the module doc)."""
+        self._drain_writes()  # no write may still go to a file about to be replaced
+        for h in self._homes.values():
+            if h.staged is None:
+                continue
+            if h.lane is not None:  # a read ahead of the old record: let it finish, then drop it
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
+            self.directory.replace(h.staged, h.name)
+            h.staged = None
+            if h.io_path is None:
+                h.io_path = self.directory.io_path(h.name)
+                self._by_path[h.io_path] = h
+            h.generation += 1
+            h.dirty = False  # a write that failed earlier is superseded by the new record
+            if h.buffer is not None and h.pins == 0:
+                buf, h.buffer, h.checked = h.buffer, None, False
+                self._give(buf)
+
+    def discard_replacements(self) -> None:
+        for h in self._homes.values():
+            if h.staged is not None:
+                self.directory.remove(h.staged)
+                h.staged = None
 
     # -- accounting ---------------------------------------------------------------------------------
 
     def disk_bytes(self) -> int:
         return self.directory.disk_bytes()
+
+    @property
+    def background_check_s(self) -> float:
+        """Seconds spent checking records read, on the lanes' thread (not the training thread's)."""
+        return self._lanes.check_s
 
     def resident_bytes(self) -> int:
         """Bytes of the pool's buffers (what parameter shards occupy in memory)."""
@@ -229,9 +332,13 @@ class ParamSwapper:
     def close(self) -> None:
         try:
             self._drain_writes()
-            self._reader.wait()
         except OSError:
             pass
+        for h in self._homes.values():
+            if h.lane is not None:
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
+        self._lanes.close()
         self.directory.close()
 
     # -- I/O ------------------------------------------------------------------------------------------
@@ -254,33 +361,33 @@ class ParamSwapper:
         record.seal(h.buffer, h.layout, h.index, self.rank, h.generation)
         self.checksum_s += time.perf_counter() - t0
         try:
-            self._writer.async_pwrite(h.buffer[:h.layout.record_bytes], h.io_path)
+            self._writers[self._epoch % 2].async_pwrite(h.buffer[:h.layout.record_bytes], h.io_path)
         except OSError as e:
             self._errors.append(self._named(e, h, "writing", _KEPT))
             return
-        h.writing = True
+        h.writing, h.write_epoch = True, self._epoch
 
     def _read_into(self, h: _Home, buf: torch.Tensor) -> None:
         if h.io_path is None:
             raise OSError(errno_mod.ENOENT, "no record was written", self.directory.display_path(h.name))
-        self._reader.async_pread(buf[:h.layout.record_bytes], h.io_path)
+        layout, index, generation = h.layout, h.index, h.generation
+        h.lane = self._lanes.read(buf[:layout.record_bytes], h.io_path,
+                                  lambda: record.check(buf, layout, index, self.rank, generation))
         self.bytes_read += h.layout.record_bytes
-        h.buffer, h.reading, h.checked = buf, True, False
+        h.buffer, h.checked = buf, False
 
-    def _drop_reads(self) -> None:
-        for h in self._homes.values():
-            if h.reading:
-                h.reading = False
-                buf, h.buffer = h.buffer, None
-                self._give(buf)
-
-    def _drain_writes(self) -> None:
-        writing = [h for h in self._homes.values() if h.writing]
+    def _drain_writes(self, epoch: int | None = None) -> None:
+        """Waits for the writes of step `epoch` (None: all)."""
+        if epoch is None:
+            for e in sorted({h.write_epoch for h in self._homes.values() if h.writing}):
+                self._drain_writes(e)
+            return
+        writing = [h for h in self._homes.values() if h.writing and h.write_epoch == epoch]
         if not writing:
             return
         t0 = time.perf_counter()
         try:
-            self._writer.wait()
+            self._writers[epoch % 2].wait()
         except OSError as e:
             failed = self._by_path.get(e.filename) or writing[0]
             self._errors.append(self._named(e, failed, "writing", _KEPT))
@@ -294,23 +401,43 @@ class ParamSwapper:
             self.bytes_written += h.layout.record_bytes
             self._release_if_idle(h)
 
+    def _touch(self, h: _Home) -> None:
+        self._clock += 1
+        h.last_used = self._clock
+
     def _release_if_idle(self, h: _Home) -> None:
-        if h.buffer is not None and not h.busy():
+        """An idle record stays in its buffer (cached: the next pin needs no read) while it is
+        the current, verified one; the pool evicts it when it needs the buffer (_evict)."""
+        if h.buffer is not None and not h.busy() and not h.checked:
             buf, h.buffer = h.buffer, None
             h.checked = False
             self._give(buf)
 
-    def _try_acquire(self, nbytes: int) -> torch.Tensor | None:
-        """A pooled buffer of at least nbytes without waiting, or None (the budget is used)."""
-        fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
-        if fits:
-            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+    def _try_acquire(self, nbytes: int, keep=frozenset()) -> torch.Tensor | None:
+        """A pooled buffer of at least nbytes without waiting, or None (the budget is used by
+        records in use). Evicts the least recently used cached records (never those of buckets
+        whose ids are in `keep`)."""
         need = -(-nbytes // 4096) * 4096
-        while self._free and self.buffer_bytes + need > self.budget_bytes:
-            self._drop(self._free.pop())  # too small for this record: make room
-        if self.buffer_bytes + need <= self.budget_bytes:
-            return self._allocate(need)
-        return None
+        while True:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            while self._free and self.buffer_bytes + need > self.budget_bytes:
+                self._drop(self._free.pop())  # too small for this record: make room
+            if self.buffer_bytes + need <= self.budget_bytes:
+                return self._allocate(need)
+            if not self._evict(keep):
+                return None
+
+    def _evict(self, keep=frozenset()) -> bool:
+        """Gives the least recently used cached record's buffer back to the pool; False: none."""
+        cached = [h for key, h in self._homes.items() if h.buffer is not None and not h.busy() and key not in keep]
+        if not cached:
+            return False
+        h = min(cached, key=lambda c: c.last_used)
+        buf, h.buffer, h.checked = h.buffer, None, False
+        self._give(buf)
+        return True
 
     def _acquire(self, nbytes: int) -> torch.Tensor:
         while True:
@@ -324,21 +451,16 @@ class ParamSwapper:
                      and not h.writing]
             if ahead:  # a record read ahead and not used yet gives its buffer up
                 h = ahead[-1]
-                if h.reading:
-                    try:
-                        self._reader.wait()
-                    except OSError:
-                        self._drop_reads()
-                        continue
-                    for other in self._homes.values():
-                        other.reading = False
+                if h.lane is not None:
+                    lane, h.lane = h.lane, None
+                    self._lanes.wait_quietly(lane)  # read again (and checked) when pinned
                 self._release_if_idle(h)
                 continue
             # Everything pinned or dirty: over the budget (peak_buffer_bytes shows it).
             return self._allocate(-(-nbytes // 4096) * 4096)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        buf = self._reader.new_cpu_locked_tensor(nbytes, torch.uint8)
+        buf = self._writers[0].new_cpu_locked_tensor(nbytes, torch.uint8)
         self.buffer_bytes += buf.numel()
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
         return buf

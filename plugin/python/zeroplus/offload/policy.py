@@ -13,7 +13,10 @@ Parsed once, from the keyword arguments of zeroplus.initialize (`offload_optimiz
                   true here: DeepSpeed's false only makes swapping slower)
     fast_init     accepted, no effect (records are written at the first step)
     ratio         fraction of the state offloaded; only 1.0 is built
-    buffer_size, max_in_cpu   (offload_param) accepted, checked, unused until parameter offload
+    buffer_size   (offload_param) elements per pooled parameter buffer (DeepSpeed's 1e8): the
+                  pool holds at most buffer_count x buffer_size elements of shards (never less
+                  than buffer_count records), read ahead in the gatherer's prefetch order
+    max_in_cpu    (offload_param) accepted, checked, no effect: every offloaded shard is on disk
 
 A bad value raises ValueError/TypeError naming the key, so a typo never silently changes
 nothing. OffloadPolicy is frozen; defaults are defined here and only here. Nothing in this file
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 DEVICES = ("none", "cpu", "nvme")
 DEFAULT_OPTIMIZER_BUFFERS = 4   # DeepSpeed's offload_optimizer.buffer_count
 DEFAULT_PARAM_BUFFERS = 5       # DeepSpeed's offload_param.buffer_count
+DEFAULT_PARAM_BUFFER_SIZE = 100_000_000  # DeepSpeed's offload_param.buffer_size (elements)
 DEFAULT_BLOCK_SIZE = 1 << 20    # aio.block_size (DeepSpeed's default)
 DEFAULT_QUEUE_DEPTH = 32        # aio.queue_depth (DeepNVMe's tuned optimum; DeepSpeed's config says 8)
 
@@ -69,6 +73,7 @@ class OffloadPolicy:
     device: str = "none"
     nvme_path: str | None = None
     buffer_count: int = DEFAULT_OPTIMIZER_BUFFERS
+    buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE  # elements per parameter buffer (offload_param)
     pin_memory: bool = False
     pipeline_read: bool = True
     pipeline_write: bool = True
@@ -95,6 +100,11 @@ class OffloadPolicy:
                 or count != int(count) or count < 1:
             raise ValueError(f"{w}: buffer_count must be an integer >= 1, got {count!r}")
         object.__setattr__(self, "buffer_count", int(count))
+        size = self.buffer_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size) \
+                or size != int(size) or size < 1:
+            raise ValueError(f"{w}: buffer_size must be an integer >= 1 (elements), got {size!r}")
+        object.__setattr__(self, "buffer_size", int(size))
         for key in ("pin_memory", "pipeline_read", "pipeline_write"):
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{w}: {key} must be true or false, got {getattr(self, key)!r}")
@@ -173,12 +183,12 @@ def parse_offload(what: str, block, aio: AioPolicy | None = None) -> OffloadPoli
         if "pipeline" in block and not isinstance(block["pipeline"], bool):
             raise TypeError(f"{what}: pipeline must be true or false, got {block['pipeline']!r}")
     else:
-        _number(what, "buffer_size", block.get("buffer_size", 1e8), 1)
         _number(what, "max_in_cpu", block.get("max_in_cpu", 1e9), 0)
     pipeline = block.get("pipeline", True)
     try:
         return OffloadPolicy(what=what, device=device.lower(), nvme_path=block.get("nvme_path"),
                              buffer_count=block.get("buffer_count", _default_buffers(what)),
+                             buffer_size=block.get("buffer_size", DEFAULT_PARAM_BUFFER_SIZE),
                              pin_memory=block.get("pin_memory", False),
                              pipeline_read=block.get("pipeline_read", pipeline),
                              pipeline_write=block.get("pipeline_write", pipeline), aio=aio)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import record
+from .io_lanes import IoLanes
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
 
@@ -63,8 +64,10 @@ class _Home:
     io_path: str | None = None   # None until the file exists
     layout: record.Layout | None = None
     generation: int = _NOT_LOADED
-    buffer: torch.Tensor | None = None  # holds the record while reading, bound, writing or dirty
-    reading: bool = False
+    buffer: torch.Tensor | None = None  # holds the record while reading, bound, writing, dirty or cached
+    lane: object | None = None   # the read into `buffer` in flight (io_lanes.IoLanes)
+    verified: bool = False       # `buffer` holds the current record as on disk (read and checked, or written)
+    last_used: int = 0           # the pool's clock when the bucket was last stored (LRU eviction)
     writing: bool = False
     bound: bool = False          # the optimizer's state tensors point into `buffer`
     master_bound: bool = False   # the master (and the segments) point into `buffer` (or a stand-in)
@@ -72,7 +75,7 @@ class _Home:
     handles: dict = field(default_factory=dict)  # (segment, key) -> the optimizer's state tensor
 
     def busy(self) -> bool:
-        return self.reading or self.writing or self.bound or self.master_bound or self.dirty
+        return self.lane is not None or self.writing or self.bound or self.master_bound or self.dirty
 
 
 _MASTER = (-1, "master")  # the master's slot in a record
@@ -85,13 +88,16 @@ class OptimizerSwapper:
         self.policy = policy
         self.rank = rank
         self.directory = directory
-        self._reader = policy.aio.new_handle()
+        self._lanes = IoLanes(policy.aio)
         self._writer = policy.aio.new_handle()
         self._bos = list(bucket_optimizers)
         self._homes = [_Home(i, f"optimizer-b{i:05d}.swp") for i in range(len(self._bos))]
         self._index = {id(bo): i for i, bo in enumerate(self._bos)}
         self._by_path: dict[str, int] = {}
         self._free: list[torch.Tensor] = []
+        self._clock = 0
+        self._order: list[int] = list(range(len(self._bos)))  # the step's bucket order (begin_step)
+        self._position = {index: k for k, index in enumerate(self._order)}
         self._buffers = 0            # buffers allocated (free + in use)
         self.buffer_bytes = 0        # their bytes
         self.peak_buffer_bytes = 0
@@ -101,14 +107,20 @@ class OptimizerSwapper:
         self.bytes_written = 0
         # Seconds the training thread spent waiting for reads / writes, and checksumming
         # (sealing and checking records): the swap's cost inside step() (bench/offload).
+        self.cache_hits = 0  # records a step found in the pool (no read)
         self.read_wait_s = 0.0
         self.write_wait_s = 0.0
         self.checksum_s = 0.0
 
     # -- the step ----------------------------------------------------------------------------------
 
-    def begin_step(self) -> None:
+    def begin_step(self, order: list[int] | None = None) -> None:
+        """A step starts; it visits the buckets in `order` (indices; None: 0, 1, ...), which the
+        swapper reads ahead in. Records still in the pool from the last step (the last ones
+        written) are used without a read: an engine that alternates the order gains them."""
         self._cache = None
+        self._order = list(range(len(self._bos))) if order is None else list(order)
+        self._position = {index: k for k, index in enumerate(self._order)}
 
     def fetch(self, bo) -> bool:
         """Makes the bucket's master and state resident; False: they are unreadable (the error
@@ -121,8 +133,12 @@ class OptimizerSwapper:
             self._bind(bo, h)
         elif not ok and bo.offloads_master:
             self._stand_in_master(bo, h)
-        if self.policy.pipeline_read and h.index + 1 < len(self._homes):
-            self._prefetch(self._homes[h.index + 1])
+        if self.policy.pipeline_read:
+            k = self._position.get(h.index, h.index)
+            window = self._order[k + 1:k + 1 + self._read_depth()]
+            keep = set(window)
+            for index in window:
+                self._prefetch(self._homes[index], keep)
         return ok
 
     def store(self, bo) -> None:
@@ -151,6 +167,8 @@ class OptimizerSwapper:
         self.checksum_s += time.perf_counter() - t0
         self._unbind_state(h)
         h.dirty = True
+        self._clock += 1
+        h.last_used = self._clock
         try:
             self._writer.async_pwrite(buf[:layout.record_bytes], h.io_path)
         except OSError as e:  # refused at the call (the file replaced by a directory, ...)
@@ -163,15 +181,12 @@ class OptimizerSwapper:
     def end_step(self) -> None:
         """Waits for the step's I/O; raises the step's swap errors (see the module doc)."""
         self._drain_writes()
-        if any(h.reading for h in self._homes):  # a read ahead the step did not get to
-            try:
-                self._reader.wait()
-            except OSError:
-                pass  # read again, and checked, at the next fetch
-            for h in self._homes:
-                if h.reading:
-                    h.reading = False
-                    self._release_if_idle(h)
+        for h in self._homes:
+            if h.lane is not None:  # a read ahead the step did not get to: read again when needed
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
+                h.verified = False
+                self._release_if_idle(h)
         for h in self._homes:
             if h.bound:  # fetched, never stored (the step raised): the buffer is the state
                 self._unbind_state(h)
@@ -191,11 +206,25 @@ class OptimizerSwapper:
             return self._cache[2]
         out = {}
         with self._record(h) as buf:
-            for slot in h.layout.slots:
-                if slot.segment >= 0:
-                    out.setdefault(slot.segment, {})[slot.key] = h.layout.view(buf, slot).clone()
+            for slot in h.layout.slots:  # the master (segment -1, when offloaded) too: master_copy
+                out.setdefault(slot.segment, {})[slot.key] = h.layout.view(buf, slot).clone()
         self._cache = (h.index, h.generation, out)
         self._raise_errors()  # of writes drained on the way
+        return out
+
+    def master_copy(self, bo) -> torch.Tensor | None:
+        """A copy of the bucket's fp32 master where this swapper holds it (mixed precision), read
+        through the file when it is not resident (one read serves segment_states too); None: the
+        master is not in a record (fp32 training, or nothing stored yet). Raises OSError."""
+        if not bo.offloads_master or self._home(bo).layout is None:
+            return None
+        return self.segment_states(bo).get(_MASTER[0], {}).get(_MASTER[1])
+
+    def swapped_keys(self, bo) -> dict[int, set]:
+        """{segment index: the state keys whose tensors live in the bucket's record}."""
+        out: dict[int, set] = {}
+        for segment, key in self._home(bo).handles:
+            out.setdefault(segment, set()).add(key)
         return out
 
     def write_master(self, bo, lo: int, hi: int, values: torch.Tensor) -> None:
@@ -232,7 +261,7 @@ class OptimizerSwapper:
         if h.bound:
             self._unbind_state(h)
         self._unbind_master(bo, h)
-        h.dirty = False
+        h.dirty = h.verified = False
         self._release_if_idle(h)
         h.layout, h.generation, h.handles = None, _NOT_LOADED, {}  # the loaded state replaces it
         if master is not None:
@@ -242,13 +271,18 @@ class OptimizerSwapper:
 
     # -- accounting ---------------------------------------------------------------------------------
 
+    @property
+    def background_check_s(self) -> float:
+        """Seconds spent checking records read, on the lanes' thread (not the training thread's)."""
+        return self._lanes.check_s
+
     def disk_bytes(self) -> int:
         return self.directory.disk_bytes()
 
     @property
     def engine(self) -> str:
         """The I/O engine in use: "io_uring" or "threads" (docs/aio.md "Fallbacks")."""
-        return self._reader.get_engine()
+        return self._writer.get_engine()
 
     def record_bytes(self) -> list[int]:
         return [h.layout.record_bytes if h.layout else 0 for h in self._homes]
@@ -257,9 +291,13 @@ class OptimizerSwapper:
         """Waits for I/O, then removes the swap files and the directory. The state is gone."""
         try:
             self._drain_writes()
-            self._reader.wait()
         except OSError:
             pass
+        for h in self._homes:
+            if h.lane is not None:
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
+        self._lanes.close()
         self.directory.close()
 
     # -- records ------------------------------------------------------------------------------------
@@ -328,20 +366,17 @@ class OptimizerSwapper:
             s, h = self.s, self.h
             if h.writing:
                 s._drain_writes()  # may release the buffer once its write is done
-            if h.buffer is not None and not h.reading:
+            if h.buffer is not None and h.lane is None:
                 self.buf = h.buffer
                 return self.buf
-            if h.reading:
-                s._reader.wait()
-                h.reading = False
-                self.buf = h.buffer
-                h.buffer = None
-            else:
-                self.buf = s._acquire(h.layout.record_bytes)
-                s._read_into(h, self.buf)
             try:
-                s._reader.wait()
-                record.check(self.buf, h.layout, h.index, s.rank, h.generation)
+                if h.lane is not None:
+                    lane, h.lane = h.lane, None
+                    self.buf, h.buffer = h.buffer, None
+                else:
+                    self.buf = s._acquire(h.layout.record_bytes)
+                    lane = s._read_into(h, self.buf)
+                s._lanes.wait(lane)  # read and checked
             except (OSError, record.RecordError) as e:
                 s._free_buffer(self.buf)
                 raise s._named(e, h, "reading") from None
@@ -420,48 +455,57 @@ class OptimizerSwapper:
     def _make_resident(self, h: _Home) -> bool:
         if h.generation == _NOT_LOADED and h.buffer is None:
             return True  # nothing stored yet: the optimizer creates its state in this step
-        if h.buffer is not None and not h.reading:
+        if h.buffer is not None and h.lane is None:
             if h.writing:
                 self._drain_writes()  # a bucket visited twice in one step: its write first
-            return True  # dirty (a failed write) or just stored: the buffer is the record
+            if h.verified:
+                self.cache_hits += 1
+            return True  # dirty (a failed write), just stored or cached: the buffer is the record
         try:
-            if not h.reading:
+            if h.lane is None:
                 self._prefetch(h)
-                if not h.reading:  # refused at the call: read once more for the error
+                if h.lane is None:  # refused at the call: read once more for the error
                     h.buffer = self._acquire(h.layout.record_bytes)
-                    h.reading = True
-                    self._read_into(h, h.buffer)
+                    h.lane = self._read_into(h, h.buffer)
             t0 = time.perf_counter()
-            self._reader.wait()
-            t1 = time.perf_counter()
-            h.reading = False
-            record.check(h.buffer, h.layout, h.index, self.rank, h.generation)
-            self.read_wait_s += t1 - t0
-            self.checksum_s += time.perf_counter() - t1
+            lane, h.lane = h.lane, None
+            try:
+                self._lanes.wait(lane)
+            finally:
+                self.read_wait_s += time.perf_counter() - t0
+            h.verified = True  # checked by the lanes' background thread
             return True
         except (OSError, record.RecordError) as e:
-            h.reading = False
+            h.lane = None
             self._free_buffer(h.buffer)
             h.buffer = None
             self._errors.append(self._named(e, h, "reading", _LOST))
             return False
 
-    def _prefetch(self, h: _Home) -> None:
-        if h.reading or h.buffer is not None or h.generation == _NOT_LOADED:
+    def _read_depth(self) -> int:
+        """Records read ahead of the bucket stepping: the pool less that one and one being written."""
+        return max(1, self.policy.buffer_count - 2)
+
+    def _prefetch(self, h: _Home, keep=frozenset()) -> None:
+        if h.lane is not None or h.buffer is not None or h.generation == _NOT_LOADED:
             return
         # Waiting here for older writes when the pool is full is the pipeline's back-pressure.
-        buf = self._acquire(h.layout.record_bytes)
+        buf = self._acquire(h.layout.record_bytes, keep)
         try:
-            self._read_into(h, buf)
+            lane = self._read_into(h, buf)
         except OSError:
             self._free_buffer(buf)  # refused at the call (file gone, ...): fetch reads again, reports
             return
-        h.buffer = buf
-        h.reading = True
+        h.buffer, h.lane, h.verified = buf, lane, False
 
-    def _read_into(self, h: _Home, buf: torch.Tensor) -> None:
+    def _read_into(self, h: _Home, buf: torch.Tensor):
+        """Starts reading h's record into buf, checked in the background; returns the read's
+        ticket. Raises OSError if refused."""
+        layout, index, generation = h.layout, h.index, h.generation
+        lane = self._lanes.read(buf[:layout.record_bytes], h.io_path,
+                                lambda: record.check(buf, layout, index, self.rank, generation))
         self.bytes_read += h.layout.record_bytes
-        self._reader.async_pread(buf[:h.layout.record_bytes], h.io_path)
+        return lane
 
     def _drain_writes(self) -> None:
         writing = [h for h in self._homes if h.writing]
@@ -483,15 +527,17 @@ class OptimizerSwapper:
         self.write_wait_s += time.perf_counter() - t0
         for h in writing:
             h.writing = h.dirty = False
+            h.verified = True  # the buffer is what the file now holds: cached until evicted
             self.bytes_written += h.layout.record_bytes
             self._release_if_idle(h)
 
     def _release_if_idle(self, h: _Home) -> None:
-        if h.buffer is not None and not h.busy():
+        """An idle buffer goes back to the pool, unless it holds the current record (cached)."""
+        if h.buffer is not None and not h.busy() and not h.verified:
             self._free_buffer(h.buffer)
             h.buffer = None
 
-    def _acquire(self, nbytes: int) -> torch.Tensor:
+    def _acquire(self, nbytes: int, keep=frozenset()) -> torch.Tensor:
         while True:
             for i, b in enumerate(self._free):
                 if b.numel() >= nbytes:
@@ -503,6 +549,12 @@ class OptimizerSwapper:
                 continue
             if self._buffers < self.policy.buffer_count:
                 return self._allocate(nbytes)
+            cached = [h for h in self._homes if h.buffer is not None and not h.busy() and h.index not in keep]
+            if cached:  # the least recently stored cached record gives its buffer up
+                h = min(cached, key=lambda c: c.last_used)
+                buf, h.buffer, h.verified = h.buffer, None, False
+                self._free_buffer(buf)
+                continue
             if any(h.writing for h in self._homes):
                 self._drain_writes()
                 continue
@@ -512,7 +564,7 @@ class OptimizerSwapper:
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         nbytes = -(-nbytes // 4096) * 4096
-        buf = self._reader.new_cpu_locked_tensor(nbytes, torch.uint8)
+        buf = self._writer.new_cpu_locked_tensor(nbytes, torch.uint8)
         self._buffers += 1
         self.buffer_bytes += buf.numel()
         self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)

@@ -26,6 +26,7 @@ optimizer.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,12 @@ class BucketOptimizer:
 
     def attach_store(self, store) -> None:
         self.store_ = store
+
+    @property
+    def swapped(self) -> bool:
+        """The optimizer state lives in an offload store between steps (read it through
+        segment_state / master_values, replace it through load_segment_states / write_master)."""
+        return self.store_ is not None
 
     def point_master(self, flat: torch.Tensor) -> None:
         """The master (and each segment, a view of it) now lives in `flat` (an offload store
@@ -142,6 +149,42 @@ class BucketOptimizer:
             return live
         swapped = self.store_.segment_states(self).get(self._segment_index[id(segment)])
         return {**live, **swapped} if swapped else live
+
+    def segment_scalars(self, segment: Segment) -> dict:
+        """The segment's state that is not elementwise (Adam's `step`), without reading a record:
+        state keys an offload store swaps are left out."""
+        if self.inner is None:
+            return {}
+        live = self.inner.state.get(segment.master, {})
+        swapped = self.store_.swapped_keys(self).get(self._segment_index[id(segment)], set()) \
+            if self.store_ is not None else set()
+        n = segment.hi - segment.lo
+        return {k: v for k, v in live.items() if k not in swapped
+                and not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == n)}
+
+    def master_values(self) -> torch.Tensor:
+        """The fp32 master wherever it lives: a copy read through the offload store where the
+        store holds it (mixed precision with offload_optimizer nvme), else the master itself."""
+        if self.store_ is not None and self.offloads_master:
+            copy = self.store_.master_copy(self)
+            if copy is not None:
+                return copy
+        return self.master
+
+    @contextlib.contextmanager
+    def resident_master(self):
+        """The master readable for the duration, outside a step (publish_masters): where the
+        offload store holds it (swapped out between steps), a copy read through the store is
+        pointed at, then the master is emptied again as the store leaves it."""
+        copy = self.store_.master_copy(self) if self.store_ is not None and self.offloads_master else None
+        if copy is None:
+            yield self.master
+            return
+        self.point_master(copy)
+        try:
+            yield self.master
+        finally:
+            self.point_master(torch.empty(0, dtype=copy.dtype))
 
     def load_segment_states(self, states: list[dict | None], hyperparameters: dict) -> None:
         """Replace the state of every segment (None or {}: no state) through torch's

@@ -184,6 +184,8 @@ class ZeroEngine(torch.optim.Optimizer):
                                   for b, master in zip(self.buckets, self.masters)]
         # Offload (zeroplus.offload): a store behind every bucket's fetch/store, or None.
         self.offload = attach_optimizer_store(self._offload_prepared, self.bucket_optimizers)
+        self._offload_steps = 0  # steps taken with the store (the order alternates)
+        self.step_order = list(range(len(self.bucket_optimizers)))  # bucket order of the last step
         # The user's groups show every hyperparameter the optimizer fills in, as torch's do (taken
         # from a scratch instance: a group may have no segment on this rank).
         for g, h in zip(self.param_groups, hyper):
@@ -347,10 +349,19 @@ class ZeroEngine(torch.optim.Optimizer):
         self.placement.before_publish()
         base = self.reducer.usage.base
         works = []
+        order = list(range(len(self.bucket_optimizers)))
         if self.offload is not None:
-            self.offload.begin_step()
+            # Every other step in reverse: the records the last step wrote last are still in the
+            # swapper's pool and are the first this step needs (results do not depend on the
+            # order: buckets step independently).
+            if self._offload_steps % 2:
+                order.reverse()
+            self._offload_steps += 1
+            self.offload.begin_step(order)
+        self.step_order = order
         try:
-            for i, bo in enumerate(self.bucket_optimizers):
+            for i in order:
+                bo = self.bucket_optimizers[i]
                 if not self.placement.before_bucket_step(i):
                     continue  # an offloaded parameter shard could not be read: not stepped
                 grad_shard = self.placement.gradient_shard(i, self.reducer)
@@ -359,6 +370,7 @@ class ZeroEngine(torch.optim.Optimizer):
                 bo.fetch()
                 bo.step(grad_shard, stepped, base[i], inv_scale, groups[bo.bucket.group])
                 del grad_shard
+                self.reducer.release_shard(i)
                 bo.store()
                 work = self.placement.publish(i)
                 if work is not None:
@@ -380,7 +392,12 @@ class ZeroEngine(torch.optim.Optimizer):
         For code that changed masters outside step(): zeroplus.load_checkpoint."""
         self._consolidated = None
         self.placement.before_publish()
-        works = [w for w in (self.placement.publish(i) for i in range(len(self.buckets))) if w is not None]
+        works = []
+        for i, bo in enumerate(self.bucket_optimizers):
+            with bo.resident_master():  # a master swapped out by offload_optimizer: read back for this
+                work = self.placement.publish(i)
+            if work is not None:
+                works.append(work)
         for w in works:
             w.wait()
 

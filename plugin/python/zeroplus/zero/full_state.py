@@ -8,7 +8,11 @@ model.load_state_dict(full): works on a stage-3 model, whose parameters are shar
 steps: a load pre-hook on each module turns a full-shape entry into this rank's slice before
 torch copies it, and writes the fp32 master slice from the full-precision value. At stage 2 with
 mixed precision the same hook keeps the fp32 masters in step with what was loaded (without it the
-next step would overwrite the loaded weights from stale masters).
+next step would overwrite the loaded weights from stale masters). A shard that lives in a
+parameter swap file (offload_param nvme) is changed in its record instead: pinned (read and
+checked), this rank's slice copied in, written back as the next generation, unpinned (one bucket
+resident at a time; in fp32 that record is the master too); torch then copies an empty tensor into
+the empty parameter. A read or write error raises OSError naming the swap file.
 """
 
 from __future__ import annotations
@@ -73,6 +77,20 @@ def _copy(value: torch.Tensor, cpu: bool) -> torch.Tensor:
     return value.to("cpu", copy=True) if cpu else value.clone()
 
 
+def _into_record(store, b, pc, values: torch.Tensor) -> None:
+    """values -> this rank's slice [pc.shard_lo, pc.shard_hi) of bucket b's swapped shard."""
+    if not pc.numel:
+        return
+    shard = store.pin(b, update=True)  # changed in place: a write of it in flight finishes first
+    try:
+        with torch.no_grad():
+            shard[pc.shard_lo:pc.shard_hi].copy_(values)
+        store.write(b, None)
+    finally:
+        store.unpin(b)
+    store.drain()  # the write done (or its error raised, naming the file)
+
+
 def install_load_hooks(engine) -> None:
     """Per module owning managed parameters: a load_state_dict pre-hook (see the module doc)."""
     slots = {}  # id(param) -> (bucket, entry, the bucket's BucketOptimizer or None: frozen)
@@ -82,13 +100,9 @@ def install_load_hooks(engine) -> None:
             slots[id(e.param)] = (b, e, owners.get(id(b)))
     rank = engine.rank
     gatherer = engine.placement.gatherer
-    offloaded = getattr(engine.placement, "param_store", None) is not None
+    store = getattr(engine.placement, "param_store", None)
 
     def hook(module, state_dict, prefix, _local_metadata, _strict, _missing, _unexpected, _errors):
-        if offloaded:
-            raise NotImplementedError("load_state_dict: loading into a model with offload_param device 'nvme' is "
-                                      "not built yet (its parameter shards live in swap files); the model is "
-                                      "unchanged")
         if gatherer is not None:
             gatherer.release_all()  # a held unit's full copy would take the values, not its shard
         for name, p in module._parameters.items():
@@ -106,10 +120,15 @@ def install_load_hooks(engine) -> None:
                 continue  # torch reports the mismatch
             pc = b.piece(e, rank)
             flat_value = value.detach().reshape(-1)
-            if owner is not None and pc.numel:  # the master, wherever it lives (offload)
+            swapped = store is not None and store.offloads(b)
+            # The master, wherever it lives (offload); in fp32 a swapped shard's record IS the master.
+            if owner is not None and pc.numel and not (swapped and owner.master is b.shard):
                 with torch.no_grad():
                     owner.write_master(pc.shard_lo, pc.shard_hi, flat_value[pc.param_lo:pc.param_hi])
-            if tuple(dtensor_params.local(p).shape) != tuple(e.shape):  # a stage-3 shard: load only this rank's slice
+            if swapped:
+                _into_record(store, b, pc, flat_value[pc.param_lo:pc.param_hi])
+                state_dict[key] = p.detach().new_empty(p.shape)  # empty between uses: torch copies nothing
+            elif tuple(dtensor_params.local(p).shape) != tuple(e.shape):  # a stage-3 shard: this rank's slice
                 state_dict[key] = flat_value[pc.param_lo:pc.param_hi]
 
     for module in engine.module.modules():

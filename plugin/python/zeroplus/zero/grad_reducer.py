@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import clipping, comm
 from .buffer_pool import BufferPool
 from .dtensor_params import local_grad
 from .layout import Bucket
@@ -127,7 +127,9 @@ class GradientReducer:
             value = out.mul_(scale) if scale != 1.0 else out  # bitwise 0 + scale * sum
         else:
             value = torch.zeros(out.numel(), dtype=self.accum_dtypes[b], device=out.device).add_(out, alpha=scale)
-        self.spill.stage(b, value)
+        self.spill.stage(b, value)  # copies value into its record
+        if old is not None:
+            self.spill.give_back(b)
         entry.out, entry.staged = None, True
 
     def shard(self, b: int) -> torch.Tensor:
@@ -140,6 +142,16 @@ class GradientReducer:
         if self.shard_gradients:
             return self._accum(b)
         return self._accum(b)[slice(*self.buckets[b].shard_range(self.rank))]
+
+    def release_shard(self, b: int) -> None:
+        """The caller is done with the tensor shard(b) returned (a spilled one's buffer is reused)."""
+        if self._spilled(b):
+            self.spill.give_back(b)
+
+    def read_ahead_shards(self, indices, depth: int) -> None:
+        """Spilled gradients of the first `depth` of these buckets start coming back from disk."""
+        if self.spill is not None:
+            self.spill.read_ahead([b for b in indices if self._spilled(b)], depth)
 
     def scale_(self, coef) -> None:
         """Multiply every gradient shard by coef (a 0-d tensor or a float), in place."""
@@ -157,7 +169,10 @@ class GradientReducer:
         for b in range(len(self.buckets)):
             if self._spilled(b):
                 t = self.spill.term(b, norm_type)
-                yield t if t is not None else term_of(self.shard(b))
+                if t is None:
+                    t = term_of(self.shard(b))
+                    self.release_shard(b)
+                yield t
             else:
                 yield term_of(self.shard(b))
 
@@ -166,7 +181,9 @@ class GradientReducer:
             known = self.spill.finite(b) if self._spilled(b) else None
             if known is None:
                 g = self.shard(b)
-                known = not g.numel() or bool(torch.isfinite(g).all())
+                known = clipping.all_finite(g)
+                del g
+                self.release_shard(b)
             if not known:
                 return False
         return True

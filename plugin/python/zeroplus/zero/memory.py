@@ -103,7 +103,7 @@ def optimizer_bytes(opt) -> dict[str, int]:
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,
                     optimizer: str = "adam", offload_optimizer: str = "none", buffer_count: int = 4,
                     bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS, offload_param: str = "none",
-                    param_buffer_count: int = 5) -> dict[str, float]:
+                    param_buffer_count: int = 5, param_buffer_size: int = 100_000_000) -> dict[str, float]:
     """Model-state bytes per rank by the ZeRO paper's accounting: parameters and gradients in the
     compute dtype (2 bytes with mixed precision, else 4), an fp32 master copy only with mixed
     precision (4), optimizer state (Adam: 8). Stage 1 shards master + state, stage 2 also
@@ -120,8 +120,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     offload_param="nvme" (stage 3 only) moves the parameter shards (compute dtype) and their
     gradient shards to the swap files too: `nvme` adds the parameters and twice the gradients (two
     gradient files per bucket, docs/offload.md) (+ 4 KiB per record), `offload_param_buffers` is
-    the parameter swapper's pool (param_buffer_count records of the largest gather unit's shard,
-    bucket_elems elements) and `resident` drops parameters and gradients and adds that pool."""
+    the parameter swapper's pool (param_buffer_count buffers of param_buffer_size elements, each
+    at least one record of the largest gather unit's shard, bucket_elems elements; at most every
+    record: the pool caches them) and `resident` drops parameters and gradients and adds that pool."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -141,7 +142,7 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     if offload_optimizer == "nvme" and stage == 0:
         raise ValueError("estimate_memory: offload_optimizer='nvme' needs a ZeRO stage (1-3), got stage=0")
     for key, value in (("buffer_count", buffer_count), ("bucket_elems", bucket_elems),
-                       ("param_buffer_count", param_buffer_count)):
+                       ("param_buffer_count", param_buffer_count), ("param_buffer_size", param_buffer_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"estimate_memory: {key} must be an int >= 1, got {value!r}")
     n, psi = world_size, float(num_params)
@@ -167,7 +168,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     if offload_param == "nvme":
         buckets = -(-psi // bucket_elems) if psi else 0
         record = -(-(4096 + -(-bucket_elems // n) * p) // 4096) * 4096
-        out["offload_param_buffers"] = float(min(param_buffer_count, max(buckets, 1)) * record)
+        buffer = max(record, -(-param_buffer_size * p // 4096) * 4096)
+        every_record = max(out["parameters"] + 4096 * buckets, record)
+        out["offload_param_buffers"] = float(min(param_buffer_count * buffer, every_record))
         out["nvme"] += out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
         out["resident"] += out["offload_param_buffers"] - out["parameters"] - out["gradients"]
     return out

@@ -45,6 +45,8 @@ from .param_gatherer import ParameterGatherer
 from .policies import Stage3Policy
 from .units import build_units
 
+STEP_READ_AHEAD = 2  # offloaded fp32 masters read ahead of the bucket stepping (offload_param nvme)
+
 _NO_CAP = 1 << 60
 
 
@@ -201,19 +203,32 @@ class ShardedParams:
             return True
         b = self.engine.buckets[i]
         try:
-            self.param_store.pin(b)
+            self.param_store.pin(b, update=True)  # the step changes it in place
         except OSError as e:
             self._step_errors.append(e)
             return False
+        # The next buckets' masters are read while this one steps (a few ahead: their optimizer
+        # records and gradients are read in the same order, through the same disk).
+        buckets = self.engine.buckets
+        self.param_store.read_ahead((buckets[j] for j in self._after(i) if self._master_is_offloaded_shard(j)),
+                                    depth=STEP_READ_AHEAD)
         self.engine.bucket_optimizers[i].point_master(b.shard)
         return True
+
+    def _after(self, i: int) -> list[int]:
+        """The buckets the step visits after bucket i (the engine's order of this step)."""
+        order = self.engine.step_order
+        return order[order.index(i) + 1:]
 
     def gradient_shard(self, i: int, reducer):
         """Bucket i's gradient shard for its step, or None: a spilled one could not be read (the
         error is raised by end_step, after the step's last collective; the bucket does not step,
         and a master pinned for it is released unchanged)."""
         try:
-            return reducer.shard(i)
+            shard = reducer.shard(i)
+            # The next buckets' spilled gradients are read while this one steps.
+            reducer.read_ahead_shards(self._after(i), STEP_READ_AHEAD)
+            return shard
         except OSError as e:
             self._step_errors.append(e)
             b = self.engine.buckets[i]
