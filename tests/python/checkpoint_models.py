@@ -44,8 +44,12 @@ def loss_of(model, x):
     return nn.functional.cross_entropy(out.float().reshape(-1, VOCAB), x.reshape(-1))
 
 
-def build(kind, stage, precision, group, seed, lr=1e-2, width=24, model=None):
+def build(kind, stage, precision, group, seed, lr=1e-2, width=24, model=None, persist=None):
     """kind "engine": zeroplus.initialize(stage); "zro": DDP + zeroplus.ZeroRedundancyOptimizer.
+    persist (stage 3): stage3_param_persistence_threshold, the largest parameter kept whole on
+    every rank. The default (1e5 elements) keeps every parameter of CkptNet whole, so a stage-3
+    test that means to save or load sharded parameters passes 0 (all sharded, the frozen one
+    too) or PERSIST_SOME (both kinds of bucket), and checks it with sharded_names().
     Returns (module to checkpoint, module to call, optimizer)."""
     import zeroplus
 
@@ -55,9 +59,28 @@ def build(kind, stage, precision, group, seed, lr=1e-2, width=24, model=None):
         opt = zeroplus.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                                process_group=group, lr=lr, weight_decay=0.1)
         return model, ddp, opt
+    config = None
+    if persist is not None and stage == 3:
+        config = {"zero_optimization": {"stage3_param_persistence_threshold": persist}}
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=lr, weight_decay=0.1,
-                                     mixed_precision=precision, process_group=group)
+                                     mixed_precision=precision, process_group=group, config=config)
     return model, model, opt
+
+
+# stage3_param_persistence_threshold that keeps CkptNet's 8-element parameters (lin2.bias and the
+# frozen one) whole and shards the others
+PERSIST_SOME = 8
+
+
+def sharded_names(model, opt) -> list[str]:
+    """The parameters a stage-3 engine holds sharded (their bucket is not persistent: this rank
+    keeps a slice between steps), trainable and frozen, sorted; [] for other optimizers."""
+    buckets = list(getattr(opt, "buckets", []))
+    placement = getattr(opt, "placement", None)
+    buckets += list(getattr(placement, "frozen_buckets", []))
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return sorted(name_of[id(e.param)] for b in buckets if getattr(opt, "stage", None) == 3 and not b.persistent
+                  for e in b.entries)
 
 
 def train(call, opt, steps, rank, first_step=0):

@@ -42,3 +42,19 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+# Stage 3's persistence threshold for the stage-3 checkpoint cases. Every parameter of tiny_gpt2
+# is below the default (1e5 elements), which keeps them all whole on every rank: a "stage-3
+# checkpoint" would then hold no sharded parameter. SHARD_ALL (saving) shards every one;
+# SHARD_SOME (loading) keeps those of at most 100 elements (LayerNorms, most biases) whole, so
+# a load fills both kinds of bucket.
+SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+SHARD_SOME = {"zero_optimization": {"stage3_param_persistence_threshold": 100}}
+
+
+def sharded_counts(model, engine) -> tuple[int, int]:
+    """(parameters the stage-3 engine holds sharded, parameters of model): see SHARD_ALL."""
+    from checkpoint_models import sharded_names
+
+    return len(sharded_names(model, engine)), len(list(model.parameters()))

@@ -3,7 +3,8 @@
 One 2-rank launch (one process group per case):
   * overlap: 10 training steps run while the save is in flight; the checkpoint holds the state of
     the moment of the call (a fresh model loading it and training the same 10 steps ends equal,
-    exactly, to the model that kept training), snapshot_bytes is this rank's shard size;
+    exactly, to the model that kept training), snapshot_bytes is this rank's shard size; stage 3
+    with sharded parameters (persistence threshold 0 saving, 8 loading; asserted);
   * error: a file size limit on one rank makes both ranks' wait() raise (the limited rank its
     OSError, the other the commit failure naming the rank); the previous checkpoint still loads;
   * serialised: two saves in a row: the second starts after the first finished; a load of the
@@ -19,7 +20,7 @@ import time
 import pytest
 import torch
 
-from checkpoint_models import build, fsize_limited, full_params, train
+from checkpoint_models import PERSIST_SOME, build, fsize_limited, full_params, sharded_names, train
 from checkpoint_helpers import cases_of, ok_values, pooled_results
 from harness import run_cases_in_own_groups
 
@@ -44,7 +45,9 @@ def _slow_disk(seconds: float):
 def case_overlap(root, rank, group):
     import zeroplus
 
-    model, call, opt = build("engine", 3, None, group, seed=0)
+    # stage 3 with every parameter sharded (threshold 0): the snapshot copies shards that the
+    # steps during the write update in place; the loading side keeps the 8-element ones whole
+    model, call, opt = build("engine", 3, None, group, seed=0, persist=0)
     train(call, opt, 3, rank)
     with _slow_disk(0.5):
         handle = zeroplus.save_checkpoint(os.path.join(root, "overlap"), model, opt, extra={"step": 3}, async_=True)
@@ -52,11 +55,12 @@ def case_overlap(root, rank, group):
         overlapped = not handle.done()
         path = handle.wait()
     shard = os.path.getsize(os.path.join(path, f"rank{rank:05d}.bin"))
-    model_b, call_b, opt_b = build("engine", 3, None, group, seed=1, lr=1e-3)
+    model_b, call_b, opt_b = build("engine", 3, None, group, seed=1, lr=1e-3, persist=PERSIST_SOME)
     extra = zeroplus.load_checkpoint(path, model_b, opt_b)
     train(call_b, opt_b, 10, rank, first_step=3)
     a, b = full_params("engine", model), full_params("engine", model_b)
-    return extra, handle.snapshot_bytes, shard, [k for k in a if not torch.equal(a[k], b[k])], overlapped
+    return (extra, handle.snapshot_bytes, shard, [k for k in a if not torch.equal(a[k], b[k])], overlapped,
+            (sharded_names(model, opt), sharded_names(model_b, opt_b)))
 
 
 def case_error(root, rank, group):
@@ -130,8 +134,10 @@ def results(tmp_path_factory):
 
 
 def test_async_save_overlaps_training(results):
-    for extra, snapshot, shard, differ, overlapped in ok_values(results, "overlap"):
+    for extra, snapshot, shard, differ, overlapped, sharded in ok_values(results, "overlap"):
         assert overlapped, "the save finished before training went on: the case tests nothing"
+        assert sharded == (["emb.weight", "frozen", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight"],
+                           ["emb.weight", "lin1.bias", "lin1.weight", "lin2.weight"]), sharded
         assert extra == {"step": 3}
         assert snapshot == shard > 0
         assert differ == [], f"training after loading the async checkpoint differs in {differ}"

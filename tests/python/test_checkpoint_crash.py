@@ -4,8 +4,10 @@
   three names in turn, so most saves replace a checkpoint) is SIGKILLed at random points, KILLS times; after each kill the checkpoint `latest` names is
   complete (every checksum), holds one step's values throughout, and never goes backwards, and
   the staging directories of killed saves do not pile up (the next save removes them); at
-  the end load_checkpoint (2 ranks, stage 3: another world size and stage) loads it.
-* consolidate: `python -m zeroplus.checkpoint consolidate` output loads with
+  the end load_checkpoint (2 ranks, stage 3 with sharded parameters: another world size and stage)
+  loads it.
+* consolidate (of a 2-rank stage-3 checkpoint, every parameter sharded):
+  `python -m zeroplus.checkpoint consolidate` output loads with
   torch.load(weights_only=True) into a fresh plain model that gives the trained model's logits;
   the safetensors output holds the same tensors; `inspect` reports OK, and exit status 1 naming
   the file after a byte is flipped.
@@ -25,7 +27,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import save_forever, verify_latest
-from checkpoint_models import batch, build, make, train
+from checkpoint_models import PERSIST_SOME, batch, build, make, sharded_names, train
 from harness import _context, run_pooled
 
 KILLS = 20
@@ -35,10 +37,10 @@ WIDTH = 4096  # ~1 MB per checkpoint: saves take long enough for kills to land i
 def _load_latest(rank, world, root):
     import zeroplus
 
-    model, _call, opt = build("engine", 3, None, None, seed=5, width=WIDTH)
+    model, _call, opt = build("engine", 3, None, None, seed=5, width=WIDTH, persist=PERSIST_SOME)
     extra = zeroplus.load_checkpoint(root, model, opt)
     full = zeroplus.full_state_dict(model, rank0_only=False)
-    return extra, all(torch.all(v == float(extra["step"])) for v in full.values())
+    return extra, all(torch.all(v == float(extra["step"])) for v in full.values()), sharded_names(model, opt)
 
 
 def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
@@ -76,8 +78,9 @@ def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
         assert len(dirs) <= 2, f"stale staging directories pile up: {dirs}"
         assert all(n.startswith(".latest.tmp-") for n in leftovers if n not in dirs), sorted(leftovers)
     extra_and_ok = run_pooled(_load_latest, 2, root, timeout=120)
-    for extra, ok in extra_and_ok:
+    for extra, ok, sharded in extra_and_ok:
         assert extra["step"] == previous[1] and ok
+        assert sharded == ["emb.weight", "lin1.bias", "lin1.weight", "lin2.weight"], sharded  # into shards
     print(f"\nkill -9: {verified} kills verified ({mid_save} left a partial save behind), "
           f"{time.monotonic() - t0:.1f} s")
 
@@ -85,12 +88,12 @@ def test_kill_minus_9_during_saves_leaves_latest_complete(tmp_path):
 def _train_and_save(rank, world, root):
     import zeroplus
 
-    model, call, opt = build("engine", 3, None, None, seed=0)
+    model, call, opt = build("engine", 3, None, None, seed=0, persist=0)  # every parameter sharded
     train(call, opt, 3, rank)
     zeroplus.save_checkpoint(os.path.join(root, "ck"), model, opt, extra={"step": 3})
     with torch.no_grad():
         logits = call(batch(99, 0))
-    return logits
+    return logits, sharded_names(model, opt)
 
 
 def _cli(*args, subprocess_=False):
@@ -128,7 +131,8 @@ def _read_safetensors(path):
 
 def test_consolidate_and_inspect(tmp_path):
     root = str(tmp_path)
-    logits = run_pooled(_train_and_save, 2, root, timeout=120)[0]
+    logits, sharded = run_pooled(_train_and_save, 2, root, timeout=120)[0]
+    assert sharded == ["emb.weight", "frozen", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight"], sharded
     path = os.path.join(root, "ck")
     out = str(tmp_path / "full.pt")
     r = _cli("consolidate", path, out)

@@ -1,7 +1,8 @@
 """accelerate: the stock accelerator.prepare with zeroplus.ZeroRedundancyOptimizer (stage 1,
 save_state/load_state) and zeroplus.integrations.accelerate.prepare at stages 1-3 with save_state/
-load_state (zeroplus checkpoints, resumed at 2 ranks and at 1), 2 ranks over backend="zeroplus",
-losses against the plain DDP run. One pooled launch per world size."""
+load_state (zeroplus checkpoints, resumed at 2 ranks and at 1; stage 3 with sharded parameters,
+asserted), 2 ranks over backend="zeroplus", losses against the plain DDP run. One pooled launch
+per world size."""
 
 from __future__ import annotations
 
@@ -87,10 +88,12 @@ def _all_cases(rank, world_size, tmp):
 
     # zeroplus.integrations.accelerate.prepare at stages 1-3 (no DDP): save_state after 2 steps
     # (zeroplus.save_checkpoint into PATH/zeroplus), then load_state into other weights.
+    # Stage 3 saves every parameter sharded and loads into both kinds of bucket (ic.SHARD_ALL/SOME).
     for stage in (1, 2, 3):
         accelerator = Accelerator(cpu=True)
         model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=stage, lr=LR,
-                                           weight_decay=0.0)
+                                           weight_decay=0.0, config=ic.SHARD_ALL if stage == 3 else None)
+        out[f"zp{stage}_sharded"] = ic.sharded_counts(model, opt.optimizer)
         out[f"zp{stage}_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         out[f"zp{stage}"] = _loop(accelerator, model, opt, _loader(accelerator), 2)
         accelerator.save_state(f"{tmp}/zp{stage}")
@@ -100,7 +103,8 @@ def _all_cases(rank, world_size, tmp):
         out[f"zp{stage}"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
         accelerator = Accelerator(cpu=True)
         model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=stage, lr=LR,
-                                           weight_decay=0.0)
+                                           weight_decay=0.0, config=ic.SHARD_SOME if stage == 3 else None)
+        out[f"zp{stage}_resumed_sharded"] = ic.sharded_counts(model, opt.optimizer)
         accelerator.load_state(f"{tmp}/zp{stage}")
         out[f"zp{stage}_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
     # A config scheduler (opt.lr_scheduler, stepped by opt.step()) travels in the checkpoint.
@@ -154,9 +158,10 @@ def _resume_at_one_rank(rank, world_size, tmp):
     for saved, stage in ((3, 3), (1, 2)):
         accelerator = Accelerator(cpu=True)
         model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=stage, lr=LR,
-                                           weight_decay=0.0)
+                                           weight_decay=0.0, config=ic.SHARD_SOME if stage == 3 else None)
         accelerator.load_state(f"{tmp}/zp{saved}")
         out[saved] = _loop(accelerator, model, opt, _loader(accelerator, skip=2, batch_size=4), 2)
+        out[f"{saved}_sharded"] = ic.sharded_counts(model, opt.optimizer)
     return out
 
 
@@ -168,8 +173,15 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
     ddp_mean = [(a + b) / 2 for a, b in zip(results[0]["ddp"], results[1]["ddp"])]
     for saved in (3, 1):
         assert one_rank[saved] == pytest.approx(ddp_mean[2:], rel=1e-5, abs=1e-6), saved
+    sharded, total = one_rank["3_sharded"]
+    assert 0 < sharded < total, one_rank["3_sharded"]  # stage 3 at world size 1: both kinds of bucket
+    assert one_rank["1_sharded"][0] == 0
     for rank, r in enumerate(results):
         assert r["backend"] == "zeroplus"
+        sharded, total = r["zp3_sharded"]
+        assert sharded == total > 0, r["zp3_sharded"]  # the stage-3 checkpoint holds sharded parameters
+        sharded, total = r["zp3_resumed_sharded"]
+        assert 0 < sharded < total, r["zp3_resumed_sharded"]  # and loads into sharded and whole ones
         assert "zeroplus is not available" in r["kwarg_refused"]
         assert len(r["ddp"]) == STEPS
         assert r["stock"] == pytest.approx(r["ddp"], rel=1e-5, abs=1e-6), rank

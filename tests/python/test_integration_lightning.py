@@ -1,6 +1,7 @@
 """Lightning: ZeroPlusStrategy(stage=1|2|3) against DDPStrategy(process_group_backend="zeroplus"),
 2 ranks, a tiny GPT-2 LightningModule; checkpoints at stages 1-3 (zeroplus.save_checkpoint inside
-Lightning's checkpoint directory) resumed at 2 ranks and at 1. One pooled launch per world size."""
+Lightning's checkpoint directory) resumed at 2 ranks and at 1 (stage 3 with sharded parameters,
+asserted). One pooled launch per world size."""
 
 from __future__ import annotations
 
@@ -121,12 +122,19 @@ def _all_cases(rank, world_size, tmp):
             _fit(ZeroPlusStrategy(stage=2), tmp, epochs=1,
                  callbacks=[ModelCheckpoint(dirpath=f"{tmp}/mc", filename="zp2", save_top_k=1)])
             path = f"{tmp}/mc/zp2.ckpt"
-        else:
+        else:  # stage 3 saves every parameter sharded and loads into both kinds of bucket
             path = f"{tmp}/zp{stage}.ckpt"
-            _fit(ZeroPlusStrategy(stage=stage), tmp, epochs=1, save=path)
+            m, trainer = _fit(ZeroPlusStrategy(stage=stage, config=ic.SHARD_ALL if stage == 3 else None), tmp,
+                              epochs=1, save=path)
+            out[f"zp{stage}_sharded"] = ic.sharded_counts(m, trainer.strategy.optimizers[0])
+            # validate after fit, same trainer and module: its step gathers the sharded parameters too
+            val = torch.utils.data.DataLoader(ic.TokenDataset(4), batch_size=2)
+            out[f"zp{stage}_validate"] = trainer.validate(m, val, verbose=False)
         out[f"zp{stage}_files"] = sorted(os.listdir(path))
-        m, trainer = _fit(ZeroPlusStrategy(stage=stage), tmp, seed=5, ckpt=path)
+        m, trainer = _fit(ZeroPlusStrategy(stage=stage, config=ic.SHARD_SOME if stage == 3 else None), tmp, seed=5,
+                          ckpt=path)
         out[f"zp{stage}_resumed"] = m.losses
+        out[f"zp{stage}_resumed_sharded"] = ic.sharded_counts(m, trainer.strategy.optimizers[0])
         out[f"zp{stage}_resumed_step"] = trainer.global_step
     try:
         _fit(ZeroPlusStrategy(stage=3), tmp, seed=5, ckpt=f"{tmp}/mc")  # not a zeroplus checkpoint
@@ -150,8 +158,10 @@ def _resume_at_one_rank(rank, world_size, tmp):
     ic.torchrun_env(rank, world_size)
     out = {}
     for saved, stage in ((3, 3), (1, 2)):
-        m, _ = _fit(ZeroPlusStrategy(stage=stage), tmp, seed=5, ckpt=f"{tmp}/zp{saved}.ckpt", devices=1, batch_size=4)
+        m, trainer = _fit(ZeroPlusStrategy(stage=stage, config=ic.SHARD_SOME if stage == 3 else None), tmp, seed=5,
+                          ckpt=f"{tmp}/zp{saved}.ckpt", devices=1, batch_size=4)
         out[saved] = m.losses
+        out[f"{saved}_sharded"] = ic.sharded_counts(m, trainer.strategy.optimizers[0])
     return out
 
 
@@ -163,9 +173,17 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
     ddp_mean = [(a + b) / 2 for a, b in zip(results[0]["ddp"], results[1]["ddp"])]
     for saved in (3, 1):
         assert one_rank[saved] == pytest.approx(ddp_mean[2:], rel=1e-5, abs=1e-6), saved
+    sharded, total = one_rank["3_sharded"]
+    assert 0 < sharded < total, one_rank["3_sharded"]  # stage 3 at world size 1: both kinds of bucket
+    assert one_rank["1_sharded"][0] == 0
     for rank, r in enumerate(results):
         assert r["backend"] == "zeroplus"
         assert len(r["ddp"]) == 4
+        sharded, total = r["zp3_sharded"]
+        assert sharded == total > 0, r["zp3_sharded"]  # the stage-3 checkpoint holds sharded parameters
+        assert r["zp3_validate"] == [{}]  # ran (the module logs nothing)
+        sharded, total = r["zp3_resumed_sharded"]
+        assert 0 < sharded < total, r["zp3_resumed_sharded"]  # and loads into sharded and whole ones
         assert r["ddp_clip"] != r["ddp"]  # the clip is active in this run
         for stage in (1, 2, 3):
             assert r[f"zp{stage}_type"] == "TinyLM"  # not wrapped in DDP

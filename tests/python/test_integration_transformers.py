@@ -1,6 +1,8 @@
 """HF transformers: the stock Trainer with zeroplus.ZeroRedundancyOptimizer (stage 1, save and
 resume) and ZeroPlusTrainer at stages 1-3 (and with HF's ds_config_zero2.json), 2 ranks over
-backend="zeroplus", losses against the plain DDP Trainer run. One pooled launch."""
+backend="zeroplus", losses against the plain DDP Trainer run. One pooled launch. The stage-3
+checkpoints (resume at 2 ranks and at 1, load_best_model_at_end) hold and load sharded
+parameters (persistence threshold 0 saving, 100 loading; asserted)."""
 
 from __future__ import annotations
 
@@ -83,11 +85,13 @@ def _all_cases(rank, world_size, tmp):
 
     # 2. ZeroPlusTrainer at stages 1-3 (no DDP wrap), saving checkpoints at steps 2 and 4
     # (zeroplus.save_checkpoint into checkpoint-N/zeroplus), then a resume from checkpoint-2 into
-    # a model with other weights: steps 3-4 must be the uninterrupted run's.
+    # a model with other weights: steps 3-4 must be the uninterrupted run's. Stage 3 saves every
+    # parameter sharded and loads into both kinds of bucket (ic.SHARD_ALL / SHARD_SOME).
     for stage in (1, 2, 3):
         t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/zp{stage}", save_strategy="steps", save_steps=2),
-                            train_dataset=data, stage=stage)
+                            train_dataset=data, stage=stage, config=ic.SHARD_ALL if stage == 3 else None)
         t.train()
+        out[f"zp{stage}_sharded"] = ic.sharded_counts(t.model, t.optimizer.optimizer)
         out[f"zp{stage}"] = _losses(t)
         out[f"zp{stage}_params"] = _params_full(t.model)
         out[f"zp{stage}_ddp_wrapped"] = isinstance(t.model_wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -99,8 +103,10 @@ def _all_cases(rank, world_size, tmp):
             from safetensors.torch import load_file
             saved = load_file(f"{tmp}/zp{stage}/final/model.safetensors")
             out[f"zp{stage}_saved"] = {k: v.shape for k, v in saved.items()}
-        t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage)
+        t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{stage}"), train_dataset=data, stage=stage,
+                            config=ic.SHARD_SOME if stage == 3 else None)
         t.train(resume_from_checkpoint=f"{tmp}/zp{stage}/checkpoint-2")
+        out[f"zp{stage}_resumed_sharded"] = ic.sharded_counts(t.model, t.optimizer.optimizer)
         out[f"zp{stage}_resumed"] = _losses(t)
         out[f"zp{stage}_resumed_params"] = _params_full(t.model)
     # load_best_model_at_end at stage 3: the best checkpoint's weights are in the model at the end.
@@ -108,9 +114,10 @@ def _all_cases(rank, world_size, tmp):
                                                          eval_strategy="steps", eval_steps=1,
                                                          load_best_model_at_end=True, metric_for_best_model="loss",
                                                          greater_is_better=False, learning_rate=0.05),
-                        train_dataset=data, eval_dataset=ic.TokenDataset(n=4, seed=3), stage=3)
+                        train_dataset=data, eval_dataset=ic.TokenDataset(n=4, seed=3), stage=3, config=ic.SHARD_SOME)
     t.train()
     out["best"] = (t.state.best_model_checkpoint, _params_full(t.model))
+    out["best_sharded"] = ic.sharded_counts(t.model, t.optimizer.optimizer)
     out["best_saved"] = None
     if rank == 0:
         from safetensors.torch import load_file
@@ -180,9 +187,9 @@ def _resume_at_one_rank(rank, world_size, tmp):
     out = {}
     for saved in (3, 2):
         t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/zp{saved}", per_device_train_batch_size=4),
-                            train_dataset=ic.TokenDataset(), stage=3)
+                            train_dataset=ic.TokenDataset(), stage=3, config=ic.SHARD_SOME)
         t.train(resume_from_checkpoint=f"{tmp}/zp{saved}/checkpoint-2")
-        out[saved] = (_losses(t), _params_full(t.model))
+        out[saved] = (_losses(t), _params_full(t.model), ic.sharded_counts(t.model, t.optimizer.optimizer))
     return out
 
 
@@ -194,12 +201,17 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
     # Saved at 2 ranks, resumed at 1 (same global batch), stage 3 -> 3 and 2 -> 3: steps 3-4
     # and the final weights are the uninterrupted 2-rank run's.
     for saved in (3, 2):
-        losses, params = one_rank[saved]
+        losses, params, (sharded, total) = one_rank[saved]
+        assert 0 < sharded < total, (saved, sharded, total)  # stage 3 at world size 1: both kinds of bucket
         assert len(losses) == STEPS and losses[2:] == pytest.approx(r[f"zp{saved}"][2:], rel=1e-5, abs=1e-6), saved
         for k, v in params.items():
             assert torch.allclose(v, r[f"zp{saved}_params"][k], rtol=1e-5, atol=1e-6), (saved, k)
     assert r["backend"] == "zeroplus"
     assert len(r["ddp"]) == STEPS
+    for rr in results:  # the stage-3 checkpoints hold sharded parameters and load into both kinds
+        assert rr["zp3_sharded"][0] == rr["zp3_sharded"][1] > 0, rr["zp3_sharded"]
+        for key in ("zp3_resumed_sharded", "best_sharded"):
+            assert 0 < rr[key][0] < rr[key][1], (key, rr[key])
     assert r["prepare_state_dict"] == {}
     assert r["stock"] == pytest.approx(r["ddp"], rel=1e-5, abs=1e-6)
     # The resumed run continues from step 2 (its log starts with the checkpoint's two entries):

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 
 from .. import zero as _zero
 from . import checkpoint_dir
@@ -42,6 +43,21 @@ _NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable"
 _STATE_FILE = "lightning_state.pt"
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
                "16-true": "fp16"}
+
+
+class _CallThrough(nn.Module):
+    """The strategy's `model` at stage 3: forwards to the LightningModule's own __call__. Lightning
+    calls training_step (validation_step, ...) directly on an unwrapped module, so its forward
+    hooks, where stage 3 gathers the root unit's parameters (those not inside a block or a direct
+    child: an LM's embeddings, final norm and head) and brackets a pass, would never run; through
+    a wrapper Lightning redirects each step through wrapper(...) -> module(...), as for DDP."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 class ZeroPlusStrategy(DDPStrategy):
@@ -57,6 +73,16 @@ class ZeroPlusStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         # No DDP: the ZeRO engine reduces the gradients (built in setup_optimizers).
         return None
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if self.stage == 3 and self.model is self.lightning_module:
+            self.model = _CallThrough(self.model)  # every stage, fit or not (see _CallThrough)
+
+    def teardown(self) -> None:
+        if isinstance(self.model, _CallThrough):
+            self.model = self.lightning_module  # as DDPStrategy unwraps DDP
+        super().teardown()
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
