@@ -97,6 +97,7 @@ class ParamSwapper:
         # only, so a step's writes finish during the next forward instead of ending the step.
         self._writers = (policy.aio.new_handle(), policy.aio.new_handle())
         self._epoch = 0
+        self._queued: list[_Home] = []  # written at end_step (write(..., defer=True))
         self._homes: dict[int, _Home] = {}
         for i, b in enumerate(buckets):
             layout = record.Layout.build([(*_KEY, b.dtype, b.shard_numel)])
@@ -221,9 +222,11 @@ class ParamSwapper:
 
     # -- after the step -----------------------------------------------------------------------------
 
-    def write(self, bucket, src: torch.Tensor | None) -> None:
+    def write(self, bucket, src: torch.Tensor | None, defer: bool = False) -> None:
         """Writes the bucket's new shard: `src` cast into a fresh buffer, or (None) the pinned
-        shard as it is. Errors are kept for end_step()."""
+        shard as it is. `defer` (the step's publish): the write starts at end_step, so the step's
+        reads have the disk to themselves; the record stays in its buffer (dirty) until then.
+        Errors are kept for end_step()."""
         h = self._homes[id(bucket)]
         if h.writing:
             self._drain_writes(h.write_epoch)
@@ -237,15 +240,26 @@ class ParamSwapper:
             h.checked = True
         h.dirty = True
         self._touch(h)
-        self._start_write(h)
+        if defer:
+            self._queued.append(h)
+        else:
+            self._start_write(h)
 
     def end_step(self) -> None:
-        """This step's writes go on (they finish while the next forward computes); the previous
-        step's are waited for, and the errors collected so far raised: a failed write is raised
-        by the step after the one that issued it (its record is kept in memory meanwhile)."""
+        """The previous step's writes are waited for, this step's (deferred) ones start and go
+        on while the next forward computes, and the errors collected so far are raised: a failed
+        write is raised by the step after the one that issued it (its record is kept in memory
+        meanwhile)."""
         self._drain_writes(self._epoch - 1)
+        self._start_queued()
         self._epoch += 1
         self._raise_errors()
+
+    def _start_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        for h in queued:
+            if h.dirty and not h.writing:
+                self._start_write(h)
 
     def drain(self) -> None:
         """Waits for every write in flight; raises the errors collected so far."""
@@ -377,8 +391,9 @@ class ParamSwapper:
         h.buffer, h.checked = buf, False
 
     def _drain_writes(self, epoch: int | None = None) -> None:
-        """Waits for the writes of step `epoch` (None: all)."""
+        """Waits for the writes of step `epoch` (None: all, deferred ones started first)."""
         if epoch is None:
+            self._start_queued()
             for e in sorted({h.write_epoch for h in self._homes.values() if h.writing}):
                 self._drain_writes(e)
             return
@@ -444,7 +459,7 @@ class ParamSwapper:
             buf = self._try_acquire(nbytes)
             if buf is not None:
                 return buf
-            if any(h.writing for h in self._homes.values()):
+            if self._queued or any(h.writing for h in self._homes.values()):
                 self._drain_writes()  # back-pressure: the pool is full of records being written
                 continue
             ahead = [h for h in self._homes.values() if h.buffer is not None and h.pins == 0 and not h.dirty

@@ -263,9 +263,9 @@ class ShardedParams:
         b, master = engine.buckets[i], engine.masters[i]
         if self.param_store is not None and self.param_store.offloads(b):
             if master is not b.shard:
-                self.param_store.write(b, master)  # mixed precision: the master cast into a record
+                self.param_store.write(b, master, defer=True)  # mixed precision: the master cast into a record
             elif self.param_store.pinned(b):  # fp32: the master is the pinned shard, written once
-                self.param_store.write(b, None)
+                self.param_store.write(b, None, defer=True)  # at end_step: the step's reads first
                 self.param_store.unpin(b)
                 engine.bucket_optimizers[i].point_master(b.shard)  # the segments let go of the buffer
             return None  # (an fp32 master not pinned was not stepped: its record is current)
