@@ -6,6 +6,7 @@
     swapper.py     the pipelined NVMe swapper behind BucketOptimizer.fetch/store
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
     grad_spill.py  gradient shards of those parameters, in files between backward and step
+    io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
 
 The ZeRO engines call prepare_optimizer_store() before changing anything (checks, the swap
 directory) and attach_optimizer_store() once their bucket optimizers exist; stage 3 calls
