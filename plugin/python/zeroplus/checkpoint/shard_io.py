@@ -12,6 +12,16 @@ created exclusively inside the checkpoint's private 0700 staging directory (nobo
 a link there); small pieces are coalesced into one buffer first. io="posix" uses pwrite on the
 same descriptor. Either way the file is fdatasync'ed through our own descriptor, and its inode is
 checked to be the one we created before it is renamed into place.
+
+Zero-copy O_DIRECT (io="aio"): O_DIRECT needs the memory address aligned as well as the file
+offset, and a live tensor's data rarely starts on a page (torch aligns to 64 bytes), so the engine
+would copy every such byte through its staging buffers first. Instead a large piece is placed at a
+file offset congruent to its address modulo 4 KiB (a few zero bytes of padding before it): its
+first partial page goes out through a 4 KiB aligned bounce buffer (the padding zeros plus the
+piece's first bytes), the rest straight from the tensor's memory at an aligned offset (the engine
+writes a final partial page buffered). The tensor must not change until the write is done: the
+writer waits for it before returning, and its callers hold either a snapshot or a training
+thread that is blocked in the save.
 """
 
 from __future__ import annotations
@@ -34,6 +44,14 @@ _FLUSH_BYTES = 8 << 20      # the coalescing buffer is written out at this size
 # a file system wants more, the engine writes that request buffered (correct, only slower).
 _ALIGN = 4096
 _ZEROS = bytes(_ALIGN)
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A CPU uint8 tensor of nbytes whose data starts on a 4 KiB boundary (a view into a
+    slightly larger allocation, which the view keeps alive)."""
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip:skip + nbytes]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -86,6 +104,26 @@ class _Sink:
         else:
             fsutil.write_all(self.fd, data.numpy(), offset)
 
+    def skew(self, data: torch.Tensor) -> int:
+        """Where in a 4 KiB page the piece should start in the file: its address's place in its
+        page for the aio engine (zero-copy O_DIRECT), 0 for pwrite."""
+        return data.data_ptr() % _ALIGN if self.handle is not None else 0
+
+    def write_skewed(self, data: torch.Tensor, page_at: int, skew: int) -> None:
+        """data at file offset page_at + skew (page_at aligned, skew its address's place in its
+        page): the first partial page through an aligned bounce page holding `skew` zeros, the
+        rest from data's own memory, which is then page-aligned at a page-aligned offset."""
+        if skew == 0:
+            self.write(data, page_at)
+            return
+        head = min(_ALIGN - skew, data.numel())
+        page = aligned_empty(_ALIGN if head == _ALIGN - skew else skew + head)
+        page[:skew].zero_()
+        page[skew:skew + head].copy_(data[:head])
+        self.write(page, page_at)
+        if head < data.numel():
+            self.write(data[head:], page_at + _ALIGN)
+
     def finish(self) -> None:
         if self.handle is not None:
             try:
@@ -118,8 +156,11 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
 
             def flush():
                 nonlocal pending, pending_bytes
-                if pending:
-                    buf = torch.cat(pending) if len(pending) > 1 else pending[0]
+                if pending:  # one page-aligned buffer: the engine sends it O_DIRECT, no staging copy
+                    buf, at = aligned_empty(pending_bytes), 0
+                    for part in pending:
+                        buf[at:at + part.numel()].copy_(part)
+                        at += part.numel()
                     sink.write(buf, pending_at)
                     pending, pending_bytes = [], 0
 
@@ -129,20 +170,25 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                 if n == 0:  # nothing to place: no alignment either (a pad at the end would be a hole past EOF)
                     chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
                     continue
+                skew = 0
                 if n >= _COALESCE_BYTES:
                     flush()
                     align()
+                    skew = sink.skew(data)
+                    if skew:  # the padding before the piece: zeros in the file and in the checksums
+                        crc.feed(memoryview(_ZEROS)[:skew])
+                        offset += skew
                 elif not pending:
                     align()
                     pending_at = offset
                 chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
                 if n < _COALESCE_BYTES:
-                    pending.append(data.clone() if sink.handle is not None else data)
+                    pending.append(data)  # copied by flush(), before this function returns
                     pending_bytes += n
                     if pending_bytes >= _FLUSH_BYTES:
                         flush()
-                else:
-                    sink.write(data, offset)  # queued first: the engine writes while we checksum
+                else:  # queued first: the engine writes while we checksum
+                    sink.write_skewed(data, offset - skew, skew)
                 crc.feed(memoryview(data.numpy()))
                 offset += n
             flush()
