@@ -1,9 +1,11 @@
 """Writing one rank's shard file: bytes, block checksums, durability.
 
 write_shard(dir_fd, dir_path, rank, pieces, io) lays the pieces out back to back in
-rankNNNNN.bin (each large piece and each coalesced group starting at a 4 KiB-aligned offset, the
-gap before it zero), computing the CRC-32 of every `block_bytes` block as the bytes go out, and makes the
-file durable under its final name (temp name -> fdatasync -> rename -> fsync dir; fsutil.py).
+rankNNNNN.bin (each coalesced group starting at a 4 KiB-aligned offset, each large piece on the
+page after it, at its address's place in a page for io="aio", see below; the gaps zero), computing
+the CRC-32 of every `block_bytes` block as the bytes go out, and makes the file durable under its
+final name (temp name -> fdatasync -> rename; the staging directory is fsynced once, by rank 0,
+before the commit; fsutil.py, commit.py).
 Returns the file record and the chunk table the manifest needs.
 
 Bulk bytes go through zeroplus.aio.AioHandle (io="aio": io_uring, several requests in flight,
@@ -201,7 +203,9 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                                          f"expected {offset})", tmp)
         finally:
             os.close(fd)
-        fsutil.publish(dir_fd, tmp, final)
+        # The staging directory's entry becomes durable with rank 0's one fsync of that directory
+        # before the manifest commits it (commit.commit); until then the checkpoint is not visible.
+        fsutil.publish(dir_fd, tmp, final, sync_dir=False)
     except BaseException:
         fsutil.remove_quietly(dir_fd, tmp)
         raise
