@@ -33,7 +33,7 @@ from harness import run_cases_in_own_groups
 @contextlib.contextmanager
 def _slow_disk(seconds: float):
     """Shard writes start `seconds` late (a slow disk), so training surely runs during them."""
-    from zeroplus.checkpoint import save
+    from zeroplus.checkpoint import save_job as save
 
     real = save.write_shard
 

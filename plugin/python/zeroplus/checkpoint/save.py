@@ -41,8 +41,8 @@ from .. import __version__
 from .. import files
 from . import commit, fsutil
 from .adapters import adapter_for
-from .format import BLOCK_BYTES, CheckpointError, check_dir_name, check_json, encode_value
-from .shard_io import write_shard
+from .format import BLOCK_BYTES, check_dir_name, check_json, encode_value
+from .save_job import SaveJob, capture, sync_commit, sync_outcome
 from .snapshot import Snapshot, guard_for, release_buffer
 
 _MAX_SCALAR_ELEMS = 4096
@@ -237,14 +237,6 @@ def _encode_scalars(scalars: dict) -> dict:
     return enc
 
 
-def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
-    state: dict[str, dict] = {}
-    for name, key, _lo, _hi, dtype, _f, _o in chunks:
-        if key not in ("param", "value"):
-            state.setdefault(name, {})[key] = dtype
-    return {"rank": rank, "file": record, "chunks": chunks, "state": state, "scalars": scalars}
-
-
 def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                     options: CheckpointOptions | None = None) -> CheckpointHandle:
     """Save model and optimizer state to the directory `path` (see the module doc)."""
@@ -289,15 +281,19 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
             snapshot.done.set()
             snapshot = None
     handle = CheckpointHandle(where, snapshot.bytes if snapshot is not None else 0, snapshot)
-    job = _SaveJob(root, name, staging, rank, world, meta, options, where)
+    job = SaveJob(root, name, staging, rank, world, meta, options, where)
 
     if not async_:
         try:
-            handle._run(lambda: job.write_own(pieces, scalars, snapshot_error))
-            _sync_commit(job, handle, group, lock_fd)
-            _sync_outcome(handle, group, rank)
+            error = capture(lambda: job.write_own(pieces, scalars, snapshot_error))
+            error = sync_commit(job, error, group, lock_fd)
+            error = sync_outcome(error, group, where)
         finally:
             handle._add_blocked(time.perf_counter() - t_call)
+        handle._error = error
+        handle._done.set()
+        if error is not None:
+            raise error
         return handle
 
     def work():
@@ -321,115 +317,3 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
     handle._thread.start()
     handle._add_blocked(time.perf_counter() - t_call)
     return handle
-
-
-class _SaveJob:
-    """One rank's part of one save after the staging directory exists: its shard and index
-    (write_own), then rank 0's commit (async: finish_async polls the staging directory; sync:
-    _sync_commit agrees through collectives first)."""
-
-    def __init__(self, root, name, staging, rank, world, meta, options, where):
-        self.root, self.name, self.staging, self.rank, self.world = root, name, staging, rank, world
-        self.meta, self.options, self.where = meta, options, where
-        self.own_error: BaseException | None = None
-
-    def _in_staging(self, fn):
-        root_fd = files.open_directory_at(None, self.root)
-        try:
-            staging_fd = files.open_directory_at(root_fd, self.staging, owned=True)
-            try:
-                return fn(root_fd, staging_fd)
-            finally:
-                os.close(staging_fd)
-        finally:
-            os.close(root_fd)
-
-    def write_own(self, pieces, scalars, error) -> None:
-        """This rank's shard and index, or its failure marker. Raises the failure on rank > 0
-        (rank 0 goes on to commit, which fails on its marker, and raises its own error then)."""
-        if self.own_error is not None:
-            return  # a failure marker is written already (the deferred snapshot failed)
-        def write(_root_fd, staging_fd):
-            try:
-                if error is not None:
-                    raise error
-                record, chunks = write_shard(staging_fd, os.path.join(self.root, self.staging), self.rank, pieces,
-                                             self.options.io, self.options.block_bytes)
-                commit.write_index(staging_fd, self.rank, _index(self.rank, record, chunks, scalars))
-            except BaseException as e:
-                commit.write_failure(staging_fd, self.rank, e)
-                self.own_error = e
-        try:
-            self._in_staging(write)
-        except BaseException as e:
-            self.own_error = e  # the staging directory could not be opened: rank 0 times out on it
-        if self.own_error is not None and self.rank != 0:
-            raise self.own_error
-
-    def commit(self) -> None:
-        """Rank 0: merge the indexes into the manifest and publish (commit.py)."""
-        def run(root_fd, staging_fd):
-            try:
-                commit.commit(root_fd, self.staging, staging_fd, self.name, self.world, self.meta,
-                              self.options.commit_timeout_s, self.where)
-            except BaseException:
-                if self.own_error is not None:
-                    raise self.own_error from None
-                raise
-        self._in_staging(run)
-
-    def abort(self, message: str) -> None:
-        """Rank 0, sync save: another rank failed; remove the staging directory and raise."""
-        root_fd = files.open_directory_at(None, self.root)
-        try:
-            files.remove_tree_at(root_fd, self.staging)
-        finally:
-            os.close(root_fd)
-        if self.own_error is not None:
-            raise self.own_error
-        raise CheckpointError(message)
-
-    def finish_async(self) -> None:
-        if self.rank == 0:
-            self.commit()
-        else:
-            commit.wait_committed(self.root, self.staging, self.name, self.options.commit_timeout_s)
-
-
-def _sync_commit(job: _SaveJob, handle: CheckpointHandle, group, lock_fd) -> None:
-    """Synchronous save, after every rank's write_own: one collective tells rank 0 that every
-    shard is written (or which rank failed) so it commits without polling for index files; rank
-    > 0 learns rank 0's outcome from _sync_outcome's collective, after the commit."""
-    mine = None if handle._error is None else f"{type(handle._error).__name__}: {handle._error}"
-    everyone = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(everyone, mine, group=group)
-    except BaseException:
-        if lock_fd is not None:
-            os.close(lock_fd)  # the staging directory stays behind, unlocked: the next save removes it
-        raise
-    if job.rank != 0:
-        return
-    try:
-        failed = [(r, e) for r, e in enumerate(everyone) if e is not None and r != 0]
-        if job.own_error is not None or failed:  # no waiting for index files that will not come
-            handle._run(lambda: job.abort(f"checkpoint: rank {failed[0][0]} failed to write its shard of "
-                                          f"{job.where}: {failed[0][1]}"))
-        else:
-            handle._run(job.commit)
-    finally:
-        os.close(lock_fd)
-
-
-def _sync_outcome(handle: CheckpointHandle, group, rank: int) -> None:
-    """Synchronous save: every rank returns after rank 0's commit (latest included) and raises if
-    any rank failed."""
-    mine = None if handle._error is None else f"{type(handle._error).__name__}: {handle._error}"
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if handle._error is not None:
-        raise handle._error
-    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
-    if failed:
-        handle._error = RuntimeError(f"checkpoint: rank {failed[0][0]} failed to save {handle.path}: {failed[0][1]}")
-        raise handle._error
