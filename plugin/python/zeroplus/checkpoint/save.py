@@ -274,8 +274,8 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
         if async_:  # training may change every live tensor after we return: snapshot.py
             deferred = [options.overlap_snapshot and adapter.changes_only_in_optimizer(n, k) for n, k, *_ in pieces]
             snapshot = Snapshot(pieces, deferred)
-            snapshot.take_now(everything=False)
-    except Exception as e:  # noqa: BLE001 - handled in _write_own
+            snapshot.take_now()
+    except Exception as e:  # noqa: BLE001 - raised by SaveJob.write_own
         snapshot_error = e
         if snapshot is not None:
             snapshot.done.set()

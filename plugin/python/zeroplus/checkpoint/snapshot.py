@@ -81,11 +81,11 @@ class Snapshot:
         copy.copy_(t.detach().reshape(-1))
         self.pieces[i] = (n, k, lo, hi, copy)
 
-    def take_now(self, everything: bool) -> None:
+    def take_now(self) -> None:
         for i, later in enumerate(self.deferred):
-            if everything or not later:
+            if not later:
                 self._copy(i)
-        if everything or not any(self.deferred):
+        if not any(self.deferred):
             self._finish()
 
     def take_deferred(self) -> None:
