@@ -109,10 +109,16 @@ class SnapshotGuard:
         self._pending: tuple[Snapshot, object] | None = None
         self._lock = threading.Lock()
         hook = self._hook
-        opt.register_step_pre_hook(lambda *_: hook())
-        opt.register_load_state_dict_pre_hook(lambda *_: hook())
+        # First among the pre-hooks, so no earlier hook changes the tensors before the wait: the
+        # engine's own module load hooks (zero/full_state.py) write masters. torch offers
+        # prepend= only for the optimizer's load hook; the others are moved to the front of
+        # torch's hook dicts, as prepend= does.
+        step = opt.register_step_pre_hook(lambda *_: hook())
+        opt._optimizer_step_pre_hooks.move_to_end(step.id, last=False)
+        opt.register_load_state_dict_pre_hook(lambda *_: hook(), prepend=True)
         if model is not None:
-            model.register_load_state_dict_pre_hook(lambda *_: hook())
+            load = model.register_load_state_dict_pre_hook(lambda *_: hook())
+            model._load_state_dict_pre_hooks.move_to_end(load.id, last=False)
 
     def watch(self, snapshot: Snapshot, handle) -> None:
         with self._lock:
