@@ -25,6 +25,7 @@ from .shard_io import write_shard
 
 
 def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
+    """What rank 0 merges into the manifest: the file record, the chunk table, state dtypes."""
     state: dict[str, dict] = {}
     for name, key, _lo, _hi, dtype, _f, _o in chunks:
         if key not in ("param", "value"):
@@ -32,11 +33,10 @@ def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
     return {"rank": rank, "file": record, "chunks": chunks, "state": state, "scalars": scalars}
 
 
-
 class SaveJob:
     """One rank's part of one save after the staging directory exists: its shard and index
     (write_own), then rank 0's commit (async: finish_async polls the staging directory; sync:
-    _sync_commit agrees through collectives first)."""
+    sync_commit agrees through collectives first)."""
 
     def __init__(self, root, name, staging, rank, world, meta, options, where):
         self.root, self.name, self.staging, self.rank, self.world = root, name, staging, rank, world
