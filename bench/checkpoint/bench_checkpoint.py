@@ -10,6 +10,7 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
 
   zeroplus_aio     zeroplus.save_checkpoint (io_uring through zeroplus.aio; fdatasync of every
                    file, fsync of the directories, manifest, latest) / load_checkpoint
+  zeroplus_aio_buffered  the same with CheckpointOptions(direct="off") (io_uring through the page cache)
   zeroplus_posix   the same with CheckpointOptions(io="posix") (pwrite)
   torch_save       torch.save({"optimizer": opt.state_dict(), "masters": opt.masters}) per rank (the
                    engine's sharded state dict and master shards), no fsync (torch's default) /
@@ -63,7 +64,7 @@ import torch.multiprocessing as mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugin" / "python"))  # the tree's zeroplus (spawned ranks inherit sys.path)
-VARIANTS = ["zeroplus_aio", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
+VARIANTS = ["zeroplus_aio", "zeroplus_aio_buffered", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
 DS_VARIANTS = ["deepspeed"]
 
 
@@ -156,7 +157,8 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
         for v in variants:
             d = os.path.join(base, f"{v}_{rep}")
             if v.startswith("zeroplus"):
-                o = CheckpointOptions(io="aio" if v == "zeroplus_aio" else "posix")
+                o = CheckpointOptions(io="posix" if v == "zeroplus_posix" else "aio",
+                                      direct="off" if v == "zeroplus_aio_buffered" else "auto")
                 times[f"{v}_save"].append(_timed(lambda: zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt,
                                                                                    options=o)))
                 times[f"{v}_load"].append(_timed(lambda: zeroplus.load_checkpoint(d, model, opt)))
@@ -304,6 +306,7 @@ def main() -> None:
                          "save_vs_torch_save_sync": med["torch_save_sync_save"] / zs,
                          "save_vs_dcp": med["dcp_save"] / zs,
                          "save_GBps_vs_fio": (gb / zs) / fio if fio else None,
+                         "save_buffered_GBps_vs_fio": (gb / med["zeroplus_aio_buffered_save"]) / fio if fio else None,
                          "async_stall_vs_sync_save": med["async_stall"] / zs,
                          "async_iter_extra_vs_sync_save": (med["async_iter_with_save"] - med["async_iter_plain"]) / zs,
                          "async_eager_stall_vs_sync_save": med["async_eager_stall"] / zs,

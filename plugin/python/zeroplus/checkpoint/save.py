@@ -54,13 +54,18 @@ class CheckpointOptions:
     commit_timeout_s: how long rank 0 waits for the other ranks' shards, and they for its commit;
     block_bytes: checksum granularity (a reader reads whole blocks around what it needs);
     overlap_snapshot: async saves copy the masters and optimizer state on the writer thread,
-    overlapping the next forward and backward (False: everything before the call returns)."""
+    overlapping the next forward and backward (False: everything before the call returns);
+    direct: io="aio" writes O_DIRECT where the file system takes it ("auto") or through the page
+    cache ("off"; then fdatasync), whichever this disk does faster."""
     io: str = "aio"
     commit_timeout_s: float = 1800.0
     block_bytes: int = BLOCK_BYTES
     overlap_snapshot: bool = True
+    direct: str = "auto"
 
     def __post_init__(self):
+        if self.direct not in ("auto", "off"):
+            raise ValueError(f"CheckpointOptions: direct must be 'auto' or 'off', got {self.direct!r}")
         if not isinstance(self.overlap_snapshot, bool):
             raise TypeError(f"CheckpointOptions: overlap_snapshot must be a bool, got {self.overlap_snapshot!r}")
         if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes < 64:

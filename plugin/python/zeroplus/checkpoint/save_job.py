@@ -64,7 +64,7 @@ class SaveJob:
                 if error is not None:
                     raise error
                 record, chunks = write_shard(staging_fd, os.path.join(self.root, self.staging), self.rank, pieces,
-                                             self.options.io, self.options.block_bytes)
+                                             self.options.io, self.options.block_bytes, self.options.direct)
                 commit.write_index(staging_fd, self.rank, _index(self.rank, record, chunks, scalars))
             except BaseException as e:
                 commit.write_failure(staging_fd, self.rank, e)

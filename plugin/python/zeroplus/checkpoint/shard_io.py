@@ -90,13 +90,13 @@ class _BlockCrc:
 class _Sink:
     """Where the bytes go: AioHandle queued writes or pwrite. Keeps written tensors alive."""
 
-    def __init__(self, fd: int, path: str, io: str):
+    def __init__(self, fd: int, path: str, io: str, direct: str = "auto"):
         self.fd, self.path = fd, path
         self.handle = None
         if io == "aio":
             from ..aio import AioHandle
 
-            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct="auto")
+            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct=direct)
         self.keep = []
 
     def write(self, data: torch.Tensor, offset: int) -> None:
@@ -135,7 +135,7 @@ class _Sink:
 
 
 def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
-                block_bytes: int = BLOCK_BYTES) -> tuple[dict, list]:
+                block_bytes: int = BLOCK_BYTES, direct: str = "auto") -> tuple[dict, list]:
     """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
     the temporary file is removed then, and nothing is left under the final name."""
@@ -143,7 +143,7 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
     fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(final))
     try:
         try:
-            sink = _Sink(fd, os.path.join(dir_path, tmp), io)
+            sink = _Sink(fd, os.path.join(dir_path, tmp), io, direct)
             crc = _BlockCrc(block_bytes)
             chunks, offset = [], 0
             pending, pending_at = [], 0
