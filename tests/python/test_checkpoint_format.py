@@ -174,8 +174,8 @@ def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
         os.close(root)
 
 
-@pytest.mark.parametrize("io", ["aio", "posix"])
-def test_shard_writer_places_unaligned_tensors_and_checksums_every_byte(tmp_path, io):
+@pytest.mark.parametrize("io,direct", [("aio", "auto"), ("aio", "off"), ("posix", "auto")])
+def test_shard_writer_places_unaligned_tensors_and_checksums_every_byte(tmp_path, io, direct):
     """write_shard of large pieces at every kind of address (page-aligned, 4 and 64 bytes in, the
     last 4 bytes of a page), small coalesced ones between them and a piece of 0 elements: each
     chunk's bytes read back from the file equal the tensor's, the block checksums match the file,
@@ -199,7 +199,7 @@ def test_shard_writer_places_unaligned_tensors_and_checksums_every_byte(tmp_path
     pieces.append(("empty", "param", 0, 0, torch.empty(0)))
     dir_fd = files.open_directory_at(None, str(tmp_path), owned=True)
     try:
-        record, chunks = write_shard(dir_fd, str(tmp_path), 0, pieces, io, block_bytes=1 << 16)
+        record, chunks = write_shard(dir_fd, str(tmp_path), 0, pieces, io, block_bytes=1 << 16, direct=direct)
     finally:
         os.close(dir_fd)
     data = (tmp_path / record["name"]).read_bytes()
@@ -221,3 +221,5 @@ def test_checkpoint_options_reject_bad_values():
         CheckpointOptions(overlap_snapshot=1)
     with pytest.raises(ValueError, match="io"):
         CheckpointOptions(io="mmap")
+    with pytest.raises(ValueError, match="direct"):
+        CheckpointOptions(direct="on")
