@@ -10,6 +10,7 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
 
   zeroplus_aio     zeroplus.save_checkpoint (io_uring through zeroplus.aio; fdatasync of every
                    file, fsync of the directories, manifest, latest) / load_checkpoint
+  zeroplus_aio_buffered  the same with CheckpointOptions(direct="off") (io_uring through the page cache)
   zeroplus_posix   the same with CheckpointOptions(io="posix") (pwrite)
   torch_save       torch.save({"optimizer": opt.state_dict(), "masters": opt.masters}) per rank (the
                    engine's sharded state dict and master shards), no fsync (torch's default) /
@@ -24,8 +25,17 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
                    directory), on the bench's zeroplus group as bench/zero/bench_stages.py runs it.
                    It writes more than the others: rank 0 also saves the full fp32 weights (its
                    bytes are reported beside the times), and it does not fsync (torch.save)
-  async_stall      zeroplus.save_checkpoint(async_=True): time until the call returns (what training
-                   waits for), against zeroplus_aio's synchronous save
+  async            zeroplus.save_checkpoint(async_=True) followed at once by one training iteration
+                   (forward, backward, opt.step, zero_grad: the model's own, batch 2), against the
+                   same iteration without a save, and against zeroplus_aio's synchronous save:
+                     async_stall    what the training thread was blocked: the call plus the wait
+                                    of opt.step for the deferred snapshot (handle.blocked_s)
+                     async_call     the call alone
+                     async_iter_extra  the iteration with the save minus the one without (the
+                                    stall plus what the background copy and writes cost the
+                                    training thread by sharing the cores and memory bandwidth)
+                   async_eager: the same with CheckpointOptions(overlap_snapshot=False) (every
+                   byte copied before the call returns)
 
 Variants run interleaved per repetition; a time is the slowest rank's, the figure the median over
 repetitions. Reads come from the page cache (the bench does not drop caches on a shared machine).
@@ -54,7 +64,7 @@ import torch.multiprocessing as mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugin" / "python"))  # the tree's zeroplus (spawned ranks inherit sys.path)
-VARIANTS = ["zeroplus_aio", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
+VARIANTS = ["zeroplus_aio", "zeroplus_aio_buffered", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
 DS_VARIANTS = ["deepspeed"]
 
 
@@ -135,13 +145,20 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
     engine = _deepspeed_engine(rank, world, int(args.params), x) if args.deepspeed else None
     ds_bytes = 0
     times = {f"{v}_{op}": [] for v in variants for op in ("save", "load")}
-    times["async_stall"] = []
-    times["async_total"] = []
+    for mode in ("async", "async_eager"):
+        for what in ("stall", "call", "iter_plain", "iter_with_save", "total"):
+            times[f"{mode}_{what}"] = []
+
+    def iteration():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
     for rep in range(args.reps):
         for v in variants:
             d = os.path.join(base, f"{v}_{rep}")
             if v.startswith("zeroplus"):
-                o = CheckpointOptions(io="aio" if v == "zeroplus_aio" else "posix")
+                o = CheckpointOptions(io="posix" if v == "zeroplus_posix" else "aio",
+                                      direct="off" if v == "zeroplus_aio_buffered" else "auto")
                 times[f"{v}_save"].append(_timed(lambda: zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt,
                                                                                    options=o)))
                 times[f"{v}_load"].append(_timed(lambda: zeroplus.load_checkpoint(d, model, opt)))
@@ -182,17 +199,28 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
-        d = os.path.join(base, f"async_{rep}")
-        handles = []
-        stall = _timed(lambda: handles.append(zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt, async_=True)))
-        t0 = time.perf_counter()
-        handles[0].wait()
-        times["async_stall"].append(stall)
-        times["async_total"].append(_max(time.perf_counter() - t0) + stall)
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d, ignore_errors=True)
-        dist.barrier()
+        for mode in ("async", "async_eager"):
+            d = os.path.join(base, f"{mode}_{rep}")
+            o = CheckpointOptions(overlap_snapshot=mode == "async")
+            times[f"{mode}_iter_plain"].append(_timed(iteration))
+            handles, call = [], []
+
+            def save_and_iterate():
+                t0 = time.perf_counter()
+                handles.append(zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt, async_=True, options=o))
+                call.append(time.perf_counter() - t0)
+                iteration()
+            with_save = _timed(save_and_iterate)
+            t0 = time.perf_counter()
+            handles[0].wait()
+            times[f"{mode}_iter_with_save"].append(with_save)
+            times[f"{mode}_stall"].append(_max(handles[0].blocked_s))
+            times[f"{mode}_call"].append(_max(call[0]))
+            times[f"{mode}_total"].append(_max(time.perf_counter() - t0) + with_save)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+            dist.barrier()
     if rank == 0:
         results.put({"times": times, "total_bytes": total_bytes, "shard_bytes": shard_bytes,
                      "snapshot_bytes": handles[0].snapshot_bytes, "deepspeed_bytes": ds_bytes})
@@ -278,7 +306,10 @@ def main() -> None:
                          "save_vs_torch_save_sync": med["torch_save_sync_save"] / zs,
                          "save_vs_dcp": med["dcp_save"] / zs,
                          "save_GBps_vs_fio": (gb / zs) / fio if fio else None,
+                         "save_buffered_GBps_vs_fio": (gb / med["zeroplus_aio_buffered_save"]) / fio if fio else None,
                          "async_stall_vs_sync_save": med["async_stall"] / zs,
+                         "async_iter_extra_vs_sync_save": (med["async_iter_with_save"] - med["async_iter_plain"]) / zs,
+                         "async_eager_stall_vs_sync_save": med["async_eager_stall"] / zs,
                          "load_vs_torch_load": med["torch_save_load"] / med["zeroplus_aio_load"],
                          "load_vs_dcp": med["dcp_load"] / med["zeroplus_aio_load"]}}
     if args.deepspeed:
@@ -295,8 +326,12 @@ def main() -> None:
                   f"{res['deepspeed_bytes'] / 1e9:.3f} GB per checkpoint (GB/s above: of the {gb:.3f} GB the others "
                   f"write)"]
     lines += ["", f"load average: {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after (1 min)"]
-    lines += ["", f"async save: the call blocks {med['async_stall']:.3f} s (snapshot of "
-              f"{res['snapshot_bytes'] / 1e6:.0f} MB on rank 0), {med['async_total']:.3f} s until wait() returns", "",
+    for mode, what in (("async", "overlapped snapshot (default)"), ("async_eager", "overlap_snapshot=False")):
+        lines += ["", f"async save, {what}: training blocked {med[f'{mode}_stall']:.3f} s (the call "
+                  f"{med[f'{mode}_call']:.3f} s + opt.step's wait; snapshot of {res['snapshot_bytes'] / 1e6:.0f} MB on "
+                  f"rank 0); the iteration after the call {med[f'{mode}_iter_with_save']:.3f} s against "
+                  f"{med[f'{mode}_iter_plain']:.3f} s without a save; {med[f'{mode}_total']:.3f} s until wait() returns"]
+    lines += ["",
               (f"fio sequential write, 1 MiB, {args.ranks} writers, end fsync: "
                + ", ".join(f"{k} {v:.2f} GB/s" for k, v in fio_modes.items() if v) + f" (ceiling {fio:.2f})")
               if fio else "fio: not available", "",

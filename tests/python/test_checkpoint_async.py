@@ -1,10 +1,16 @@
 """save_checkpoint(..., async_=True): snapshot, then a background write that training overlaps.
 
 One 2-rank launch (one process group per case):
-  * overlap: 10 training steps run while the save is in flight; the checkpoint holds the state of
-    the moment of the call (a fresh model loading it and training the same 10 steps ends equal,
-    exactly, to the model that kept training), snapshot_bytes is this rank's shard size; stage 3
-    with sharded parameters (persistence threshold 0 saving, 8 loading; asserted);
+  * overlap: 10 training steps run while the save is in flight (its deferred snapshot and its
+    writes both slowed down); the checkpoint holds the state of the moment of the call (a fresh
+    model loading it and training the same 10 steps ends equal, exactly, to the model that kept
+    training), that model equals one trained the same 13 steps without any save, and
+    snapshot_bytes is this rank's shard size; stage 3 with sharded parameters
+    (persistence threshold 0 saving, 8 loading; asserted);
+  * guarded: opt.step(), opt.load_state_dict() and model.load_state_dict() issued right after an
+    async save, while its deferred snapshot is still being taken (slowed down), wait for it: the
+    checkpoint holds the state of the call (params and the sharded optimizer state, exactly), and
+    handle.blocked_s counts the wait; with overlap_snapshot=False nothing is left to wait for;
   * error: a file size limit on one rank makes both ranks' wait() raise (the limited rank its
     OSError, the other the commit failure naming the rank); the previous checkpoint still loads;
   * serialised: two saves in a row: the second starts after the first finished; a load of the
@@ -20,7 +26,8 @@ import time
 import pytest
 import torch
 
-from checkpoint_models import PERSIST_SOME, build, fsize_limited, full_params, sharded_names, train
+from checkpoint_models import (PERSIST_SOME, VOCAB, CkptNet, batch, build, fsize_limited, full_params, loss_of,
+                               sharded_names, train)
 from checkpoint_helpers import cases_of, ok_values, pooled_results
 from harness import run_cases_in_own_groups
 
@@ -28,7 +35,7 @@ from harness import run_cases_in_own_groups
 @contextlib.contextmanager
 def _slow_disk(seconds: float):
     """Shard writes start `seconds` late (a slow disk), so training surely runs during them."""
-    from zeroplus.checkpoint import save
+    from zeroplus.checkpoint import save_job as save
 
     real = save.write_shard
 
@@ -42,6 +49,28 @@ def _slow_disk(seconds: float):
         save.write_shard = real
 
 
+@contextlib.contextmanager
+def _slow_snapshot(seconds: float):
+    """The deferred part of an async snapshot starts `seconds` late (a slow copy), so whatever the
+    training thread does right after the call happens while it is still pending."""
+    from zeroplus.checkpoint.snapshot import Snapshot
+
+    real = Snapshot.take_deferred
+
+    def slow(self):
+        time.sleep(seconds)
+        return real(self)
+    Snapshot.take_deferred = slow
+    try:
+        yield
+    finally:
+        Snapshot.take_deferred = real
+
+
+def _differ(a: dict, b: dict) -> list:
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
 def case_overlap(root, rank, group):
     import zeroplus
 
@@ -49,7 +78,7 @@ def case_overlap(root, rank, group):
     # steps during the write update in place; the loading side keeps the 8-element ones whole
     model, call, opt = build("engine", 3, None, group, seed=0, persist=0)
     train(call, opt, 3, rank)
-    with _slow_disk(0.5):
+    with _slow_snapshot(0.2), _slow_disk(0.5):
         handle = zeroplus.save_checkpoint(os.path.join(root, "overlap"), model, opt, extra={"step": 3}, async_=True)
         train(call, opt, 10, rank, first_step=3)
         overlapped = not handle.done()
@@ -58,9 +87,84 @@ def case_overlap(root, rank, group):
     model_b, call_b, opt_b = build("engine", 3, None, group, seed=1, lr=1e-3, persist=PERSIST_SOME)
     extra = zeroplus.load_checkpoint(path, model_b, opt_b)
     train(call_b, opt_b, 10, rank, first_step=3)
-    a, b = full_params("engine", model), full_params("engine", model_b)
-    return (extra, handle.snapshot_bytes, shard, [k for k in a if not torch.equal(a[k], b[k])], overlapped,
+    model_c, call_c, opt_c = build("engine", 3, None, group, seed=0, persist=0)
+    train(call_c, opt_c, 13, rank)
+    a, b, c = full_params("engine", model), full_params("engine", model_b), full_params("engine", model_c)
+    return (extra, handle.snapshot_bytes, shard, _differ(a, b), overlapped, _differ(a, c),
             (sharded_names(model, opt), sharded_names(model_b, opt_b)))
+
+
+def _state(model, opt) -> dict:
+    """Every parameter (gathered) and this rank's sharded optimizer state tensors, cloned."""
+    out = {f"param.{k}": v.clone() for k, v in full_params("engine", model).items()}
+    for i, st in opt.state_dict()["state"].items():
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+class _RootParamNet(CkptNet):
+    """A trainable parameter on the root module itself: the engine's own load_state_dict
+    pre-hook on the root writes its master, so the guard's hook must run before that one."""
+
+    def __init__(self):
+        super().__init__()
+        self.root_bias = torch.nn.Parameter(torch.randn(VOCAB))
+
+    def forward(self, x):
+        return super().forward(x) + self.root_bias
+
+
+def _root_param_net(seed: int) -> _RootParamNet:
+    torch.manual_seed(seed)
+    return _RootParamNet()
+
+
+def case_guarded(root, rank, group):
+    """Each mutation right after the call must wait for the snapshot (see the module doc)."""
+    import zeroplus
+
+    root = os.path.join(root, "guarded")
+    model, call, opt = build("engine", 2, None, group, seed=0, model=_root_param_net(0))
+    train(call, opt, 2, rank)
+    earlier_opt_state = opt.state_dict()  # loaded below: an optimizer state unlike the saved one
+    earlier_opt_state = {**earlier_opt_state, "state": {i: {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                            for k, v in st.items()}
+                                                        for i, st in earlier_opt_state["state"].items()}}
+    train(call, opt, 1, rank, first_step=2)
+    zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+
+    def mutate_step():
+        opt.step()
+        opt.zero_grad()
+
+    mutations = {"step": mutate_step, "opt_load": lambda: opt.load_state_dict(earlier_opt_state),
+                 "model_load": lambda: model.load_state_dict(zeros)}
+    out = {}
+    for what, mutate in mutations.items():
+        if what == "step":  # gradients ready before the save: the step is the very next call
+            opt.backward(loss_of(call, batch(3, rank)))
+        expected = _state(model, opt)
+        with _slow_snapshot(0.3):
+            handle = zeroplus.save_checkpoint(os.path.join(root, what), model, opt, async_=True)
+            mutate()
+            handle.wait()
+        model_b, _c, opt_b = build("engine", 2, None, group, seed=1, model=_root_param_net(1))
+        zeroplus.load_checkpoint(os.path.join(root, what), model_b, opt_b)
+        changed = _differ(expected, _state(model, opt))  # the mutation did happen
+        out[what] = (_differ(expected, _state(model_b, opt_b)), handle.blocked_s, bool(changed))
+    # overlap_snapshot=False: everything copied before the call returns, so the step waits for nothing
+    opt.backward(loss_of(call, batch(4, rank)))
+    expected = _state(model, opt)
+    with _slow_snapshot(0.3):
+        handle = zeroplus.save_checkpoint(os.path.join(root, "eager"), model, opt, async_=True,
+                                          options=zeroplus.checkpoint.CheckpointOptions(overlap_snapshot=False))
+        call_s = handle.blocked_s
+        mutate_step()
+        handle.wait()
+    model_b, _c, opt_b = build("engine", 2, None, group, seed=1, model=_root_param_net(1))
+    zeroplus.load_checkpoint(os.path.join(root, "eager"), model_b, opt_b)
+    out["eager"] = (_differ(expected, _state(model_b, opt_b)), handle.blocked_s - call_s, True)
+    return out
 
 
 def case_error(root, rank, group):
@@ -134,13 +238,26 @@ def results(tmp_path_factory):
 
 
 def test_async_save_overlaps_training(results):
-    for extra, snapshot, shard, differ, overlapped, sharded in ok_values(results, "overlap"):
+    for extra, snapshot, shard, differ, overlapped, differ_no_save, sharded in ok_values(results, "overlap"):
         assert overlapped, "the save finished before training went on: the case tests nothing"
         assert sharded == (["emb.weight", "frozen", "lin1.bias", "lin1.weight", "lin2.bias", "lin2.weight"],
                            ["emb.weight", "lin1.bias", "lin1.weight", "lin2.weight"]), sharded
         assert extra == {"step": 3}
         assert snapshot == shard > 0
         assert differ == [], f"training after loading the async checkpoint differs in {differ}"
+        assert differ_no_save == [], f"training with a save in flight differs from training without in {differ_no_save}"
+
+
+def test_mutations_right_after_an_async_save_wait_for_its_snapshot(results):
+    for rank, out in enumerate(ok_values(results, "guarded")):
+        for what in ("step", "opt_load", "model_load"):
+            leaked, blocked, changed = out[what]
+            assert changed, f"rank {rank}: {what} changed nothing: the case tests nothing"
+            assert leaked == [], f"rank {rank}: {what} right after the save reached the checkpoint in {leaked}"
+            assert blocked >= 0.25, f"rank {rank}: {what} did not wait for the snapshot (blocked_s {blocked})"
+        leaked, waited, _ = out["eager"]
+        assert leaked == []
+        assert waited < 0.25, f"rank {rank}: overlap_snapshot=False left the step waiting {waited} s"
 
 
 def test_async_save_error_raises_at_wait(results):

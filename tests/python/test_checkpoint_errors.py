@@ -290,6 +290,7 @@ def _all(rank, world, root):
     cases["corrupt_byte_small_blocks"] = functools.partial(case_corrupt_byte, root, block_bytes=64)
     cases["disk_full_everywhere"] = functools.partial(_disk_full, root, name="full_all", limited_ranks=(0, 1))
     cases["disk_full_one_rank"] = functools.partial(_disk_full, root, name="full_one", limited_ranks=(1,))
+    cases["disk_full_rank0"] = functools.partial(_disk_full, root, name="full_rank0", limited_ranks=(0,))
     return run_cases_in_own_groups(rank, world, cases)
 
 
@@ -334,7 +335,7 @@ def test_extra_must_be_json(results):
         assert nothing_written
 
 
-@pytest.mark.parametrize("case", ["disk_full_everywhere", "disk_full_one_rank"])
+@pytest.mark.parametrize("case", ["disk_full_everywhere", "disk_full_one_rank", "disk_full_rank0"])
 def test_disk_full_mid_save_keeps_previous_checkpoint(results, case):
     for rank, (err, (leftovers, loaded_err, latest)) in enumerate(ok_values(results, case)):
         assert err is not None, f"rank {rank}: the save succeeded despite the file size limit"

@@ -146,6 +146,12 @@ class _Base:
         return [(n, "param" if n in self.params else "value", 0, t.numel(), t.detach().reshape(-1))
                 for n, t in names if t.numel()]
 
+    def changes_only_in_optimizer(self, name: str, key: str) -> bool:
+        """Whether the piece (name, key) of pieces() changes only in the optimizer's step() and
+        load_state_dict() or the model's load_state_dict() (never in forward or backward): an
+        async save may copy it after returning (snapshot.py). Conservative default: no."""
+        return False
+
     @staticmethod
     def _state_pieces(name, lo, hi, st, scalars, pieces) -> None:
         for key, value in st.items():
@@ -172,6 +178,7 @@ class EngineAdapter(_Base):
         self.frozen_buckets = list(opt.placement.frozen_buckets)
         self.entry_of = {id(e.param): e for b in list(opt.buckets) + self.frozen_buckets for e in b.entries}
         self.bucketed = set(self.entry_of)
+        self.trainable = {self.name_of[id(e.param)] for b in opt.buckets for e in b.entries}
 
     def global_shape(self, p):
         e = self.entry_of.get(id(p))
@@ -262,6 +269,13 @@ class EngineAdapter(_Base):
                    for e in b.entries for pc in (b.piece(e, self.rank),) if pc.numel]
         finally:
             self.param_store.unpin(b)
+
+    def changes_only_in_optimizer(self, name: str, key: str) -> bool:
+        # A trainable parameter's master and elementwise state: written by the step loop and the
+        # loads only (at fp32 stages 1-2 the master is the parameter's own memory, which forward
+        # reads). Frozen shards, unbucketed parameters and buffers (BatchNorm statistics change
+        # in forward) are copied at the call.
+        return name in self.trainable
 
     def optimizer_meta(self) -> dict:
         return {"loss_scaler": self.opt.scaler.state_dict(), "skipped_steps": int(self.opt.skipped_steps)}

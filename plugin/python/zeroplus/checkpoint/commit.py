@@ -1,11 +1,12 @@
 """The cross-rank commit protocol of a save (no collectives: it also runs on background threads).
 
     rank 0 (collective, before): mkdir ROOT/.NAME.tmp-<random> (0700)        -> "staging"
-    every rank: staging/rankNNNNN.bin (write_shard), then staging/rankNNNNN.json (its index:
-                file record, chunk table, optimizer scalars), each durable (fsutil);
+    every rank: staging/rankNNNNN.bin (write_shard, fdatasync'ed, renamed), then staging/rankNNNNN.json
+                (its index: file record, chunk table, optimizer scalars; not synced: only rank 0 reads it);
                 on failure: staging/rankNNNNN.failed with the error text instead
     rank 0:     waits until every rank left an index or a failure marker (commit_timeout_s), then
-                merges the indexes into manifest.json (durable), removes the indexes, renames
+                removes the indexes, merges them into manifest.json (fdatasync'ed, renamed), fsyncs
+                the staging directory (every shard's and the manifest's entry durable at once), renames
                 staging -> ROOT/NAME, or, when NAME is a complete zeroplus checkpoint, swaps the
                 two atomically (renameat2 RENAME_EXCHANGE) and removes the old one afterwards
                 (any other non-empty NAME is refused), fsyncs ROOT, and replaces ROOT/latest
@@ -42,7 +43,11 @@ def failed_name(rank: int) -> str:
 
 
 def write_index(staging_fd: int, rank: int, index: dict) -> None:
-    fsutil.write_small_file(staging_fd, index_name(rank), json.dumps(index, separators=(",", ":")).encode())
+    """Rank 0 reads it, merges it into the manifest and removes it: it never has to survive a
+    crash (a save that crashes is abandoned), so no fdatasync; renamed into place so rank 0 never
+    reads it half-written."""
+    fsutil.write_small_file(staging_fd, index_name(rank), json.dumps(index, separators=(",", ":")).encode(),
+                            durable=False)
 
 
 def write_failure(staging_fd: int, rank: int, error: BaseException) -> None:
@@ -137,9 +142,12 @@ def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: i
     """Rank 0: everything after its own shard (see the module doc). Removes staging on failure."""
     try:
         indexes = _gather_indexes(staging_fd, world_size, timeout_s, where)
-        fsutil.write_small_file(staging_fd, MANIFEST, dumps(build_manifest(meta, indexes)))
         for r in range(world_size):
             fsutil.remove_quietly(staging_fd, index_name(r))
+        fsutil.write_small_file(staging_fd, MANIFEST, dumps(build_manifest(meta, indexes)), sync_dir=False)
+        # One fsync of the staging directory makes every entry in it durable: each rank's shard
+        # (renamed into place after its fdatasync, which its index announced), the manifest, and
+        # the removal of the indexes; only then does the rename below make NAME visible.
         os.fsync(staging_fd)
         replaced = False
         try:

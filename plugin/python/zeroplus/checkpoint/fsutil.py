@@ -97,8 +97,9 @@ def write_all(fd: int, data, offset: int) -> None:
         done += n
 
 
-def publish(dir_fd: int, tmp: str, final: str, *, replace: bool = False) -> None:
-    """Rename tmp -> final inside dir_fd and make the rename durable (fsync of the directory).
+def publish(dir_fd: int, tmp: str, final: str, *, replace: bool = False, sync_dir: bool = True) -> None:
+    """Rename tmp -> final inside dir_fd and make the rename durable (fsync of the directory;
+    sync_dir=False leaves that to the caller, who fsyncs the directory once for many renames).
     Without replace, an existing `final` is never replaced (renameat2 RENAME_NOREPLACE semantics
     via link + unlink: link() fails with EEXIST)."""
     if replace:
@@ -106,19 +107,24 @@ def publish(dir_fd: int, tmp: str, final: str, *, replace: bool = False) -> None
     else:
         os.link(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         os.unlink(tmp, dir_fd=dir_fd)
-    os.fsync(dir_fd)
+    if sync_dir:
+        os.fsync(dir_fd)
 
 
-def write_small_file(dir_fd: int, final: str, data: bytes, *, replace: bool = False) -> None:
-    """The whole crash-consistent sequence for a small file: temp -> fdatasync -> rename -> fsync dir."""
+def write_small_file(dir_fd: int, final: str, data: bytes, *, replace: bool = False, durable: bool = True,
+                     sync_dir: bool = True) -> None:
+    """The whole crash-consistent sequence for a small file: temp -> fdatasync -> rename -> fsync
+    dir. durable=False skips the fdatasync (a file only other processes read, never after a
+    crash); sync_dir=False leaves the directory's fsync to the caller (publish)."""
     fd, tmp = files.create_temporary_at(dir_fd, temp_prefix(final))
     try:
         try:
             write_all(fd, data, 0)
-            os.fdatasync(fd)
+            if durable:
+                os.fdatasync(fd)
         finally:
             os.close(fd)
-        publish(dir_fd, tmp, final, replace=replace)
+        publish(dir_fd, tmp, final, replace=replace, sync_dir=sync_dir and durable)
     except BaseException:
         remove_quietly(dir_fd, tmp)
         raise

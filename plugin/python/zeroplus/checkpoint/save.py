@@ -10,17 +10,23 @@ empty and is not a zeroplus checkpoint raises FileExistsError before anything is
 Collective over the optimizer's process group (every rank calls it with the same PATH).
 
 Synchronous (async_=False, default): returns a finished CheckpointHandle after the checkpoint is
-complete and durable on every rank. async_=True: blocks only to snapshot this rank's shard into
-CPU memory (handle.snapshot_bytes), then writes in a background thread while training goes on
-(buckets whose values live in swap files, offload nvme, are not snapshotted: they are written into
-the shard file before save_checkpoint returns, one bucket in memory at a time; shard_io.py);
-handle.wait() blocks until this rank's part is durable and the commit is done, and raises any
-error (OSError from the disk, CheckpointError naming the rank that failed). On rank 0 wait()
-returns after `latest` names the new checkpoint; on other ranks as soon as the checkpoint is
+complete and durable on every rank. async_=True: saves the state of the moment of the call, blocking
+only for a snapshot of this rank's shard into CPU memory (handle.snapshot_bytes), then writes in a
+background thread while training goes on. The bulk of the snapshot (the engine's masters and
+optimizer state, which only the optimizer changes) is copied on that thread while training runs
+its next forward and backward; opt.step(), opt.load_state_dict() and model.load_state_dict() wait
+for it first (snapshot.py; handle.blocked_s is the call plus those waits, handle.wait_snapshot()
+waits for it explicitly; CheckpointOptions(overlap_snapshot=False) copies everything before
+returning; with offload nvme, whose swapped buckets only the training thread can read, this rank's
+shard file is written before returning instead, one swapped bucket in memory at a time, and only the
+commit runs in the background). handle.wait() blocks until this rank's part is durable and the commit is done, and
+raises any error (OSError from the disk, CheckpointError naming the rank that failed). On rank 0
+wait() returns after `latest` names the new checkpoint; on other ranks as soon as the checkpoint is
 complete (loadable by its PATH), and `latest` follows a moment later. wait() is not collective.
 A new save first waits for the previous one (saves are serialised); its error, if any, stays
 with its handle. The background thread runs no collectives (ranks coordinate through files in
-the staging directory, commit.py), so training's collectives never interleave with it.
+the staging directory, commit.py), so training's collectives never interleave with it. A
+synchronous save coordinates through two small collectives instead of polling those files.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +44,8 @@ from .. import files
 from . import commit, fsutil
 from .adapters import adapter_for
 from .format import BLOCK_BYTES, check_dir_name, check_json, encode_value
-from .shard_io import write_shard, write_swapped_first
+from .save_job import SaveJob, capture, sync_commit, sync_outcome
+from .snapshot import Snapshot, guard_for, release_buffer
 
 _MAX_SCALAR_ELEMS = 4096
 
@@ -46,12 +54,22 @@ _MAX_SCALAR_ELEMS = 4096
 class CheckpointOptions:
     """io: "aio" (zeroplus.aio io_uring engine) or "posix" (pwrite) for shard bytes;
     commit_timeout_s: how long rank 0 waits for the other ranks' shards, and they for its commit;
-    block_bytes: checksum granularity (a reader reads whole blocks around what it needs)."""
+    block_bytes: checksum granularity (a reader reads whole blocks around what it needs);
+    overlap_snapshot: async saves copy the masters and optimizer state on the writer thread,
+    overlapping the next forward and backward (False: everything before the call returns);
+    direct: io="aio" writes O_DIRECT where the file system takes it ("auto") or through the page
+    cache ("off"; then fdatasync), whichever this disk does faster."""
     io: str = "aio"
     commit_timeout_s: float = 1800.0
     block_bytes: int = BLOCK_BYTES
+    overlap_snapshot: bool = True
+    direct: str = "auto"
 
     def __post_init__(self):
+        if self.direct not in ("auto", "off"):
+            raise ValueError(f"CheckpointOptions: direct must be 'auto' or 'off', got {self.direct!r}")
+        if not isinstance(self.overlap_snapshot, bool):
+            raise TypeError(f"CheckpointOptions: overlap_snapshot must be a bool, got {self.overlap_snapshot!r}")
         if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes < 64:
             raise ValueError(f"CheckpointOptions: block_bytes must be an int >= 64, got {self.block_bytes!r}")
         if self.io not in ("aio", "posix"):
@@ -63,14 +81,30 @@ class CheckpointOptions:
 
 
 class CheckpointHandle:
-    """One save. wait() returns the checkpoint path or raises what went wrong (every call)."""
+    """One save. wait() returns the checkpoint path or raises what went wrong (every call).
+    snapshot_bytes: the CPU copy an async save holds (0 for a synchronous one); blocked_s: how
+    long the training thread was blocked by this save: the call itself plus, for an async save,
+    what opt.step() (or a load_state_dict) waited for the snapshot; explicit waits not counted."""
 
-    def __init__(self, path: str, snapshot_bytes: int):
+    def __init__(self, path: str, snapshot_bytes: int, snapshot: Snapshot | None = None):
         self.path = path
         self.snapshot_bytes = snapshot_bytes
+        self.blocked_s = 0.0
+        self._snapshot = snapshot
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._blocked_lock = threading.Lock()
+
+    def _add_blocked(self, seconds: float) -> None:
+        with self._blocked_lock:
+            self.blocked_s += seconds
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the snapshot is taken: from then on nothing done to the model or the
+        optimizer reaches this checkpoint (before: see the module doc). Errors go to wait()."""
+        if self._snapshot is not None and not self._snapshot.done.wait(timeout):
+            raise TimeoutError(f"checkpoint: snapshot of {self.path} still running after {timeout} s")
 
     def _run(self, fn) -> None:
         try:
@@ -97,11 +131,6 @@ class CheckpointHandle:
 
 _previous: CheckpointHandle | None = None
 _lock = threading.Lock()
-# The async snapshot's memory, kept between saves: copying into memory already faulted in runs at
-# memcpy speed (several GB/s), into fresh memory at the page-fault rate (~1.4 GB/s measured), and
-# the snapshot is what training waits for. Saves are serialised, so the previous save is done with
-# it before the next snapshot is taken. Its size is the largest shard snapshotted so far.
-_snapshot_buffer: torch.Tensor | None = None
 
 
 def wait_for_pending_save() -> None:
@@ -117,33 +146,12 @@ def wait_for_pending_save() -> None:
 def release_snapshot_memory() -> int:
     """Free the memory kept for async snapshots (after waiting for a save in flight); returns
     the bytes released. The next async save allocates it again."""
-    global _snapshot_buffer, _previous
+    global _previous
     with _lock:
         previous, _previous = _previous, None
     if previous is not None:
         previous._done.wait()
-    freed = 0 if _snapshot_buffer is None else _snapshot_buffer.numel()
-    _snapshot_buffer = None
-    return freed
-
-
-def _snapshot(pieces: list) -> list:
-    """CPU copies of the pieces, carved out of the kept snapshot buffer (64-byte aligned)."""
-    global _snapshot_buffer
-    offsets, total = [], 0
-    for *_, t in pieces:
-        offsets.append(total)
-        total += -(-(t.numel() * t.element_size()) // 64) * 64
-    if _snapshot_buffer is None or _snapshot_buffer.numel() < total:
-        _snapshot_buffer = None
-        _snapshot_buffer = torch.empty(total, dtype=torch.uint8)
-    out = []
-    for (n, k, lo, hi, t), at in zip(pieces, offsets):
-        nbytes = t.numel() * t.element_size()
-        copy = _snapshot_buffer[at:at + nbytes].view(t.dtype)
-        copy.copy_(t.detach().reshape(-1))
-        out.append((n, k, lo, hi, copy))
-    return out
+    return release_buffer()
 
 
 def _split(path) -> tuple[str, str]:
@@ -236,18 +244,11 @@ def _encode_scalars(scalars: dict) -> dict:
     return enc
 
 
-def _index(rank: int, record: dict, chunks: list, scalars: dict) -> dict:
-    state: dict[str, dict] = {}
-    for name, key, _lo, _hi, dtype, _f, _o in chunks:
-        if key not in ("param", "value"):
-            state.setdefault(name, {})[key] = dtype
-    return {"rank": rank, "file": record, "chunks": chunks, "state": state, "scalars": scalars}
-
-
 def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                     options: CheckpointOptions | None = None) -> CheckpointHandle:
     """Save model and optimizer state to the directory `path` (see the module doc)."""
     global _previous
+    t_call = time.perf_counter()
     options = CheckpointOptions() if options is None else options
     if not isinstance(options, CheckpointOptions):
         raise TypeError(f"save_checkpoint: options must be a CheckpointOptions, got {type(options).__name__}")
@@ -273,79 +274,65 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
     where = os.path.join(root, name)
     # From here on a failure must reach rank 0 as a failure marker (commit.py), never as a rank
     # that silently stops: rank 0 would wait for its shard until commit_timeout_s.
-    pieces, scalars, snapshot_error, started = [], {}, None, None
+    pieces, scalars, snapshot, snapshot_error, lazy = [], {}, None, None, False
     try:
         pieces, scalars = adapter.pieces()
         scalars = _encode_scalars(scalars)
-        if async_:  # the snapshot: training may change every live tensor after we return
-            started, pieces = write_swapped_first(root, staging, rank, pieces, options.io, options.block_bytes)
-            pieces = _snapshot(pieces)
-    except Exception as e:  # noqa: BLE001 - handled in work()
+        # Buckets whose values live in swap files (offload nvme: adapters.LazyPieces) are read
+        # through the swappers, which only the training thread may use, and a copy of them could
+        # be larger than memory: an async save writes this rank's shard before returning.
+        lazy = async_ and any(not isinstance(p, tuple) for p in pieces)
+        if async_ and not lazy:  # training may change every live tensor after we return: snapshot.py
+            deferred = [options.overlap_snapshot and adapter.changes_only_in_optimizer(n, k) for n, k, *_ in pieces]
+            snapshot = Snapshot(pieces, deferred)
+            snapshot.take_now()
+    except Exception as e:  # noqa: BLE001 - raised by SaveJob.write_own
         snapshot_error = e
-    snapshot = sum(t.numel() * t.element_size() for *_, t in pieces) if async_ else 0
-    handle = CheckpointHandle(where, snapshot)
+        if snapshot is not None:
+            snapshot.done.set()
+            snapshot = None
+    handle = CheckpointHandle(where, snapshot.bytes if snapshot is not None else 0, snapshot)
+    job = SaveJob(root, name, staging, rank, world, meta, options, where)
+
+    if not async_:
+        try:
+            error = capture(lambda: job.write_own(pieces, scalars, snapshot_error))
+            error = sync_commit(job, error, group, lock_fd)
+            error = sync_outcome(error, group, where)
+        finally:
+            handle._add_blocked(time.perf_counter() - t_call)
+        handle._error = error
+        handle._done.set()
+        if error is not None:
+            raise error
+        return handle
+
+    # Offloaded buckets: this rank's shard now, in the training thread (see `lazy` above).
+    own_error = capture(lambda: job.write_own(pieces, scalars, snapshot_error)) if lazy else None
 
     def work():
         try:
-            _work()
+            if lazy:
+                if own_error is not None:
+                    raise own_error  # rank > 0 (rank 0's is raised by its commit)
+                job.finish_async()
+                return
+            if snapshot is not None and not snapshot.done.is_set():
+                try:
+                    snapshot.take_deferred()
+                except Exception as e:  # noqa: BLE001 - reported through the failure marker
+                    job.write_own([], {}, e)
+            job.write_own(snapshot.pieces if snapshot is not None else pieces, scalars, snapshot_error)
+            job.finish_async()
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the staging directory's lock (rank 0)
 
-    def _work():
-        root_fd = files.open_directory_at(None, root)
-        try:
-            staging_fd = files.open_directory_at(root_fd, staging, owned=True)
-            try:
-                try:
-                    if snapshot_error is not None:
-                        if started is not None:
-                            started.abort()
-                        raise snapshot_error
-                    record, chunks = write_shard(staging_fd, os.path.join(root, staging), rank, pieces, options.io,
-                                                 options.block_bytes, started=started)
-                    commit.write_index(staging_fd, rank, _index(rank, record, chunks, scalars))
-                except BaseException as e:
-                    commit.write_failure(staging_fd, rank, e)
-                    if rank != 0:
-                        raise
-                    own_error = e
-                else:
-                    own_error = None
-                if rank == 0:
-                    try:
-                        commit.commit(root_fd, staging, staging_fd, name, world, meta, options.commit_timeout_s, where)
-                    except BaseException:
-                        if own_error is not None:
-                            raise own_error from None
-                        raise
-            finally:
-                os.close(staging_fd)
-        finally:
-            os.close(root_fd)
-        if rank != 0:
-            commit.wait_committed(root, staging, name, options.commit_timeout_s)
-
-    if not async_:
-        handle._run(work)
-        _sync_outcome(handle, group, rank)
-        return handle
+    if snapshot is not None and not snapshot.done.is_set():
+        guard_for(opt, adapter.model).watch(snapshot, handle)
     handle._thread = threading.Thread(target=handle._run, args=(work,), name="zeroplus-checkpoint", daemon=True)
     with _lock:
         _previous = handle
     handle._thread.start()
+    handle._add_blocked(time.perf_counter() - t_call)
     return handle
-
-
-def _sync_outcome(handle: CheckpointHandle, group, rank: int) -> None:
-    """Synchronous save: every rank returns after rank 0's commit (latest included) and raises if
-    any rank failed."""
-    mine = None if handle._error is None else f"{type(handle._error).__name__}: {handle._error}"
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if handle._error is not None:
-        raise handle._error
-    failed = [(r, e) for r, e in enumerate(everyone) if e is not None]
-    if failed:
-        handle._error = RuntimeError(f"checkpoint: rank {failed[0][0]} failed to save {handle.path}: {failed[0][1]}")
-        raise handle._error

@@ -1,15 +1,12 @@
 """Writing one rank's shard file: bytes, block checksums, durability.
 
 write_shard(dir_fd, dir_path, rank, pieces, io) lays the pieces out back to back in
-rankNNNNN.bin (each large piece and each coalesced group starting at a 4 KiB-aligned offset, the
-gap before it zero), computing the CRC-32 of every `block_bytes` block as the bytes go out, and makes the
-file durable under its final name (temp name -> fdatasync -> rename -> fsync dir; fsutil.py).
+rankNNNNN.bin (each coalesced group starting at a 4 KiB-aligned offset, each large piece on the
+page after it, at its address's place in a page for io="aio", see below; the gaps zero), computing
+the CRC-32 of every `block_bytes` block as the bytes go out, and makes the file durable under its
+final name (temp name -> fdatasync -> rename; the staging directory is fsynced once, by rank 0,
+before the commit; fsutil.py, commit.py).
 Returns the file record and the chunk table the manifest needs.
-
-ShardWriter does the work (write_shard is its one-call form). An item of `pieces` may also be a LazyPieces (adapters.py: a bucket whose values live in swap
-files): its pieces are written inside its `resident()` context, and every write of them has
-completed (and the coalescing buffer is flushed) before the context is left, so the swapper can
-reuse their buffers: at most one such bucket is resident at a time.
 
 Bulk bytes go through zeroplus.aio.AioHandle (io="aio": io_uring, several requests in flight,
 O_DIRECT where the file system takes it, the CRC of a piece computed while the engine writes it) into the temporary file this module
@@ -17,6 +14,16 @@ created exclusively inside the checkpoint's private 0700 staging directory (nobo
 a link there); small pieces are coalesced into one buffer first. io="posix" uses pwrite on the
 same descriptor. Either way the file is fdatasync'ed through our own descriptor, and its inode is
 checked to be the one we created before it is renamed into place.
+
+Zero-copy O_DIRECT (io="aio"): O_DIRECT needs the memory address aligned as well as the file
+offset, and a live tensor's data rarely starts on a page (torch aligns to 64 bytes), so the engine
+would copy every such byte through its staging buffers first. Instead a large piece is placed at a
+file offset congruent to its address modulo 4 KiB (a few zero bytes of padding before it): its
+first partial page goes out through a 4 KiB aligned bounce buffer (the padding zeros plus the
+piece's first bytes), the rest straight from the tensor's memory at an aligned offset (the engine
+writes a final partial page buffered). The tensor must not change until the write is done: the
+writer waits for it before returning, and its callers hold either a snapshot or a training
+thread that is blocked in the save.
 """
 
 from __future__ import annotations
@@ -39,6 +46,14 @@ _FLUSH_BYTES = 8 << 20      # the coalescing buffer is written out at this size
 # a file system wants more, the engine writes that request buffered (correct, only slower).
 _ALIGN = 4096
 _ZEROS = bytes(_ALIGN)
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A CPU uint8 tensor of nbytes whose data starts on a 4 KiB boundary (a view into a
+    slightly larger allocation, which the view keeps alive)."""
+    raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip:skip + nbytes]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -75,13 +90,13 @@ class _BlockCrc:
 class _Sink:
     """Where the bytes go: AioHandle queued writes or pwrite. Keeps written tensors alive."""
 
-    def __init__(self, fd: int, path: str, io: str):
+    def __init__(self, fd: int, path: str, io: str, direct: str = "auto"):
         self.fd, self.path = fd, path
         self.handle = None
         if io == "aio":
             from ..aio import AioHandle
 
-            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct="auto")
+            self.handle = AioHandle(block_size=1 << 20, queue_depth=16, threads=1, direct=direct)
         self.keep = []
 
     def write(self, data: torch.Tensor, offset: int) -> None:
@@ -90,6 +105,26 @@ class _Sink:
             self.handle.async_pwrite(data, self.path, offset)
         else:
             fsutil.write_all(self.fd, data.numpy(), offset)
+
+    def skew(self, data: torch.Tensor) -> int:
+        """Where in a 4 KiB page the piece should start in the file: its address's place in its
+        page for the aio engine (zero-copy O_DIRECT), 0 for pwrite."""
+        return data.data_ptr() % _ALIGN if self.handle is not None else 0
+
+    def write_skewed(self, data: torch.Tensor, page_at: int, skew: int) -> None:
+        """data at file offset page_at + skew (page_at aligned, skew its address's place in its
+        page): the first partial page through an aligned bounce page holding `skew` zeros, the
+        rest from data's own memory, which is then page-aligned at a page-aligned offset."""
+        if skew == 0:
+            self.write(data, page_at)
+            return
+        head = min(_ALIGN - skew, data.numel())
+        page = aligned_empty(_ALIGN if head == _ALIGN - skew else skew + head)
+        page[:skew].zero_()
+        page[skew:skew + head].copy_(data[:head])
+        self.write(page, page_at)
+        if head < data.numel():
+            self.write(data[head:], page_at + _ALIGN)
 
     def finish(self) -> None:
         if self.handle is not None:
@@ -101,150 +136,95 @@ class _Sink:
     drain = finish  # every queued write done: the tensors written may be reused
 
 
-class ShardWriter:
-    """One shard file being written: add() pieces in file order (more than once: an async save
-    writes its swapped buckets in the caller's thread and the snapshot later, on its writer
-    thread), then finish() (durable under the final name) or abort() (the temporary file is
-    removed). Owns a duplicate of dir_fd until finish/abort. Raises OSError (ENOSPC, EFBIG,
-    EIO...); the caller aborts then."""
-
-    def __init__(self, dir_fd: int, dir_path: str, rank: int, io: str = "aio", block_bytes: int = BLOCK_BYTES):
-        self.final = shard_file_name(rank)
-        self.dir_fd = os.dup(dir_fd)
-        try:
-            self.fd, self.tmp = files.create_temporary_at(self.dir_fd, fsutil.temp_prefix(self.final))
-        except BaseException:
-            os.close(self.dir_fd)
-            raise
-        self.sink = _Sink(self.fd, os.path.join(dir_path, self.tmp), io)
-        self.crc = _BlockCrc(block_bytes)
-        self.chunks, self.offset = [], 0
-        self.pending, self.pending_at, self.pending_bytes = [], 0, 0
-
-    def _align(self) -> None:
-        pad = -self.offset % _ALIGN
-        if pad:  # a hole in the file, zero when read; the checksums cover it as zeros
-            self.crc.feed(memoryview(_ZEROS)[:pad])
-            self.offset += pad
-
-    def _flush(self) -> None:
-        if self.pending:
-            buf = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
-            self.sink.write(buf, self.pending_at)
-            self.pending, self.pending_bytes = [], 0
-
-    def _place(self, name, key, lo, hi, tensor) -> None:
-        data = as_bytes(tensor.detach().reshape(-1))
-        n = data.numel()
-        dtype = str(tensor.dtype).replace("torch.", "")
-        if n == 0:  # nothing to place: no alignment either (a pad at the end would be a hole past EOF)
-            self.chunks.append([name, key, lo, hi, dtype, 0, self.offset])
-            return
-        if n >= _COALESCE_BYTES:
-            self._flush()
-            self._align()
-        elif not self.pending:
-            self._align()
-            self.pending_at = self.offset
-        self.chunks.append([name, key, lo, hi, dtype, 0, self.offset])
-        if n < _COALESCE_BYTES:
-            self.pending.append(data.clone() if self.sink.handle is not None else data)
-            self.pending_bytes += n
-            if self.pending_bytes >= _FLUSH_BYTES:
-                self._flush()
-        else:
-            self.sink.write(data, self.offset)  # queued first: the engine writes while we checksum
-        self.crc.feed(memoryview(data.numpy()))
-        self.offset += n
-
-    def add(self, pieces) -> None:
-        for item in pieces:
-            if not isinstance(item, tuple):  # LazyPieces: resident only inside its context
-                with item.resident() as resident:
-                    for piece in resident:
-                        self._place(*piece)
-                    self._flush()
-                    self.sink.drain()  # nothing in flight reads the swapper's buffers after this
-                continue
-            self._place(*item)
-        if self.sink.handle is None:
-            self._flush()  # posix: pending holds views of the caller's tensors, valid only now
-
-    def finish(self) -> tuple[dict, list]:
-        try:
-            try:
-                self._flush()
-                self.sink.finish()
-                os.fdatasync(self.fd)
-                st = os.fstat(self.fd)
-                here = os.stat(self.tmp, dir_fd=self.dir_fd, follow_symlinks=False)
-                if (here.st_ino, here.st_dev) != (st.st_ino, st.st_dev) or st.st_size != self.offset:
-                    raise OSError(errno.EIO, f"checkpoint: shard file changed under the writer (size {st.st_size}, "
-                                             f"expected {self.offset})", self.tmp)
-            finally:
-                os.close(self.fd)
-                self.fd = -1
-            fsutil.publish(self.dir_fd, self.tmp, self.final)
-        except BaseException:
-            self.abort()
-            raise
-        os.close(self.dir_fd)
-        self.dir_fd = -1
-        return {"name": self.final, "bytes": self.offset, "block_crc32": self.crc.finish()}, self.chunks
-
-    def abort(self) -> None:
-        """Removes the temporary file (idempotent)."""
-        if self.dir_fd < 0:
-            return
-        try:
-            self.sink.finish()
-        except OSError:
-            pass
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        fsutil.remove_quietly(self.dir_fd, self.tmp)
-        os.close(self.dir_fd)
-        self.dir_fd = -1
-
-
 def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
-                block_bytes: int = BLOCK_BYTES, started: ShardWriter | None = None) -> tuple[dict, list]:
-    """pieces: (name, key, lo, hi, tensor) or LazyPieces -> ({name, bytes, block_crc32}, [[name, key, lo, hi,
-    dtype, 0, offset]]), appended to `started` (a ShardWriter given pieces already) when given.
+                block_bytes: int = BLOCK_BYTES, direct: str = "auto") -> tuple[dict, list]:
+    """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
+    An item may also be a LazyPieces (adapters.py): its pieces are written inside its resident()
+    context, and all of their writes have completed before it is left (one such bucket resident at
+    a time).
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
     the temporary file is removed then, and nothing is left under the final name."""
-    writer = ShardWriter(dir_fd, dir_path, rank, io, block_bytes) if started is None else started
+    final = shard_file_name(rank)
+    fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(final))
     try:
-        writer.add(pieces)
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.finish()
-
-
-def write_swapped_first(root: str, staging: str, rank: int, pieces: list, io: str,
-                        block_bytes: int) -> tuple[ShardWriter | None, list]:
-    """An async save's swapped buckets (LazyPieces): written into the shard now, in the caller's
-    thread, one bucket resident at a time (a copy of them in memory could exceed it, and training
-    changes the swap files once it goes on); returns the started writer (None: nothing swapped)
-    and the in-memory pieces, which the caller snapshots and writes later with write_shard(...,
-    started=writer)."""
-    lazy = [p for p in pieces if not isinstance(p, tuple)]
-    if not lazy:
-        return None, pieces
-    root_fd = files.open_directory_at(None, root)
-    try:
-        staging_fd = files.open_directory_at(root_fd, staging, owned=True)
         try:
-            writer = ShardWriter(staging_fd, os.path.join(root, staging), rank, io, block_bytes)
+            sink = _Sink(fd, os.path.join(dir_path, tmp), io, direct)
+            crc = _BlockCrc(block_bytes)
+            chunks, offset = [], 0
+            pending, pending_at = [], 0
+            pending_bytes = 0
+
+            def align():
+                nonlocal offset
+                pad = -offset % _ALIGN
+                if pad:  # a hole in the file, zero when read; the checksums cover it as zeros
+                    crc.feed(memoryview(_ZEROS)[:pad])
+                    offset += pad
+
+            def flush():
+                nonlocal pending, pending_bytes
+                if pending:  # one page-aligned buffer: the engine sends it O_DIRECT, no staging copy
+                    buf, at = aligned_empty(pending_bytes), 0
+                    for part in pending:
+                        buf[at:at + part.numel()].copy_(part)
+                        at += part.numel()
+                    sink.write(buf, pending_at)
+                    pending, pending_bytes = [], 0
+
+            def place(name, key, lo, hi, tensor):
+                nonlocal pending_at, pending_bytes, offset
+                data = as_bytes(tensor.detach().reshape(-1))
+                n = data.numel()
+                if n == 0:  # nothing to place: no alignment either (a pad at the end would be a hole past EOF)
+                    chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
+                    return
+                skew = 0
+                if n >= _COALESCE_BYTES:
+                    flush()
+                    align()
+                    skew = sink.skew(data)
+                    if skew:  # the padding before the piece: zeros in the file and in the checksums
+                        crc.feed(memoryview(_ZEROS)[:skew])
+                        offset += skew
+                elif not pending:
+                    align()
+                    pending_at = offset
+                chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
+                if n < _COALESCE_BYTES:
+                    pending.append(data)  # copied by flush(), before this function returns
+                    pending_bytes += n
+                    if pending_bytes >= _FLUSH_BYTES:
+                        flush()
+                else:  # queued first: the engine writes while we checksum
+                    sink.write_skewed(data, offset - skew, skew)
+                crc.feed(memoryview(data.numpy()))
+                offset += n
+
+            for item in pieces:
+                if isinstance(item, tuple):
+                    place(*item)
+                    continue
+                # LazyPieces (adapters.py): a bucket whose values live in swap files, resident
+                # only inside its context: every write of it is done before the context is left.
+                with item.resident() as resident:
+                    for piece in resident:
+                        place(*piece)
+                    flush()
+                    sink.drain()
+            flush()
+            sink.finish()
+            os.fdatasync(fd)
+            st = os.fstat(fd)
+            here = os.stat(tmp, dir_fd=dir_fd, follow_symlinks=False)
+            if (here.st_ino, here.st_dev) != (st.st_ino, st.st_dev) or st.st_size != offset:
+                raise OSError(errno.EIO, f"checkpoint: shard file changed under the writer (size {st.st_size}, "
+                                         f"expected {offset})", tmp)
         finally:
-            os.close(staging_fd)
-    finally:
-        os.close(root_fd)
-    try:
-        writer.add(lazy)
+            os.close(fd)
+        # The staging directory's entry becomes durable with rank 0's one fsync of that directory
+        # before the manifest commits it (commit.commit); until then the checkpoint is not visible.
+        fsutil.publish(dir_fd, tmp, final, sync_dir=False)
     except BaseException:
-        writer.abort()
+        fsutil.remove_quietly(dir_fd, tmp)
         raise
-    return writer, [p for p in pieces if isinstance(p, tuple)]
+    return {"name": final, "bytes": offset, "block_crc32": crc.finish()}, chunks

@@ -423,8 +423,16 @@ class ZeroEngine(torch.optim.Optimizer):
         return state.sharded_state_dict(self)
 
     def load_state_dict(self, state_dict) -> None:
+        # torch.optim.Optimizer.load_state_dict's hooks (register_load_state_dict_pre_hook /
+        # _post_hook), which this override would otherwise skip: a pre-hook may return a new dict.
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state.load_state_dict(self, state_dict)
         self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state in plain torch.optim format on group rank `to`; its
