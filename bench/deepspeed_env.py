@@ -103,7 +103,8 @@ def ensure_deepspeed_ops(names=("async_io", "cpu_adam")) -> dict:
     an op this helper does not know and RuntimeError when an op cannot be built here."""
     unknown = [n for n in names if n not in _OP_BUILDERS]
     if unknown:
-        raise ValueError(f"ensure_deepspeed_ops: names: unknown op(s) {unknown}, expected some of {sorted(_OP_BUILDERS)}")
+        raise ValueError(f"ensure_deepspeed_ops: names: unknown op(s) {unknown}, "
+                         f"expected some of {sorted(_OP_BUILDERS)}")
     ensure_deepspeed()
     from deepspeed.accelerator import get_accelerator
 

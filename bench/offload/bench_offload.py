@@ -2,7 +2,7 @@
 
     python bench/offload/bench_offload.py [--worlds 1,2] [--stage 3] [--dim 768] [--layers 15]
         [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--param-buffer-count 5] [--nvme-path DIR]
-        [--out PATH]
+        [--deepspeed] [--out PATH]
 
 A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.8M parameters) with AdamW (lr 3e-4,
 wd 0.01), one torch thread per rank. Every rank builds both variants from the same weights and
@@ -19,13 +19,22 @@ their rate over the step (nvme_param: over forward + backward + step, where its 
 the bytes on disk, and whether the full state dict equals the in-memory run's bit for bit after
 the last round. fio (O_DIRECT, 1 MiB, iodepth 32, io_uring) on the same
 directory gives the device's figure when fio is installed. Writes PATH.json and PATH.md.
-DeepSpeed's offload is not run here (see docs/offload.md).
+
+--deepspeed adds DeepSpeed 0.19.8's own offload in the same ranks, with the same rounds and data,
+swapping under the same nvme_path (bench/offload/deepspeed_offload.py: stage 3 in memory, optimizer
+on NVMe, optimizer + parameters on NVMe; stage 2 in memory and optimizer on NVMe), each variant's
+step against its own stage's in-memory step, with the time in its swapper calls, the bytes the
+rank read and wrote, the bytes on disk, and whether its losses and parameters equal its in-memory
+run's. They run after zeroplus's variants are freed, stage 2's then stage 3's (each stage's
+variants interleaved), so that the machine's memory holds one phase at a time.
+bench/deepspeed_env.py installs DeepSpeed and builds its async_io and cpu_adam ops (once).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -35,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -86,9 +96,92 @@ def _slowest(x: float) -> float:
     return t.item()
 
 
+def _deepspeed_runs(args, names):
+    """DeepSpeed's variants `names`, each from the same initial weights."""
+    from deepspeed_offload import DsRun
+    from tiny_gpt import TinyGPT
+
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
+        runs[name] = DsRun(name, args, model, os.path.join(args.deepspeed_dir, name))
+    return runs
+
+
+def _deepspeed_round(runs, gen, args, record):
+    """One interleaved round of every DeepSpeed variant; `record` is None in the untimed round."""
+    from tiny_gpt import synthetic_batch
+
+    for name, run in runs.items():
+        tokens, targets = synthetic_batch(args.batch, args.context, VOCAB, gen[name])
+        before = run.counters()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = run.compute(tokens, targets, VOCAB)
+        t1 = time.perf_counter()
+        run.step()
+        t2 = time.perf_counter()
+        compute, step = _slowest(t1 - t0), _slowest(t2 - t1)
+        moved = [_slowest(a - b) for a, b in zip(run.counters(), before)]
+        if record is None:
+            continue
+        r = record[name]
+        r["compute"].append(compute)
+        r["step"].append(step)
+        r["loss"].append(loss)
+        for key, value in zip(("swap_in_s", "swap_out_s", "bytes_read", "bytes_written"), moved):
+            r[key].append(value)
+
+
+def _deepspeed_summary(runs, record):
+    """Per variant: parameters and losses against the same stage's in-memory run (all ranks),
+    this rank's bytes on disk, and what DeepSpeed chose (swappers, parameter swap dtype)."""
+    from deepspeed_offload import compare
+
+    out = {}
+    for base in dict.fromkeys(run.variant.baseline for run in runs.values()):
+        ref = runs[base].full_parameters()
+        for name, run in runs.items():
+            if run.variant.baseline != base:
+                continue
+            same = compare(run.full_parameters(), ref) if name != base else {"bit_exact": True, "max_abs_diff": 0.0}
+            loss_diff = max(abs(a - b) for a, b in zip(record[name]["loss"], record[base]["loss"]))
+            out[name] = {"bit_exact": _slowest(0.0 if same["bit_exact"] else 1.0) == 0.0,
+                         "max_abs_diff": _slowest(same["max_abs_diff"]), "loss_max_abs_diff": _slowest(loss_diff),
+                         "disk": run.disk(), "swappers": run.swappers, "param_swap_dtype": run.param_swap_dtype}
+        del ref
+    return out
+
+
+def _deepspeed_phases(args, rank, world):
+    """DeepSpeed's phases (deepspeed_offload.PHASES), one after the other in these ranks: each
+    phase's variants built, run interleaved for the same rounds and data as zeroplus's, compared
+    and freed, so that only one phase's engines and swap buffers are in memory at a time."""
+    from deepspeed_offload import PHASES, init_deepspeed, rss_bytes
+
+    init_deepspeed(rank, world, "zeroplus")
+    record, summary, rss = {}, {}, {}
+    for names in PHASES:
+        runs = _deepspeed_runs(args, names)
+        gen = {name: torch.Generator().manual_seed(rank) for name in runs}
+        phase = {name: {k: [] for k in ("compute", "step", "loss", "swap_in_s", "swap_out_s", "bytes_read",
+                                        "bytes_written")} for name in runs}
+        for round_ in range(args.steps + 1):  # round 0 creates the state: not timed
+            _deepspeed_round(runs, gen, args, phase if round_ else None)
+        summary.update(_deepspeed_summary(runs, phase))
+        record.update(phase)
+        rss[" + ".join(names)] = rss_bytes()
+        del runs
+        gc.collect()
+    return record, summary, rss
+
+
 def _worker(rank, world, store_path, args, out_queue):
     sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "bench" / "offload"))
     import zeroplus  # noqa: F401  (registers backend "zeroplus")
+    from deepspeed_offload import rss_bytes
     from tiny_gpt import synthetic_batch
 
     torch.set_num_threads(1)
@@ -145,16 +238,23 @@ def _worker(rank, world, store_path, args, out_queue):
             disk["nvme_param"] += variants["nvme_param"][1].placement.param_store.disk_bytes()
         report = zeroplus.memory_report(*variants["nvme"])
         ref_report = zeroplus.memory_report(*variants["in_memory"])
-        out_queue.put({"rank": rank, "rows": rows, "swap": swap, "swaps": swaps, "bit_exact": same,
-                       "bit_exact_by_variant": bit_exact, "disk_by_variant": disk,
-                       "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
-                       "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
-                       "engine": swapper.engine})
+        result = {"rank": rank, "rows": rows, "swap": swap, "swaps": swaps, "bit_exact": same,
+                  "bit_exact_by_variant": bit_exact, "disk_by_variant": disk,
+                  "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
+                  "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
+                  "engine": swapper.engine, "rss": {"zeroplus": rss_bytes()}}
         for name in swaps:
             variants[name][1].offload.close()
         if "nvme_param" in variants:
             variants["nvme_param"][1].placement.param_store.close()
+        if args.deepspeed:  # after zeroplus's variants, in the same ranks (see _deepspeed_phases)
+            del variants, swapper
+            gc.collect()
+            result["deepspeed"], result["deepspeed_summary"], ds_rss = _deepspeed_phases(args, rank, world)
+            result["rss"].update(ds_rss)
+        out_queue.put(result)
     except Exception as e:  # reported, not hidden
+        traceback.print_exc()
         out_queue.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     finally:
         dist.destroy_process_group()
@@ -164,12 +264,17 @@ def run_world(world, args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
+        if args.deepspeed:  # DeepSpeed's swap directories for this launch: <nvme_path>/<temp>/<variant>
+            args = argparse.Namespace(**vars(args), deepspeed_dir=tempfile.mkdtemp(prefix="ds-offload-bench-",
+                                                                                  dir=args.nvme_path))
         procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(d, "store"), args, q)) for r in range(world)]
         for p in procs:
             p.start()
         results = [q.get(timeout=7200) for _ in procs]
         for p in procs:
             p.join()
+        if args.deepspeed:
+            shutil.rmtree(args.deepspeed_dir, ignore_errors=True)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         return {"error": errors[0]}
@@ -177,6 +282,11 @@ def run_world(world, args):
     out["disk_bytes_all_ranks"] = sum(r["disk_bytes"] for r in results)
     out["disk_all_ranks_by_variant"] = {name: sum(r["disk_by_variant"][name] for r in results)
                                         for name in out["disk_by_variant"]}
+    out["rss_max_rank"] = {phase: max(r["rss"][phase] for r in results) for phase in out["rss"]}
+    if out.get("deepspeed_summary"):
+        for name, summary in out["deepspeed_summary"].items():
+            summary["disk_all_ranks"] = {k: sum(r["deepspeed_summary"][name]["disk"][k] for r in results)
+                                         for k in summary["disk"]}
     return out
 
 
@@ -190,6 +300,43 @@ def _engine(results):
 
 def _med(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+def _deepspeed_table(results, ds_info) -> list[str]:
+    """DeepSpeed's variants, each against its own stage's in-memory run."""
+    lines = [f"DeepSpeed {ds_info['version']} (DS_ACCELERATOR={ds_info['accelerator']}), DeepSpeedCPUAdam, same model, "
+             "ranks, data and nvme_path; swap s: the training thread inside its swapper calls; GB: what the rank "
+             "read / wrote to storage per step (/proc/self/io, fwd+bwd+step); disk: allocated bytes of its swap "
+             "files, all ranks (of which parameters)", "",
+             "| ranks | variant | fwd+bwd s | step s | step / in-memory step | (fwd+bwd+step) / in-memory | "
+             "swap-in s | swap-out s | GB read | GB written | disk GB (params GB) | losses max abs diff | "
+             "params equal in-memory (max abs diff) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for world, r in results.items():
+        if "error" in r:
+            lines.append(f"| {world} | — | error: {r['error']} |")
+            continue
+        from deepspeed_offload import VARIANTS as DS_VARIANTS
+
+        rec, summary = r["deepspeed"], r["deepspeed_summary"]
+        for name, row in rec.items():
+            base = rec[DS_VARIANTS[name].baseline]
+            ref_step, step = _med(base["step"]), _med(row["step"])
+            ref_total, total = ref_step + _med(base["compute"]), step + _med(row["compute"])
+            s = summary[name]
+            disk = s["disk_all_ranks"]
+            same = "yes" if s["bit_exact"] else f"NO ({s['max_abs_diff']:.2e})"
+            lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
+                         f"{total / ref_total:.2f} | {_med(row['swap_in_s']):.3f} | {_med(row['swap_out_s']):.3f} | "
+                         f"{_med(row['bytes_read']) / 1e9:.3f} | {_med(row['bytes_written']) / 1e9:.3f} | "
+                         f"{disk['all'] / 1e9:.3f} ({disk['parameters'] / 1e9:.3f}) | {s['loss_max_abs_diff']:.2e} | "
+                         f"{same} |")
+        notes = [f"{n}: swappers {s['swappers']}, parameter swap dtype {s['param_swap_dtype']}"
+                 for n, s in summary.items() if "nvme" in n]
+        notes.append("resident memory at the end of each phase (largest rank): " + ", ".join(
+            f"{phase} {rss / 2**30:.2f} GiB" for phase, rss in r["rss_max_rank"].items()))
+        lines += [f"- ranks {world}: {note}" for note in notes]
+    return lines
 
 
 def main():
@@ -206,8 +353,19 @@ def main():
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count (stage 3)")
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="add DeepSpeed's own offload (stage 3 and 2; installed into the build directory once)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
     args = parser.parse_args()
+    ds_info = None
+    if args.deepspeed:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from deepspeed_env import ensure_deepspeed_ops
+
+        ops = ensure_deepspeed_ops(["async_io", "cpu_adam"])  # before spawning: the ranks inherit the env
+        import deepspeed
+
+        ds_info = {"version": deepspeed.__version__, "accelerator": os.environ.get("DS_ACCELERATOR"), "ops": ops}
     sys.path.insert(0, str(ROOT / "examples"))
     from tiny_gpt import TinyGPT
 
@@ -250,11 +408,14 @@ def main():
                 extra = "— | — | — | — | — | — | —"
             lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
                          f"{total / ref_total:.2f} | {extra} |")
+    if args.deepspeed:
+        lines += [""] + _deepspeed_table(results, ds_info)
     table = "\n".join(lines)
     print(table)
     out = pathlib.Path(args.out + "-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "params": psi, "fio_gbps": fio,
+                                                    "load_average": os.getloadavg(), "deepspeed": ds_info,
                                                     "results": results}, indent=1, default=str))
     out.with_suffix(".md").write_text(table + "\n")
     print(f"[bench_offload] wrote {out}.json and .md")

@@ -1,0 +1,208 @@
+"""DeepSpeed's own NVMe offload, for bench_offload.py --deepspeed: its variants, their I/O and disk.
+
+Runs inside bench_offload.py's ranks, on the group they initialised (deepspeed.init_distributed
+with dist_init_required=False, as bench/zero/bench_stages.py does), with DeepSpeed 0.19.8 on its
+CPU accelerator (bench/deepspeed_env.py installs it and JIT-builds async_io and cpu_adam once).
+Every variant is the same TinyGPT from the same seed, trained by deepspeed.initialize with the
+client optimizer DeepSpeedCPUAdam(adamw_mode=True, lr 3e-4, wd 0.01): the optimizer DeepSpeed
+requires with offload_optimizer (zero_force_ds_cpu_optimizer), used for its in-memory runs too
+so that only the offload differs between a variant and its baseline.
+
+  ds3_in_memory    stage 3
+  ds3_nvme         stage 3, offload_optimizer nvme
+  ds3_nvme_param   stage 3, offload_optimizer and offload_param nvme (DeepSpeed's default
+                   max_in_cpu, 1e9 elements: the bytes its parameter swap directory holds say
+                   how much of the parameters really went to disk)
+  ds2_in_memory    stage 2
+  ds2_nvme         stage 2, offload_optimizer nvme (the bytes on disk say whether it swaps)
+Everything else is DeepSpeed's default for the stage (aio block, buffer sizes), except the
+buffer_count values, which are bench_offload.py's (by default DeepSpeed's own 4 and 5).
+
+Each variant swaps under its own directory <base>/<variant> (DeepSpeed lays out
+zero_stage_3/optimizer/rank<r>/ and zero_stage_3/<dtype>params/rank<r>/ below it); its size is
+the allocated blocks of every file there (st_blocks), split into parameter and optimizer parts.
+What this module measures per step, for the ranks' slowest: forward+backward and engine.step()
+times; the time the training thread spent inside DeepSpeed's swapper calls (optimizer swapper:
+swap_in_optimizer_state / swap_out_optimizer_state / swap_out_gradients; parameter swapper:
+swap_in, synchronize_reads, swap_into_buffer / swap_out_and_release, synchronize_writes,
+swap_out_partitioned_params; the outermost call only), wrapped per instance; the bytes the process
+read from and wrote to storage (/proc/self/io read_bytes / write_bytes, so DeepSpeed's aio
+threads count, page-cache hits do not); the loss; and after the last round the full parameters
+(gathered at stage 3), compared with the same stage's in-memory run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class DsVariant:
+    stage: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+    @property
+    def baseline(self) -> str:
+        return f"ds{self.stage}_in_memory"
+
+
+VARIANTS = {
+    "ds3_in_memory": DsVariant(3),
+    "ds3_nvme": DsVariant(3, offload_optimizer=True),
+    "ds3_nvme_param": DsVariant(3, offload_optimizer=True, offload_param=True),
+    "ds2_in_memory": DsVariant(2),
+    "ds2_nvme": DsVariant(2, offload_optimizer=True),
+}
+
+# Run one after the other, each phase's variants interleaved (bench_offload._deepspeed_phases):
+# DeepSpeed's fixed pinned swap buffers (4 x the partition for the optimizer, 5 x 1e8 elements for
+# the parameters, per rank) with every engine of both stages alive would not fit beside the other
+# sessions on this 24 GB machine.
+PHASES = (("ds2_in_memory", "ds2_nvme"), ("ds3_in_memory", "ds3_nvme", "ds3_nvme_param"))
+
+_OPT_SWAPPER_CALLS = {"swap_in_optimizer_state": "swap_in", "swap_out_optimizer_state": "swap_out",
+                      "swap_out_gradients": "swap_out"}
+_PARAM_SWAPPER_CALLS = {"swap_in": "swap_in", "synchronize_reads": "swap_in", "swap_into_buffer": "swap_in",
+                        "swap_out_and_release": "swap_out", "synchronize_writes": "swap_out",
+                        "swap_out_partitioned_params": "swap_out"}
+
+
+def init_deepspeed(rank: int, world: int, backend: str) -> None:
+    """Points DeepSpeed at the process group the caller already initialised."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, dist_init_required=False)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+
+
+def _io_bytes() -> tuple[int, int]:
+    """(read_bytes, write_bytes) this process sent to storage so far (all its threads)."""
+    values = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            values[key] = int(value)
+    return values["read_bytes"], values["write_bytes"]
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def dir_bytes(path: str, only=None) -> int:
+    """Allocated bytes of the files under `path` (0 when it does not exist); `only(dirpath)`
+    selects directories."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        if only is not None and not only(dirpath):
+            continue
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class SwapTimer:
+    """Seconds the calling thread spends inside a swapper's calls, by kind ("swap_in"/"swap_out").
+    Wraps the named methods on the instance; nested calls count once (the outermost)."""
+
+    def __init__(self):
+        self.seconds = {"swap_in": 0.0, "swap_out": 0.0}
+        self._depth = 0
+
+    def wrap(self, swapper, calls: dict) -> None:
+        for method, kind in calls.items():
+            inner = getattr(swapper, method, None)
+            if inner is not None:
+                setattr(swapper, method, self._timed(inner, kind))
+
+    def _timed(self, inner, kind):
+        def call(*args, **kwargs):
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.seconds[kind] += time.perf_counter() - t0
+        return call
+
+
+class DsRun:
+    """One DeepSpeed engine of the bench: (forward+backward, step) calls, its swap counters and
+    swap directory."""
+
+    def __init__(self, name: str, args, model: torch.nn.Module, nvme_dir: str):
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        self.name, self.variant, self.nvme_dir = name, VARIANTS[name], nvme_dir
+        zero = {"stage": self.variant.stage}
+        if self.variant.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args.buffer_count}
+        if self.variant.offload_param:
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args.param_buffer_count}
+        config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                  "zero_optimization": zero, "steps_per_print": 1 << 30}
+        if args.precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=3e-4, weight_decay=0.01, adamw_mode=True)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.timer = SwapTimer()
+        opt_swapper = getattr(self.engine.optimizer, "optimizer_swapper", None)
+        if opt_swapper is not None:
+            self.timer.wrap(opt_swapper, _OPT_SWAPPER_CALLS)
+        param_swapper = next((p.nvme_swapper for p in self.engine.module.parameters()
+                              if getattr(p, "nvme_swapper", None) is not None), None)
+        if param_swapper is not None:
+            self.timer.wrap(param_swapper, _PARAM_SWAPPER_CALLS)
+        self.param_swap_dtype = None if param_swapper is None else str(param_swapper.dtype).replace("torch.", "")
+        self.swappers = {"optimizer": opt_swapper is not None, "parameters": param_swapper is not None}
+
+    def counters(self) -> list[float]:
+        read, written = _io_bytes()
+        return [self.timer.seconds["swap_in"], self.timer.seconds["swap_out"], float(read), float(written)]
+
+    def compute(self, tokens, targets, vocab: int) -> float:
+        logits = self.engine(tokens)
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+        self.engine.backward(loss)
+        return loss.item()
+
+    def step(self) -> None:
+        self.engine.step()  # zeroes the gradients too
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every rank's copy of the full parameters (gathered at stage 3)."""
+        import deepspeed
+
+        params = list(self.engine.module.parameters())
+        if self.variant.stage == 3:
+            with deepspeed.zero.GatheredParameters(params):
+                return {n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
+        return {n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
+
+    def disk(self) -> dict:
+        """Allocated bytes under this variant's swap directory, this rank: parameters, all."""
+        return {"all": dir_bytes(self.nvme_dir),
+                "parameters": dir_bytes(self.nvme_dir, lambda d: os.path.basename(os.path.dirname(d)).endswith("params")
+                                        or os.path.basename(d).endswith("params"))}
+
+
+def compare(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
+    """Bit-equality and the largest absolute difference of two full parameter sets."""
+    diff = max(((params[k].float() - ref[k].float()).abs().max().item() for k in ref), default=0.0)
+    return {"bit_exact": all(torch.equal(params[k], ref[k]) for k in ref), "max_abs_diff": diff}
