@@ -2,7 +2,7 @@
 
     python bench/offload/bench_offload.py [--worlds 1,2] [--stage 3] [--dim 768] [--layers 15]
         [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--param-buffer-count 5] [--nvme-path DIR]
-        [--deepspeed] [--out PATH]
+        [--deepspeed [--deepspeed-max-in-cpu N]] [--out PATH]
 
 A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.8M parameters) with AdamW (lr 3e-4,
 wd 0.01), one torch thread per rank. Every rank builds both variants from the same weights and
@@ -118,9 +118,12 @@ def _deepspeed_round(runs, gen, args, record):
         before = run.counters()
         dist.barrier()
         t0 = time.perf_counter()
-        loss = run.compute(tokens, targets, VOCAB)
-        t1 = time.perf_counter()
-        run.step()
+        try:
+            loss = run.compute(tokens, targets, VOCAB)
+            t1 = time.perf_counter()
+            run.step()
+        except Exception as e:  # the table's error row names the variant
+            raise RuntimeError(f"DeepSpeed variant {name}: {type(e).__name__}: {e}") from e
         t2 = time.perf_counter()
         compute, step = _slowest(t1 - t0), _slowest(t2 - t1)
         moved = [_slowest(a - b) for a, b in zip(run.counters(), before)]
@@ -355,8 +358,12 @@ def main():
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--deepspeed", action="store_true",
                         help="add DeepSpeed's own offload (stage 3 and 2; installed into the build directory once)")
+    parser.add_argument("--deepspeed-max-in-cpu", type=int, default=None,
+                        help="offload_param.max_in_cpu of ds3_nvme_param (default: DeepSpeed's, 1e9)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
     args = parser.parse_args()
+    if args.deepspeed_max_in_cpu is not None and (args.deepspeed_max_in_cpu < 0 or not args.deepspeed):
+        parser.error("--deepspeed-max-in-cpu: needs --deepspeed and a count >= 0")
     ds_info = None
     if args.deepspeed:
         sys.path.insert(0, str(ROOT / "bench"))

@@ -16,7 +16,8 @@ so that only the offload differs between a variant and its baseline.
   ds2_in_memory    stage 2
   ds2_nvme         stage 2, offload_optimizer nvme (the bytes on disk say whether it swaps)
 Everything else is DeepSpeed's default for the stage (aio block, buffer sizes), except the
-buffer_count values, which are bench_offload.py's (by default DeepSpeed's own 4 and 5).
+buffer_count values, which are bench_offload.py's (by default DeepSpeed's own 4 and 5), and
+offload_param.max_in_cpu when --deepspeed-max-in-cpu is given.
 
 Each variant swaps under its own directory <base>/<variant> (DeepSpeed lays out
 zero_stage_3/optimizer/rank<r>/ and zero_stage_3/<dtype>params/rank<r>/ below it); its size is
@@ -155,6 +156,8 @@ class DsRun:
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args.buffer_count}
         if self.variant.offload_param:
             zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args.param_buffer_count}
+            if args.deepspeed_max_in_cpu is not None:
+                zero["offload_param"]["max_in_cpu"] = args.deepspeed_max_in_cpu
         config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
                   "zero_optimization": zero, "steps_per_print": 1 << 30}
         if args.precision == "bf16":
