@@ -152,7 +152,7 @@ def _deepspeed_summary(runs, record):
             loss_diff = max(abs(a - b) for a, b in zip(record[name]["loss"], record[base]["loss"]))
             out[name] = {"bit_exact": _slowest(0.0 if same["bit_exact"] else 1.0) == 0.0,
                          "max_abs_diff": _slowest(same["max_abs_diff"]), "loss_max_abs_diff": _slowest(loss_diff),
-                         "disk": run.disk(), "swappers": run.swappers, "param_swap_dtype": run.param_swap_dtype}
+                         "disk": run.disk(dist.get_rank()), "swappers": run.swappers, "param_swap_dtype": run.param_swap_dtype}
         del ref
     return out
 
@@ -175,6 +175,8 @@ def _deepspeed_phases(args, rank, world):
         summary.update(_deepspeed_summary(runs, phase))
         record.update(phase)
         rss[" + ".join(names)] = rss_bytes()
+        for run in runs.values():
+            run.close()
         del runs
         gc.collect()
     return record, summary, rss

@@ -198,11 +198,18 @@ class DsRun:
                 return {n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
         return {n: p.detach().clone() for n, p in self.engine.module.named_parameters()}
 
-    def disk(self) -> dict:
-        """Allocated bytes under this variant's swap directory, this rank: parameters, all."""
-        return {"all": dir_bytes(self.nvme_dir),
-                "parameters": dir_bytes(self.nvme_dir, lambda d: os.path.basename(os.path.dirname(d)).endswith("params")
-                                        or os.path.basename(d).endswith("params"))}
+    def disk(self, rank: int) -> dict:
+        """Allocated bytes of this rank's swap files (DeepSpeed's .../rank<r>/ directories), all and
+        parameters (.../<dtype>params/rank<r>/)."""
+        mine = f"rank{rank}"
+        return {"all": dir_bytes(self.nvme_dir, lambda d: os.path.basename(d) == mine),
+                "parameters": dir_bytes(self.nvme_dir, lambda d: os.path.basename(d) == mine
+                                        and os.path.basename(os.path.dirname(d)).endswith("params"))}
+
+    def close(self) -> None:
+        """Frees the engine: without destroy() its hooks keep it (and its buffers) alive."""
+        self.engine.destroy()
+        del self.engine
 
 
 def compare(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict:
