@@ -344,6 +344,42 @@ def _deepspeed_table(results, ds_info) -> list[str]:
     return lines
 
 
+def _table(args, psi, fio, results, ds_info) -> str:
+    """The markdown tables of `results` so far."""
+    lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
+             f"AdamW, buffer_count {args.buffer_count}, {args.steps} timed rounds (medians, slowest rank)", "",
+             f"nvme_path {args.nvme_path}; fio O_DIRECT 1 MiB QD32 io_uring: read {_gbps(fio['read'])}, "
+             f"write {_gbps(fio['write'])}; swap engine {_engine(results)}", "",
+             "| ranks | variant | compute s | step s | step / in-memory step | (compute + step) / in-memory | "
+             "swap-in wait s | swap-out wait s | checksum s | GB moved per step | GB/s | disk GB (all ranks) | "
+             "bit-exact |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for world, r in results.items():
+        if "error" in r:
+            lines.append(f"| {world} | — | error: {r['error']} |")
+            continue
+        ref_step = _med(r["rows"]["in_memory"]["step"])
+        ref_total = ref_step + _med(r["rows"]["in_memory"]["compute"])
+        for name in r["rows"]:
+            row = r["rows"][name]
+            step = _med(row["step"])
+            total = step + _med(row["compute"])
+            if name != "in_memory":
+                s = r["swaps"][name]
+                moved = (_med(s["bytes_read"]) + _med(s["bytes_written"])) / 1e9
+                seconds = step if name == "nvme" else total  # parameters move in forward and backward too
+                extra = (f"{_med(s['read_wait']):.3f} | {_med(s['write_wait']):.3f} | {_med(s['checksum']):.3f} | "
+                         f"{moved:.3f} | {moved / seconds:.2f} | {r['disk_all_ranks_by_variant'][name] / 1e9:.3f} | "
+                         f"{'yes' if r['bit_exact_by_variant'][name] else 'NO'}")
+            else:
+                extra = "— | — | — | — | — | — | —"
+            lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
+                         f"{total / ref_total:.2f} | {extra} |")
+    if args.deepspeed:
+        lines += [""] + _deepspeed_table(results, ds_info)
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1,2")
@@ -383,50 +419,23 @@ def main():
                                              context=args.context).parameters())
     fio = {"write": _fio(args.nvme_path, "write")}  # first: it creates the file the read reads
     fio["read"] = _fio(args.nvme_path, "read")
+    out = pathlib.Path(args.out + "-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = {}
     for world in [int(w) for w in args.worlds.split(",")]:
         print(f"[bench_offload] {psi / 1e6:.1f}M parameters, stage {args.stage}, {args.precision}, world {world} ...",
               flush=True)
+        t0 = time.perf_counter()
         results[world] = run_world(world, args)
-    lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
-             f"AdamW, buffer_count {args.buffer_count}, {args.steps} timed rounds (medians, slowest rank)", "",
-             f"nvme_path {args.nvme_path}; fio O_DIRECT 1 MiB QD32 io_uring: read {_gbps(fio['read'])}, "
-             f"write {_gbps(fio['write'])}; swap engine {_engine(results)}", "",
-             "| ranks | variant | compute s | step s | step / in-memory step | (compute + step) / in-memory | "
-             "swap-in wait s | swap-out wait s | checksum s | GB moved per step | GB/s | disk GB (all ranks) | "
-             "bit-exact |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for world, r in results.items():
-        if "error" in r:
-            lines.append(f"| {world} | — | error: {r['error']} |")
-            continue
-        ref_step = _med(r["rows"]["in_memory"]["step"])
-        ref_total = ref_step + _med(r["rows"]["in_memory"]["compute"])
-        for name in r["rows"]:
-            row = r["rows"][name]
-            step = _med(row["step"])
-            total = step + _med(row["compute"])
-            if name != "in_memory":
-                s = r["swaps"][name]
-                moved = (_med(s["bytes_read"]) + _med(s["bytes_written"])) / 1e9
-                seconds = step if name == "nvme" else total  # parameters move in forward and backward too
-                extra = (f"{_med(s['read_wait']):.3f} | {_med(s['write_wait']):.3f} | {_med(s['checksum']):.3f} | "
-                         f"{moved:.3f} | {moved / seconds:.2f} | {r['disk_all_ranks_by_variant'][name] / 1e9:.3f} | "
-                         f"{'yes' if r['bit_exact_by_variant'][name] else 'NO'}")
-            else:
-                extra = "— | — | — | — | — | — | —"
-            lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
-                         f"{total / ref_total:.2f} | {extra} |")
-    if args.deepspeed:
-        lines += [""] + _deepspeed_table(results, ds_info)
-    table = "\n".join(lines)
+        table = _table(args, psi, fio, results, ds_info)
+        print(f"[bench_offload] world {world} took {time.perf_counter() - t0:.0f} s; load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        # Written after every world, so that a run cut short keeps what it measured.
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "params": psi, "fio_gbps": fio,
+                                                        "load_average": os.getloadavg(), "deepspeed": ds_info,
+                                                        "results": results}, indent=1, default=str))
+        out.with_suffix(".md").write_text(table + "\n")
     print(table)
-    out = pathlib.Path(args.out + "-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "params": psi, "fio_gbps": fio,
-                                                    "load_average": os.getloadavg(), "deepspeed": ds_info,
-                                                    "results": results}, indent=1, default=str))
-    out.with_suffix(".md").write_text(table + "\n")
     print(f"[bench_offload] wrote {out}.json and .md")
 
 
