@@ -96,97 +96,11 @@ def _slowest(x: float) -> float:
     return t.item()
 
 
-def _deepspeed_runs(args, names):
-    """DeepSpeed's variants `names`, each from the same initial weights."""
-    from deepspeed_offload import DsRun
-    from tiny_gpt import TinyGPT
-
-    runs = {}
-    for name in names:
-        torch.manual_seed(0)
-        model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
-        runs[name] = DsRun(name, args, model, os.path.join(args.deepspeed_dir, name))
-    return runs
-
-
-def _deepspeed_round(runs, gen, args, record):
-    """One interleaved round of every DeepSpeed variant; `record` is None in the untimed round."""
-    from tiny_gpt import synthetic_batch
-
-    for name, run in runs.items():
-        tokens, targets = synthetic_batch(args.batch, args.context, VOCAB, gen[name])
-        before = run.counters()
-        dist.barrier()
-        t0 = time.perf_counter()
-        try:
-            loss = run.compute(tokens, targets, VOCAB)
-            t1 = time.perf_counter()
-            run.step()
-        except Exception as e:  # the table's error row names the variant
-            raise RuntimeError(f"DeepSpeed variant {name}: {type(e).__name__}: {e}") from e
-        t2 = time.perf_counter()
-        compute, step = _slowest(t1 - t0), _slowest(t2 - t1)
-        moved = [_slowest(a - b) for a, b in zip(run.counters(), before)]
-        if record is None:
-            continue
-        r = record[name]
-        r["compute"].append(compute)
-        r["step"].append(step)
-        r["loss"].append(loss)
-        for key, value in zip(("swap_in_s", "swap_out_s", "bytes_read", "bytes_written"), moved):
-            r[key].append(value)
-
-
-def _deepspeed_summary(runs, record):
-    """Per variant: parameters and losses against the same stage's in-memory run (all ranks),
-    this rank's bytes on disk, and what DeepSpeed chose (swappers, parameter swap dtype)."""
-    from deepspeed_offload import compare
-
-    out = {}
-    for base in dict.fromkeys(run.variant.baseline for run in runs.values()):
-        ref = runs[base].full_parameters()
-        for name, run in runs.items():
-            if run.variant.baseline != base:
-                continue
-            same = compare(run.full_parameters(), ref) if name != base else {"bit_exact": True, "max_abs_diff": 0.0}
-            loss_diff = max(abs(a - b) for a, b in zip(record[name]["loss"], record[base]["loss"]))
-            out[name] = {"bit_exact": _slowest(0.0 if same["bit_exact"] else 1.0) == 0.0,
-                         "max_abs_diff": _slowest(same["max_abs_diff"]), "loss_max_abs_diff": _slowest(loss_diff),
-                         "disk": run.disk(dist.get_rank()), "swappers": run.swappers, "param_swap_dtype": run.param_swap_dtype}
-        del ref
-    return out
-
-
-def _deepspeed_phases(args, rank, world):
-    """DeepSpeed's phases (deepspeed_offload.PHASES), one after the other in these ranks: each
-    phase's variants built, run interleaved for the same rounds and data as zeroplus's, compared
-    and freed, so that only one phase's engines and swap buffers are in memory at a time."""
-    from deepspeed_offload import PHASES, init_deepspeed, rss_bytes
-
-    init_deepspeed(rank, world, "zeroplus")
-    record, summary, rss = {}, {}, {}
-    for names in PHASES:
-        runs = _deepspeed_runs(args, names)
-        gen = {name: torch.Generator().manual_seed(rank) for name in runs}
-        phase = {name: {k: [] for k in ("compute", "step", "loss", "swap_in_s", "swap_out_s", "bytes_read",
-                                        "bytes_written")} for name in runs}
-        for round_ in range(args.steps + 1):  # round 0 creates the state: not timed
-            _deepspeed_round(runs, gen, args, phase if round_ else None)
-        summary.update(_deepspeed_summary(runs, phase))
-        record.update(phase)
-        rss[" + ".join(names)] = rss_bytes()
-        for run in runs.values():
-            run.close()
-        del runs
-        gc.collect()
-    return record, summary, rss
-
-
 def _worker(rank, world, store_path, args, out_queue):
     sys.path.insert(0, str(ROOT / "examples"))
     sys.path.insert(0, str(ROOT / "bench" / "offload"))
     import zeroplus  # noqa: F401  (registers backend "zeroplus")
-    from deepspeed_offload import rss_bytes
+    import deepspeed_offload  # (bench/offload) imports deepspeed only when its variants run
     from tiny_gpt import synthetic_batch
 
     torch.set_num_threads(1)
@@ -247,16 +161,17 @@ def _worker(rank, world, store_path, args, out_queue):
                   "bit_exact_by_variant": bit_exact, "disk_by_variant": disk,
                   "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
                   "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
-                  "engine": swapper.engine, "rss": {"zeroplus": rss_bytes()}}
+                  "engine": swapper.engine, "rss": {"zeroplus": deepspeed_offload.rss_bytes()}}
         for name in swaps:
             variants[name][1].offload.close()
         if "nvme_param" in variants:
             variants["nvme_param"][1].placement.param_store.close()
-        if args.deepspeed:  # after zeroplus's variants, in the same ranks (see _deepspeed_phases)
+        if args.deepspeed:  # after zeroplus's variants, in the same ranks (deepspeed_offload.run_phases)
             del variants, swapper
             gc.collect()
-            result["deepspeed"], result["deepspeed_summary"], ds_rss = _deepspeed_phases(args, rank, world)
-            result["rss"].update(ds_rss)
+            ds = deepspeed_offload.run_phases(args, rank, world)
+            result["rss"].update(ds.pop("rss"))
+            result.update(ds)
         out_queue.put(result)
     except Exception as e:  # reported, not hidden
         traceback.print_exc()
@@ -307,43 +222,6 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def _deepspeed_table(results, ds_info) -> list[str]:
-    """DeepSpeed's variants, each against its own stage's in-memory run."""
-    lines = [f"DeepSpeed {ds_info['version']} (DS_ACCELERATOR={ds_info['accelerator']}), DeepSpeedCPUAdam, same model, "
-             "ranks, data and nvme_path; swap s: the training thread inside its swapper calls; GB: what the rank "
-             "read / wrote to storage per step (/proc/self/io, fwd+bwd+step); disk: allocated bytes of its swap "
-             "files, all ranks (of which parameters)", "",
-             "| ranks | variant | fwd+bwd s | step s | step / in-memory step | (fwd+bwd+step) / in-memory | "
-             "swap-in s | swap-out s | GB read | GB written | disk GB (params GB) | losses max abs diff | "
-             "params equal in-memory (max abs diff) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for world, r in results.items():
-        if "error" in r:
-            lines.append(f"| {world} | — | error: {r['error']} |")
-            continue
-        from deepspeed_offload import VARIANTS as DS_VARIANTS
-
-        rec, summary = r["deepspeed"], r["deepspeed_summary"]
-        for name, row in rec.items():
-            base = rec[DS_VARIANTS[name].baseline]
-            ref_step, step = _med(base["step"]), _med(row["step"])
-            ref_total, total = ref_step + _med(base["compute"]), step + _med(row["compute"])
-            s = summary[name]
-            disk = s["disk_all_ranks"]
-            same = "yes" if s["bit_exact"] else f"NO ({s['max_abs_diff']:.2e})"
-            lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
-                         f"{total / ref_total:.2f} | {_med(row['swap_in_s']):.3f} | {_med(row['swap_out_s']):.3f} | "
-                         f"{_med(row['bytes_read']) / 1e9:.3f} | {_med(row['bytes_written']) / 1e9:.3f} | "
-                         f"{disk['all'] / 1e9:.3f} ({disk['parameters'] / 1e9:.3f}) | {s['loss_max_abs_diff']:.2e} | "
-                         f"{same} |")
-        notes = [f"{n}: swappers {s['swappers']}, parameter swap dtype {s['param_swap_dtype']}"
-                 for n, s in summary.items() if "nvme" in n]
-        notes.append("resident memory at the end of each phase (largest rank): " + ", ".join(
-            f"{phase} {rss / 2**30:.2f} GiB" for phase, rss in r["rss_max_rank"].items()))
-        lines += [f"- ranks {world}: {note}" for note in notes]
-    return lines
-
-
 def _table(args, psi, fio, results, ds_info) -> str:
     """The markdown tables of `results` so far."""
     lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
@@ -376,7 +254,9 @@ def _table(args, psi, fio, results, ds_info) -> str:
             lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
                          f"{total / ref_total:.2f} | {extra} |")
     if args.deepspeed:
-        lines += [""] + _deepspeed_table(results, ds_info)
+        from deepspeed_offload import table as deepspeed_table
+
+        lines += [""] + deepspeed_table(results, ds_info)
     return "\n".join(lines)
 
 

@@ -1,5 +1,8 @@
 """DeepSpeed's own NVMe offload, for bench_offload.py --deepspeed: its variants, their I/O and disk.
 
+    ds = run_phases(args, rank, world)    # in every rank, after zeroplus's variants are freed
+    lines = table(results, ds_info)       # in the parent, from the ranks' results by world size
+
 Runs inside bench_offload.py's ranks, on the group they initialised (deepspeed.init_distributed
 with dist_init_required=False, as bench/zero/bench_stages.py does), with DeepSpeed 0.19.8 on its
 CPU accelerator (bench/deepspeed_env.py installs it and JIT-builds async_io and cpu_adam once).
@@ -20,8 +23,9 @@ buffer_count values, which are bench_offload.py's (by default DeepSpeed's own 4 
 offload_param.max_in_cpu when --deepspeed-max-in-cpu is given.
 
 Each variant swaps under its own directory <base>/<variant> (DeepSpeed lays out
-zero_stage_3/optimizer/rank<r>/ and zero_stage_3/<dtype>params/rank<r>/ below it); its size is
-the allocated blocks of every file there (st_blocks), split into parameter and optimizer parts.
+zero_stage_3/optimizer/rank<r>/ and zero_stage_3/<dtype>params/rank<r>/ below it); a rank's
+bytes on disk are the allocated blocks (st_blocks) of the files in its rank<r> directories,
+parameters apart, after the last round.
 What this module measures per step, for the ranks' slowest: forward+backward and engine.step()
 times; the time the training thread spent inside DeepSpeed's swapper calls (optimizer swapper:
 swap_in_optimizer_state / swap_out_optimizer_state / swap_out_gradients; parameter swapper:
@@ -35,12 +39,17 @@ threads count, page-cache hits do not); the loss; and after the last round the f
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
+import statistics
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+VOCAB = 256  # bench_offload.py's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +71,7 @@ VARIANTS = {
     "ds2_nvme": DsVariant(2, offload_optimizer=True),
 }
 
-# Run one after the other, each phase's variants interleaved (bench_offload._deepspeed_phases):
+# Run one after the other, each phase's variants interleaved (run_phases):
 # DeepSpeed's fixed pinned swap buffers (4 x the partition for the optimizer, 5 x 1e8 elements for
 # the parameters, per rank) with every engine of both stages alive would not fit beside the other
 # sessions on this 24 GB machine.
@@ -216,3 +225,132 @@ def compare(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> di
     """Bit-equality and the largest absolute difference of two full parameter sets."""
     diff = max(((params[k].float() - ref[k].float()).abs().max().item() for k in ref), default=0.0)
     return {"bit_exact": all(torch.equal(params[k], ref[k]) for k in ref), "max_abs_diff": diff}
+
+
+def _slowest(x: float) -> float:
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _runs(args, names):
+    """DeepSpeed's variants `names`, each from the same initial weights."""
+    from tiny_gpt import TinyGPT
+
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads, context=args.context)
+        runs[name] = DsRun(name, args, model, os.path.join(args.deepspeed_dir, name))
+    return runs
+
+
+def _round(runs, gen, args, record):
+    """One interleaved round of every DeepSpeed variant; `record` is None in the untimed round."""
+    from tiny_gpt import synthetic_batch
+
+    for name, run in runs.items():
+        tokens, targets = synthetic_batch(args.batch, args.context, VOCAB, gen[name])
+        before = run.counters()
+        dist.barrier()
+        t0 = time.perf_counter()
+        try:
+            loss = run.compute(tokens, targets, VOCAB)
+            t1 = time.perf_counter()
+            run.step()
+        except Exception as e:  # the table's error row names the variant
+            raise RuntimeError(f"DeepSpeed variant {name}: {type(e).__name__}: {e}") from e
+        t2 = time.perf_counter()
+        compute, step = _slowest(t1 - t0), _slowest(t2 - t1)
+        moved = [_slowest(a - b) for a, b in zip(run.counters(), before)]
+        if record is None:
+            continue
+        r = record[name]
+        r["compute"].append(compute)
+        r["step"].append(step)
+        r["loss"].append(loss)
+        for key, value in zip(("swap_in_s", "swap_out_s", "bytes_read", "bytes_written"), moved):
+            r[key].append(value)
+
+
+def _summary(runs, record):
+    """Per variant: parameters and losses against the same stage's in-memory run (all ranks),
+    this rank's bytes on disk, and what DeepSpeed chose (swappers, parameter swap dtype)."""
+    out = {}
+    for base in dict.fromkeys(run.variant.baseline for run in runs.values()):
+        ref = runs[base].full_parameters()
+        for name, run in runs.items():
+            if run.variant.baseline != base:
+                continue
+            same = compare(run.full_parameters(), ref) if name != base else {"bit_exact": True, "max_abs_diff": 0.0}
+            loss_diff = max(abs(a - b) for a, b in zip(record[name]["loss"], record[base]["loss"]))
+            out[name] = {"bit_exact": _slowest(0.0 if same["bit_exact"] else 1.0) == 0.0,
+                         "max_abs_diff": _slowest(same["max_abs_diff"]), "loss_max_abs_diff": _slowest(loss_diff),
+                         "disk": run.disk(dist.get_rank()), "swappers": run.swappers,
+                         "param_swap_dtype": run.param_swap_dtype}
+        del ref
+    return out
+
+
+def run_phases(args, rank: int, world: int):
+    """DeepSpeed's PHASES, one after the other in the calling rank (its default group is set up,
+    the zeroplus backend, `args.deepspeed_dir` the swap base directory): each
+    phase's variants built, run interleaved for the same rounds and data as zeroplus's, compared
+    and freed, so that only one phase's engines and swap buffers are in memory at a time."""
+    init_deepspeed(rank, world, "zeroplus")
+    record, summary, rss = {}, {}, {}
+    for names in PHASES:
+        runs = _runs(args, names)
+        gen = {name: torch.Generator().manual_seed(rank) for name in runs}
+        phase = {name: {k: [] for k in ("compute", "step", "loss", "swap_in_s", "swap_out_s", "bytes_read",
+                                        "bytes_written")} for name in runs}
+        for round_ in range(args.steps + 1):  # round 0 creates the state: not timed
+            _round(runs, gen, args, phase if round_ else None)
+        summary.update(_summary(runs, phase))
+        record.update(phase)
+        rss[" + ".join(names)] = rss_bytes()
+        for run in runs.values():
+            run.close()
+        del runs
+        gc.collect()
+    return {"deepspeed": record, "deepspeed_summary": summary, "rss": rss}
+
+
+def table(results, ds_info) -> list[str]:
+    """Markdown lines: DeepSpeed's variants in bench_offload's `results` (by world), each against
+    its own stage's in-memory run."""
+    lines = [f"DeepSpeed {ds_info['version']} (DS_ACCELERATOR={ds_info['accelerator']}), DeepSpeedCPUAdam, same model, "
+             "ranks, data and nvme_path; swap s: the training thread inside its swapper calls; GB: what the rank "
+             "read / wrote to storage per step (/proc/self/io, fwd+bwd+step); disk: allocated bytes of its swap "
+             "files, all ranks (of which parameters)", "",
+             "| ranks | variant | fwd+bwd s | step s | step / in-memory step | (fwd+bwd+step) / in-memory | "
+             "swap-in s | swap-out s | GB read | GB written | disk GB (params GB) | losses max abs diff | "
+             "params equal in-memory (max abs diff) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for world, r in results.items():
+        if "error" in r:
+            lines.append(f"| {world} | — | error: {r['error']} |")
+            continue
+        rec, summary = r["deepspeed"], r["deepspeed_summary"]
+        for name, row in rec.items():
+            base = rec[VARIANTS[name].baseline]
+            ref_step, step = _med(base["step"]), _med(row["step"])
+            ref_total, total = ref_step + _med(base["compute"]), step + _med(row["compute"])
+            s = summary[name]
+            disk = s["disk_all_ranks"]
+            same = "yes" if s["bit_exact"] else f"NO ({s['max_abs_diff']:.2e})"
+            lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
+                         f"{total / ref_total:.2f} | {_med(row['swap_in_s']):.3f} | {_med(row['swap_out_s']):.3f} | "
+                         f"{_med(row['bytes_read']) / 1e9:.3f} | {_med(row['bytes_written']) / 1e9:.3f} | "
+                         f"{disk['all'] / 1e9:.3f} ({disk['parameters'] / 1e9:.3f}) | {s['loss_max_abs_diff']:.2e} | "
+                         f"{same} |")
+        notes = [f"{n}: swappers {s['swappers']}, parameter swap dtype {s['param_swap_dtype']}"
+                 for n, s in summary.items() if "nvme" in n]
+        notes.append("resident memory at the end of each phase (largest rank): " + ", ".join(
+            f"{phase} {rss / 2**30:.2f} GiB" for phase, rss in r["rss_max_rank"].items()))
+        lines += [f"- ranks {world}: {note}" for note in notes]
+    return lines
