@@ -12,6 +12,9 @@ requires with offload_optimizer (zero_force_ds_cpu_optimizer), used for its in-m
 so that only the offload differs between a variant and its baseline.
 
   ds3_in_memory    stage 3
+  ds3_cpu          stage 3, offload_optimizer cpu (what its NVMe variants are compared with too:
+                   equal parameters mean the difference from ds3_in_memory is its offload path,
+                   not its I/O)
   ds3_nvme         stage 3, offload_optimizer nvme
   ds3_nvme_param   stage 3, offload_optimizer and offload_param nvme (DeepSpeed's default
                    max_in_cpu, 1e9 elements: the bytes its parameter swap directory holds say
@@ -55,27 +58,33 @@ VOCAB = 256  # bench_offload.py's
 @dataclasses.dataclass(frozen=True)
 class DsVariant:
     stage: int
-    offload_optimizer: bool = False
-    offload_param: bool = False
+    offload_optimizer: str | None = None  # None (in memory), "cpu" or "nvme"
+    offload_param: bool = False           # to NVMe
 
     @property
     def baseline(self) -> str:
         return f"ds{self.stage}_in_memory"
 
+    @property
+    def cpu_twin(self) -> str | None:
+        """The same stage with the optimizer offloaded to CPU memory, for an NVMe variant."""
+        return f"ds{self.stage}_cpu" if self.offload_optimizer == "nvme" else None
+
 
 VARIANTS = {
     "ds3_in_memory": DsVariant(3),
-    "ds3_nvme": DsVariant(3, offload_optimizer=True),
-    "ds3_nvme_param": DsVariant(3, offload_optimizer=True, offload_param=True),
+    "ds3_cpu": DsVariant(3, offload_optimizer="cpu"),
+    "ds3_nvme": DsVariant(3, offload_optimizer="nvme"),
+    "ds3_nvme_param": DsVariant(3, offload_optimizer="nvme", offload_param=True),
     "ds2_in_memory": DsVariant(2),
-    "ds2_nvme": DsVariant(2, offload_optimizer=True),
+    "ds2_nvme": DsVariant(2, offload_optimizer="nvme"),
 }
 
 # Run one after the other, each phase's variants interleaved (run_phases):
 # DeepSpeed's fixed pinned swap buffers (4 x the partition for the optimizer, 5 x 1e8 elements for
 # the parameters, per rank) with every engine of both stages alive would not fit beside the other
 # sessions on this 24 GB machine.
-PHASES = (("ds2_in_memory", "ds2_nvme"), ("ds3_in_memory", "ds3_nvme", "ds3_nvme_param"))
+PHASES = (("ds2_in_memory", "ds2_nvme"), ("ds3_in_memory", "ds3_cpu", "ds3_nvme", "ds3_nvme_param"))
 
 _OPT_SWAPPER_CALLS = {"swap_in_optimizer_state": "swap_in", "swap_out_optimizer_state": "swap_out",
                       "swap_out_gradients": "swap_out"}
@@ -161,7 +170,9 @@ class DsRun:
 
         self.name, self.variant, self.nvme_dir = name, VARIANTS[name], nvme_dir
         zero = {"stage": self.variant.stage}
-        if self.variant.offload_optimizer:
+        if self.variant.offload_optimizer == "cpu":
+            zero["offload_optimizer"] = {"device": "cpu"}
+        elif self.variant.offload_optimizer == "nvme":
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args.buffer_count}
         if self.variant.offload_param:
             zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": args.param_buffer_count}
@@ -278,21 +289,22 @@ def _round(runs, gen, args, record):
 
 
 def _summary(runs, record):
-    """Per variant: parameters and losses against the same stage's in-memory run (all ranks),
-    this rank's bytes on disk, and what DeepSpeed chose (swappers, parameter swap dtype)."""
+    """Per variant: parameters and losses against the same stage's in-memory run, parameters
+    against its CPU-offload twin when it ran (all ranks), this rank's bytes on disk, and what
+    DeepSpeed chose (swappers, parameter swap dtype)."""
+    params = {name: run.full_parameters() for name, run in runs.items()}
     out = {}
-    for base in dict.fromkeys(run.variant.baseline for run in runs.values()):
-        ref = runs[base].full_parameters()
-        for name, run in runs.items():
-            if run.variant.baseline != base:
-                continue
-            same = compare(run.full_parameters(), ref) if name != base else {"bit_exact": True, "max_abs_diff": 0.0}
-            loss_diff = max(abs(a - b) for a, b in zip(record[name]["loss"], record[base]["loss"]))
-            out[name] = {"bit_exact": _slowest(0.0 if same["bit_exact"] else 1.0) == 0.0,
-                         "max_abs_diff": _slowest(same["max_abs_diff"]), "loss_max_abs_diff": _slowest(loss_diff),
-                         "disk": run.disk(dist.get_rank()), "swappers": run.swappers,
-                         "param_swap_dtype": run.param_swap_dtype}
-        del ref
+    for name, run in runs.items():
+        base, twin = run.variant.baseline, run.variant.cpu_twin
+        same = compare(params[name], params[base])
+        loss_diff = max(abs(a - b) for a, b in zip(record[name]["loss"], record[base]["loss"]))
+        out[name] = {"bit_exact": _slowest(0.0 if same["bit_exact"] else 1.0) == 0.0,
+                     "max_abs_diff": _slowest(same["max_abs_diff"]), "loss_max_abs_diff": _slowest(loss_diff),
+                     "disk": run.disk(dist.get_rank()), "swappers": run.swappers,
+                     "param_swap_dtype": run.param_swap_dtype}
+        if twin in params:
+            out[name]["equals_cpu_offload"] = _slowest(0.0 if compare(params[name], params[twin])["bit_exact"]
+                                                       else 1.0) == 0.0
     return out
 
 
@@ -349,6 +361,8 @@ def table(results, ds_info) -> list[str]:
                          f"{disk['all'] / 1e9:.3f} ({disk['parameters'] / 1e9:.3f}) | {s['loss_max_abs_diff']:.2e} | "
                          f"{same} |")
         notes = [f"{n}: swappers {s['swappers']}, parameter swap dtype {s['param_swap_dtype']}"
+                 + ("" if "equals_cpu_offload" not in s else
+                    f", parameters equal {VARIANTS[n].cpu_twin}'s bit for bit: {s['equals_cpu_offload']}")
                  for n, s in summary.items() if "nvme" in n]
         notes.append("resident memory at the end of each phase (largest rank): " + ", ".join(
             f"{phase} {rss / 2**30:.2f} GiB" for phase, rss in r["rss_max_rank"].items()))
