@@ -22,7 +22,8 @@ directory gives the device's figure when fio is installed. Writes PATH.json and 
 
 --deepspeed adds DeepSpeed 0.19.8's own offload in the same ranks, with the same rounds and data,
 swapping under the same nvme_path (bench/offload/deepspeed_offload.py: stage 3 in memory, optimizer
-on NVMe, optimizer + parameters on NVMe; stage 2 in memory and optimizer on NVMe), each variant's
+in CPU memory, optimizer on NVMe, optimizer + parameters on NVMe; stage 2 in memory and optimizer
+on NVMe), each variant's
 step against its own stage's in-memory step, with the time in its swapper calls, the bytes the
 rank read and wrote, the bytes on disk, and whether its losses and parameters equal its in-memory
 run's. They run after zeroplus's variants are freed, stage 2's then stage 3's (each stage's
