@@ -2,7 +2,7 @@
 
     python bench/offload/bench_offload.py [--worlds 1,2] [--stage 3] [--dim 768] [--layers 15]
         [--steps 4] [--precision fp32|bf16] [--buffer-count 4] [--param-buffer-count 5] [--nvme-path DIR]
-        [--out PATH]
+        [--deepspeed [--deepspeed-max-in-cpu N]] [--out PATH]
 
 A TinyGPT (examples/tiny_gpt.py; dim 768 x 15 layers is 106.8M parameters) with AdamW (lr 3e-4,
 wd 0.01), one torch thread per rank. Every rank builds both variants from the same weights and
@@ -23,13 +23,23 @@ their rate over the step (nvme_param: over forward + backward + step, where its 
 the bytes on disk, and whether the full state dict equals the in-memory run's bit for bit after
 the last round. fio (O_DIRECT, 1 MiB, iodepth 32, io_uring) on the same
 directory gives the device's figure when fio is installed. Writes PATH.json and PATH.md.
-DeepSpeed's offload is not run here (see docs/offload.md).
+
+--deepspeed adds DeepSpeed 0.19.8's own offload in the same ranks, with the same rounds and data,
+swapping under the same nvme_path (bench/offload/deepspeed_offload.py: stage 3 in memory, optimizer
+in CPU memory, optimizer on NVMe, optimizer + parameters on NVMe; stage 2 in memory and optimizer
+on NVMe), each variant's
+step against its own stage's in-memory step, with the time in its swapper calls, the bytes the
+rank read and wrote, the bytes on disk, and whether its losses and parameters equal its in-memory
+run's. They run after zeroplus's variants are freed, stage 2's then stage 3's (each stage's
+variants interleaved), so that the machine's memory holds one phase at a time.
+bench/deepspeed_env.py installs DeepSpeed and builds its async_io and cpu_adam ops (once).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -39,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -92,7 +103,9 @@ def _slowest(x: float) -> float:
 
 def _worker(rank, world, store_path, args, out_queue):
     sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(ROOT / "bench" / "offload"))
     import zeroplus  # noqa: F401  (registers backend "zeroplus")
+    import deepspeed_offload  # (bench/offload) imports deepspeed only when its variants run
     from tiny_gpt import synthetic_batch
 
     torch.set_num_threads(1)
@@ -154,17 +167,27 @@ def _worker(rank, world, store_path, args, out_queue):
                 disk[name] += variants[name][1].placement.param_store.disk_bytes()
         report = zeroplus.memory_report(*variants["nvme"])
         ref_report = zeroplus.memory_report(*variants["in_memory"])
-        out_queue.put({"rank": rank, "rows": rows, "swap": swap, "swaps": swaps, "bit_exact": same,
-                       "bit_exact_by_variant": bit_exact, "disk_by_variant": disk,
-                       "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
-                       "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
-                       "engine": swapper.engine})
+        result = {"rank": rank, "rows": rows, "swap": swap, "swaps": swaps, "bit_exact": same,
+                  "bit_exact_by_variant": bit_exact, "disk_by_variant": disk,
+                  "disk_bytes": swapper.disk_bytes(), "offload_peak_buffers": report["offload_peak_buffers"],
+                  "optimizer_state_in_memory": ref_report["optimizer_state"] + ref_report["master_parameters"],
+                  "engine": swapper.engine, "rss": {"zeroplus": deepspeed_offload.rss_bytes()}}
         for name in swaps:
             variants[name][1].offload.close()
         for name in ("nvme_param", "nvme_param_stream"):
             if name in variants:
                 variants[name][1].placement.param_store.close()
+        if args.deepspeed:  # after zeroplus's variants, in the same ranks (deepspeed_offload.run_phases)
+            # Everything of zeroplus's that is still referenced goes first: the last loop's model and
+            # optimizer and the two full state dicts kept about 4 GiB per rank alive (106.8M params).
+            del variants, swapper, model, opt, logits, ref_full, full
+            gc.collect()
+            ds = deepspeed_offload.run_phases(args, rank, world)
+            result["rss"].update(ds.pop("rss"))
+            result.update(ds)
+        out_queue.put(result)
     except Exception as e:  # reported, not hidden
+        traceback.print_exc()
         out_queue.put({"rank": rank, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
     finally:
         dist.destroy_process_group()
@@ -174,12 +197,17 @@ def run_world(world, args):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
+        if args.deepspeed:  # DeepSpeed's swap directories for this launch: <nvme_path>/<temp>/<variant>
+            args = argparse.Namespace(**vars(args), deepspeed_dir=tempfile.mkdtemp(prefix="ds-offload-bench-",
+                                                                                  dir=args.nvme_path))
         procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(d, "store"), args, q)) for r in range(world)]
         for p in procs:
             p.start()
         results = [q.get(timeout=7200) for _ in procs]
         for p in procs:
             p.join()
+        if args.deepspeed:
+            shutil.rmtree(args.deepspeed_dir, ignore_errors=True)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         return {"error": errors[0]}
@@ -187,6 +215,11 @@ def run_world(world, args):
     out["disk_bytes_all_ranks"] = sum(r["disk_bytes"] for r in results)
     out["disk_all_ranks_by_variant"] = {name: sum(r["disk_by_variant"][name] for r in results)
                                         for name in out["disk_by_variant"]}
+    out["rss_max_rank"] = {phase: max(r["rss"][phase] for r in results) for phase in out["rss"]}
+    if out.get("deepspeed_summary"):
+        for name, summary in out["deepspeed_summary"].items():
+            summary["disk_all_ranks"] = {k: sum(r["deepspeed_summary"][name]["disk"][k] for r in results)
+                                         for k in summary["disk"]}
     return out
 
 
@@ -202,37 +235,8 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", default="1,2")
-    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
-    parser.add_argument("--dim", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=15)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--buffer-count", type=int, default=4)
-    parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count (stage 3)")
-    parser.add_argument("--param-buffer-size", type=int, default=100_000_000,
-                        help="offload_param.buffer_size in elements (DeepSpeed's default 1e8)")
-    parser.add_argument("--nvme-path", default=tempfile.gettempdir())
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
-    args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tiny_gpt import TinyGPT
-
-    with torch.device("meta"):
-        psi = sum(p.numel() for p in TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads,
-                                             context=args.context).parameters())
-    fio = {"write": _fio(args.nvme_path, "write")}  # first: it creates the file the read reads
-    fio["read"] = _fio(args.nvme_path, "read")
-    results = {}
-    for world in [int(w) for w in args.worlds.split(",")]:
-        print(f"[bench_offload] {psi / 1e6:.1f}M parameters, stage {args.stage}, {args.precision}, world {world} ...",
-              flush=True)
-        results[world] = run_world(world, args)
+def _table(args, psi, fio, results, ds_info) -> str:
+    """The markdown tables of `results` so far."""
     lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
              f"AdamW, buffer_count {args.buffer_count}, offload_param pool {args.param_buffer_count} x "
              f"{args.param_buffer_size:g} elements (stream: {args.param_buffer_count} records), {args.steps} timed "
@@ -265,13 +269,71 @@ def main():
                 extra = "— | — | — | — | — | — | — | — | —"
             lines.append(f"| {world} | {name} | {_med(row['compute']):.3f} | {step:.3f} | {step / ref_step:.2f} | "
                          f"{total / ref_total:.2f} | {extra} |")
-    table = "\n".join(lines)
-    print(table)
+    if args.deepspeed:
+        from deepspeed_offload import table as deepspeed_table
+
+        lines += [""] + deepspeed_table(results, ds_info)
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="1,2")
+    parser.add_argument("--stage", type=int, choices=[1, 2, 3], default=3)
+    parser.add_argument("--dim", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=15)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--buffer-count", type=int, default=4)
+    parser.add_argument("--param-buffer-count", type=int, default=5, help="offload_param.buffer_count (stage 3)")
+    parser.add_argument("--param-buffer-size", type=int, default=100_000_000,
+                        help="offload_param.buffer_size in elements (DeepSpeed's default 1e8)")
+    parser.add_argument("--nvme-path", default=tempfile.gettempdir())
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="add DeepSpeed's own offload (stage 3 and 2; installed into the build directory once)")
+    parser.add_argument("--deepspeed-max-in-cpu", type=int, default=None,
+                        help="offload_param.max_in_cpu of ds3_nvme_param (default: DeepSpeed's, 1e9)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "offload"))
+    args = parser.parse_args()
+    if args.deepspeed_max_in_cpu is not None and (args.deepspeed_max_in_cpu < 0 or not args.deepspeed):
+        parser.error("--deepspeed-max-in-cpu: needs --deepspeed and a count >= 0")
+    ds_info = None
+    if args.deepspeed:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from deepspeed_env import ensure_deepspeed_ops
+
+        ops = ensure_deepspeed_ops(["async_io", "cpu_adam"])  # before spawning: the ranks inherit the env
+        import deepspeed
+
+        ds_info = {"version": deepspeed.__version__, "accelerator": os.environ.get("DS_ACCELERATOR"), "ops": ops}
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tiny_gpt import TinyGPT
+
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in TinyGPT(vocab=VOCAB, dim=args.dim, layers=args.layers, heads=args.heads,
+                                             context=args.context).parameters())
+    fio = {"write": _fio(args.nvme_path, "write")}  # first: it creates the file the read reads
+    fio["read"] = _fio(args.nvme_path, "read")
     out = pathlib.Path(args.out + "-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "params": psi, "fio_gbps": fio,
-                                                    "results": results}, indent=1, default=str))
-    out.with_suffix(".md").write_text(table + "\n")
+    results = {}
+    for world in [int(w) for w in args.worlds.split(",")]:
+        print(f"[bench_offload] {psi / 1e6:.1f}M parameters, stage {args.stage}, {args.precision}, world {world} ...",
+              flush=True)
+        t0 = time.perf_counter()
+        results[world] = run_world(world, args)
+        table = _table(args, psi, fio, results, ds_info)
+        print(f"[bench_offload] world {world} took {time.perf_counter() - t0:.0f} s; load average "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        # Written after every world, so that a run cut short keeps what it measured.
+        out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "params": psi, "fio_gbps": fio,
+                                                        "load_average": os.getloadavg(), "deepspeed": ds_info,
+                                                        "results": results}, indent=1, default=str))
+        out.with_suffix(".md").write_text(table + "\n")
+    print(table)
     print(f"[bench_offload] wrote {out}.json and .md")
 
 
