@@ -83,3 +83,27 @@ def ok_values(results, case: str) -> list:
         assert status == "ok", f"rank {rank}:\n{value}"
         values.append(value)
     return values
+
+
+def optimizer_state_diffs(a: dict, b: dict) -> list[str]:
+    """Differences between two plain torch.optim state dicts (state tensors exactly, hyperparameters)."""
+    diffs = []
+    if sorted(a["state"]) != sorted(b["state"]):
+        return [f"state indices {sorted(a['state'])} vs {sorted(b['state'])}"]
+    for i in a["state"]:
+        sa, sb = a["state"][i], b["state"][i]
+        if sorted(sa) != sorted(sb):
+            diffs.append(f"state[{i}] keys {sorted(sa)} vs {sorted(sb)}")
+            continue
+        for k in sa:
+            va, vb = sa[k], sb[k]
+            if isinstance(va, torch.Tensor):
+                if not torch.equal(va.float().cpu().reshape(-1), vb.float().cpu().reshape(-1)):
+                    diffs.append(f"state[{i}][{k}]")
+            elif va != vb:
+                diffs.append(f"state[{i}][{k}] {va} vs {vb}")
+    for ga, gb in zip(a["param_groups"], b["param_groups"]):
+        for k in ("lr", "weight_decay", "betas", "eps"):
+            if ga.get(k) != gb.get(k):
+                diffs.append(f"param_groups {k}: {ga.get(k)} vs {gb.get(k)}")
+    return diffs

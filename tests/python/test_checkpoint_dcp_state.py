@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import checkpoint_models as cm
+from checkpoint_helpers import optimizer_state_diffs
 from harness import run_cases_in_own_groups, run_pooled
 
 # name -> (save kind/stage, precision, storage); loads: (name, load kind/stage) per world size
@@ -100,28 +101,6 @@ def _save_all(rank, world, root):
     return run_cases_in_own_groups(rank, world, {n: functools.partial(_save_case, root, n) for n in SAVES})
 
 
-def _states_equal(a: dict, b: dict) -> list[str]:
-    diffs = []
-    if sorted(a["state"]) != sorted(b["state"]):
-        return [f"state indices {sorted(a['state'])} vs {sorted(b['state'])}"]
-    for i in a["state"]:
-        sa, sb = a["state"][i], b["state"][i]
-        if sorted(sa) != sorted(sb):
-            diffs.append(f"state[{i}] keys {sorted(sa)} vs {sorted(sb)}")
-            continue
-        for k in sa:
-            va, vb = sa[k], sb[k]
-            same = (torch.equal(va.float().reshape(-1), vb.float().reshape(-1)) if isinstance(va, torch.Tensor)
-                    else va == vb)
-            if not same:
-                diffs.append(f"state[{i}][{k}]")
-    for ga, gb in zip(a["param_groups"], b["param_groups"]):
-        for k in ("lr", "weight_decay", "betas", "eps"):
-            if ga.get(k) != gb.get(k):
-                diffs.append(f"param_groups {k}: {ga.get(k)} vs {gb.get(k)}")
-    return diffs
-
-
 def _load_case(root, name, stage, rank, group):
     import torch.distributed.checkpoint as dcp
 
@@ -156,7 +135,7 @@ def _load_case(root, name, stage, rank, group):
     loaded = cm.full_params(kind, model_a)
     out["params_differ"] = sorted(k for k in full if not torch.equal(full[k], loaded[k].to(full[k].dtype)))
     loaded_opt = cm.consolidated_optimizer(opt_a, rank)
-    out["opt_diffs"] = _states_equal(plain, loaded_opt) if rank == 0 else []
+    out["opt_diffs"] = optimizer_state_diffs(plain, loaded_opt) if rank == 0 else []
     fresh = cm.make(1)
     fresh.load_state_dict({k: v.float() for k, v in full.items()})
     model_b, call_b, opt_b = _build(kind, stage, precision, group, seed=1, lr=1e-3, model=fresh, persist=8)
@@ -196,7 +175,7 @@ def case_zeroplus_to_torch(root, rank, group):
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "s2"), process_group=group)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     params_differ = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, full[k]))
-    return {"params_differ": params_differ, "opt_diffs": _states_equal(plain, opt.state_dict())}
+    return {"params_differ": params_differ, "opt_diffs": optimizer_state_diffs(plain, opt.state_dict())}
 
 
 def case_zeroplus_to_fsdp2(root, rank, group):
@@ -220,7 +199,7 @@ def case_zeroplus_to_fsdp2(root, rank, group):
                 "param_groups": got_optim["param_groups"]}
     return {"sharded": type(model_sd["lin1.weight"]).__name__,
             "params_differ": sorted(k for k, v in got_model.items() if not torch.equal(v, full[k])),
-            "opt_diffs": _states_equal(plain, by_index)}
+            "opt_diffs": optimizer_state_diffs(plain, by_index)}
 
 
 def case_torch_to_zeroplus(root, rank, group):
@@ -245,7 +224,7 @@ def case_torch_to_zeroplus(root, rank, group):
         full = cm.full_params("engine", zmodel)
         out[f"params_differ{stage}"] = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, full[k]))
         consolidated = cm.consolidated_optimizer(zopt, rank)
-        out[f"opt_diffs{stage}"] = _states_equal(opt.state_dict(), consolidated) if rank == 0 else []
+        out[f"opt_diffs{stage}"] = optimizer_state_diffs(opt.state_dict(), consolidated) if rank == 0 else []
     return out
 
 
@@ -256,7 +235,7 @@ def _snapshot(kind, model, opt, rank):
 def _unchanged(before, after) -> bool:
     (pa, oa), (pb, ob) = before, after
     same_params = pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
-    return same_params and (oa is None or not _states_equal(oa, ob))
+    return same_params and (oa is None or not optimizer_state_diffs(oa, ob))
 
 
 class _Wider(cm.CkptNet):

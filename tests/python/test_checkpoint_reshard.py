@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from checkpoint_models import PERSIST_SOME, build, consolidated_optimizer, full_params, make, sharded_names, train
+from checkpoint_helpers import optimizer_state_diffs
 from harness import run_pooled
 
 # (N, save kind/stage, M, load kind/stage, precision)
@@ -74,30 +75,6 @@ def _case_id(case) -> str:
     return f"{n}x{s}->{m}x{t}" + (f"-{p}" if p else "")
 
 
-def _states_equal(a: dict, b: dict) -> list[str]:
-    """Differences between two plain torch.optim state dicts (state tensors exactly, hyperparameters)."""
-    diffs = []
-    if sorted(a["state"]) != sorted(b["state"]):
-        return [f"state indices {sorted(a['state'])} vs {sorted(b['state'])}"]
-    for i in a["state"]:
-        sa, sb = a["state"][i], b["state"][i]
-        if sorted(sa) != sorted(sb):
-            diffs.append(f"state[{i}] keys {sorted(sa)} vs {sorted(sb)}")
-            continue
-        for k in sa:
-            va, vb = sa[k], sb[k]
-            if isinstance(va, torch.Tensor):
-                if not torch.equal(va.float().cpu().reshape(-1), vb.float().cpu().reshape(-1)):
-                    diffs.append(f"state[{i}][{k}]")
-            elif va != vb:
-                diffs.append(f"state[{i}][{k}] {va} vs {vb}")
-    for ga, gb in zip(a["param_groups"], b["param_groups"]):
-        for k in ("lr", "weight_decay", "betas", "eps"):
-            if ga.get(k) != gb.get(k):
-                diffs.append(f"param_groups {k}: {ga.get(k)} vs {gb.get(k)}")
-    return diffs
-
-
 def _run(rank, world, root, case):
     import torch.distributed as dist
 
@@ -134,7 +111,7 @@ def _run(rank, world, root, case):
         loaded = full_params(lkind, model_a)
         out["params_exact"] = sorted(k for k in full if not torch.equal(full[k], loaded[k].to(full[k].dtype)))
         loaded_opt = consolidated_optimizer(opt_a, rank)
-        out["opt_diffs"] = _states_equal(plain, loaded_opt) if rank == 0 else []
+        out["opt_diffs"] = optimizer_state_diffs(plain, loaded_opt) if rank == 0 else []
         fresh = make(1)
         fresh.load_state_dict({k: v.float() for k, v in full.items()})
         model_b, call_b, opt_b = build(lkind, lstage, precision, load_group, seed=1, lr=1e-3, model=fresh,

@@ -373,6 +373,10 @@ def test_offload_param_refusals_name_the_key(tmp_path):
         parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path), "bufer_count": 2})
     with pytest.raises(ValueError, match="offload_param: buffer_count"):
         parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 0})
+    for size in (0, 2.5, True, float("nan")):
+        with pytest.raises(ValueError, match="offload_param: buffer_size must be an integer >= 1"):
+            parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": size})
+    assert parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path), "buffer_size": 1e3}).buffer_size == 1000
     missing = parse_offload("offload_param", {"device": "nvme", "nvme_path": str(tmp_path / "missing")})
     with pytest.raises(FileNotFoundError, match="offload_param: nvme_path"):
         prepare_param_store(missing, 3, 0, torch.device("cpu"), "E")
