@@ -22,7 +22,8 @@ writes and the checksum time (zeroplus.offload's counters), bytes read and writt
 their rate over the step (nvme_param: over forward + backward + step, where its parameters move),
 the bytes on disk, and whether the full state dict equals the in-memory run's bit for bit after
 the last round. fio (O_DIRECT, 1 MiB, iodepth 32, io_uring) on the same
-directory gives the device's figure when fio is installed. Writes PATH.json and PATH.md.
+directory gives the device's figure when fio is installed. Writes PATH.json, PATH.md and PATH.png
+(the step-time breakdown: forward+backward, swap-in and swap-out waits, the rest of the step).
 
 --deepspeed adds DeepSpeed 0.19.8's own offload in the same ranks, with the same rounds and data,
 swapping under the same nvme_path (bench/offload/deepspeed_offload.py: stage 3 in memory, optimizer
@@ -235,6 +236,43 @@ def _med(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def plot_breakdown(results: dict, path, title: str) -> None:
+    """PATH (PNG): per world size, one stacked bar per zeroplus variant: forward+backward, the
+    step's swap-in and swap-out waits, and the rest of the step (medians, seconds)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plotting import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    worlds = [w for w, r in results.items() if "error" not in r]
+    fig, axes = plt.subplots(1, len(worlds), figsize=(5.5 * len(worlds), 4.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        r = results[world]
+        names = list(r["rows"])
+        parts = {"forward + backward": [], "step: swap-in wait": [], "step: swap-out wait": [], "step: rest": []}
+        for name in names:
+            step = _med(r["rows"][name]["step"])
+            s = r["swaps"].get(name)
+            read = _med(s["read_wait"]) if s else 0.0
+            write = _med(s["write_wait"]) if s else 0.0
+            parts["forward + backward"].append(_med(r["rows"][name]["compute"]))
+            parts["step: swap-in wait"].append(read)
+            parts["step: swap-out wait"].append(write)
+            parts["step: rest"].append(max(step - read - write, 0.0))
+        bottom = [0.0] * len(names)
+        for label, values in parts.items():
+            ax.bar(names, values, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_title(f"{title}, {world} rank{'s' if int(world) > 1 else ''}")
+        ax.set_ylabel("seconds per training step (median)")
+        ax.tick_params(axis="x", rotation=20)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _table(args, psi, fio, results, ds_info) -> str:
     """The markdown tables of `results` so far."""
     lines = [f"# Optimizer offload to NVMe: {psi / 1e6:.1f}M-parameter TinyGPT, stage {args.stage}, {args.precision}, "
@@ -333,6 +371,7 @@ def main():
                                                         "load_average": os.getloadavg(), "deepspeed": ds_info,
                                                         "results": results}, indent=1, default=str))
         out.with_suffix(".md").write_text(table + "\n")
+    plot_breakdown(results, out.with_suffix(".png"), f"{psi / 1e6:.0f}M params, stage {args.stage}, {args.precision}")
     print(table)
     print(f"[bench_offload] wrote {out}.json and .md")
 
