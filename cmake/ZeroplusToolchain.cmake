@@ -35,3 +35,30 @@ if(LIBURING_FOUND)
 else()
   set(ZEROPLUS_LIBURING_FOUND "no")
 endif()
+
+# libzeroplus.so must use the process's shared libstdc++, never a copy of its own: torch is
+# linked against the shared one, and a second, static copy inside the plugin mixes the two
+# copies' locale and iostream state (seen on a GPU image whose g++ adds -static-libstdc++: a
+# segfault in std::ostream::operator<< while a 2-rank group was being created). The toolchain's
+# shared libstdc++ and libgcc_s are named on the link line, so whatever static archives the
+# compiler driver appends afterwards contribute nothing; a check after linking makes sure.
+function(zeroplus_link_shared_cxx_runtime target)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    return()
+  endif()
+  foreach(lib libstdc++.so libgcc_s.so)
+    execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -print-file-name=${lib}
+                    OUTPUT_VARIABLE path OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(IS_ABSOLUTE "${path}" AND EXISTS "${path}")
+      target_link_libraries(${target} PRIVATE "${path}")
+    elseif(lib STREQUAL "libstdc++.so")
+      message(FATAL_ERROR "zeroplus: ${CMAKE_CXX_COMPILER} has no shared libstdc++ (-print-file-name=libstdc++.so "
+                          "found none); a plugin with a static copy crashes inside torch. Use a compiler with a "
+                          "shared libstdc++ (e.g. CXX=/usr/bin/g++).")
+    endif()
+  endforeach()
+  add_custom_command(TARGET ${target} POST_BUILD
+    COMMAND "${CMAKE_COMMAND}" -DLIBRARY=$<TARGET_FILE:${target}> -DNM=${CMAKE_NM}
+            -P "${PROJECT_SOURCE_DIR}/cmake/ZeroplusCheckSharedRuntime.cmake"
+    VERBATIM)
+endfunction()

@@ -5,7 +5,8 @@
 # libzeroplus.so with CUDA: taken from $ZEROPLUS_GPU_BUILD_DIR/lib (default build-gpu/, e.g. built
 # elsewhere by scripts/cuda_build_check.sh against the same torch version and copied there, with
 # liburing.so.2 beside it), else built here against this machine's torch (needs nvcc, cmake, ninja;
-# LIBURING_ROOT points at liburing's include/ and lib/ where the machine has no liburing-dev).
+# LIBURING_ROOT points at liburing's include/ and lib/ where the machine has no liburing-dev);
+# ZEROPLUS_GPU_BUILD=1 builds here even when the copied library loads.
 #
 #   OUT=dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench_gpu.py arguments]
 set -uo pipefail
@@ -22,10 +23,9 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$py" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 
-export LD_LIBRARY_PATH="$build/lib:${LD_LIBRARY_PATH:-}"
-export ZEROPLUS_BUILD_DIR="$build"
-if ! "$py" -c "import torch, zeroplus; assert torch.ops.zeroplus.has_cuda_kernels()" 2>"$out/load_error.txt"; then
-  echo "[gpu-check] the library in $build/lib does not load here ($(tail -1 "$out/load_error.txt")); building"
+export PYTHONPATH="$repo_root/plugin/python${PYTHONPATH:+:$PYTHONPATH}"
+build_here() {  # libzeroplus.so with CUDA against this machine's torch, into build-gpu-local/
+  local site nccl_header local_build start
   site="$("$py" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
   nccl_header="$(find "$site/nvidia" -name nccl.h | head -1)"
   local_build="$repo_root/build-gpu-local"
@@ -33,12 +33,22 @@ if ! "$py" -c "import torch, zeroplus; assert torch.ops.zeroplus.has_cuda_kernel
   start=$(date +%s)
   cmake -S "$repo_root" -B "$local_build" -G Ninja -DZEROPLUS_TORCH_DIR="$site/torch" \
     -DZEROPLUS_NCCL_DIR="$(dirname "$(dirname "$nccl_header")")" -DZEROPLUS_WITH_CUDA=ON \
-    -DZEROPLUS_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 -DZEROPLUS_USE_PCH=ON >"$out/configure.log" 2>&1 \
+    -DZEROPLUS_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/configure.log" 2>&1 \
     || { tail -30 "$out/configure.log"; exit 1; }
   cmake --build "$local_build" --target zeroplus -j "$(nproc)" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-  echo "[gpu-check] built in $(( $(date +%s) - start )) s"
-  export ZEROPLUS_BUILD_DIR="$local_build"
-  export LD_LIBRARY_PATH="$local_build/lib:$LD_LIBRARY_PATH"
+  echo "[gpu-check] built $local_build/lib/libzeroplus.so in $(( $(date +%s) - start )) s"
+  build="$local_build"
+}
+if [[ "${ZEROPLUS_GPU_BUILD:-0}" == 1 ]]; then
+  build_here
+fi
+export LD_LIBRARY_PATH="$build/lib:$build/uring/lib:${LD_LIBRARY_PATH:-}"
+export ZEROPLUS_BUILD_DIR="$build"
+if ! "$py" -c "import torch, zeroplus; assert torch.ops.zeroplus.has_cuda_kernels()" 2>"$out/load_error.txt"; then
+  echo "[gpu-check] the library in $build/lib does not load here ($(tail -1 "$out/load_error.txt")); building"
+  build_here
+  export ZEROPLUS_BUILD_DIR="$build"
+  export LD_LIBRARY_PATH="$build/lib:$LD_LIBRARY_PATH"
 fi
 "$py" -c "import torch, zeroplus; print('[gpu-check] zeroplus', zeroplus.library_path(), 'cuda kernels', torch.ops.zeroplus.has_cuda_kernels())"
 

@@ -31,6 +31,25 @@ struct AdamScalars {
 static_assert(sizeof(AdamTensors) + sizeof(BlockTable) + sizeof(AdamScalars) <= 4096,
               "kernel arguments must fit the 4 KiB limit");
 
+// One element's update; every kernel path calls this, so the packed and the scalar loop agree
+// bit for bit. v is updated in place; with amsgrad vmax too, and the update uses max(vmax, v).
+__device__ __forceinline__ float adamElement(float pi, float graw, float& mi, float& vi, float& vmaxi,
+                                             const AdamScalars& s, float neg_step_size, float bc2_sqrt) {
+  float gi = __fmul_rn(graw, s.sign);
+  if (s.l2) gi = fmaf(pi, s.weight_decay, gi);       // grad.add(param, alpha=wd)
+  pi = __fmul_rn(pi, s.decay);                       // AdamW: param.mul_(1 - lr * wd)
+  const float d = __fsub_rn(gi, mi);                 // torch's two-sided lerp
+  mi = s.lerp_high ? fmaf(__fsub_rn(s.w1, 1.0f), d, gi) : fmaf(s.w1, d, mi);
+  vi = fmaf(__fmul_rn(s.one_minus_beta2, gi), gi, __fmul_rn(vi, s.beta2));
+  float vu = vi;
+  if (s.amsgrad) {
+    vmaxi = fmaxf(vmaxi, vi);
+    vu = vmaxi;
+  }
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vu), bc2_sqrt), s.eps);
+  return __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step_size, mi), denom));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) adamKernel(AdamTensors t, BlockTable table, AdamScalars s) {
   const int slot = table.tensor[blockIdx.x];
@@ -43,23 +62,33 @@ __global__ void __launch_bounds__(kThreads) adamKernel(AdamTensors t, BlockTable
   float* __restrict__ vmax = t.max_exp_avg_sq[slot];
   const float neg_step_size = t.neg_step_size[slot];
   const float bc2_sqrt = t.bc2_sqrt[slot];
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    float gi = __fmul_rn(toFloat(g[i]), s.sign);
-    float pi = toFloat(p[i]);
-    if (s.l2) gi = fmaf(pi, s.weight_decay, gi);       // grad.add(param, alpha=wd)
-    pi = __fmul_rn(pi, s.decay);                       // AdamW: param.mul_(1 - lr * wd)
-    float mi = m[i];
-    const float d = __fsub_rn(gi, mi);                 // torch's two-sided lerp
-    mi = s.lerp_high ? fmaf(__fsub_rn(s.w1, 1.0f), d, gi) : fmaf(s.w1, d, mi);
-    float vi = fmaf(__fmul_rn(s.one_minus_beta2, gi), gi, __fmul_rn(v[i], s.beta2));
+  // Packed loop over the chunk's multiple of four when every array allows 4-element loads
+  // there (torch's allocations do; views at odd offsets take the scalar loop), then the rest.
+  int64_t packed_end = begin;
+  if (packable(p + begin) && packable(g + begin) && packable(m + begin) && packable(v + begin) &&
+      (!s.amsgrad || packable(vmax + begin))) {
+    packed_end = begin + ((end - begin) & ~static_cast<int64_t>(3));
+    for (int64_t i = begin + 4 * static_cast<int64_t>(threadIdx.x); i < packed_end; i += 4 * kThreads) {
+      float pv[4], gv[4], mv[4], vv[4], xv[4] = {0.f, 0.f, 0.f, 0.f};
+      load4(p + i, pv);
+      load4(g + i, gv);
+      load4(m + i, mv);
+      load4(v + i, vv);
+      if (s.amsgrad) load4(vmax + i, xv);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) pv[k] = adamElement(pv[k], gv[k], mv[k], vv[k], xv[k], s, neg_step_size, bc2_sqrt);
+      store4(m + i, mv);
+      store4(v + i, vv);
+      if (s.amsgrad) store4(vmax + i, xv);
+      store4(p + i, pv);
+    }
+  }
+  for (int64_t i = packed_end + threadIdx.x; i < end; i += kThreads) {
+    float mi = m[i], vi = v[i], xi = s.amsgrad ? vmax[i] : 0.f;
+    const float pi = adamElement(toFloat(p[i]), toFloat(g[i]), mi, vi, xi, s, neg_step_size, bc2_sqrt);
     m[i] = mi;
     v[i] = vi;
-    if (s.amsgrad) {
-      vi = fmaxf(vmax[i], vi);
-      vmax[i] = vi;
-    }
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), s.eps);
-    pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(neg_step_size, mi), denom));
+    if (s.amsgrad) vmax[i] = xi;
     p[i] = fromFloat<T>(pi);
   }
 }

@@ -31,6 +31,39 @@ __device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x) { ret
 template <>
 __device__ __forceinline__ __half fromFloat<__half>(float x) { return __float2half_rn(x); }
 
+// Four consecutive elements in one memory transaction (16 bytes of float, 8 of a 16-bit type):
+// a memory-bound kernel keeps four times the bytes in flight per thread, which a chunk of
+// 65536 elements per block needs to approach the GPU's bandwidth. Arithmetic stays per element,
+// so results are bitwise those of the scalar loop.
+template <typename T>
+struct alignas(4 * sizeof(T)) Pack4 {
+  T x[4];
+};
+
+__device__ __forceinline__ bool alignedTo(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ bool packable(const T* p) {
+  return alignedTo(p, 4 * sizeof(T));
+}
+
+template <typename T>
+__device__ __forceinline__ void load4(const T* __restrict__ p, float out[4]) {
+  const Pack4<T> v = *reinterpret_cast<const Pack4<T>*>(p);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) out[k] = toFloat(v.x[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* __restrict__ p, const float in[4]) {
+  Pack4<T> v;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v.x[k] = fromFloat<T>(in[k]);
+  *reinterpret_cast<Pack4<T>*>(p) = v;
+}
+
 // Which (tensor, chunk) each block of one launch handles. Kernel arguments are limited to 4 KiB
 // on older toolkits; the per-kernel argument structs stay under that.
 struct BlockTable {

@@ -26,6 +26,17 @@ struct SgdScalars {
 static_assert(sizeof(SgdTensors) + sizeof(BlockTable) + sizeof(SgdScalars) <= 4096,
               "kernel arguments must fit the 4 KiB limit");
 
+// One element's update (the packed and the scalar loop both call it: same bits).
+__device__ __forceinline__ float sgdElement(float pi, float graw, float& b, bool init, const SgdScalars& s) {
+  float gi = __fmul_rn(graw, s.sign);
+  if (s.l2) gi = fmaf(pi, s.weight_decay, gi);
+  if (s.has_momentum) {
+    b = init ? gi : fmaf(gi, s.one_minus_dampening, __fmul_rn(b, s.momentum));  // first step: buf = clone(grad)
+    gi = s.nesterov ? fmaf(b, s.momentum, gi) : b;
+  }
+  return fmaf(gi, s.neg_lr, pi);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) sgdKernel(SgdTensors t, BlockTable table, SgdScalars s) {
   const int slot = table.tensor[blockIdx.x];
@@ -35,17 +46,25 @@ __global__ void __launch_bounds__(kThreads) sgdKernel(SgdTensors t, BlockTable t
   const T* __restrict__ g = static_cast<const T*>(t.grad[slot]);
   float* __restrict__ buf = t.momentum_buffer[slot];
   const bool init = t.init[slot] != 0;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    float gi = __fmul_rn(toFloat(g[i]), s.sign);
-    float pi = toFloat(p[i]);
-    if (s.l2) gi = fmaf(pi, s.weight_decay, gi);
-    if (s.has_momentum) {
-      float b = gi;  // first step: buf = clone(grad)
-      if (!init) b = fmaf(gi, s.one_minus_dampening, __fmul_rn(buf[i], s.momentum));
-      buf[i] = b;
-      gi = s.nesterov ? fmaf(b, s.momentum, gi) : b;
+  int64_t packed_end = begin;  // packed loop where every array allows 4-element loads (multi_tensor.cuh)
+  if (packable(p + begin) && packable(g + begin) && (!s.has_momentum || packable(buf + begin))) {
+    packed_end = begin + ((end - begin) & ~static_cast<int64_t>(3));
+    for (int64_t i = begin + 4 * static_cast<int64_t>(threadIdx.x); i < packed_end; i += 4 * kThreads) {
+      float pv[4], gv[4], bv[4] = {0.f, 0.f, 0.f, 0.f};
+      load4(p + i, pv);
+      load4(g + i, gv);
+      if (s.has_momentum && !init) load4(buf + i, bv);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) pv[k] = sgdElement(pv[k], gv[k], bv[k], init, s);
+      if (s.has_momentum) store4(buf + i, bv);
+      store4(p + i, pv);
     }
-    p[i] = fromFloat<T>(fmaf(gi, s.neg_lr, pi));
+  }
+  for (int64_t i = packed_end + threadIdx.x; i < end; i += kThreads) {
+    float b = (s.has_momentum && !init) ? buf[i] : 0.f;
+    const float pi = sgdElement(toFloat(p[i]), toFloat(g[i]), b, init, s);
+    if (s.has_momentum) buf[i] = b;
+    p[i] = fromFloat<T>(pi);
   }
 }
 

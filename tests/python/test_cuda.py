@@ -187,22 +187,38 @@ def test_fused_cuda_optimizer_matches_torch_fused_fp32(name, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list(_KWARGS))
 def test_fused_cuda_optimizer_16bit_params(name, dtype):
-    """16-bit parameters keep fp32 state in zeroplus (torch keeps it in the parameter dtype), so
-    the reference is the same update computed in fp32 from the same 16-bit start and rounded
-    once: within one unit in the last place of the dtype (two for fp16's subnormal range)."""
+    """16-bit parameters keep fp32 state in zeroplus (torch keeps it in the parameter dtype, so
+    torch is no reference here): the CUDA kernel must match zeroplus's CPU kernel, whose 16-bit
+    semantics tests/python/test_optim_fused.py checks, within 2 units in the last place (CUDA's
+    sqrt/div are correctly rounded like the CPU's; a rounding that flips once may move later steps by one more
+    ulp). The sizes include an odd tail and a view at an odd offset (the kernels' scalar loops)."""
     import zeroplus.optim as zo
 
-    params, grads = _params_and_grads(_SHAPES["1000x4096"][:64], steps=3)
+    shapes = [(4096,)] * 8 + [(1 << 20,), (4099,), (3,)]
+    params, grads = _params_and_grads(shapes, steps=3)
     low = [p.to(dtype) for p in params]
-    ours, _ = _run(getattr(zo, name), low, [[g.to(dtype) for g in s] for s in grads], _KWARGS[name])
-    ref, _ = _run(getattr(torch.optim, name), [p.float() for p in low],
-                  [[g.to(dtype).float() for g in s] for s in grads], {**_KWARGS[name], "fused": True})
-    ulp = torch.finfo(dtype).eps
-    for a, b in zip(ours, ref):
+    low_grads = [[g.to(dtype) for g in s] for s in grads]
+    ours, _ = _run(getattr(zo, name), low, low_grads, _KWARGS[name])
+    cpu, _ = _run(getattr(zo, name), [p.cpu() for p in low], [[g.cpu() for g in s] for s in low_grads], _KWARGS[name])
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    for a, b in zip(ours, cpu):
         assert a.dtype == dtype and a.device.type == "cuda"
-        # the 16-bit parameter after each step is the rounded fp32 result: compare relative to magnitude
-        rel = ((a.float() - b) / b.abs().clamp_min(1e-2)).abs().max().item()
-        assert rel <= 4 * ulp, f"{name} {dtype}: max relative difference {rel} > 4 ulp ({ulp})"
+        a, b = a.float().cpu(), b.float()
+        ulps = ((a - b).abs() / (b.abs().clamp_min(tiny) * eps)).max().item()
+        assert ulps <= 2, f"{name} {dtype}: CUDA vs CPU kernel differ by {ulps:.1f} ulp"
+
+
+def test_fused_cuda_optimizer_odd_offsets_fp32():
+    """Parameters that are views at offsets not a multiple of 4 elements (the scalar loop) and an
+    odd length: equal to torch's fused=True like the packed path."""
+    import zeroplus.optim as zo
+
+    base, grads = _params_and_grads([(70001,)], steps=3)
+    views = [base[0][1:70001]]
+    ours, _ = _run(zo.AdamW, views, [[g[0][1:70001]] for g in grads], _KWARGS["AdamW"])
+    ref, _ = _run(torch.optim.AdamW, views, [[g[0][1:70001]] for g in grads], {**_KWARGS["AdamW"], "fused": True})
+    err = (ours[0] - ref[0]).abs().max().item()
+    assert err <= 2e-6, f"odd-offset AdamW: max |ours - torch fused| = {err}"
 
 
 def test_fused_cuda_kernels_take_the_fused_path():
@@ -272,19 +288,39 @@ def _train_on_cuda(rank, world, stage, dtype_name, steps=4):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero_stages_on_cuda_match_ddp(world):
+    """fp32: every stage equals DDP + torch AdamW on the GPU within 1e-4 (zeroplus steps with its
+    CUDA kernel, torch with its own). bf16 mixed precision: within what bf16 compute allows of
+    the fp32 DDP run, and the three stages agree with each other closely (same arithmetic,
+    different sharding). Every configuration runs; the failures are reported together."""
     env = {"ZEROPLUS_CUDA_TRANSPORT": "host"} if world > 1 else None
+    failures, bf16 = [], {}
     for stage in (1, 2, 3):
         for dtype_name in ("fp32", "bf16"):
-            outs = run_pooled(_train_on_cuda, world, stage, dtype_name, timeout=300, env=env)
+            where = f"stage {stage} {dtype_name} world {world}"
+            try:
+                outs = run_pooled(_train_on_cuda, world, stage, dtype_name, timeout=300, env=env)
+            except Exception as e:  # noqa: BLE001 - reported with the others
+                failures.append(f"{where}: {str(e)[:2000]}")
+                continue
             for rank, out in enumerate(outs):
-                where = f"stage {stage} {dtype_name} world {world} rank {rank}"
-                assert out["devices"] == {"cuda"}, f"{where}: parameters on {out['devices']}"
-                assert out["state_devices"] <= {"cuda"}, f"{where}: optimizer state on {out['state_devices']}"
-                tol = 1e-4 if dtype_name == "fp32" else 3e-2
-                for a, b in zip(out["losses"], out["ref_losses"]):
-                    assert abs(a - b) <= tol * max(1.0, abs(b)), f"{where}: losses {out['losses']} vs DDP {out['ref_losses']}"
+                if out["devices"] != {"cuda"}:
+                    failures.append(f"{where} rank {rank}: parameters on {out['devices']}")
+                if not out["state_devices"] <= {"cuda"}:
+                    failures.append(f"{where} rank {rank}: optimizer state on {out['state_devices']}")
+                loss_tol, param_tol = (1e-4, 1e-4) if dtype_name == "fp32" else (5e-2, 0.1)
+                if any(abs(a - b) > loss_tol * max(1.0, abs(b)) for a, b in zip(out["losses"], out["ref_losses"])):
+                    failures.append(f"{where} rank {rank}: losses {out['losses']} vs DDP {out['ref_losses']}")
                 for k, v in out["ref_params"].items():
-                    if k not in out["params"]:
-                        continue
                     err = (out["params"][k] - v).abs().max().item()
-                    assert err <= (1e-4 if dtype_name == "fp32" else 5e-2), f"{where}: {k} differs from DDP by {err}"
+                    if err > param_tol:
+                        failures.append(f"{where} rank {rank}: {k} differs from DDP by {err:.3g}")
+            if dtype_name == "bf16":
+                bf16[stage] = outs[0]
+    for stage in (2, 3):
+        if 1 in bf16 and stage in bf16:
+            a, b = bf16[stage], bf16[1]
+            worst = max((a["params"][k] - b["params"][k]).abs().max().item() for k in b["params"])
+            if worst > 2e-2 or any(abs(x - y) > 1e-2 for x, y in zip(a["losses"], b["losses"])):
+                failures.append(f"bf16 world {world}: stage {stage} vs stage 1: params differ by {worst:.3g}, "
+                                f"losses {a['losses']} vs {b['losses']}")
+    assert not failures, "\n".join(failures)
