@@ -14,7 +14,8 @@ What must hold:
   * parity: fp32 parameters, optimizer state and losses equal the reference within 1e-6
     (relative to the tensor's largest value): not bitwise, because the step runs on the CPU's
     fused Adam kernel instead of the GPU's, and the two round differently in the last bit; bf16
-    parameters within 1 % (a last-bit master difference can flip one bf16 rounding);
+    parameters and state within 5 % (a last-bit master difference can flip a bf16 rounding, 0.4 %,
+    which the next gradients carry); a wrong step is off by ~100 %;
   * a state_dict round trip: a fresh offloaded engine that loads the reference's model and
     optimizer state continues like the reference does.
 A failure says which side failed: "reference" (the in-memory CUDA engine itself, not the
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 STEPS = 4
 LR = 1e-3
 FP32_RTOL = 1e-6
-BF16_RTOL = 1e-2
+BF16_RTOL = 5e-2  # a last-bit master difference can flip a bf16 rounding (0.4 %), which the next gradients carry
 CONFIG = {1: {"zero_optimization": {"reduce_bucket_size": 3000}},
           2: {"zero_optimization": {"reduce_bucket_size": 3000}},
           3: {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}
@@ -209,7 +210,8 @@ def _results(world: int) -> list:
         # Two ranks on one GPU: CUDA tensors through zeroplus's host-staged transport (NCCL
         # refuses two ranks on one device).
         env = {"ZEROPLUS_CUDA_TRANSPORT": "host"} if world > 1 else {}
-        _RESULTS[world] = run_distributed(_all_cases, world, timeout=900, env=env, start_method="spawn")
+        _RESULTS[world] = run_distributed(_all_cases, world, timeout=900, pg_timeout=300.0, env=env,
+                                          start_method="spawn")
     return _RESULTS[world]
 
 

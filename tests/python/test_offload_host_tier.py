@@ -129,6 +129,7 @@ def _case(rank, group, stage, precision, optimizer, device):
         _train(ref, ref_opt, rank, STEPS, overflow_at=overflow_at)
         _train(model, opt, rank, STEPS, overflow_at=overflow_at)
         state_devices = {str(t.device) for bo in opt.bucket_optimizers for t in bo.state_tensors()}
+        used["staging"] = __import__("zeroplus").memory_report(model, opt).get("offload_host_staging")
         out = {**used, "state_devices": sorted(state_devices), "skipped": (ref_opt.skipped_steps, opt.skipped_steps),
                "params": _diffs(_params(model, stage), _params(ref, stage))}
         saved, saved_model = ref_opt.state_dict(), _params(ref, stage)
@@ -193,6 +194,7 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
         assert res["buckets"] > 3, f"rank {r}: {res['buckets']} buckets do not exercise the staging ring"
         assert res["aliases"] == 0, f"rank {r}: {res['aliases']} host masters alias the parameters"
         assert res["state_devices"] == ["cpu"], f"rank {r}: optimizer state on {res['state_devices']}"
+        assert res["staging"], f"rank {r}: memory_report has no offload_host_staging bytes: {res['staging']!r}"
         for what in ("params", "sharded_state", "consolidated_state", "after_load_params", "after_load_state"):
             assert res[what] == [], f"rank {r}: {what} differ from the in-memory engine: {res[what][:5]}"
         assert res["never_moved"] == [], f"rank {r}: the unused parameter was stepped: {res['never_moved']}"

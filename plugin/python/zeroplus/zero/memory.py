@@ -75,7 +75,8 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["pooled_buffers"] = ours["pooled_buffers"]
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
                     "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
-                    "offload_param_peak_buffers", "offload_param_disk"):  # stage 3; offload
+                    "offload_param_peak_buffers", "offload_param_disk",
+                    "offload_host_staging"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -93,6 +94,9 @@ def optimizer_bytes(opt) -> dict[str, int]:
            "communication_buffers": opt.reducer.communication_bytes(),
            "pooled_buffers": opt.reducer.pool.pooled_bytes,
            "peak_communication_buffers": opt.reducer.pool.peak_bytes}
+    tier = getattr(opt, "host_tier", None)
+    if tier is not None:  # CUDA offload: masters and state above are in host memory, and so are these
+        out["offload_host_staging"] = tier.staging_bytes
     store = getattr(opt, "offload", None)
     if store is not None:
         out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
