@@ -236,6 +236,57 @@ def test_gradients_come_in_step_order_through_the_ring():
     assert 0 < tier.staging_bytes <= (DEPTH + 1) * 8 * 2
 
 
+def test_copies_and_waits_come_in_the_order_the_device_needs():
+    """On CPU a copy is synchronous, so the bit-for-bit cases cannot see a missing wait; a copier
+    that records its calls pins the CUDA ordering: the copy stream follows the compute stream
+    before the first copy, bucket i+1's download is queued before the CPU waits for bucket i's,
+    every upload is followed by the compute stream waiting for it, an upload buffer is reused only
+    after its last copy is done, and end_step waits for downloads the step never asked for."""
+    from zeroplus.offload.host_tier import DeviceCopier, HostTier
+
+    class Recorder(DeviceCopier):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.log, self.events = [], 0
+
+        def follow_compute(self):
+            self.log.append("follow")
+
+        def copy(self, dst, src, device_side):
+            dst.copy_(src)
+            self.events += 1
+            self.log.append(f"copy e{self.events}")
+            return f"e{self.events}"
+
+        def host_wait(self, event):
+            if event is not None:
+                self.log.append(f"host_wait {event}")
+
+        def compute_waits(self, event):
+            self.log.append(f"compute_waits {event}")
+
+    rec = Recorder()
+    masters = [torch.full((4,), float(i)) for i in range(4)]
+    tier = HostTier(torch.device("cpu"), masters, pin_memory=False, copier=rec)
+    grads = [torch.full((4,), 10.0 + i) for i in range(4)]
+    dst = torch.empty(4, dtype=torch.bfloat16)
+    tier.begin_step([0, 1, 2, 3], grads.__getitem__)
+    assert rec.log == ["follow", "copy e1", "copy e2"]  # buckets 0 and 1 start down at once
+    rec.log.clear()
+    assert torch.equal(tier.gradient(0), grads[0])
+    assert rec.log == ["copy e3", "host_wait e1"]  # bucket 2 queued before the CPU waits for bucket 0
+    rec.log.clear()
+    tier.upload(0, dst)
+    tier.upload(1, dst)
+    tier.upload(2, dst)  # the first upload buffer again: its copy (e4) must be done first
+    assert rec.log == ["copy e4", "compute_waits e4", "copy e5", "compute_waits e5",
+                       "host_wait e4", "copy e6", "compute_waits e6"]
+    assert torch.equal(dst, masters[2].to(torch.bfloat16))
+    rec.log.clear()
+    tier.end_step()  # buckets 1 and 2 were downloaded but never asked for
+    assert sorted(rec.log) == ["host_wait e2", "host_wait e3"]
+
+
 def test_upload_casts_like_the_device_and_checks_sizes():
     from zeroplus.offload.host_tier import HostTier
 

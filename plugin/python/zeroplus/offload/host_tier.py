@@ -23,9 +23,9 @@ host state are what it swaps. Per step the engine (zero/engine.py, _step_buckets
     end_step()                 waits for every gradient copy still in flight (a step that raised
                                must not leave a copy reading a shard that zero_grad then frees)
 
-Everything CUDA (streams, events, page-locked allocation) goes through _Copier, the one place that
-knows the device; with "device" and "host" both the CPU a copy is a plain copy_ and an event is
-None. force_on_cpu_for_tests() (a private test hook, not a user knob) makes CPU training take this
+Everything CUDA (streams, events, page-locked allocation) goes through DeviceCopier, the one
+place that knows the device; with "device" and "host" both the CPU a copy is a plain copy_ and an
+event is None. force_on_cpu_for_tests() (a private test hook, not a user knob) makes CPU training take this
 path, so the tests run the same code, bit for bit, against the in-memory engine.
 
 Memory: the fp32 masters (page-locked when pin_memory is set: transfers never read them directly,
@@ -67,7 +67,7 @@ def forced_on_cpu() -> bool:
     return _forced
 
 
-class _Copier:
+class DeviceCopier:
     """The one place that calls CUDA: a copy stream, events, page-locked host memory. On a CPU
     device every copy is a plain copy_ and every event None."""
 
@@ -115,10 +115,12 @@ class _Copier:
 
 
 class HostTier:
-    def __init__(self, device: torch.device, masters: list[torch.Tensor], pin_memory: bool):
+    def __init__(self, device: torch.device, masters: list[torch.Tensor], pin_memory: bool,
+                 copier: DeviceCopier | None = None):
         """masters: the engine's fp32 masters (on `device`); `self.masters` are their host copies,
-        which the engine uses from now on (never aliases of the parameters, even on CPU)."""
-        self._copier = _Copier(device)
+        which the engine uses from now on (never aliases of the parameters, even on CPU).
+        copier: DeviceCopier(device) unless given (tests give one that records the ordering)."""
+        self._copier = DeviceCopier(device) if copier is None else copier
         self.device = device
         self.masters = []
         for m in masters:
