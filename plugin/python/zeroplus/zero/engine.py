@@ -20,7 +20,10 @@ user's class, or zeroplus's fused twin for Adam/AdamW/SGD, over one view of the 
 parameter piece ("segment"), so each parameter keeps its own state and step count and a parameter
 no rank gave a gradient is not updated at all (usage.py). step() walks the buckets: fetch, step,
 store, then the placement publishes the new values (an all-gather overlapping the next bucket's
-step at stages 1-2; this rank's shard at stage 3).
+step at stages 1-2; this rank's shard at stage 3). With offload_optimizer on CUDA training the
+masters are the host tier's (zeroplus.offload.host_tier): gradient shards come down to the host
+a few buckets ahead (host_tier.gradient), the step runs on the CPU, and publish copies the new
+master up (write_master_into) before the bucket's all-gather.
 """
 
 from __future__ import annotations
