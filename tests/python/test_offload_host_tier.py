@@ -8,7 +8,8 @@ launch: the forced host tier must equal the in-memory engine BIT FOR BIT after 3
 clipping, an unused parameter, more buckets than the staging ring has slots) at stages 1-3, fp32
 and bf16, Adam/AdamW/SGD; its sharded state_dict must equal the in-memory one, and loading it
 (plus the model's state) into fresh engines must continue identically; fp16 with an overflowing
-step is skipped alike; "nvme" (the swapper under the host tier) is equal too. A case also checks
+step is skipped alike; zeroplus checkpoints cross-load (each side loads the other's and they
+continue alike); "nvme" (the swapper under the host tier) is equal too. A case also checks
 that the tier is really in use: its masters are host tensors of their own (not the parameters)
 and the optimizer state lives on them. Unit tests pin the staging ring's order and its casts.
 """
@@ -150,6 +151,30 @@ def _case(rank, group, stage, precision, optimizer, device):
         _train(model2, opt2, rank, 2, start=STEPS)
         out["after_load_params"] = _diffs(_params(model2, stage), _params(ref2, stage))
         out["after_load_state"] = _state_diffs(opt2.state_dict(), ref_opt2.state_dict())
+        # zeroplus checkpoints, cross-loaded: the in-memory engine loads the host tier's checkpoint
+        # and the host tier the in-memory one's; both then continue alike.
+        import torch.distributed as dist
+        import zeroplus
+
+        ckpt_root = [tempfile.mkdtemp(prefix="zp-host-tier-ckpt-") if rank == 0 else None]
+        dist.broadcast_object_list(ckpt_root, src=dist.get_global_rank(group, 0), group=group)
+        try:
+            zeroplus.save_checkpoint(f"{ckpt_root[0]}/tier", model, opt)
+            zeroplus.save_checkpoint(f"{ckpt_root[0]}/ref", ref, ref_opt)
+            ref3, ref_opt3 = _build(group, stage, precision, optimizer)
+            with force_on_cpu_for_tests():
+                model3, opt3 = _build(group, stage, precision, optimizer, offload)
+            for m, o, which in ((ref3, ref_opt3, "tier"), (model3, opt3, "ref")):
+                _train(m, o, rank, 1, start=10)
+                zeroplus.load_checkpoint(f"{ckpt_root[0]}/{which}", m, o)
+            _train(ref3, ref_opt3, rank, 2, start=STEPS)
+            _train(model3, opt3, rank, 2, start=STEPS)
+            out["checkpoint_params"] = _diffs(_params(model3, stage), _params(ref3, stage))
+            out["checkpoint_state"] = _state_diffs(opt3.state_dict(), ref_opt3.state_dict())
+            dist.barrier(group=group)
+        finally:
+            if rank == 0:
+                shutil.rmtree(ckpt_root[0], ignore_errors=True)
         never = {k: v for k, v in _params(model, stage).items() if k.startswith("never.")}
         initial = {k: v.to(never[k].dtype) for k, v in Net().state_dict().items() if k.startswith("never.")}
         out["never_moved"] = _diffs(never, initial)
@@ -195,7 +220,8 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
         assert res["aliases"] == 0, f"rank {r}: {res['aliases']} host masters alias the parameters"
         assert res["state_devices"] == ["cpu"], f"rank {r}: optimizer state on {res['state_devices']}"
         assert res["staging"], f"rank {r}: memory_report has no offload_host_staging bytes: {res['staging']!r}"
-        for what in ("params", "sharded_state", "consolidated_state", "after_load_params", "after_load_state"):
+        for what in ("params", "sharded_state", "consolidated_state", "after_load_params", "after_load_state",
+                     "checkpoint_params", "checkpoint_state"):
             assert res[what] == [], f"rank {r}: {what} differ from the in-memory engine: {res[what][:5]}"
         assert res["never_moved"] == [], f"rank {r}: the unused parameter was stepped: {res['never_moved']}"
         ref_skipped, skipped = res["skipped"]
