@@ -34,7 +34,8 @@ import pytest
 import torch
 from torch import nn
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
 STEPS = 4
 LR = 1e-3
@@ -192,7 +193,8 @@ def _all_cases(rank, world):
     from harness import run_cases_in_own_groups
 
     torch.cuda.set_device(0)  # one GPU: every rank uses it
-    torch.backends.cuda.matmul.allow_tf32 = False  # the two sides' tiny parameter differences must not flip TF32 roundings
+    # The two sides' tiny parameter differences must not flip TF32 roundings.
+    torch.backends.cuda.matmul.allow_tf32 = False
     return run_cases_in_own_groups(rank, world, {_case_id(c): functools.partial(_case_in, case=c) for c in CASES})
 
 
@@ -235,7 +237,8 @@ def test_cuda_offload_matches_training_in_gpu_memory(world, case):
         for what in ("params", "state", "after_params", "after_state"):
             worst, at = res[what]
             # fp32: not bitwise: CPU and GPU Adam kernels round differently in the last bit.
-            assert worst <= rtol, f"{where}: {what} differ from training in GPU memory by {worst:.3g} (relative) at {at}"
+            assert worst <= rtol, \
+                f"{where}: {what} differ from training in GPU memory by {worst:.3g} (relative) at {at}"
         losses, ref_losses = res["losses"]
         assert losses == pytest.approx(ref_losses, rel=max(rtol, 1e-6)), f"{where}: losses {losses} vs {ref_losses}"
         offload_ms, ref_ms = res["step_ms"]
