@@ -355,5 +355,34 @@ def test_prepare_picks_the_host_tier_for_cuda_and_the_test_hook(tmp_path):
         prepare_optimizer_store(cpu_o, parse_offload("offload_param", {"device": "cpu"}), 0, cuda, "E")
 
 
+def test_estimate_memory_gpu_and_host_columns():
+    import zeroplus
+
+    psi, n, bucket = 1e9, 8, 1 << 22
+    shard = -(-bucket // n)
+    base = zeroplus.estimate_memory(psi, n, 2, "bf16", device="cuda")
+    assert base["gpu"] == base["model_state"] and base["host"] == 0
+    off = zeroplus.estimate_memory(psi, n, 2, "bf16", offload_optimizer="cpu", device="cuda")
+    staging = 3 * shard * 2 + 2 * shard * 2  # 3 gradient and 2 parameter shards of a bucket, bf16
+    assert off["gpu"] == base["parameters"] + base["gradients"]
+    assert off["host"] == 4 * psi / n + base["optimizer_state"] + staging
+    fp32 = zeroplus.estimate_memory(psi, n, 2, None, offload_optimizer="cpu", device="cuda")
+    assert fp32["master_parameters"] == 0 and fp32["host"] == 4 * psi / n + fp32["optimizer_state"] + 5 * shard * 4
+    nvme = zeroplus.estimate_memory(psi, n, 3, None, offload_optimizer="nvme", buffer_count=4, device="cuda")
+    buckets = -(-psi // bucket)
+    assert nvme["nvme"] == 4 * psi / n + nvme["optimizer_state"] + 4096 * buckets  # the master too, in fp32
+    assert nvme["offload_buffers"] == 4 * (4096 + shard * 12)  # whole pages already
+    assert nvme["host"] == nvme["offload_buffers"] + 5 * shard * 4
+    assert nvme["resident"] == nvme["gpu"] + nvme["host"]
+    cpu = zeroplus.estimate_memory(psi, n, 2, "bf16", offload_optimizer="nvme")
+    assert cpu["gpu"] == 0 and cpu["host"] == cpu["resident"]
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        zeroplus.estimate_memory(psi, n, 2, device="tpu")
+    with pytest.raises(ValueError, match="offload_param on CUDA training is not built"):
+        zeroplus.estimate_memory(psi, n, 3, offload_param="nvme", device="cuda")
+    with pytest.raises(ValueError, match="needs a ZeRO stage"):
+        zeroplus.estimate_memory(psi, n, 0, offload_optimizer="cpu", device="cuda")
+
+
 def test_wall_time():
     print(f"\ntest_offload_host_tier.py: {time.perf_counter() - _T0:.1f} s")
