@@ -1,10 +1,11 @@
 """python -m zeroplus.estimate --params 1.3e9 --world-size 8 [--mixed-precision bf16] [--optimizer adam]
                              [--offload-optimizer nvme --buffer-count 4 --bucket-elems 4194304]
-                             [--offload-param nvme --param-buffer-count 5]
+                             [--offload-param nvme --param-buffer-count 5] [--device cuda]
 
 Prints the ZeRO model-state bytes per rank for stages 0-3 (zeroplus.estimate_memory); with
 --offload-optimizer nvme also what stays in memory and what the swap files take (stages 1-3); with
---offload-param nvme the stage-3 row also moves the parameter shards to the swap files."""
+--offload-param nvme the stage-3 row also moves the parameter shards to the swap files; with
+--device cuda also what is in GPU and in host memory (optimizer offload of CUDA training)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def main(argv=None) -> int:
                         help="offload_param.buffer_size (elements per pool buffer; DeepSpeed's 1e8)")
     parser.add_argument("--bucket-elems", type=int, default=1 << 22,
                         help="elements per bucket (reduce_bucket_size; stage 3: the largest gather unit)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where training runs (cuda: gpu and host columns)")
     args = parser.parse_args(argv)
     precision = None if args.fp32 else args.mixed_precision
     offload = args.offload_optimizer
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
         return estimate_memory(args.params, args.world_size, stage, precision, args.optimizer,
                                offload if stage else "none", args.buffer_count, args.bucket_elems,
                                args.offload_param if stage == 3 else "none", args.param_buffer_count,
-                               args.param_buffer_size)
+                               args.param_buffer_size, args.device)
     try:
         rows = [(s, row(s)) for s in range(4)]
     except ValueError as e:
@@ -52,15 +55,20 @@ def main(argv=None) -> int:
     print(f"model-state GiB per rank: {args.params:.3g} parameters, {args.world_size} ranks, "
           f"{precision or 'fp32'}, {args.optimizer}")
     extra = offload == "nvme" or args.offload_param == "nvme"
+    cuda = args.device == "cuda"
     print(f"{'stage':>5} {'params':>10} {'grads':>10} {'master':>10} {'optim':>10} {'total':>10}"
-          + (f" {'resident':>10} {'nvme':>10}" if extra else ""))
+          + (f" {'resident':>10} {'nvme':>10}" if extra else "") + (f" {'gpu':>10} {'host':>10}" if cuda else ""))
     for s, r in rows:
         print(f"{s:>5} {_gib(r['parameters'])} {_gib(r['gradients'])} {_gib(r['master_parameters'])} "
               f"{_gib(r['optimizer_state'])} {_gib(r['model_state'])}"
-              + (f" {_gib(r['resident'])} {_gib(r['nvme'])}" if extra else ""))
+              + (f" {_gib(r['resident'])} {_gib(r['nvme'])}" if extra else "")
+              + (f" {_gib(r['gpu'])} {_gib(r['host'])}" if cuda else ""))
     if extra:
         print("resident: model state left in memory + the swappers' buffers; nvme: swap files on disk "
               "(stage 0 has no offload; offload_param applies to stage 3 only)")
+    if cuda:
+        print("gpu: GPU memory; host: host memory (offload_optimizer on CUDA: the fp32 master, in every precision, "
+              "and the state or the swapper's buffers, plus staging)")
     return 0
 
 

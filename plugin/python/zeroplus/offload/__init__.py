@@ -4,20 +4,27 @@
     nvme_store.py  one rank's private swap directory and its exclusively created files
     record.py      one bucket's swap record: header (generation, checksums) + payload
     swapper.py     the pipelined NVMe swapper behind BucketOptimizer.fetch/store
+    host_tier.py   CUDA training (ZeRO-Offload): fp32 masters and state on the host, the step on
+                   the CPU, gradients down and parameters up per bucket on a copy stream
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
     grad_spill.py  gradient shards of those parameters, in files between backward and step
     io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
 
 The ZeRO engines call prepare_optimizer_store() before changing anything (checks, the swap
-directory) and attach_optimizer_store() once their bucket optimizers exist; stage 3 calls
+directory), make_host_tier() once their masters exist (the host tier replaces them with host
+copies on CUDA training) and attach_optimizer_store() once their bucket optimizers exist; stage 3 calls
 prepare_param_store() likewise and make_param_store() once its buckets are planned.
 See docs/offload.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from . import host_tier
+from .host_tier import HostTier
 from .nvme_store import SwapDirectory
 from .policy import AioPolicy, OffloadPolicy, parse_aio, parse_offload
 from .grad_spill import GradSpill
@@ -25,26 +32,50 @@ from .param_swapper import ParamSwapper
 from .swapper import OptimizerSwapper
 
 
-def prepare_optimizer_store(policy: OffloadPolicy, param_policy: OffloadPolicy, rank: int, device: torch.device,
-                            who: str):
-    """Checks the offload settings against the training device and creates this rank's swap
-    directory, before the engine changes anything; returns what attach_optimizer_store needs
-    (None: optimizer state stays in memory).
+@dataclass(frozen=True)
+class OptimizerOffload:
+    """What prepare_optimizer_store decided (None from it: the optimizer state stays in memory)."""
+    policy: OffloadPolicy
+    rank: int
+    directory: SwapDirectory | None  # "nvme": this rank's swap directory (the NVMe swapper's)
+    host_tier: bool                  # masters and state move to host memory (CUDA training; the test hook)
 
-    device 'cpu' on CPU training is a no-op, for the optimizer state and for the parameters:
-    they are in host memory already. Offload of CUDA training is refused (not built); parameter
-    offload to NVMe is prepare_param_store's."""
+
+def prepare_optimizer_store(policy: OffloadPolicy, param_policy: OffloadPolicy, rank: int, device: torch.device,
+                            who: str) -> OptimizerOffload | None:
+    """Checks the offload settings against the training device and creates this rank's swap
+    directory, before the engine changes anything; returns what make_host_tier and
+    attach_optimizer_store need (None: optimizer state stays in memory).
+
+    CPU training: device 'cpu' is a no-op, for the optimizer state and for the parameters: they
+    are in host memory already; 'nvme' swaps the state (and a mixed-precision master) through
+    the NVMe swapper. CUDA training: 'cpu' and 'nvme' move the fp32 masters and the state to the
+    host tier (host_tier.py), with the NVMe swapper under it for 'nvme'. Parameter offload on
+    CUDA is refused (not built); to NVMe on CPU it is prepare_param_store's."""
     if param_policy.enabled and device.type != "cpu":
         raise NotImplementedError(f"{who}: offload_param device {param_policy.device!r} with parameters on "
-                                  f"{device.type} is not built yet (the CUDA offload path); nothing was changed")
+                                  f"{device.type} is not built yet (the CUDA parameter-offload path; offload_optimizer "
+                                  f"is built); nothing was changed")
     if not policy.enabled:
         return None
-    if device.type != "cpu":
+    if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"{who}: offload_optimizer device {policy.device!r} with parameters on "
-                                  f"{device.type} is not built yet (the CUDA offload path); nothing was changed")
-    if policy.device == "cpu":
+                                  f"{device.type} is not built (CPU and CUDA training are); nothing was changed")
+    use_host_tier = device.type == "cuda" or host_tier.forced_on_cpu()
+    if use_host_tier and param_policy.enabled:  # only reachable through the CPU test hook
+        raise ValueError(f"{who}: the host tier's test hook does not combine with offload_param")
+    if policy.device == "cpu" and not use_host_tier:
         return None  # CPU training: optimizer state is in CPU memory already (docs/offload.md)
-    return (policy, rank, SwapDirectory(policy.nvme_path, rank, policy.what))
+    directory = SwapDirectory(policy.nvme_path, rank, policy.what) if policy.device == "nvme" else None
+    return OptimizerOffload(policy, rank, directory, use_host_tier)
+
+
+def make_host_tier(prepared: OptimizerOffload | None, device: torch.device,
+                   masters: list[torch.Tensor]) -> HostTier | None:
+    """The HostTier holding host copies of these masters (its .masters replace them), or None."""
+    if prepared is None or not prepared.host_tier:
+        return None
+    return HostTier(device, masters, prepared.policy.pin_memory)
 
 
 def prepare_param_store(policy: OffloadPolicy, stage: int, rank: int, device: torch.device, who: str):
@@ -80,14 +111,14 @@ def make_grad_spill(param_store: ParamSwapper, buckets: dict):
 
 def attach_optimizer_store(prepared, bucket_optimizers: list):
     """The store behind every bucket optimizer's fetch/store (attached to each), or None."""
-    if prepared is None:
+    if prepared is None or prepared.directory is None:
         return None
-    policy, rank, directory = prepared
-    store = OptimizerSwapper(policy, rank, directory, bucket_optimizers)
+    store = OptimizerSwapper(prepared.policy, prepared.rank, prepared.directory, bucket_optimizers)
     for bo in bucket_optimizers:
         bo.attach_store(store)
     return store
 
 
-__all__ = ["AioPolicy", "GradSpill", "OffloadPolicy", "ParamSwapper", "make_grad_spill", "attach_optimizer_store", "make_param_store", "parse_aio",
+__all__ = ["AioPolicy", "GradSpill", "HostTier", "OffloadPolicy", "OptimizerOffload", "ParamSwapper",
+           "attach_optimizer_store", "make_grad_spill", "make_host_tier", "make_param_store", "parse_aio",
            "parse_offload", "prepare_optimizer_store", "prepare_param_store"]

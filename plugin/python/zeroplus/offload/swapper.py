@@ -11,8 +11,8 @@ bucket this swapper
             write; the state tensors are emptied, the buffer stays busy until the write ends.
 
 The record holds the bucket's fp32 master shard too when it is a copy of its own (mixed
-precision); in fp32 training the master IS this rank's slice of the parameters, which stay in
-memory. The master stays readable after store until the engine has written it into the
+precision, or the host tier's copy on CUDA training, host_tier.py); in fp32 CPU training the
+master IS this rank's slice of the parameters, which stay in memory. The master stays readable after store until the engine has written it into the
 parameters (its publish), i.e. until the next bucket's fetch or the end of the step.
 
 So the read of bucket i+1, the step of bucket i and the write of bucket i-1 overlap. Buffers
@@ -256,7 +256,7 @@ class OptimizerSwapper:
             except OSError:
                 # A refused record (what this load repairs): the master is taken from the
                 # parameters, as loading a model state dict sets it.
-                master = bo.param_shard().to(torch.float32, copy=True)
+                master = bo.param_shard().to("cpu", torch.float32, copy=True)
         self._drain_writes()
         if h.bound:
             self._unbind_state(h)
@@ -431,7 +431,7 @@ class OptimizerSwapper:
     def _stand_in_master(self, bo, h: _Home) -> None:
         """The record is lost: the engine still publishes this bucket's master, so give it the
         parameters' own values (exact: the parameters are the master rounded)."""
-        self._point_master(bo, bo.param_shard().to(torch.float32, copy=True))
+        self._point_master(bo, bo.param_shard().to("cpu", torch.float32, copy=True))
         h.master_bound = True
 
     def _unbind_state(self, h: _Home) -> None:

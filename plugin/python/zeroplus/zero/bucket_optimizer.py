@@ -48,8 +48,9 @@ class BucketOptimizer:
         self.bucket = bucket
         self.master = master
         self.rank = rank
-        # Mixed precision: the master is a copy of its own, which an offload store may keep in
-        # a file; fp32: it is this rank's slice of the parameters, which stay in memory.
+        # Mixed precision (and CUDA offload's host tier, at any precision): the master is a copy
+        # of its own, which an offload store may keep in a file; fp32 otherwise: it is this
+        # rank's slice of the parameters, which stay in memory.
         # (With offload_param the fp32 master is the bucket's shard object, empty between uses.)
         param_storages = {t.untyped_storage().data_ptr() for t in (bucket.flat, bucket.shard) if t is not None}
         self.offloads_master = (master is not bucket.shard

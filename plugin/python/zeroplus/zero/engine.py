@@ -20,7 +20,10 @@ user's class, or zeroplus's fused twin for Adam/AdamW/SGD, over one view of the 
 parameter piece ("segment"), so each parameter keeps its own state and step count and a parameter
 no rank gave a gradient is not updated at all (usage.py). step() walks the buckets: fetch, step,
 store, then the placement publishes the new values (an all-gather overlapping the next bucket's
-step at stages 1-2; this rank's shard at stage 3).
+step at stages 1-2; this rank's shard at stage 3). With offload_optimizer on CUDA training the
+masters are the host tier's (zeroplus.offload.host_tier): gradient shards come down to the host
+a few buckets ahead (host_tier.gradient), the step runs on the CPU, and publish copies the new
+master up (write_master_into) before the bucket's all-gather.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..offload import attach_optimizer_store, prepare_optimizer_store, prepare_param_store
+from ..offload import attach_optimizer_store, make_host_tier, prepare_optimizer_store, prepare_param_store
 from ..optim.fused import fused_class_for
 from . import clipping, dtensor_params, full_state, module_methods, precision, state
 from .backward_pass import BackwardPass
@@ -108,6 +111,11 @@ class ZeroEngine(torch.optim.Optimizer):
             precision.cast_buffers(module, self.compute_dtype)
         self.buckets = self.placement.plan_layout(trainable, options.reduce_bucket_elems)
         self.masters = self.placement.build_flat_buffers()
+        # offload_optimizer on CUDA training: the masters (and so the optimizer state) move to
+        # host memory; the step runs there (zeroplus.offload.host_tier). None otherwise.
+        self.host_tier = make_host_tier(self._offload_prepared, self.buckets[0].device, self.masters)
+        if self.host_tier is not None:
+            self.masters = self.host_tier.masters
         self.placement.sync_unmanaged(trainable)
         self._build_inner(optimizer_class)
         self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank,
@@ -359,12 +367,15 @@ class ZeroEngine(torch.optim.Optimizer):
             self._offload_steps += 1
             self.offload.begin_step(order)
         self.step_order = order
+        if self.host_tier is not None:  # gradient shards start down to the host, a few buckets ahead
+            self.host_tier.begin_step(order, self.reducer.shard)
         try:
             for i in order:
                 bo = self.bucket_optimizers[i]
                 if not self.placement.before_bucket_step(i):
                     continue  # an offloaded parameter shard could not be read: not stepped
-                grad_shard = self.placement.gradient_shard(i, self.reducer)
+                grad_shard = (self.host_tier.gradient(i) if self.host_tier is not None
+                              else self.placement.gradient_shard(i, self.reducer))
                 if grad_shard is None:
                     continue  # a spilled gradient that could not be read: not stepped (raised at the end)
                 bo.fetch()
@@ -381,10 +392,21 @@ class ZeroEngine(torch.optim.Optimizer):
             # After the step's last collective: waits for the writes and raises a swap error
             # (every rank finished the step, so none is left waiting in a collective).
             try:
+                if self.host_tier is not None:
+                    self.host_tier.end_step()
                 if self.offload is not None:
                     self.offload.end_step()
             finally:
                 self.placement.end_step()
+
+    def write_master_into(self, i: int, dst: torch.Tensor) -> None:
+        """Bucket i's master into dst, this rank's shard of its parameters (the placements'
+        publish): through the host tier (an asynchronous host-to-device copy that the compute
+        stream waits for), or a copy in memory where the master is not dst itself."""
+        if self.host_tier is not None:
+            self.host_tier.upload(i, dst)
+        elif self.masters[i].data_ptr() != dst.data_ptr():
+            dst.copy_(self.masters[i])
 
     @torch.no_grad()
     def publish_masters(self) -> None:

@@ -75,7 +75,8 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["pooled_buffers"] = ours["pooled_buffers"]
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
                     "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
-                    "offload_param_peak_buffers", "offload_param_disk"):  # stage 3; offload
+                    "offload_param_peak_buffers", "offload_param_disk",
+                    "offload_host_staging"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -93,6 +94,9 @@ def optimizer_bytes(opt) -> dict[str, int]:
            "communication_buffers": opt.reducer.communication_bytes(),
            "pooled_buffers": opt.reducer.pool.pooled_bytes,
            "peak_communication_buffers": opt.reducer.pool.peak_bytes}
+    tier = getattr(opt, "host_tier", None)
+    if tier is not None:  # CUDA offload: masters and state above are in host memory, and so are these
+        out["offload_host_staging"] = tier.staging_bytes
     store = getattr(opt, "offload", None)
     if store is not None:
         out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
@@ -103,7 +107,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
 def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: str | None = None,
                     optimizer: str = "adam", offload_optimizer: str = "none", buffer_count: int = 4,
                     bucket_elems: int = DEFAULT_REDUCE_BUCKET_ELEMS, offload_param: str = "none",
-                    param_buffer_count: int = 5, param_buffer_size: int = 100_000_000) -> dict[str, float]:
+                    param_buffer_count: int = 5, param_buffer_size: int = 100_000_000,
+                    device: str = "cpu") -> dict[str, float]:
     """Model-state bytes per rank by the ZeRO paper's accounting: parameters and gradients in the
     compute dtype (2 bytes with mixed precision, else 4), an fp32 master copy only with mixed
     precision (4), optimizer state (Adam: 8). Stage 1 shards master + state, stage 2 also
@@ -122,7 +127,16 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     gradient files per bucket, docs/offload.md) (+ 4 KiB per record), `offload_param_buffers` is
     the parameter swapper's pool (param_buffer_count buffers of param_buffer_size elements, each
     at least one record of the largest gather unit's shard, bucket_elems elements; at most every
-    record: the pool caches them) and `resident` drops parameters and gradients and adds that pool."""
+    record: the pool caches them) and `resident` drops parameters and gradients and adds that pool.
+
+    device="cuda" (training on a GPU) adds what is where: `gpu` (GPU memory) and `host` (host
+    memory). Without offload everything is on the GPU. offload_optimizer "cpu" or "nvme" (the host
+    tier, docs/offload.md "ZeRO-Offload") leaves parameters and gradients on the GPU and puts on the
+    host an fp32 master shard in every precision (in fp32 too: the host keeps its own copy) with
+    the optimizer state ("cpu") or the swapper's buffers ("nvme", whose files then hold that master
+    and the state), plus the staging buffers (3 gradient shards and 2 parameter shards of a
+    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`. offload_param
+    on CUDA training is not built (ValueError)."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -141,6 +155,13 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         raise ValueError(f"estimate_memory: offload_param applies to stage 3 only, got stage={stage!r}")
     if offload_optimizer == "nvme" and stage == 0:
         raise ValueError("estimate_memory: offload_optimizer='nvme' needs a ZeRO stage (1-3), got stage=0")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"estimate_memory: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and offload_param != "none":
+        raise ValueError(f"estimate_memory: offload_param on CUDA training is not built, got offload_param={offload_param!r}")
+    if device == "cuda" and offload_optimizer != "none" and stage == 0:
+        raise ValueError(f"estimate_memory: offload_optimizer={offload_optimizer!r} on CUDA needs a ZeRO stage (1-3), "
+                         f"got stage=0")
     for key, value in (("buffer_count", buffer_count), ("bucket_elems", bucket_elems),
                        ("param_buffer_count", param_buffer_count), ("param_buffer_size", param_buffer_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -173,4 +194,22 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         out["offload_param_buffers"] = float(min(param_buffer_count * buffer, every_record))
         out["nvme"] += out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
         out["resident"] += out["offload_param_buffers"] - out["parameters"] - out["gradients"]
+    if device == "cpu":
+        out["gpu"], out["host"] = 0.0, out["resident"]
+    elif offload_optimizer == "none":
+        out["gpu"], out["host"] = out["model_state"], 0.0
+    else:
+        host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
+        shard = -(-min(bucket_elems, max(psi, 1)) // n)
+        staging = 3 * shard * g + 2 * shard * p
+        out["gpu"] = out["parameters"] + out["gradients"]
+        if offload_optimizer == "cpu":
+            out["host"] = host_master + out["optimizer_state"] + staging
+        else:  # the swapper's records hold the master and the state
+            buckets = -(-psi // bucket_elems) if psi else 0
+            record = -(-(4096 + -(-bucket_elems // n) * (4 + k)) // 4096) * 4096
+            out["offload_buffers"] = float(min(buffer_count, max(buckets, 1)) * record)
+            out["nvme"] = host_master + out["optimizer_state"] + 4096 * buckets
+            out["host"] = out["offload_buffers"] + staging
+        out["resident"] = out["gpu"] + out["host"]
     return out

@@ -104,11 +104,10 @@ class ReplicatedParams:
     def publish(self, i: int):
         """Bucket i's new master values into its parameters on every rank: the all-gather's work."""
         engine = self.engine
-        b, master = engine.buckets[i], engine.masters[i]
+        b = engine.buckets[i]
         lo, hi = b.shard_range(engine.rank)
         shard = b.flat[lo:hi]
-        if master.data_ptr() != shard.data_ptr():
-            shard.copy_(master)
+        engine.write_master_into(i, shard)
         if engine.reducer.owner_collectives:  # gloo, 2 ranks: in place, one broadcast per owner
             return comm.broadcast_from_owners(b.flat, b.shard_numel, engine.process_group, engine.world_size)
         # A separate input: backends differ on whether an all-gather input may alias its output.

@@ -271,8 +271,7 @@ class ShardedParams:
             return None  # (an fp32 master not pinned was not stepped: its record is current)
         lo, hi = b.shard_range(engine.rank)
         own = b.flat[lo:hi] if b.persistent else b.shard
-        if master.data_ptr() != own.data_ptr():
-            own.copy_(master)
+        engine.write_master_into(i, own)
         if b.persistent:
             return comm.all_gather(b.flat, own.clone(), engine.process_group, async_op=True)
         return None

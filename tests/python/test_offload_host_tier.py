@@ -1,0 +1,388 @@
+"""The CUDA optimizer-offload path's host tier (zeroplus.offload.host_tier), run on CPU.
+
+On CUDA training offload_optimizer moves every bucket's fp32 master and optimizer state to host
+memory and steps them there; gradients come down and parameters go up per bucket. The tier's
+device-specific calls go through one place that is a plain copy on CPU, and a private hook
+(force_on_cpu_for_tests) makes CPU training take the same path. So here, 2 ranks, one pooled
+launch: the forced host tier must equal the in-memory engine BIT FOR BIT after 3 steps (with
+clipping, an unused parameter, more buckets than the staging ring has slots) at stages 1-3, fp32
+and bf16, Adam/AdamW/SGD; its sharded state_dict must equal the in-memory one, and loading it
+(plus the model's state) into fresh engines must continue identically; fp16 with an overflowing
+step is skipped alike; zeroplus checkpoints cross-load (each side loads the other's and they
+continue alike); "nvme" (the swapper under the host tier) is equal too. A case also checks
+that the tier is really in use: its masters are host tensors of their own (not the parameters)
+and the optimizer state lives on them. Unit tests pin the staging ring's order and its casts.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_cases_in_own_groups, run_pooled
+
+STEPS = 3
+CONFIG = {1: {"zero_optimization": {"reduce_bucket_size": 400}},
+          2: {"zero_optimization": {"reduce_bucket_size": 400}},
+          3: {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}  # a bucket per unit
+_T0 = time.perf_counter()
+
+
+class Net(nn.Module):
+    """Four linear layers (four stage-3 units, several stage-1/2 buckets of 400 elements); `never`
+    gets no gradient, so it must not be stepped."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 40)
+        self.b = nn.Linear(40, 40)
+        self.c = nn.Linear(40, 6)
+        self.never = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
+
+
+def _build(group, stage, precision, optimizer, offload=None):
+    import zeroplus
+
+    kw = {"momentum": 0.9} if optimizer is torch.optim.SGD else {"weight_decay": 0.1}
+    if offload is not None:
+        kw["offload_optimizer"] = offload
+    return zeroplus.initialize(Net(), optimizer, stage=stage, lr=1e-2, mixed_precision=precision,
+                               process_group=group, config=CONFIG[stage], **kw)
+
+
+def _train(model, opt, rank, steps, start=0, overflow_at=None):
+    for step in range(start, start + steps):
+        x, y = _batch(step, rank)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        if step == overflow_at:
+            loss = loss * float("inf")  # every gradient inf/NaN: fp16's step must be skipped
+        opt.backward(loss)
+        opt.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def _params(model, stage):
+    import zeroplus
+
+    if stage == 3:
+        return zeroplus.full_state_dict(model, rank0_only=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _diffs(a: dict, b: dict) -> list[str]:
+    """Keys whose tensors are not bitwise equal (or missing on one side)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        if k not in a or k not in b:
+            out.append(f"{k}: missing")
+        elif isinstance(a[k], torch.Tensor) or isinstance(b[k], torch.Tensor):
+            x, y = torch.as_tensor(a[k]), torch.as_tensor(b[k])
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+                out.append(f"{k}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
+        elif a[k] != b[k]:
+            out.append(f"{k}: {a[k]!r} vs {b[k]!r}")
+    return out
+
+
+def _state_diffs(sa: dict, sb: dict) -> list[str]:
+    out = []
+    for i in sorted(set(sa["state"]) | set(sb["state"])):
+        out += [f"state[{i}].{d}" for d in _diffs(sa["state"].get(i, {}), sb["state"].get(i, {}))]
+    return out
+
+
+def _case(rank, group, stage, precision, optimizer, device):
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+
+    root = tempfile.mkdtemp(prefix="zp-host-tier-") if device == "nvme" else None
+    offload = {"device": device, "pin_memory": True}
+    if root is not None:
+        offload.update(nvme_path=root, buffer_count=2)
+    overflow_at = 1 if precision == "fp16" else None
+    try:
+        ref, ref_opt = _build(group, stage, precision, optimizer)
+        with force_on_cpu_for_tests():
+            model, opt = _build(group, stage, precision, optimizer, offload)
+        tier = opt.host_tier
+        used = {
+            "tier": tier is not None,
+            "buckets": len(opt.buckets),
+            # host masters of their own: never the parameters' memory, even in fp32 on CPU
+            "aliases": sum(m.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                           for m in opt.masters for b in opt.buckets for t in (b.flat, b.shard) if t is not None),
+        }
+        _train(ref, ref_opt, rank, STEPS, overflow_at=overflow_at)
+        _train(model, opt, rank, STEPS, overflow_at=overflow_at)
+        state_devices = {str(t.device) for bo in opt.bucket_optimizers for t in bo.state_tensors()}
+        used["staging"] = __import__("zeroplus").memory_report(model, opt).get("offload_host_staging")
+        out = {**used, "state_devices": sorted(state_devices), "skipped": (ref_opt.skipped_steps, opt.skipped_steps),
+               "params": _diffs(_params(model, stage), _params(ref, stage))}
+        saved, saved_model = ref_opt.state_dict(), _params(ref, stage)
+        out["sharded_state"] = _state_diffs(opt.state_dict(), saved)
+        ref_opt.consolidate_state_dict(0)
+        opt.consolidate_state_dict(0)
+        out["consolidated_state"] = _state_diffs(opt.state_dict(), ref_opt.state_dict()) if rank == 0 else []
+        # Round trip: fresh engines (one step taken, so state exists to be replaced) load the
+        # in-memory run's model and sharded optimizer state and continue alike.
+        ref2, ref_opt2 = _build(group, stage, precision, optimizer)
+        with force_on_cpu_for_tests():
+            model2, opt2 = _build(group, stage, precision, optimizer, offload)
+        for m, o in ((ref2, ref_opt2), (model2, opt2)):
+            _train(m, o, rank, 1, start=10)
+            m.load_state_dict(saved_model)
+            o.load_state_dict(saved)
+        _train(ref2, ref_opt2, rank, 2, start=STEPS)
+        _train(model2, opt2, rank, 2, start=STEPS)
+        out["after_load_params"] = _diffs(_params(model2, stage), _params(ref2, stage))
+        out["after_load_state"] = _state_diffs(opt2.state_dict(), ref_opt2.state_dict())
+        # zeroplus checkpoints, cross-loaded: the in-memory engine loads the host tier's checkpoint
+        # and the host tier the in-memory one's; both then continue alike.
+        import torch.distributed as dist
+        import zeroplus
+
+        ckpt_root = [tempfile.mkdtemp(prefix="zp-host-tier-ckpt-") if rank == 0 else None]
+        dist.broadcast_object_list(ckpt_root, src=dist.get_global_rank(group, 0), group=group)
+        try:
+            zeroplus.save_checkpoint(f"{ckpt_root[0]}/tier", model, opt)
+            zeroplus.save_checkpoint(f"{ckpt_root[0]}/ref", ref, ref_opt)
+            ref3, ref_opt3 = _build(group, stage, precision, optimizer)
+            with force_on_cpu_for_tests():
+                model3, opt3 = _build(group, stage, precision, optimizer, offload)
+            for m, o, which in ((ref3, ref_opt3, "tier"), (model3, opt3, "ref")):
+                _train(m, o, rank, 1, start=10)
+                zeroplus.load_checkpoint(f"{ckpt_root[0]}/{which}", m, o)
+            _train(ref3, ref_opt3, rank, 2, start=STEPS)
+            _train(model3, opt3, rank, 2, start=STEPS)
+            out["checkpoint_params"] = _diffs(_params(model3, stage), _params(ref3, stage))
+            out["checkpoint_state"] = _state_diffs(opt3.state_dict(), ref_opt3.state_dict())
+            dist.barrier(group=group)
+        finally:
+            if rank == 0:
+                shutil.rmtree(ckpt_root[0], ignore_errors=True)
+        never = {k: v for k, v in _params(model, stage).items() if k.startswith("never.")}
+        initial = {k: v.to(never[k].dtype) for k, v in Net().state_dict().items() if k.startswith("never.")}
+        out["never_moved"] = _diffs(never, initial)
+        return out
+    finally:
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+CASES = ([(stage, precision, opt, "cpu") for stage in (1, 2, 3) for precision in (None, "bf16")
+          for opt in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)]
+         + [(2, "fp16", torch.optim.AdamW, "cpu"), (3, "fp16", torch.optim.Adam, "cpu"),
+            (2, "bf16", torch.optim.AdamW, "nvme"), (3, None, torch.optim.AdamW, "nvme"),
+            (1, None, torch.optim.Adam, "nvme")])
+
+
+def _case_id(case) -> str:
+    stage, precision, opt, device = case
+    return f"stage{stage}-{precision or 'fp32'}-{opt.__name__}-{device}"
+
+
+def _all_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {_case_id(c): functools.partial(_case_in, case=c) for c in CASES})
+
+
+def _case_in(rank, group, case):
+    return _case(rank, group, *case)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_pooled(_all_cases, 2, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_host_tier_equals_in_memory_bit_for_bit(results, case):
+    key = _case_id(case)
+    for r, per_rank in enumerate(results):
+        status, res = per_rank[key]
+        assert status == "ok", f"rank {r}:\n{res}"
+        assert res["tier"], f"rank {r}: the engine did not take the host tier"
+        assert res["buckets"] > 3, f"rank {r}: {res['buckets']} buckets do not exercise the staging ring"
+        assert res["aliases"] == 0, f"rank {r}: {res['aliases']} host masters alias the parameters"
+        assert res["state_devices"] == ["cpu"], f"rank {r}: optimizer state on {res['state_devices']}"
+        assert res["staging"], f"rank {r}: memory_report has no offload_host_staging bytes: {res['staging']!r}"
+        for what in ("params", "sharded_state", "consolidated_state", "after_load_params", "after_load_state",
+                     "checkpoint_params", "checkpoint_state"):
+            assert res[what] == [], f"rank {r}: {what} differ from the in-memory engine: {res[what][:5]}"
+        assert res["never_moved"] == [], f"rank {r}: the unused parameter was stepped: {res['never_moved']}"
+        ref_skipped, skipped = res["skipped"]
+        assert skipped == ref_skipped == (1 if case[1] == "fp16" else 0), f"rank {r}: skipped {res['skipped']}"
+
+
+# -- the staging ring alone (no ranks) --------------------------------------------------------------
+
+def test_gradients_come_in_step_order_through_the_ring():
+    from zeroplus.offload.host_tier import DEPTH, HostTier
+
+    masters = [torch.full((n,), float(i)) for i, n in enumerate((5, 3, 8, 1, 6, 4))]
+    tier = HostTier(torch.device("cpu"), masters, pin_memory=True)
+    assert all(h is not m and torch.equal(h, m) for h, m in zip(tier.masters, masters))
+    grads = [torch.arange(m.numel(), dtype=torch.bfloat16) + 10 * i for i, m in enumerate(masters)]
+    asked = []
+
+    def source(i):
+        asked.append(i)
+        return grads[i]
+
+    order = [5, 4, 3, 2, 1, 0]
+    tier.begin_step(order, source)
+    assert asked == order[:DEPTH]  # copies start ahead of the first bucket's step
+    for k, i in enumerate(order):
+        got = tier.gradient(i)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, grads[i]), f"bucket {i}"
+        assert asked == order[:min(len(order), k + DEPTH + 1)]
+    tier.end_step()
+    # A bucket skipped by the step (never asked for) does not disturb the others.
+    asked.clear()
+    tier.begin_step(order, source)
+    for i in order:
+        if i != 3:
+            assert torch.equal(tier.gradient(i), grads[i]), f"bucket {i} after a skipped one"
+    tier.end_step()
+    # DEPTH + 1 slots, each as large as the largest shard it held: never one per bucket.
+    assert 0 < tier.staging_bytes <= (DEPTH + 1) * 8 * 2
+
+
+def test_copies_and_waits_come_in_the_order_the_device_needs():
+    """On CPU a copy is synchronous, so the bit-for-bit cases cannot see a missing wait; a copier
+    that records its calls pins the CUDA ordering: the copy stream follows the compute stream
+    before the first copy, bucket i+1's download is queued before the CPU waits for bucket i's,
+    every upload is followed by the compute stream waiting for it, an upload buffer is reused only
+    after its last copy is done, and end_step waits for downloads the step never asked for."""
+    from zeroplus.offload.host_tier import DeviceCopier, HostTier
+
+    class Recorder(DeviceCopier):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+            self.log, self.events = [], 0
+
+        def follow_compute(self):
+            self.log.append("follow")
+
+        def copy(self, dst, src, device_side):
+            dst.copy_(src)
+            self.events += 1
+            self.log.append(f"copy e{self.events}")
+            return f"e{self.events}"
+
+        def host_wait(self, event):
+            if event is not None:
+                self.log.append(f"host_wait {event}")
+
+        def compute_waits(self, event):
+            self.log.append(f"compute_waits {event}")
+
+    rec = Recorder()
+    masters = [torch.full((4,), float(i)) for i in range(4)]
+    tier = HostTier(torch.device("cpu"), masters, pin_memory=False, copier=rec)
+    grads = [torch.full((4,), 10.0 + i) for i in range(4)]
+    dst = torch.empty(4, dtype=torch.bfloat16)
+    tier.begin_step([0, 1, 2, 3], grads.__getitem__)
+    assert rec.log == ["follow", "copy e1", "copy e2"]  # buckets 0 and 1 start down at once
+    rec.log.clear()
+    assert torch.equal(tier.gradient(0), grads[0])
+    assert rec.log == ["copy e3", "host_wait e1"]  # bucket 2 queued before the CPU waits for bucket 0
+    rec.log.clear()
+    tier.upload(0, dst)
+    tier.upload(1, dst)
+    tier.upload(2, dst)  # the first upload buffer again: its copy (e4) must be done first
+    assert rec.log == ["copy e4", "compute_waits e4", "copy e5", "compute_waits e5",
+                       "host_wait e4", "copy e6", "compute_waits e6"]
+    assert torch.equal(dst, masters[2].to(torch.bfloat16))
+    rec.log.clear()
+    tier.end_step()  # buckets 1 and 2 were downloaded but never asked for
+    assert sorted(rec.log) == ["host_wait e2", "host_wait e3"]
+
+
+def test_upload_casts_like_the_device_and_checks_sizes():
+    from zeroplus.offload.host_tier import HostTier
+
+    master = torch.tensor([1.0 + 2 ** -9, 1.0 + 3 * 2 ** -9, -3.3e38, 1e-40, float("nan")])
+    tier = HostTier(torch.device("cpu"), [master], pin_memory=False)
+    dst = torch.empty(5, dtype=torch.bfloat16)
+    tier.upload(0, dst)
+    assert torch.equal(dst[:4], master[:4].to(torch.bfloat16)) and dst[4].isnan()
+    tier.masters[0].fill_(2.0)
+    tier.upload(0, dst)
+    tier.upload(0, dst)  # both upload slots reused
+    assert torch.equal(dst, torch.full((5,), 2.0, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bucket 0's master has 5 elements, its parameter shard 4"):
+        tier.upload(0, torch.empty(4))
+
+
+def test_prepare_picks_the_host_tier_for_cuda_and_the_test_hook(tmp_path):
+    from zeroplus.offload import make_host_tier, prepare_optimizer_store
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+    from zeroplus.offload.policy import parse_offload
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    none_p = parse_offload("offload_param", None)
+    cpu_o = parse_offload("offload_optimizer", {"device": "cpu", "pin_memory": True})
+    nvme_o = parse_offload("offload_optimizer", {"device": "nvme", "nvme_path": str(tmp_path)})
+    prepared = prepare_optimizer_store(cpu_o, none_p, 0, cuda, "E")
+    assert prepared.host_tier and prepared.directory is None and prepared.policy.pin_memory
+    prepared = prepare_optimizer_store(nvme_o, none_p, 0, cuda, "E")
+    assert prepared.host_tier and prepared.directory is not None and len(list(tmp_path.iterdir())) == 1
+    prepared.directory.close()
+    assert prepare_optimizer_store(cpu_o, none_p, 0, cpu, "E") is None  # CPU training: a no-op
+    assert make_host_tier(None, cpu, [torch.zeros(1)]) is None
+    with force_on_cpu_for_tests():
+        prepared = prepare_optimizer_store(cpu_o, none_p, 0, cpu, "E")
+        assert prepared.host_tier and prepared.directory is None
+        with pytest.raises(ValueError, match="does not combine with offload_param"):
+            prepare_optimizer_store(cpu_o, parse_offload("offload_param", {"device": "cpu"}), 0, cpu, "E")
+    assert prepare_optimizer_store(cpu_o, none_p, 0, cpu, "E") is None  # the hook ends with its block
+    with pytest.raises(NotImplementedError, match="offload_param device 'cpu' with parameters on cuda"):
+        prepare_optimizer_store(cpu_o, parse_offload("offload_param", {"device": "cpu"}), 0, cuda, "E")
+
+
+def test_estimate_memory_gpu_and_host_columns():
+    import zeroplus
+
+    psi, n, bucket = 1e9, 8, 1 << 22
+    shard = -(-bucket // n)
+    base = zeroplus.estimate_memory(psi, n, 2, "bf16", device="cuda")
+    assert base["gpu"] == base["model_state"] and base["host"] == 0
+    off = zeroplus.estimate_memory(psi, n, 2, "bf16", offload_optimizer="cpu", device="cuda")
+    staging = 3 * shard * 2 + 2 * shard * 2  # 3 gradient and 2 parameter shards of a bucket, bf16
+    assert off["gpu"] == base["parameters"] + base["gradients"]
+    assert off["host"] == 4 * psi / n + base["optimizer_state"] + staging
+    fp32 = zeroplus.estimate_memory(psi, n, 2, None, offload_optimizer="cpu", device="cuda")
+    assert fp32["master_parameters"] == 0 and fp32["host"] == 4 * psi / n + fp32["optimizer_state"] + 5 * shard * 4
+    nvme = zeroplus.estimate_memory(psi, n, 3, None, offload_optimizer="nvme", buffer_count=4, device="cuda")
+    buckets = -(-psi // bucket)
+    assert nvme["nvme"] == 4 * psi / n + nvme["optimizer_state"] + 4096 * buckets  # the master too, in fp32
+    assert nvme["offload_buffers"] == 4 * (4096 + shard * 12)  # whole pages already
+    assert nvme["host"] == nvme["offload_buffers"] + 5 * shard * 4
+    assert nvme["resident"] == nvme["gpu"] + nvme["host"]
+    cpu = zeroplus.estimate_memory(psi, n, 2, "bf16", offload_optimizer="nvme")
+    assert cpu["gpu"] == 0 and cpu["host"] == cpu["resident"]
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        zeroplus.estimate_memory(psi, n, 2, device="tpu")
+    with pytest.raises(ValueError, match="offload_param on CUDA training is not built"):
+        zeroplus.estimate_memory(psi, n, 3, offload_param="nvme", device="cuda")
+    with pytest.raises(ValueError, match="needs a ZeRO stage"):
+        zeroplus.estimate_memory(psi, n, 0, offload_optimizer="cpu", device="cuda")
+
+
+def test_wall_time():
+    print(f"\ntest_offload_host_tier.py: {time.perf_counter() - _T0:.1f} s")
