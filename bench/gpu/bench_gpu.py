@@ -7,11 +7,10 @@ on a machine with one GPU; nothing here runs in CI):
   stage3   one training step (forward, backward, optimizer step) of a GPT on the GPU, world size 1:
            zeroplus.initialize(stage=3) against FSDP2 (fully_shard per block + AdamW) and plain
            AdamW; median step time and peak GPU memory (torch.cuda.max_memory_allocated).
-  offload  the largest GPT that trains with the optimizer state in host memory
-           (offload_optimizer={"device": "cpu"}): parameters and gradients on the GPU, fp32 master
-           and AdamW state on the host; reports model states (16 B/parameter) as a multiple of
-           the GPU memory it used, and step time against the same model without offload where
-           that fits.
+  offload  GPTs (stage 3, bf16) with the optimizer state in host memory or NVMe
+           (offload_optimizer cpu / nvme) and, where it fits, the same model in GPU memory
+           (device none): step time, peak GPU memory during the steps, and model states
+           (16 B/parameter) as a multiple of the GPU's memory and of the peak it used.
 
 Writes OUT/gpu_bench.json, OUT/gpu_bench.md and OUT/gpu_bench.png (step times per part).
 """
@@ -175,46 +174,53 @@ def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
 
 # -- offload -----------------------------------------------------------------------------------------
 
-def bench_offload(reps: int, layers_list: list[int], dim: int, batch: int, context: int, nvme_path: str | None) -> list[dict]:
+def bench_offload(reps: int, runs: list[tuple[int, str]], dim: int, batch: int, context: int,
+                  nvme_path: str | None) -> list[dict]:
+    """runs: (layers, offload device) pairs; device "none" is the same model in GPU memory."""
     import zeroplus
 
     _one_group()
     rows = []
     vocab = 32000
     total_gpu = torch.cuda.get_device_properties(0).total_memory
-    for layers in layers_list:
+    for layers, device in runs:
+        if device == "nvme" and not nvme_path:
+            continue
         size = dict(dim=dim, layers=layers, vocab=vocab, context=context)
-        for device in (("cpu", "nvme") if nvme_path else ("cpu",)):
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        row = {"part": "offload", "layers": layers, "dim": dim, "device": device}
+        try:
+            t0 = time.perf_counter()
+            with torch.device("cuda"):
+                model = _gpt(**size)
+            row["params"] = sum(p.numel() for p in model.parameters())
+            offload = {}
+            if device == "cpu":
+                offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+            elif device == "nvme":
+                offload = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}}
+            model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4, mixed_precision="bf16",
+                                             **offload)
+            row["build_s"] = time.perf_counter() - t0
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, vocab, (batch, context), generator=g).cuda()
+            targets = torch.randint(0, vocab, (batch, context), generator=g).cuda()
             torch.cuda.reset_peak_memory_stats()
-            row = {"part": "offload", "layers": layers, "dim": dim, "device": device}
-            try:
-                with torch.device("cuda"):
-                    model = _gpt(**size)
-                row["params"] = sum(p.numel() for p in model.parameters())
-                offload = {"device": device, "pin_memory": True}
-                if device == "nvme":
-                    offload = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
-                model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4, mixed_precision="bf16",
-                                                 offload_optimizer=offload)
-                g = torch.Generator().manual_seed(0)
-                tokens = torch.randint(0, vocab, (batch, context), generator=g).cuda()
-                targets = torch.randint(0, vocab, (batch, context), generator=g).cuda()
-                step = _train_step_fn(model, opt, tokens, targets)
-                t0 = time.perf_counter()
-                row["step_ms"] = _time_cuda(step, reps, warmup=1)
-                row["wall_s"] = time.perf_counter() - t0
-                peak = torch.cuda.max_memory_allocated()
-                row["peak_gpu_gib"] = peak / 2**30
-                row["model_states_gib"] = 16 * row["params"] / 2**30
-                row["states_over_gpu_total"] = 16 * row["params"] / total_gpu
-                row["states_over_gpu_peak"] = 16 * row["params"] / peak
-            except Exception as e:  # noqa: BLE001
-                row["error"] = repr(e)[:400]
-            print("offload", json.dumps(row), flush=True)
-            rows.append(row)
-            model = opt = None
-            torch.cuda.empty_cache()
+            row["step_ms"] = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps, warmup=1)
+            peak = torch.cuda.max_memory_allocated()
+            row["peak_gpu_gib"] = peak / 2**30
+            row["model_states_gib"] = 16 * row["params"] / 2**30
+            row["states_over_gpu_total"] = 16 * row["params"] / total_gpu
+            row["states_over_gpu_peak"] = 16 * row["params"] / peak
+        except Exception as e:  # noqa: BLE001 - a run that fails is reported, not fatal
+            row["error"] = repr(e)[:400]
+        print("offload", json.dumps(row), flush=True)
+        rows.append(row)
+        model = opt = None
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -236,14 +242,15 @@ def _write(rows: list[dict], out: pathlib.Path, header: dict) -> None:
         lines.append("")
     off = [r for r in rows if r["part"] == "offload"]
     if off:
-        lines += ["| layers | params | offload | step ms | peak GPU GiB | model states GiB | states / GPU total |",
-                  "|---:|---:|---|---:|---:|---:|---:|"]
+        lines += ["| layers | params | offload | step ms | peak GPU GiB (steps) | model states GiB | states / GPU total | states / GPU peak |",
+                  "|---:|---:|---|---:|---:|---:|---:|---:|"]
         for r in off:
             if "step_ms" in r:
                 lines.append(f"| {r['layers']} | {r['params'] / 1e9:.2f}e9 | {r['device']} | {r['step_ms']:.0f} | "
-                             f"{r['peak_gpu_gib']:.1f} | {r['model_states_gib']:.1f} | {r['states_over_gpu_total']:.2f} |")
+                             f"{r['peak_gpu_gib']:.1f} | {r['model_states_gib']:.1f} | {r['states_over_gpu_total']:.2f} | "
+                             f"{r['states_over_gpu_peak']:.2f} |")
             else:
-                lines.append(f"| {r['layers']} | {r.get('params', 0) / 1e9:.2f}e9 | {r['device']} | error: {r['error'][:80]} | | | |")
+                lines.append(f"| {r['layers']} | {r.get('params', 0) / 1e9:.2f}e9 | {r['device']} | error: {r['error'][:80]} | | | | |")
     (out / "gpu_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     from plotting import pyplot
@@ -280,7 +287,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--offload-layers", default="8,48")
+    parser.add_argument("--offload-runs", default="8:none,8:cpu,8:nvme,20:cpu",
+                        help="LAYERS:DEVICE pairs (device none: the same model in GPU memory)")
     parser.add_argument("--offload-dim", type=int, default=4096)
     parser.add_argument("--nvme-path", default=None)
     args = parser.parse_args()
@@ -298,8 +306,8 @@ def main() -> None:
         rows += bench_stage3(max(5, args.reps // 2), dict(dim=args.dim, layers=args.layers, vocab=32000,
                                                          context=args.context), args.batch)
     if "offload" in parts:
-        rows += bench_offload(3, [int(x) for x in args.offload_layers.split(",")], args.offload_dim, 2, 512,
-                              args.nvme_path)
+        runs = [(int(r.split(":")[0]), r.split(":")[1]) for r in args.offload_runs.split(",")]
+        rows += bench_offload(3, runs, args.offload_dim, 2, 512, args.nvme_path)
     _write(rows, pathlib.Path(args.out), header)
 
 

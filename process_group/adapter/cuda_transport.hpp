@@ -16,8 +16,9 @@ namespace zeroplus::pg {
 // Raises for "nccl" in a build without CUDA.
 std::string selectedCudaTransport(CudaTransport requested);
 
-// Builds the transport named by selectedCudaTransport() for the group of `cpu`.
-// Collective: every rank of the group must call it (the first CUDA op does).
+// Builds the transport named by selectedCudaTransport() for the group of `cpu`, except that
+// "auto" in a CUDA build takes host staging when two ranks of the group drive the same GPU
+// (NCCL refuses that). Collective: every rank of the group must call it (the first CUDA op does).
 c10::intrusive_ptr<c10d::Backend> createCudaTransport(const c10::intrusive_ptr<c10d::Store>& store,
                                                       const c10::intrusive_ptr<ZeroPlusBackend>& cpu);
 

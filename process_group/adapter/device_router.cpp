@@ -9,13 +9,6 @@ c10::DeviceType deviceOf(const std::vector<at::Tensor>& tensors) {
   return tensors.empty() || !tensors[0].defined() ? c10::DeviceType::CPU : tensors[0].device().type();
 }
 
-c10::DeviceType deviceOf(const std::vector<std::vector<at::Tensor>>& lists) {
-  for (const auto& l : lists) {
-    if (!l.empty()) return deviceOf(l);
-  }
-  return c10::DeviceType::CPU;
-}
-
 // Bytes of one tensor's elements (a sparse COO tensor: its indices and values).
 uint64_t bytesOf(const at::Tensor& t) {
   if (!t.defined()) return 0;

@@ -144,6 +144,13 @@ def test_collectives_on_cuda_tensors_two_ranks_one_gpu_host_transport():
     assert all(set(o) == {str(d).replace("torch.", "") for d in _DTYPES} for o in outs)
 
 
+def test_collectives_two_ranks_one_gpu_default_transport():
+    """Two ranks on one GPU with cuda_transport left at "auto": NCCL would refuse the duplicate
+    GPU, so auto must notice it (process_group/adapter/cuda_transport.cpp) and stage through host."""
+    outs = run_pooled(_collectives_in_rank, 2, timeout=300)
+    assert all(set(o) == {str(d).replace("torch.", "") for d in _DTYPES} for o in outs)
+
+
 # -- fused CUDA optimizers against torch's fused=True ----------------------------------------------
 
 _SHAPES = {"1x16M": [(1 << 24,)], "1000x4096": [(4096,)] * 1000}
