@@ -49,12 +49,21 @@ function(zeroplus_link_shared_cxx_runtime target)
   foreach(lib libstdc++.so libgcc_s.so)
     execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -print-file-name=${lib}
                     OUTPUT_VARIABLE path OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(NOT (IS_ABSOLUTE "${path}" AND EXISTS "${path}"))
+      # A toolchain without shared runtimes of its own (a GPU image's /opt/gcc has only the
+      # static archives): the system's, which torch's libraries load anyway.
+      string(REGEX REPLACE "\\.so$" "" _name "${lib}")
+      string(MAKE_C_IDENTIFIER "ZEROPLUS_SYSTEM_${_name}" _var)
+      find_library(${_var} NAMES ${lib}.6 ${lib}.1 ${lib} PATHS /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib
+                   /lib/x86_64-linux-gnu NO_DEFAULT_PATH)
+      set(path "${${_var}}")
+    endif()
     if(IS_ABSOLUTE "${path}" AND EXISTS "${path}")
       target_link_libraries(${target} PRIVATE "${path}")
     elseif(lib STREQUAL "libstdc++.so")
-      message(FATAL_ERROR "zeroplus: ${CMAKE_CXX_COMPILER} has no shared libstdc++ (-print-file-name=libstdc++.so "
-                          "found none); a plugin with a static copy crashes inside torch. Use a compiler with a "
-                          "shared libstdc++ (e.g. CXX=/usr/bin/g++).")
+      message(FATAL_ERROR "zeroplus: no shared libstdc++ found (${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so "
+                          "and the system library directories); a plugin with a static copy crashes inside torch. "
+                          "Use a compiler with a shared libstdc++ (e.g. CXX=/usr/bin/g++).")
     endif()
   endforeach()
   add_custom_command(TARGET ${target} POST_BUILD
