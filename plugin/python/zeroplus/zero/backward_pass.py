@@ -23,6 +23,7 @@ All hooks run on the autograd thread; step/zero_grad on the training thread, nev
 from __future__ import annotations
 
 import enum
+import weakref
 
 import torch
 from torch.autograd import Variable
@@ -31,6 +32,24 @@ from torch.autograd import Variable
 class PassState(enum.Enum):
     IDLE = "idle"
     RUNNING = "running"
+
+
+class _GradHook:
+    """What each parameter's post-accumulate-grad hook holds: a weak reference to its pass. The
+    hook lives in a dict on the parameter, and autograd's AccumulateGrad node holds the parameter
+    from C++, where Python's collector cannot follow it: a strong reference closed the cycle
+    parameter -> hook -> pass -> participants -> module -> parameter out of the collector's
+    sight, and a stage-3 model (with its parameters, masters and optimizer state) was never freed."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "BackwardPass"):
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, param) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._on_grad(param)
 
 
 class BackwardPass:
@@ -52,7 +71,7 @@ class BackwardPass:
             handlers = self._handlers.get(id(p))
             if handlers is None:
                 handlers = self._handlers[id(p)] = []
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_GradHook(self)))
             handlers.append(participant.on_grad)
 
     def _on_grad(self, param) -> None:
