@@ -271,7 +271,7 @@ def _write(rows: list[dict], out: pathlib.Path, header: dict) -> None:
     ok = [r for r in stage3 if "step_ms" in r]
     if ok:
         axes[1].bar(range(len(ok)), [r["step_ms"] for r in ok])
-        axes[1].set_xticks(range(len(ok)), [f"{r['variant']}\n{r['precision']}" for r in ok], fontsize=7)
+        axes[1].set_xticks(range(len(ok)), [f"{r['variant']}\n{r['precision']}" for r in ok], fontsize=7, rotation=30)
         axes[1].set_ylabel("ms per training step")
         axes[1].set_title("GPT training step, world size 1")
     fig.tight_layout()
