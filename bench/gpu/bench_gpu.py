@@ -12,6 +12,7 @@ on a machine with one GPU; nothing here runs in CI):
            (device none): step time, peak GPU memory during the steps, and model states
            (16 B/parameter) as a multiple of the GPU's memory and of the peak it used.
 
+Each stage3 and offload row runs in a fresh process, so its peak GPU memory is its own.
 Writes OUT/gpu_bench.json, OUT/gpu_bench.md and OUT/gpu_bench.png (step times per part).
 """
 
@@ -141,28 +142,52 @@ def _build(variant: str, size: dict, precision: str):
     return zeroplus.initialize(model, torch.optim.AdamW, stage=stage, **kw, **extra)
 
 
-def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
+def _run_job(job: dict) -> dict:
+    """One row, measured in a process of its own (see _isolated)."""
     _one_group()
+    if job["part"] == "stage3":
+        return _stage3_row(**{k: v for k, v in job.items() if k != "part"})
+    return _offload_row(**{k: v for k, v in job.items() if k != "part"})
+
+
+def _isolated(job: dict) -> dict:
+    """Runs one row in a fresh interpreter: its peak GPU memory is its own (nothing an earlier
+    variant left allocated, nothing cached by the allocator) and a crash costs one row."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, __file__, "--job", json.dumps(job)], capture_output=True, text=True,
+                          timeout=job.get("timeout_s", 600))
+    for line in proc.stdout.splitlines():
+        if line.startswith("ROW "):
+            return json.loads(line[4:])
+    return {**{k: v for k, v in job.items() if k in ("part", "variant", "precision", "layers", "device")},
+            "error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]}"}
+
+
+def _stage3_row(variant: str, precision: str, size: dict, batch: int, reps: int, timeout_s: int = 600) -> dict:
+    try:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
+        targets = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        model, opt = _build(variant, size, precision)
+        params = sum(p.numel() for p in _gpt(**size).parameters())
+        ms = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        return {"part": "stage3", "variant": variant, "precision": precision, "step_ms": ms, "peak_gib": peak,
+                "params": params}
+    except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+        return {"part": "stage3", "variant": variant, "precision": precision, "error": repr(e)[:300]}
+
+
+def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
     rows = []
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
-    targets = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
     for precision in ("fp32", "bf16"):
         for variant in ("adamw", "fsdp2", "zeroplus_stage3", "zeroplus_stage2"):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            try:
-                model, opt = _build(variant, size, precision)
-                params = sum(p.numel() for p in _gpt(**size).parameters())
-                ms = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps)
-                peak = torch.cuda.max_memory_allocated() / 2**30
-                row = {"part": "stage3", "variant": variant, "precision": precision, "step_ms": ms,
-                       "peak_gib": peak, "params": params}
-            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-                row = {"part": "stage3", "variant": variant, "precision": precision, "error": repr(e)[:300]}
+            row = _isolated({"part": "stage3", "variant": variant, "precision": precision, "size": size,
+                             "batch": batch, "reps": reps})
             print("stage3", json.dumps(row), flush=True)
             rows.append(row)
-            model = opt = None
     by = {(r["variant"], r["precision"]): r for r in rows if "step_ms" in r}
     for precision in ("fp32", "bf16"):
         z, f = by.get(("zeroplus_stage3", precision)), by.get(("fsdp2", precision))
@@ -174,53 +199,54 @@ def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
 
 # -- offload -----------------------------------------------------------------------------------------
 
+def _offload_row(layers: int, device: str, dim: int, batch: int, context: int, nvme_path: str | None,
+                 reps: int, timeout_s: int = 600) -> dict:
+    import zeroplus
+
+    vocab = 32000
+    total_gpu = torch.cuda.get_device_properties(0).total_memory
+    size = dict(dim=dim, layers=layers, vocab=vocab, context=context)
+    row = {"part": "offload", "layers": layers, "dim": dim, "device": device}
+    try:
+        t0 = time.perf_counter()
+        with torch.device("cuda"):
+            model = _gpt(**size)
+        row["params"] = sum(p.numel() for p in model.parameters())
+        offload = {}
+        if device == "cpu":
+            offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        elif device == "nvme":
+            os.makedirs(nvme_path, mode=0o700, exist_ok=True)
+            offload = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}}
+        model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4, mixed_precision="bf16",
+                                         **offload)
+        row["build_s"] = time.perf_counter() - t0
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (batch, context), generator=g).cuda()
+        targets = torch.randint(0, vocab, (batch, context), generator=g).cuda()
+        torch.cuda.reset_peak_memory_stats()
+        row["step_ms"] = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps, warmup=1)
+        peak = torch.cuda.max_memory_allocated()
+        row["peak_gpu_gib"] = peak / 2**30
+        row["model_states_gib"] = 16 * row["params"] / 2**30
+        row["states_over_gpu_total"] = 16 * row["params"] / total_gpu
+        row["states_over_gpu_peak"] = 16 * row["params"] / peak
+    except Exception as e:  # noqa: BLE001 - a run that fails is reported, not fatal
+        row["error"] = repr(e)[:400]
+    return row
+
+
 def bench_offload(reps: int, runs: list[tuple[int, str]], dim: int, batch: int, context: int,
                   nvme_path: str | None) -> list[dict]:
     """runs: (layers, offload device) pairs; device "none" is the same model in GPU memory."""
-    import zeroplus
-
-    _one_group()
     rows = []
-    vocab = 32000
-    total_gpu = torch.cuda.get_device_properties(0).total_memory
     for layers, device in runs:
         if device == "nvme" and not nvme_path:
             continue
-        size = dict(dim=dim, layers=layers, vocab=vocab, context=context)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        row = {"part": "offload", "layers": layers, "dim": dim, "device": device}
-        try:
-            t0 = time.perf_counter()
-            with torch.device("cuda"):
-                model = _gpt(**size)
-            row["params"] = sum(p.numel() for p in model.parameters())
-            offload = {}
-            if device == "cpu":
-                offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
-            elif device == "nvme":
-                offload = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}}
-            model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4, mixed_precision="bf16",
-                                             **offload)
-            row["build_s"] = time.perf_counter() - t0
-            g = torch.Generator().manual_seed(0)
-            tokens = torch.randint(0, vocab, (batch, context), generator=g).cuda()
-            targets = torch.randint(0, vocab, (batch, context), generator=g).cuda()
-            torch.cuda.reset_peak_memory_stats()
-            row["step_ms"] = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps, warmup=1)
-            peak = torch.cuda.max_memory_allocated()
-            row["peak_gpu_gib"] = peak / 2**30
-            row["model_states_gib"] = 16 * row["params"] / 2**30
-            row["states_over_gpu_total"] = 16 * row["params"] / total_gpu
-            row["states_over_gpu_peak"] = 16 * row["params"] / peak
-        except Exception as e:  # noqa: BLE001 - a run that fails is reported, not fatal
-            row["error"] = repr(e)[:400]
+        row = _isolated({"part": "offload", "layers": layers, "device": device, "dim": dim, "batch": batch,
+                         "context": context, "nvme_path": nvme_path, "reps": reps})
         print("offload", json.dumps(row), flush=True)
         rows.append(row)
-        model = opt = None
-        import gc
-        gc.collect()
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -291,7 +317,11 @@ def main() -> None:
                         help="LAYERS:DEVICE pairs (device none: the same model in GPU memory)")
     parser.add_argument("--offload-dim", type=int, default=4096)
     parser.add_argument("--nvme-path", default=None)
+    parser.add_argument("--job", help=argparse.SUPPRESS)  # one row in this process (_isolated)
     args = parser.parse_args()
+    if args.job:
+        print("ROW " + json.dumps(_run_job(json.loads(args.job))), flush=True)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py: needs a CUDA GPU")
     header = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
