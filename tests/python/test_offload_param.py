@@ -354,7 +354,7 @@ def test_param_store_preparation(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="stage 3 only"):
         prepare_param_store(nvme, 2, 0, cpu, "E")
-    with pytest.raises(NotImplementedError, match="parameters on cuda"):
+    with pytest.raises(NotImplementedError, match="offload_param device .nvme. with the model on cuda is not built"):
         prepare_param_store(nvme, 3, 0, cuda, "E")
     assert os.listdir(tmp_path) == []  # refusals create nothing
     prepared = prepare_param_store(nvme, 3, 0, cpu, "E")

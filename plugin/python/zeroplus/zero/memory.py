@@ -135,8 +135,13 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     host an fp32 master shard in every precision (in fp32 too: the host keeps its own copy) with
     the optimizer state ("cpu") or the swapper's buffers ("nvme", whose files then hold that master
     and the state), plus the staging buffers (3 gradient shards and 2 parameter shards of a
-    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`. offload_param
-    on CUDA training is not built (ValueError)."""
+    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`.
+    offload_param="cpu" on CUDA training (stage 3, docs/offload.md "Parameter offload on CUDA")
+    moves the parameter shards from `gpu` to `host`; without offload_optimizer an fp32 run then
+    keeps a separate fp32 master shard on the GPU (the shard is no longer the master), so `gpu`
+    only drops in mixed precision. The gathered units (the unit computing and the prefetch) are
+    working memory, not model state, and are not counted. offload_param="nvme" on CUDA training
+    is not built (ValueError); "cpu" on CPU training changes nothing."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -157,8 +162,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         raise ValueError("estimate_memory: offload_optimizer='nvme' needs a ZeRO stage (1-3), got stage=0")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"estimate_memory: device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and offload_param != "none":
-        raise ValueError(f"estimate_memory: offload_param on CUDA training is not built, got offload_param={offload_param!r}")
+    if device == "cuda" and offload_param == "nvme":
+        raise ValueError("estimate_memory: offload_param='nvme' on CUDA training is not built (offload_param='cpu' "
+                         "is)")
     if device == "cuda" and offload_optimizer != "none" and stage == 0:
         raise ValueError(f"estimate_memory: offload_optimizer={offload_optimizer!r} on CUDA needs a ZeRO stage (1-3), "
                          f"got stage=0")
@@ -197,7 +203,10 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     if device == "cpu":
         out["gpu"], out["host"] = 0.0, out["resident"]
     elif offload_optimizer == "none":
-        out["gpu"], out["host"] = out["model_state"], 0.0
+        host_params = out["parameters"] if offload_param == "cpu" else 0.0
+        apart = 4 * psi / n if (offload_param == "cpu" and m == 0) else 0.0  # fp32: a master of its own
+        out["gpu"], out["host"] = out["model_state"] - host_params + apart, host_params
+        out["resident"] = out["gpu"] + out["host"]
     else:
         host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
         shard = -(-min(bucket_elems, max(psi, 1)) // n)
@@ -211,5 +220,8 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
             out["offload_buffers"] = float(min(buffer_count, max(buckets, 1)) * record)
             out["nvme"] = host_master + out["optimizer_state"] + 4096 * buckets
             out["host"] = out["offload_buffers"] + staging
+        if offload_param == "cpu":  # the parameter shards live in host memory
+            out["gpu"] -= out["parameters"]
+            out["host"] += out["parameters"]
         out["resident"] = out["gpu"] + out["host"]
     return out
