@@ -138,12 +138,14 @@ def _residency(opt, ref_opt) -> dict:
     }
 
 
-def _parity(rank, group, precision, optimizer, pin):
+def _parity(rank, group, precision, optimizer, pin, device="cpu"):
     import torch.distributed as dist
     import zeroplus
 
-    root = tempfile.mkdtemp(prefix="zp-param-host-") if optimizer == "nvme" else None
-    param = {"device": "cpu", "pin_memory": pin}
+    root = tempfile.mkdtemp(prefix="zp-param-host-") if "nvme" in (optimizer, device) else None
+    param = {"device": device, "pin_memory": pin}
+    if device == "nvme":  # a pool of 2 records: most shards are on disk at any moment
+        param.update(nvme_path=root, buffer_count=2, buffer_size=1)
     opt_offload = None
     if optimizer == "cpu":
         opt_offload = {"device": "cpu", "pin_memory": True}
@@ -156,6 +158,9 @@ def _parity(rank, group, precision, optimizer, pin):
         _train(ref, ref_opt, rank, STEPS)
         _train(model, opt, rank, STEPS)
         out["residency"] = _residency(opt, ref_opt)
+        swapper = opt.placement.param_store.swapper
+        out["on_disk"] = (0 if swapper is None else swapper.disk_bytes(),
+                          0 if swapper is None else swapper.bytes_written)
         out["params"] = _diffs(_full(model), _full(ref))
         saved, saved_model = ref_opt.state_dict(), _full(ref)
         out["sharded_state"] = _state_diffs(opt.state_dict(), saved)
@@ -333,13 +338,15 @@ def _memory(rank, group):
     return out
 
 
-PARITY = [(p, o, pin) for p in (None, "bf16") for o, pin in (("cpu", True), (None, False))] \
-    + [("bf16", "nvme", True), (None, "cpu", False), ("fp16", "cpu", True)]
+PARITY = [(p, o, pin, "cpu") for p in (None, "bf16") for o, pin in (("cpu", True), (None, False))] \
+    + [("bf16", "nvme", True, "cpu"), (None, "cpu", False, "cpu"), ("fp16", "cpu", True, "cpu"),
+       ("bf16", "cpu", True, "nvme"), (None, "nvme", True, "nvme"), ("bf16", None, False, "nvme")]
 
 
 def _parity_id(case) -> str:
-    precision, optimizer, pin = case
-    return f"{precision or 'fp32'}-opt_{optimizer or 'device'}-{'pinned' if pin else 'pageable'}"
+    precision, optimizer, pin, device = case
+    return (f"{precision or 'fp32'}-param_{device}-opt_{optimizer or 'device'}-"
+            f"{'pinned' if pin else 'pageable'}")
 
 
 def _all_cases(rank, world):
@@ -372,7 +379,7 @@ def _ok(key):
 
 @pytest.mark.parametrize("case", PARITY, ids=_parity_id)
 def test_bit_for_bit_with_the_in_memory_engine(case):
-    precision, optimizer, _pin = case
+    precision, optimizer, _pin, device = case
     for out in _ok(_parity_id(case)):
         res = out["residency"]
         assert res["store"] == "HostParamStore" and not res["grad_spill"]
@@ -384,6 +391,11 @@ def test_bit_for_bit_with_the_in_memory_engine(case):
                     "after_load_state", "checkpoint_params", "checkpoint_state", "frozen_moved"):
             assert out[key] == [], f"{key}: {out[key]}"
         assert out["checkpoint_residency"]["host_equal"] and out["checkpoint_residency"]["device_bytes"] == 0
+        disk, written = out["on_disk"]
+        if device == "nvme":  # the shards really are in the swap files
+            assert disk >= 4 * 4096 and written > 0, out["on_disk"]
+        else:
+            assert disk == written == 0
 
 
 def test_copy_up_comes_before_its_all_gather_and_ahead_of_compute():
@@ -487,19 +499,29 @@ def test_decisions_by_device_and_hook(tmp_path):
     prepared = prepare_param_store(cpu_p, 3, 0, cuda, "E")
     assert isinstance(prepared, HostParams) and prepared.device == cuda
     assert prepare_param_store(cpu_p, 3, 0, cpu, "E") is None  # CPU training: a no-op
+    prepare_param_store(nvme_p, 3, 0, cpu, "E")[2].close()  # CPU training: the NVMe swapper alone
     with force_on_cpu_for_tests():
         store = make_param_store(prepare_param_store(cpu_p, 3, 0, cpu, "E"), [])
         assert type(store).__name__ == "HostParamStore" and not store.spills_gradients and store.keeps_master_apart
-        with pytest.raises(NotImplementedError, match="offload_param device 'nvme' with the model on cpu is not built"):
-            prepare_param_store(nvme_p, 3, 0, cpu, "E")
-    with pytest.raises(NotImplementedError, match="offload_param device 'nvme' with the model on cuda is not built"):
-        prepare_param_store(nvme_p, 3, 0, cuda, "E")
+        assert store.swapper is None
+        nvme_store = make_param_store(prepare_param_store(nvme_p, 3, 0, cpu, "E"), [])
+        assert type(nvme_store.swapper).__name__ == "ParamSwapper" and nvme_store.read_ahead_limit == 0
+        nvme_store.close()
+    prepared = prepare_param_store(nvme_p, 3, 0, cuda, "E")
+    assert isinstance(prepared, HostParams) and prepared.directory is not None
+    prepared.directory.close()
+    for p in list(tmp_path.iterdir()):  # the CPU-training swapper's directory above
+        shutil.rmtree(p)
+    with pytest.raises(NotImplementedError, match="offload_param device 'cpu' with parameters on meta is not built"):
+        prepare_param_store(cpu_p, 3, 0, torch.device("meta"), "E")
     with pytest.raises(ValueError, match="offload_param applies to ZeRO stage 3 only"):
         prepare_param_store(cpu_p, 2, 0, cuda, "E")
     assert list(tmp_path.iterdir()) == []  # refusals create nothing
     from zeroplus.offload.host_params import HostParamStore
     with pytest.raises(ValueError, match="needs an offload_param OffloadPolicy with device 'cpu'"):
         HostParamStore(nvme_p, cuda, [])
+    with pytest.raises(ValueError, match="needs an offload_param OffloadPolicy with device 'cpu'"):
+        HostParamStore(cpu_p, cuda, [], swapper_for=lambda _b: None)
 
 
 def test_estimate_memory_cuda_param_columns():
@@ -516,8 +538,18 @@ def test_estimate_memory_cuda_param_columns():
     assert fp32["host"] == 4 * psi / n and fp32["gpu"] == fp32["model_state"]  # a master of its own on the GPU
     on_cpu = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_param="cpu")
     assert on_cpu["resident"] == on_cpu["model_state"]  # CPU training: a no-op
-    with pytest.raises(ValueError, match="offload_param='nvme' on CUDA training is not built"):
-        zeroplus.estimate_memory(psi, n, 3, offload_param="nvme", device="cuda")
+    bucket = 1 << 22
+    records = -(-psi // bucket)
+    nv = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="cpu", offload_param="nvme", device="cuda",
+                                  param_buffer_count=2, param_buffer_size=1)
+    pool = 2 * (4096 + -(-bucket // n) * 2)  # two records of the largest shard (whole pages already)
+    assert nv["offload_param_buffers"] == pool
+    assert nv["nvme"] == 2 * psi / n + 4096 * records  # the parameter records only: no gradient files on CUDA
+    assert nv["gpu"] == both["gpu"] and nv["host"] == base["host"] + pool
+    nv_opt = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="nvme", offload_param="nvme",
+                                      device="cuda")
+    opt_only = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="nvme", device="cuda")
+    assert nv_opt["nvme"] == opt_only["nvme"] + 2 * psi / n + 4096 * records
 
 
 def test_wall_time():

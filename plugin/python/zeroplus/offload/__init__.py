@@ -7,8 +7,8 @@
     host_tier.py   CUDA training (ZeRO-Offload): fp32 masters and state on the host, the step on
                    the CPU, gradients down and parameters up per bucket on a copy stream
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
-    host_params.py the same interface on CUDA training, offload_param "cpu": shards in host
-                   memory, copied up for their gather on a copy stream
+    host_params.py the same interface on CUDA training: shards in host memory ("cpu") or in the
+                   NVMe swapper's records ("nvme"), copied up for their gather on a copy stream
     grad_spill.py  gradient shards of those parameters, in files between backward and step
     io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
 
@@ -54,8 +54,7 @@ def prepare_optimizer_store(policy: OffloadPolicy, param_policy: OffloadPolicy, 
     are in host memory already; 'nvme' swaps the state (and a mixed-precision master) through
     the NVMe swapper. CUDA training: 'cpu' and 'nvme' move the fp32 masters and the state to the
     host tier (host_tier.py), with the NVMe swapper under it for 'nvme'. Parameter offload is
-    prepare_param_store's; offload_param 'nvme' on CUDA is refused here, before the optimizer's
-    swap directory is made (not built)."""
+    prepare_param_store's."""
     _check_param_device(param_policy, device, who)
     if not policy.enabled:
         return None
@@ -80,17 +79,16 @@ def _check_param_device(policy: OffloadPolicy, device: torch.device, who: str) -
     if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"{who}: offload_param device {policy.device!r} with parameters on {device.type} "
                                   f"is not built (CPU and CUDA training are); nothing was changed")
-    if policy.device == "nvme" and _device_path(device):
-        raise NotImplementedError(f"{who}: offload_param device 'nvme' with the model on {device.type} is not built "
-                                  f"yet (offload_param device 'cpu' is: the shards in host memory, pinned with "
-                                  f"pin_memory; offload_optimizer 'nvme' is too); nothing was changed")
 
 
 @dataclass(frozen=True)
 class HostParams:
-    """prepare_param_store's decision for offload_param 'cpu' on CUDA training (HostParamStore)."""
+    """prepare_param_store's decision for offload_param on CUDA training (HostParamStore; 'nvme':
+    with the NVMe parameter swapper under it, in this rank's swap directory)."""
     policy: OffloadPolicy
     device: torch.device
+    rank: int = 0
+    directory: SwapDirectory | None = None
 
 
 def make_host_tier(prepared: OptimizerOffload | None, device: torch.device,
@@ -111,8 +109,9 @@ def prepare_param_store(policy: OffloadPolicy, stage: int, rank: int, device: to
         raise ValueError(f"{who}: offload_param applies to ZeRO stage 3 only (parameters are sharded there), "
                          f"got stage {stage}")
     _check_param_device(policy, device, who)
-    if _device_path(device):
-        return HostParams(policy, device)  # 'cpu' (nvme was refused): host_params.py
+    if _device_path(device):  # host_params.py
+        directory = SwapDirectory(policy.nvme_path, rank, policy.what) if policy.device == "nvme" else None
+        return HostParams(policy, device, rank, directory)
     if policy.device == "cpu":
         return None  # CPU training: the shards are in CPU memory already (docs/offload.md)
     return (policy, rank, SwapDirectory(policy.nvme_path, rank, policy.what))
@@ -124,7 +123,11 @@ def make_param_store(prepared, buckets: list):
     if prepared is None:
         return None
     if isinstance(prepared, HostParams):
-        return HostParamStore(prepared.policy, prepared.device, buckets)
+        swapper_for = None
+        if prepared.directory is not None:
+            def swapper_for(stand_ins):
+                return ParamSwapper(prepared.policy, prepared.rank, prepared.directory, stand_ins)
+        return HostParamStore(prepared.policy, prepared.device, buckets, swapper_for=swapper_for)
     policy, rank, directory = prepared
     return ParamSwapper(policy, rank, directory, buckets)
 

@@ -33,6 +33,15 @@ drops a read-ahead copy of the old values. Without pin_memory the host shard is 
 copy up goes through a page-locked staging buffer (a ring, each buffer reused after its copy's
 event), as asynchronous copies need.
 
+NVMe (offload_param "nvme" on CUDA training): the host side is the NVMe parameter swapper
+(param_swapper.py) over stand-in buckets whose `shard` is a host tensor: the shards live in its
+records, read ahead (from disk, into its pooled page-locked buffers) in the gatherer's order; a pin
+pins the record on the host, copies it up and waits for that copy (so the pool buffer can be
+reused at once: the CPU, not the GPU, waits for the copy), and a write hands the new shard (cast on
+the host, or copied down first) to the swapper, which writes it after the step. No shard is copied
+up ahead of its pin in this mode (the disk reads run ahead instead); its errors are the swapper's
+(docs/offload.md "Faults").
+
 All CUDA calls go through host_tier.DeviceCopier; on a CPU "device" (the test hook
 host_tier.force_on_cpu_for_tests) copies are plain copies and events None, so CPU tests run this
 code bit for bit against the in-memory engine. Gradients are not spilled (they stay on the device
@@ -51,8 +60,19 @@ from .policy import OffloadPolicy
 
 
 @dataclass
+class _Proxy:
+    """What the NVMe swapper sees of a bucket (NVMe mode): a host `shard` tensor it points at its records."""
+    shard: torch.Tensor
+    dtype: torch.dtype
+    shard_numel: int
+
+
+@dataclass
 class _Shard:
     index: int
+    dtype: torch.dtype = torch.float32
+    numel: int = 0
+    proxy: _Proxy | None = None            # NVMe mode: the swapper's stand-in for the bucket
     shard: torch.Tensor | None = None      # the bucket's shard tensor (identity kept; .data swapped)
     host: torch.Tensor | None = None       # the shard's values, in host memory
     device: torch.Tensor | None = None     # resident copy on the device (read ahead or pinned)
@@ -66,14 +86,25 @@ class HostParamStore:
     spills_gradients = False   # gradient shards stay on the device (no gradient files)
     keeps_master_apart = True  # in fp32 the master is not the shard (the shard is on the host)
 
-    def __init__(self, policy: OffloadPolicy, device: torch.device, buckets: list, copier: DeviceCopier | None = None):
-        if not isinstance(policy, OffloadPolicy) or policy.device != "cpu" or policy.what != "offload_param":
-            raise ValueError("HostParamStore: needs an offload_param OffloadPolicy with device 'cpu'")
+    def __init__(self, policy: OffloadPolicy, device: torch.device, buckets: list, copier: DeviceCopier | None = None,
+                 swapper_for=None):
+        """swapper_for: NVMe mode (policy device 'nvme'): called with the stand-in buckets, returns
+        the ParamSwapper that holds their records."""
+        if not isinstance(policy, OffloadPolicy) or policy.what != "offload_param" \
+                or policy.device != ("nvme" if swapper_for is not None else "cpu"):
+            raise ValueError("HostParamStore: needs an offload_param OffloadPolicy with device 'cpu' (or 'nvme' with "
+                             "swapper_for)")
         self.policy = policy
         self.device = torch.device(device)
         self.copier = DeviceCopier(self.device) if copier is None else copier
-        self.read_ahead_limit = policy.buffer_count  # shards copied up ahead of their pins
-        self._homes: dict[int, _Shard] = {id(b): _Shard(i) for i, b in enumerate(buckets)}
+        self._homes: dict[int, _Shard] = {id(b): _Shard(i, b.dtype, b.shard_numel) for i, b in enumerate(buckets)}
+        self.swapper = None
+        if swapper_for is not None:
+            for h in self._homes.values():
+                h.proxy = _Proxy(torch.empty(0, dtype=h.dtype), h.dtype, h.numel)
+            self.swapper = swapper_for([h.proxy for h in self._homes.values()])
+        # shards copied up ahead of their pins (NVMe mode: none, the disk reads run ahead instead)
+        self.read_ahead_limit = 0 if self.swapper is not None else policy.buffer_count
         self._staging: list[tuple[torch.Tensor, object]] = []  # (page-locked buffer, its last copy's event)
         self._next_staging = 0
         self.host_bytes = 0            # the host shards
@@ -88,8 +119,15 @@ class HostParamStore:
         return id(bucket) in self._homes
 
     def host_shard(self, bucket) -> torch.Tensor:
-        """The host tensor holding the bucket's shard (read it only between steps, after drain())."""
-        return self._homes[id(bucket)].host
+        """The host tensor holding the bucket's shard (read it only between steps, after drain());
+        NVMe mode: a copy of its record."""
+        h = self._homes[id(bucket)]
+        if self.swapper is None:
+            return h.host
+        try:
+            return self.swapper.pin(h.proxy).clone()
+        finally:
+            self.swapper.unpin(h.proxy)
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -97,16 +135,22 @@ class HostParamStore:
         """The bucket's first shard (at construction) goes to host memory; `bucket.shard` is emptied."""
         h = self._homes[id(bucket)]
         h.shard = bucket.shard
+        if self.swapper is not None:
+            h.proxy.shard = values.detach().reshape(-1).to("cpu", copy=True)
+            self.swapper.put_initial(h.proxy, h.proxy.shard)  # raises OSError naming the file
+            h.shard.data = self._empty(h)
+            return
         h.host = self.copier.host_empty(values.numel(), values.dtype, self.policy.pin_memory)
         h.host.copy_(values.detach().reshape(-1))  # synchronous: values may be freed next
         self.host_bytes += h.host.numel() * h.host.element_size()
         h.shard.data = self._empty(h)
 
     def finish_initial(self) -> None:
-        pass  # the host copies above are synchronous
+        if self.swapper is not None:
+            self.swapper.finish_initial()  # the host copies above are synchronous
 
     def _empty(self, h: _Shard) -> torch.Tensor:
-        return torch.empty(0, dtype=h.host.dtype, device=self.device)
+        return torch.empty(0, dtype=h.dtype, device=self.device)
 
     # -- host -> device --------------------------------------------------------------------------
 
@@ -134,6 +178,9 @@ class HostParamStore:
         return staged
 
     def _copy_up(self, h: _Shard) -> None:
+        if self.swapper is not None:
+            self._copy_up_record(h)
+            return
         src = self._stage(h)
         dst = torch.empty(h.host.numel(), dtype=h.host.dtype, device=self.device)
         event = self.copier.copy(dst, src, dst)
@@ -147,12 +194,32 @@ class HostParamStore:
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         self.bytes_up += dst.numel() * dst.element_size()
 
+    def _copy_up_record(self, h: _Shard) -> None:
+        """NVMe mode: the record pinned on the host (read and checked; OSError naming the file),
+        copied up, the copy waited for, the record unpinned (its buffer may be reused at once)."""
+        src = self.swapper.pin(h.proxy)
+        try:
+            dst = torch.empty(h.numel, dtype=h.dtype, device=self.device)
+            event = self.copier.copy(dst, src, dst)
+            self.copier.host_wait(event)
+        finally:
+            del src
+            self.swapper.unpin(h.proxy)
+        h.device, h.event = dst, None
+        self.device_bytes += dst.numel() * dst.element_size()
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        self.bytes_up += dst.numel() * dst.element_size()
+
     def _drop_device(self, h: _Shard) -> None:
         if h.device is not None:
             self.device_bytes -= h.device.numel() * h.device.element_size()
             h.device, h.event = None, None  # recorded on the copy stream: not reused before the copy ends
 
     def read_ahead(self, buckets, depth: int | None = None) -> None:
+        if self.swapper is not None:  # the disk reads run ahead; the copies up are made at the pins
+            wanted = [self._homes[id(b)].proxy for b in buckets if id(b) in self._homes]
+            self.swapper.read_ahead(wanted, depth)
+            return
         ahead = sum(1 for h in self._homes.values() if h.device is not None and h.pins == 0)
         limit = self.read_ahead_limit if depth is None else min(depth, self.read_ahead_limit)
         for b in buckets:
@@ -207,11 +274,16 @@ class HostParamStore:
             if h.pins == 0:
                 raise RuntimeError(f"HostParamStore.write: bucket {h.index} has no pinned shard to write")
             src = h.device
-        elif src.numel() != h.host.numel():
-            raise RuntimeError(f"HostParamStore.write: bucket {h.index}'s shard has {h.host.numel()} elements, "
+        elif src.numel() != h.numel:
+            raise RuntimeError(f"HostParamStore.write: bucket {h.index}'s shard has {h.numel} elements, "
                                f"the new values {src.numel()}")
         self._before_host_write(h)
         src = src.detach().reshape(-1)
+        if self.swapper is not None:
+            # the new shard to the host (synchronous: after the compute stream's work), then the
+            # swapper casts it into a record and writes it (at end_step when deferred)
+            self.swapper.write(h.proxy, src if src.device.type == "cpu" else src.to("cpu"), defer=defer)
+            return
         if src.device.type == "cpu":
             h.host.copy_(src)  # the host tier's master: the cast on the host, no device round trip
             return
@@ -224,28 +296,42 @@ class HostParamStore:
 
     def end_step(self) -> None:
         """After the step: nothing of it stays on the device (read-ahead copies of old values
-        were dropped by write; the ones of frozen shards are dropped here)."""
+        were dropped by write; the ones of frozen shards are dropped here). NVMe mode: the step's
+        writes start (the swapper's end_step; raises its write errors)."""
         for h in self._homes.values():
             if h.pins == 0:
                 self._drop_device(h)
+        if self.swapper is not None:
+            self.swapper.end_step()
 
     def drain(self) -> None:
-        """Waits for every copy into or out of the host shards."""
+        """Waits for every copy into or out of the host shards (NVMe mode: every record write)."""
         for h in self._homes.values():
             for event in h.pending:
                 self.copier.host_wait(event)
             h.pending = []
+        if self.swapper is not None:
+            self.swapper.drain()
 
     # -- load_checkpoint ---------------------------------------------------------------------------
 
     def stage_replacement(self, bucket, src: torch.Tensor) -> None:
         h = self._homes[id(bucket)]
-        if src.numel() != h.host.numel():
-            raise RuntimeError(f"HostParamStore.stage_replacement: bucket {h.index}'s shard has {h.host.numel()} "
+        if src.numel() != h.numel:
+            raise RuntimeError(f"HostParamStore.stage_replacement: bucket {h.index}'s shard has {h.numel} "
                                f"elements, the replacement {src.numel()}")
+        if self.swapper is not None:
+            self.swapper.stage_replacement(h.proxy, src.detach().reshape(-1).to("cpu"))  # a side record
+            return
         h.staged = src.detach().reshape(-1).to("cpu", h.host.dtype, copy=True)
 
     def commit_replacements(self) -> None:
+        if self.swapper is not None:
+            for h in self._homes.values():
+                if h.pins == 0:
+                    self._drop_device(h)
+            self.swapper.commit_replacements()
+            return
         for h in self._homes.values():
             if h.staged is not None:
                 self._before_host_write(h)
@@ -253,6 +339,8 @@ class HostParamStore:
                 h.staged = None
 
     def discard_replacements(self) -> None:
+        if self.swapper is not None:
+            self.swapper.discard_replacements()
         for h in self._homes.values():
             h.staged = None
 
@@ -260,14 +348,18 @@ class HostParamStore:
 
     @property
     def buffer_bytes(self) -> int:
-        return self.host_bytes
+        """Host bytes of the shards: the host shards, or (NVMe mode) the swapper's pool."""
+        return self.host_bytes if self.swapper is None else self.swapper.buffer_bytes
 
     @property
     def peak_buffer_bytes(self) -> int:
-        return self.host_bytes
+        return self.host_bytes if self.swapper is None else self.swapper.peak_buffer_bytes
 
     def disk_bytes(self) -> int:
-        return 0
+        return 0 if self.swapper is None else self.swapper.disk_bytes()
 
     def close(self) -> None:
-        self.drain()
+        if self.swapper is not None:
+            self.swapper.close()  # waits for its writes and removes its directory
+        else:
+            self.drain()
