@@ -3,7 +3,8 @@
 Skipped without CUDA. Run on a GPU machine as `python -m pytest tests/python/test_cuda_param_offload.py -q -s`
 (-s prints the step times). Every case trains, in one rank process, the same stage-3 model twice on
 the same batches: in GPU memory without offload (the reference), and with offload_param
-{"device": "cpu", "pin_memory": ...} (zeroplus.offload.host_params), with offload_optimizer "cpu" (the
+{"device": "cpu", "pin_memory": ...} or {"device": "nvme", ...} (zeroplus.offload.host_params, with
+the NVMe parameter swapper under it for "nvme"), with offload_optimizer "cpu" (the
 usual ZeRO-Infinity set-up: the step on the CPU, the new master cast into the host shard) or
 without it (the step on the GPU, the master copied down). 1 rank, and 2 ranks on one GPU (backend
 "zeroplus" with ZEROPLUS_CUDA_TRANSPORT unset: "auto" picks host staging for ranks that share a GPU,
@@ -26,7 +27,9 @@ A failure says which side failed: "reference" (the in-memory CUDA engine, not th
 from __future__ import annotations
 
 import functools
+import shutil
 import statistics
+import tempfile
 import time
 
 import pytest
@@ -145,12 +148,24 @@ def _placement(model, opt) -> dict:
         "device_bytes": store.device_bytes,
         "module_param_elems": sum(p.numel() for p in model.parameters()),
         "master_devices": sorted({m.device.type for m in opt.masters}),
+        "disk_bytes": store.disk_bytes(),
     }
 
 
-def _case(rank, group, precision, pin, optimizer):
+def _case(rank, group, precision, pin, optimizer, device="cpu"):
+    root = tempfile.mkdtemp(prefix="zp-cuda-param-") if device == "nvme" else None
+    try:
+        return _case_in_dir(rank, group, precision, pin, optimizer, device, root)
+    finally:
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _case_in_dir(rank, group, precision, pin, optimizer, device, root):
     cuda = torch.device("cuda", torch.cuda.current_device())
-    param = {"device": "cpu", "pin_memory": pin}
+    param = {"device": device, "pin_memory": pin}
+    if device == "nvme":
+        param.update(nvme_path=root, buffer_count=2, buffer_size=1)  # a pool of 2 records
     opt_offload = {"device": optimizer, "pin_memory": True} if optimizer else None
     try:
         ref, ref_opt = _build(group, precision, None, None, cuda)
@@ -195,12 +210,14 @@ def _case(rank, group, precision, pin, optimizer):
             "step_ms": (1e3 * statistics.median(step_s[1:]), 1e3 * statistics.median(ref_step_s[1:]))}
 
 
-CASES = [(None, True, "cpu"), ("bf16", True, "cpu"), ("bf16", False, "cpu"), (None, True, None), ("bf16", False, None)]
+CASES = [(None, True, "cpu", "cpu"), ("bf16", True, "cpu", "cpu"), ("bf16", False, "cpu", "cpu"),
+         (None, True, None, "cpu"), ("bf16", False, None, "cpu"),
+         ("bf16", True, "cpu", "nvme"), (None, True, None, "nvme")]
 
 
 def _case_id(case) -> str:
-    precision, pin, optimizer = case
-    return f"{precision or 'fp32'}-{'pinned' if pin else 'pageable'}-opt_{optimizer or 'gpu'}"
+    precision, pin, optimizer, device = case
+    return f"{precision or 'fp32'}-param_{device}-{'pinned' if pin else 'pageable'}-opt_{optimizer or 'gpu'}"
 
 
 def _all_cases(rank, world):
@@ -231,7 +248,7 @@ def _results(world: int) -> list:
 def test_cuda_param_offload_matches_training_in_gpu_memory(world, case, monkeypatch):
     # 2 ranks on one GPU: the transport's "auto" must pick host staging by itself.
     monkeypatch.delenv("ZEROPLUS_CUDA_TRANSPORT", raising=False)
-    precision, pin, optimizer = case
+    precision, pin, optimizer, device = case
     key = _case_id(case)
     rtol = FP32_RTOL if precision is None else BF16_RTOL
     for r, per_rank in enumerate(_results(world)):
@@ -247,8 +264,10 @@ def test_cuda_param_offload_matches_training_in_gpu_memory(world, case, monkeypa
             assert pl["shard_devices"] == ["cuda"] and pl["device_shard_elems"] == 0 and pl["device_bytes"] == 0, \
                 f"{where} ({when}): parameter shards left on the GPU: {pl}"
             assert pl["module_param_elems"] == 0, f"{where} ({when}): module parameters not empty between uses"
-            if pin:
+            if pin and device == "cpu":  # (nvme: host_shard() returns copies of the records)
                 assert all(pl["host_pinned"]), f"{where} ({when}): host shards not page-locked: {pl['host_pinned']}"
+            if device == "nvme":
+                assert pl["disk_bytes"] >= 5 * 4096, f"{where} ({when}): parameter records not on disk: {pl}"
             assert pl["master_devices"] == (["cpu"] if optimizer else ["cuda"]), \
                 f"{where} ({when}): masters on {pl['master_devices']}"
         assert res["inside"] >= STEPS * 6 and res["wrong_inside"] == [], \

@@ -6,7 +6,7 @@ Prints the ZeRO model-state bytes per rank for stages 0-3 (zeroplus.estimate_mem
 --offload-optimizer nvme also what stays in memory and what the swap files take (stages 1-3); with
 --offload-param nvme the stage-3 row also moves the parameter shards to the swap files; with
 --device cuda also what is in GPU and in host memory (optimizer offload of CUDA training;
---offload-param cpu moves the stage-3 parameter shards from gpu to host)."""
+--offload-param cpu|nvme moves the stage-3 parameter shards off gpu, to host or to nvme)."""
 
 from __future__ import annotations
 
