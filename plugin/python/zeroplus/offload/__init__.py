@@ -148,6 +148,6 @@ def attach_optimizer_store(prepared, bucket_optimizers: list):
     return store
 
 
-__all__ = ["AioPolicy", "GradSpill", "HostParamStore", "HostParams", "HostTier", "OffloadPolicy", "OptimizerOffload", "ParamSwapper",
-           "attach_optimizer_store", "make_grad_spill", "make_host_tier", "make_param_store", "parse_aio",
-           "parse_offload", "prepare_optimizer_store", "prepare_param_store"]
+__all__ = ["AioPolicy", "GradSpill", "HostParamStore", "HostParams", "HostTier", "OffloadPolicy", "OptimizerOffload",
+           "ParamSwapper", "attach_optimizer_store", "make_grad_spill", "make_host_tier", "make_param_store",
+           "parse_aio", "parse_offload", "prepare_optimizer_store", "prepare_param_store"]
