@@ -360,10 +360,12 @@ def test_what_is_built_is_accepted_and_the_rest_refused(tmp_path):
     # offload_param 'nvme' on CPU training is prepare_param_store's (test_offload_param.py).
     assert prepare_optimizer_store(cpu_o, nvme_p, 0, cpu, "E") is None and os.listdir(tmp_path) == []
     # CUDA training: offload_optimizer takes the host tier (test_offload_host_tier.py); offload_param
-    # is refused, also beside an offload_optimizer that would be accepted.
-    for opt_p, par_p in ((parse_offload("offload_optimizer", None), cpu_p), (cpu_o, nvme_p), (nvme_o, cpu_p)):
-        with pytest.raises(NotImplementedError, match="offload_param device '(cpu|nvme)' with parameters on cuda"):
-            prepare_optimizer_store(opt_p, par_p, 0, cuda, "E")
+    # is prepare_param_store's (host_params.py, test_offload_param_host.py), not a reason to refuse.
+    assert prepare_optimizer_store(parse_offload("offload_optimizer", None), nvme_p, 0, cuda, "E") is None
+    assert prepare_optimizer_store(cpu_o, nvme_p, 0, cuda, "E").host_tier and os.listdir(tmp_path) == []
+    # a device with no offload path is refused, also beside an offload_optimizer that would be accepted
+    with pytest.raises(NotImplementedError, match="offload_param device 'nvme' with parameters on meta"):
+        prepare_optimizer_store(cpu_o, nvme_p, 0, torch.device("meta"), "E")
     assert os.listdir(tmp_path) == []  # refusals create nothing
 
 

@@ -354,9 +354,13 @@ def test_param_store_preparation(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="stage 3 only"):
         prepare_param_store(nvme, 2, 0, cpu, "E")
-    with pytest.raises(NotImplementedError, match="parameters on cuda"):
-        prepare_param_store(nvme, 3, 0, cuda, "E")
+    with pytest.raises(NotImplementedError, match="offload_param device 'nvme' with parameters on meta is not built"):
+        prepare_param_store(nvme, 3, 0, torch.device("meta"), "E")
     assert os.listdir(tmp_path) == []  # refusals create nothing
+    on_cuda = prepare_param_store(nvme, 3, 0, cuda, "E")  # CUDA training: host_params.py over the swapper
+    assert on_cuda.directory is not None and len(os.listdir(tmp_path)) == 1
+    on_cuda.directory.close()
+    assert os.listdir(tmp_path) == []
     prepared = prepare_param_store(nvme, 3, 0, cpu, "E")
     assert prepared is not None and len(os.listdir(tmp_path)) == 1
     prepared[2].close()

@@ -5,7 +5,8 @@
 Prints the ZeRO model-state bytes per rank for stages 0-3 (zeroplus.estimate_memory); with
 --offload-optimizer nvme also what stays in memory and what the swap files take (stages 1-3); with
 --offload-param nvme the stage-3 row also moves the parameter shards to the swap files; with
---device cuda also what is in GPU and in host memory (optimizer offload of CUDA training)."""
+--device cuda also what is in GPU and in host memory (optimizer offload of CUDA training;
+--offload-param cpu|nvme moves the stage-3 parameter shards off gpu, to host or to nvme)."""
 
 from __future__ import annotations
 

@@ -88,8 +88,9 @@ def _adapter(model, optimizers, options, op: str):
                 raise ValueError(f"{op}: does not support options.{field}={getattr(options, field)!r} (sharded, "
                                  f"strict state dicts only; a full state dict: zeroplus.full_state_dict)")
     if getattr(getattr(opt, "placement", None), "param_store", None) is not None:
-        raise NotImplementedError(f"{op}: does not support offload_param 'nvme' yet (the parameter shards live in "
-                                  f"swap files, not in tensors DCP could view); save with zeroplus.save_checkpoint. "
+        raise NotImplementedError(f"{op}: does not support offload_param yet (the parameter shards live in swap "
+                                  f"files or host memory, not in tensors DCP could view); save with "
+                                  f"zeroplus.save_checkpoint. "
                                   f"Nothing was changed")
     adapter = adapter_for(model, opt)
     if getattr(opt, "offload", None) is not None:

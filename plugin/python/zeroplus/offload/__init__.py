@@ -7,6 +7,8 @@
     host_tier.py   CUDA training (ZeRO-Offload): fp32 masters and state on the host, the step on
                    the CPU, gradients down and parameters up per bucket on a copy stream
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
+    host_params.py the same interface on CUDA training: shards in host memory ("cpu") or in the
+                   NVMe swapper's records ("nvme"), copied up for their gather on a copy stream
     grad_spill.py  gradient shards of those parameters, in files between backward and step
     io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
 
@@ -28,6 +30,7 @@ from .host_tier import HostTier
 from .nvme_store import SwapDirectory
 from .policy import AioPolicy, OffloadPolicy, parse_aio, parse_offload
 from .grad_spill import GradSpill
+from .host_params import HostParamStore
 from .param_swapper import ParamSwapper
 from .swapper import OptimizerSwapper
 
@@ -50,24 +53,42 @@ def prepare_optimizer_store(policy: OffloadPolicy, param_policy: OffloadPolicy, 
     CPU training: device 'cpu' is a no-op, for the optimizer state and for the parameters: they
     are in host memory already; 'nvme' swaps the state (and a mixed-precision master) through
     the NVMe swapper. CUDA training: 'cpu' and 'nvme' move the fp32 masters and the state to the
-    host tier (host_tier.py), with the NVMe swapper under it for 'nvme'. Parameter offload on
-    CUDA is refused (not built); to NVMe on CPU it is prepare_param_store's."""
-    if param_policy.enabled and device.type != "cpu":
-        raise NotImplementedError(f"{who}: offload_param device {param_policy.device!r} with parameters on "
-                                  f"{device.type} is not built yet (the CUDA parameter-offload path; offload_optimizer "
-                                  f"is built); nothing was changed")
+    host tier (host_tier.py), with the NVMe swapper under it for 'nvme'. Parameter offload is
+    prepare_param_store's."""
+    _check_param_device(param_policy, device, who)
     if not policy.enabled:
         return None
     if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(f"{who}: offload_optimizer device {policy.device!r} with parameters on "
                                   f"{device.type} is not built (CPU and CUDA training are); nothing was changed")
-    use_host_tier = device.type == "cuda" or host_tier.forced_on_cpu()
-    if use_host_tier and param_policy.enabled:  # only reachable through the CPU test hook
-        raise ValueError(f"{who}: the host tier's test hook does not combine with offload_param")
+    use_host_tier = _device_path(device)
     if policy.device == "cpu" and not use_host_tier:
         return None  # CPU training: optimizer state is in CPU memory already (docs/offload.md)
     directory = SwapDirectory(policy.nvme_path, rank, policy.what) if policy.device == "nvme" else None
     return OptimizerOffload(policy, rank, directory, use_host_tier)
+
+
+def _device_path(device: torch.device) -> bool:
+    """CUDA training, or CPU training under host_tier.force_on_cpu_for_tests (same code)."""
+    return device.type == "cuda" or host_tier.forced_on_cpu()
+
+
+def _check_param_device(policy: OffloadPolicy, device: torch.device, who: str) -> None:
+    if not policy.enabled:
+        return
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{who}: offload_param device {policy.device!r} with parameters on {device.type} "
+                                  f"is not built (CPU and CUDA training are); nothing was changed")
+
+
+@dataclass(frozen=True)
+class HostParams:
+    """prepare_param_store's decision for offload_param on CUDA training (HostParamStore; 'nvme':
+    with the NVMe parameter swapper under it, in this rank's swap directory)."""
+    policy: OffloadPolicy
+    device: torch.device
+    rank: int = 0
+    directory: SwapDirectory | None = None
 
 
 def make_host_tier(prepared: OptimizerOffload | None, device: torch.device,
@@ -87,18 +108,26 @@ def prepare_param_store(policy: OffloadPolicy, stage: int, rank: int, device: to
     if stage != 3:
         raise ValueError(f"{who}: offload_param applies to ZeRO stage 3 only (parameters are sharded there), "
                          f"got stage {stage}")
-    if device.type != "cpu":
-        raise NotImplementedError(f"{who}: offload_param device {policy.device!r} with parameters on "
-                                  f"{device.type} is not built yet (the CUDA offload path); nothing was changed")
+    _check_param_device(policy, device, who)
+    if _device_path(device):  # host_params.py
+        directory = SwapDirectory(policy.nvme_path, rank, policy.what) if policy.device == "nvme" else None
+        return HostParams(policy, device, rank, directory)
     if policy.device == "cpu":
         return None  # CPU training: the shards are in CPU memory already (docs/offload.md)
     return (policy, rank, SwapDirectory(policy.nvme_path, rank, policy.what))
 
 
 def make_param_store(prepared, buckets: list):
-    """The ParamSwapper for these (non-persistent stage-3) buckets, or None."""
+    """The parameter store for these (non-persistent stage-3) buckets: a ParamSwapper (nvme, CPU
+    training), a HostParamStore (cpu, CUDA training), or None."""
     if prepared is None:
         return None
+    if isinstance(prepared, HostParams):
+        swapper_for = None
+        if prepared.directory is not None:
+            def swapper_for(stand_ins):
+                return ParamSwapper(prepared.policy, prepared.rank, prepared.directory, stand_ins)
+        return HostParamStore(prepared.policy, prepared.device, buckets, swapper_for=swapper_for)
     policy, rank, directory = prepared
     return ParamSwapper(policy, rank, directory, buckets)
 
@@ -119,6 +148,6 @@ def attach_optimizer_store(prepared, bucket_optimizers: list):
     return store
 
 
-__all__ = ["AioPolicy", "GradSpill", "HostTier", "OffloadPolicy", "OptimizerOffload", "ParamSwapper",
-           "attach_optimizer_store", "make_grad_spill", "make_host_tier", "make_param_store", "parse_aio",
-           "parse_offload", "prepare_optimizer_store", "prepare_param_store"]
+__all__ = ["AioPolicy", "GradSpill", "HostParamStore", "HostParams", "HostTier", "OffloadPolicy", "OptimizerOffload",
+           "ParamSwapper", "attach_optimizer_store", "make_grad_spill", "make_host_tier", "make_param_store",
+           "parse_aio", "parse_offload", "prepare_optimizer_store", "prepare_param_store"]

@@ -86,6 +86,9 @@ class _Home:
 
 
 class ParamSwapper:
+    spills_gradients = True     # offloaded buckets' gradient shards go to files (grad_spill.py)
+    keeps_master_apart = False  # in fp32 the master is the shard (pinned for the step)
+
     def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, buckets: list):
         if not isinstance(policy, OffloadPolicy) or policy.device != "nvme" or policy.what != "offload_param":
             raise ValueError("ParamSwapper: needs an offload_param OffloadPolicy with device 'nvme'")

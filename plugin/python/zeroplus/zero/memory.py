@@ -135,8 +135,14 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     host an fp32 master shard in every precision (in fp32 too: the host keeps its own copy) with
     the optimizer state ("cpu") or the swapper's buffers ("nvme", whose files then hold that master
     and the state), plus the staging buffers (3 gradient shards and 2 parameter shards of a
-    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`. offload_param
-    on CUDA training is not built (ValueError)."""
+    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`.
+    offload_param on CUDA training (stage 3, docs/offload.md "Parameter offload on CUDA training")
+    moves the parameter shards off `gpu`: "cpu" to `host`; "nvme" to `nvme` (+ 4 KiB per record;
+    gradients are not spilled on CUDA training) with the swapper's pool (`offload_param_buffers`)
+    in `host`. Without offload_optimizer an fp32 run then keeps a separate fp32 master shard on the
+    GPU (the shard is no longer the master), so `gpu` only drops in mixed precision. The gathered
+    units (the unit computing and the prefetch) are working memory, not model state, and are not
+    counted. offload_param="cpu" on CPU training changes nothing."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -157,8 +163,6 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         raise ValueError("estimate_memory: offload_optimizer='nvme' needs a ZeRO stage (1-3), got stage=0")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"estimate_memory: device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda" and offload_param != "none":
-        raise ValueError(f"estimate_memory: offload_param on CUDA training is not built, got offload_param={offload_param!r}")
     if device == "cuda" and offload_optimizer != "none" and stage == 0:
         raise ValueError(f"estimate_memory: offload_optimizer={offload_optimizer!r} on CUDA needs a ZeRO stage (1-3), "
                          f"got stage=0")
@@ -194,10 +198,22 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         out["offload_param_buffers"] = float(min(param_buffer_count * buffer, every_record))
         out["nvme"] += out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
         out["resident"] += out["offload_param_buffers"] - out["parameters"] - out["gradients"]
+    param_nvme = 0.0
+    if device == "cuda" and offload_param == "nvme":
+        # CUDA training spills no gradients: only the parameter records go to the files
+        buckets = -(-psi // bucket_elems) if psi else 0
+        out["nvme"] -= out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
+        param_nvme = out["parameters"] + 4096 * buckets
+    params_off = out["parameters"] if (device == "cuda" and offload_param != "none") else 0.0
+    params_host = out["parameters"] if offload_param == "cpu" else out["offload_param_buffers"]
     if device == "cpu":
         out["gpu"], out["host"] = 0.0, out["resident"]
     elif offload_optimizer == "none":
-        out["gpu"], out["host"] = out["model_state"], 0.0
+        apart = 4 * psi / n if (params_off and m == 0) else 0.0  # fp32: a master of its own
+        out["gpu"] = out["model_state"] - params_off + apart
+        out["host"] = params_host if params_off else 0.0
+        out["nvme"] += param_nvme
+        out["resident"] = out["gpu"] + out["host"]
     else:
         host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
         shard = -(-min(bucket_elems, max(psi, 1)) // n)
@@ -211,5 +227,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
             out["offload_buffers"] = float(min(buffer_count, max(buckets, 1)) * record)
             out["nvme"] = host_master + out["optimizer_state"] + 4096 * buckets
             out["host"] = out["offload_buffers"] + staging
+        if params_off:  # the parameter shards live in host memory or (nvme) the swapper's files
+            out["gpu"] -= params_off
+            out["host"] += params_host
+            out["nvme"] += param_nvme
         out["resident"] = out["gpu"] + out["host"]
     return out

@@ -10,6 +10,7 @@ gradients, the step loop and state; a placement owns where parameters live). Its
                        from the start, gathered back one unit at a time by materialize.py
     full_state.py      full state dicts gathered unit by unit; loading a full dict into shards
     ../offload/param_swapper.py  offload_param "nvme": the shards live in files between uses
+    ../offload/host_params.py    offload_param "cpu" on CUDA: the shards live in host memory
 
 Layout: each unit's parameters form their own buckets (keys: unit, param group, dtype,
 persistent, trainable), so a unit is gathered with one all-gather per bucket and its gradients
@@ -27,6 +28,9 @@ predicted ones ahead. The step pins a bucket's shard before its optimizer runs w
 the fp32 master itself and writes the updated shard back at publish: once, in place (fp32), or
 cast from the master (mixed precision). A shard that cannot be read (before_bucket_step) is not
 stepped; its error is raised by end_step after the step's last collective.
+With offload_param "cpu" on CUDA training (host_params.py, the same interface) the shards live in
+host memory, the master is never the shard (keeps_master_apart: a host-tier or device fp32 copy)
+and publish casts it into the host shard; gradients are not spilled.
 
 Reads the engine's public attributes (process_group, rank, world_size, compute_dtype, module,
 param_groups, buckets, masters, backward_pass); called by the engine only.
@@ -149,7 +153,9 @@ class ShardedParams:
                 for e in b.entries:
                     e.param._zeroplus_managed = True
                 if b.trainable:
-                    if own.dtype == torch.float32:
+                    apart = (not b.persistent and self.param_store is not None
+                             and self.param_store.keeps_master_apart)  # offload_param "cpu" on CUDA
+                    if own.dtype == torch.float32 and not apart:
                         masters[id(b)] = own  # fp32: the master is this rank's slice itself
                     else:
                         masters[id(b)] = master_src.to(torch.float32, copy=True)
@@ -174,7 +180,7 @@ class ShardedParams:
     def attach(self) -> None:
         """After the engine's reducer exists: the gatherer joins the backward pass after it."""
         engine, policy = self.engine, self.policy
-        if self.param_store is not None:
+        if self.param_store is not None and self.param_store.spills_gradients:
             # Gradients of offloaded buckets are spilled beside their parameter records.
             spilled = {i: (engine.reducer.accum_dtypes[i], b.shard_numel) for i, b in enumerate(engine.buckets)
                        if self.param_store.offloads(b)}
