@@ -230,7 +230,7 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
 
 # -- the staging ring alone (no ranks) --------------------------------------------------------------
 
-def test_gradients_come_in_step_order_through_the_ring():
+def test_gradients_come_in_step_order_into_their_buffers():
     from zeroplus.offload.host_tier import DEPTH, HostTier
 
     masters = [torch.full((n,), float(i)) for i, n in enumerate((5, 3, 8, 1, 6, 4))]
@@ -258,8 +258,13 @@ def test_gradients_come_in_step_order_through_the_ring():
         if i != 3:
             assert torch.equal(tier.gradient(i), grads[i]), f"bucket {i} after a skipped one"
     tier.end_step()
-    # DEPTH + 1 slots, each as large as the largest shard it held: never one per bucket.
-    assert 0 < tier.staging_bytes <= (DEPTH + 1) * 8 * 2
+    # One buffer per bucket, its shard's bytes, reused: a third step allocates nothing.
+    assert tier.grad_bytes == tier.staging_bytes == sum(m.numel() for m in masters) * 2
+    tier.begin_step(order, source)
+    for i in order:
+        tier.gradient(i)
+    tier.end_step()
+    assert tier.grad_bytes == sum(m.numel() for m in masters) * 2
 
 
 def test_copies_and_waits_come_in_the_order_the_device_needs():

@@ -76,7 +76,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
                     "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
                     "offload_param_peak_buffers", "offload_param_disk",
-                    "offload_host_staging"):  # stage 3; offload
+                    "offload_host_staging", "offload_host_grads"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -96,7 +96,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
            "peak_communication_buffers": opt.reducer.pool.peak_bytes}
     tier = getattr(opt, "host_tier", None)
     if tier is not None:  # CUDA offload: masters and state above are in host memory, and so are these
-        out["offload_host_staging"] = tier.staging_bytes
+        out["offload_host_staging"] = tier.staging_bytes  # the gradient buffers and the upload buffers
+        out["offload_host_grads"] = tier.grad_bytes       # of which the per-bucket gradient buffers
     store = getattr(opt, "offload", None)
     if store is not None:
         out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
