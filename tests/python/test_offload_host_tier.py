@@ -65,7 +65,9 @@ def _build(group, stage, precision, optimizer, offload=None):
                                process_group=group, config=CONFIG[stage], **kw)
 
 
-def _train(model, opt, rank, steps, start=0, overflow_at=None):
+def _train(model, opt, rank, steps, start=0, overflow_at=None, found=None):
+    """`found`, a list: the host tier's found_on_host after each step (buckets whose gradient
+    came down during backward)."""
     for step in range(start, start + steps):
         x, y = _batch(step, rank)
         loss = nn.functional.mse_loss(model(x).float(), y)
@@ -74,6 +76,8 @@ def _train(model, opt, rank, steps, start=0, overflow_at=None):
         opt.backward(loss)
         opt.clip_grad_norm_(0.5)
         opt.step()
+        if found is not None:
+            found.append(opt.host_tier.found_on_host)
         opt.zero_grad()
 
 
@@ -128,7 +132,9 @@ def _case(rank, group, stage, precision, optimizer, device):
                            for m in opt.masters for b in opt.buckets for t in (b.flat, b.shard) if t is not None),
         }
         _train(ref, ref_opt, rank, STEPS, overflow_at=overflow_at)
-        _train(model, opt, rank, STEPS, overflow_at=overflow_at)
+        found = []
+        _train(model, opt, rank, STEPS, overflow_at=overflow_at, found=found)
+        used["found_on_host"] = found
         state_devices = {str(t.device) for bo in opt.bucket_optimizers for t in bo.state_tensors()}
         used["staging"] = __import__("zeroplus").memory_report(model, opt).get("offload_host_staging")
         out = {**used, "state_devices": sorted(state_devices), "skipped": (ref_opt.skipped_steps, opt.skipped_steps),
@@ -184,6 +190,172 @@ def _case(rank, group, stage, precision, optimizer, device):
             shutil.rmtree(root, ignore_errors=True)
 
 
+# -- gradient copies during backward: accumulation, zero_grad, a raising backward, the ordering ------
+
+class _Raise(Exception):
+    pass
+
+
+def _micro_steps(model, opt, rank, step, mode, fail):
+    """One optimizer step's backward passes in `mode`; `fail` makes the first pass raise late in
+    backward (after the later layers' buckets were reduced: a hook on layer a's output)."""
+    def loss_of(k):
+        x, y = _batch(10 * step + k, rank)
+        h = model.a(x.to(model.a.weight.dtype))  # (the root's forward, which casts inputs, is bypassed)
+        if fail and k == 0:
+            def boom(_grad):
+                raise _Raise()
+            h.register_hook(boom)
+        out = model.c(torch.tanh(model.b(torch.tanh(h))))
+        return nn.functional.mse_loss(out.float(), y)
+
+    if mode == "no_sync":  # DDP's accumulation: the first micro-batch is not reduced
+        with model.no_sync():
+            opt.backward(loss_of(0))
+        opt.backward(loss_of(1))
+    elif mode == "two_backwards":  # every micro-batch reduced, summed in the accumulators
+        opt.backward(loss_of(0))
+        opt.backward(loss_of(1))
+    elif mode == "zero_grad_between":  # the first backward's gradients are dropped
+        opt.backward(loss_of(0))
+        opt.zero_grad()
+        opt.backward(loss_of(1))
+    elif mode == "raising":  # the first backward raises midway; its pass is abandoned
+        try:
+            opt.backward(loss_of(0))
+        except _Raise:
+            pass
+        else:
+            raise AssertionError("the hook did not raise")
+        opt.backward(loss_of(1))
+    else:
+        raise ValueError(mode)
+
+
+def _overlap_case(rank, group, stage, precision, mode):
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+
+    offload = {"device": "cpu", "pin_memory": True}
+    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW)
+    with force_on_cpu_for_tests():
+        model, opt = _build(group, stage, precision, torch.optim.AdamW, offload)
+    found = []
+    for step in range(STEPS):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            _micro_steps(m, o, rank, step, mode, fail=(mode == "raising"))
+            o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
+        found.append(opt.host_tier.found_on_host)
+    report = __import__("zeroplus").memory_report(model, opt)
+    shard_bytes = sum(t.numel() * t.element_size() for t in ref_opt.reducer.shards)
+    return {"buckets": len(opt.buckets), "found_on_host": found,
+            "params": _diffs(_params(model, stage), _params(ref, stage)),
+            "state": _state_diffs(opt.state_dict(), ref_opt.state_dict()),
+            "grad_bytes": (report.get("offload_host_grads"), shard_bytes)}
+
+
+class RecordingCopier:
+    """A DeviceCopier that performs CPU copies and records what CUDA would be asked: each call
+    with the training phase it came in (set by the test) and, for a copy, what it copied."""
+
+    phase = "build"
+
+    def __init__(self, device):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(device)
+        self.log = []      # (phase, what, event)
+        self.copied = {}   # event -> the values copied
+        self.n = 0
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        self.log.append((RecordingCopier.phase, "follow", None))
+
+    def copy(self, dst, src, device_side):
+        dst.copy_(src)
+        self.n += 1
+        event = f"e{self.n}"
+        self.copied[event] = src.clone()
+        self.log.append((RecordingCopier.phase, "copy", event))
+        return event
+
+    def host_wait(self, event):
+        if event is not None:
+            self.log.append((RecordingCopier.phase, "host_wait", event))
+
+    def compute_waits(self, event):
+        if event is not None:
+            self.log.append((RecordingCopier.phase, "compute_waits", event))
+
+
+def _ordering_case(rank, group, stage, precision):
+    """Per step: every gradient copy is issued during backward, after its bucket's reduction
+    (what it copied is the reduced, averaged shard: the in-memory engine's shard after the same
+    backward), after the copy stream was told to follow the compute stream; clipping's in-place
+    multiply waits for it on the device; the step waits for it on the host and copies nothing."""
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+
+    copiers = []
+
+    def factory(device):
+        copiers.append(RecordingCopier(device))
+        return copiers[-1]
+
+    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW)
+    with force_on_cpu_for_tests(copier_factory=factory):
+        model, opt = _build(group, stage, precision, torch.optim.AdamW, {"device": "cpu"})
+    rec = copiers[0]
+    out = []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        ref_opt.backward(nn.functional.mse_loss(ref(x).float(), y))
+        reduced = [t.clone() for t in ref_opt.reducer.shards]
+        ref_opt.clip_grad_norm_(0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        rec.log.clear()
+        rec.copied.clear()
+        RecordingCopier.phase = "backward"
+        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        RecordingCopier.phase = "clip"
+        opt.clip_grad_norm_(0.5)
+        RecordingCopier.phase = "step"
+        opt.step()
+        RecordingCopier.phase = "zero_grad"
+        opt.zero_grad()
+        RecordingCopier.phase = "other"
+        log = list(rec.log)
+        down = [e for ph, what, e in log if what == "copy" and ph == "backward"]
+        follows_first = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
+                            if what == "copy" and ph == "backward")
+        step_waits = [e for ph, what, e in log if what == "host_wait" and ph == "step"]
+        clip_waits = [e for ph, what, e in log if what == "compute_waits" and ph == "clip"]
+        out.append({
+            "buckets": len(opt.buckets),
+            "down_in_backward": len(down),
+            "values": [k for k, e in enumerate(down)
+                       if k >= len(reduced) or not torch.equal(rec.copied[e], reduced[k])],
+            "follows_first": follows_first,
+            "step_waits_all": all(step_waits.count(e) == 1 for e in down),  # (and uploads' events)
+            "clip_waits_all": sorted(set(clip_waits)) == sorted(down),
+            "uploads_in_step": sum(1 for ph, what, e in log if what == "copy" and ph == "step"),
+            "found_on_host": opt.host_tier.found_on_host,
+        })
+    out.append({"params": _diffs(_params(model, stage), _params(ref, stage))})
+    return out
+
+
+OVERLAP_CASES = ([(stage, precision, mode) for stage in (1, 2, 3) for precision in (None, "bf16")
+                  for mode in ("no_sync", "two_backwards")]
+                 + [(2, None, "zero_grad_between"), (3, "bf16", "zero_grad_between"),
+                    (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising")])
+ORDERING_CASES = [(1, None), (2, None), (3, None), (2, "bf16")]
+
+
 CASES = ([(stage, precision, opt, "cpu") for stage in (1, 2, 3) for precision in (None, "bf16")
           for opt in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)]
          + [(2, "fp16", torch.optim.AdamW, "cpu"), (3, "fp16", torch.optim.Adam, "cpu"),
@@ -196,8 +368,23 @@ def _case_id(case) -> str:
     return f"stage{stage}-{precision or 'fp32'}-{opt.__name__}-{device}"
 
 
+def _overlap_id(case) -> str:
+    stage, precision, mode = case
+    return f"stage{stage}-{precision or 'fp32'}-{mode}"
+
+
+def _ordering_id(case) -> str:
+    stage, precision = case
+    return f"ordering-stage{stage}-{precision or 'fp32'}"
+
+
 def _all_cases(rank, world):
-    return run_cases_in_own_groups(rank, world, {_case_id(c): functools.partial(_case_in, case=c) for c in CASES})
+    cases = {_case_id(c): functools.partial(_case_in, case=c) for c in CASES}
+    cases.update({_overlap_id(c): functools.partial(_overlap_case, stage=c[0], precision=c[1], mode=c[2])
+                  for c in OVERLAP_CASES})
+    cases.update({_ordering_id(c): functools.partial(_ordering_case, stage=c[0], precision=c[1])
+                  for c in ORDERING_CASES})
+    return run_cases_in_own_groups(rank, world, cases)
 
 
 def _case_in(rank, group, case):
@@ -226,6 +413,44 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
         assert res["never_moved"] == [], f"rank {r}: the unused parameter was stepped: {res['never_moved']}"
         ref_skipped, skipped = res["skipped"]
         assert skipped == ref_skipped == (1 if case[1] == "fp16" else 0), f"rank {r}: skipped {res['skipped']}"
+        # Every bucket's gradient came down during backward (the step waited, copied nothing).
+        assert res["found_on_host"] == [res["buckets"]] * STEPS, f"rank {r}: {res['found_on_host']}"
+
+
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=_overlap_id)
+def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_exact(results, case):
+    """Gradient accumulation (no_sync, or two reduced backwards: a copy made in the first is
+    forgotten when the second adds to the shard), zero_grad between backward and step, a backward
+    that raises midway (its copies discarded): bit for bit the in-memory engine, and every step
+    found every bucket's gradient already on the host."""
+    key = _overlap_id(case)
+    for r, per_rank in enumerate(results):
+        status, res = per_rank[key]
+        assert status == "ok", f"rank {r}:\n{res}"
+        assert res["params"] == [], f"rank {r}: parameters differ from the in-memory engine: {res['params'][:5]}"
+        assert res["state"] == [], f"rank {r}: optimizer state differs: {res['state'][:5]}"
+        assert res["found_on_host"] == [res["buckets"]] * STEPS, f"rank {r}: {res['found_on_host']}"
+        host, shards = res["grad_bytes"]
+        assert host == shards, f"rank {r}: offload_host_grads {host} bytes, the gradient shards {shards}"
+
+
+@pytest.mark.parametrize("case", ORDERING_CASES, ids=_ordering_id)
+def test_each_gradient_copy_starts_in_backward_after_its_reduction_and_the_step_waits(results, case):
+    key = _ordering_id(case)
+    for r, per_rank in enumerate(results):
+        status, res = per_rank[key]
+        assert status == "ok", f"rank {r}:\n{res}"
+        *steps, final = res
+        for k, st in enumerate(steps):
+            where = f"rank {r} step {k}: {st}"
+            assert st["down_in_backward"] == st["buckets"] > 3, where
+            assert st["values"] == [], where  # a copy before its reduction would hold other values
+            assert st["follows_first"], where
+            assert st["clip_waits_all"], where  # clipping's multiply waits for each copy's read
+            assert st["step_waits_all"], where  # the step waits for each before reading it
+            assert st["found_on_host"] == st["buckets"], where
+            assert st["uploads_in_step"] == st["buckets"], where  # the step itself only uploads
+        assert final["params"] == [], f"rank {r}: {final['params'][:5]}"
 
 
 # -- the staging ring alone (no ranks) --------------------------------------------------------------
