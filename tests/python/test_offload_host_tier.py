@@ -232,12 +232,61 @@ def _micro_steps(model, opt, rank, step, mode, fail):
         raise ValueError(mode)
 
 
+class RecordingCopier:
+    """A DeviceCopier that records what CUDA would be asked (each call with the training phase it
+    came in, set by the test) and runs each copy as late as CUDA may: when its event (or a later
+    one: one stream) is waited for, by the host or by the compute stream. So a read of a host
+    buffer before its wait sees stale bytes, and a device write to a shard before the compute
+    stream waits for the copy reading it changes what the copy reads: both break the bitwise
+    comparisons. `copied[event]` is what a copy read, when it ran."""
+
+    phase = "build"
+
+    def __init__(self, device):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(device)
+        self.log = []      # (phase, what, event)
+        self.copied = {}   # event -> the values copied
+        self.pending = []  # (event, dst, src) issued, not run yet
+        self.n = 0
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        self.log.append((RecordingCopier.phase, "follow", None))
+
+    def copy(self, dst, src, device_side):
+        self.n += 1
+        event = f"e{self.n}"
+        self.pending.append((event, dst, src))
+        self.log.append((RecordingCopier.phase, "copy", event))
+        return event
+
+    def _run_through(self, event):
+        while any(e == event for e, _, _ in self.pending):
+            e, dst, src = self.pending.pop(0)
+            dst.copy_(src)
+            self.copied[e] = src.clone()
+
+    def host_wait(self, event):
+        if event is not None:
+            self.log.append((RecordingCopier.phase, "host_wait", event))
+            self._run_through(event)
+
+    def compute_waits(self, event):
+        if event is not None:
+            self.log.append((RecordingCopier.phase, "compute_waits", event))
+            self._run_through(event)
+
+
 def _overlap_case(rank, group, stage, precision, mode):
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
 
     offload = {"device": "cpu", "pin_memory": True}
     ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW)
-    with force_on_cpu_for_tests():
+    with force_on_cpu_for_tests(copier_factory=RecordingCopier):  # copies run as late as CUDA may
         model, opt = _build(group, stage, precision, torch.optim.AdamW, offload)
     found = []
     for step in range(STEPS):
@@ -253,43 +302,6 @@ def _overlap_case(rank, group, stage, precision, mode):
             "params": _diffs(_params(model, stage), _params(ref, stage)),
             "state": _state_diffs(opt.state_dict(), ref_opt.state_dict()),
             "grad_bytes": (report.get("offload_host_grads"), shard_bytes)}
-
-
-class RecordingCopier:
-    """A DeviceCopier that performs CPU copies and records what CUDA would be asked: each call
-    with the training phase it came in (set by the test) and, for a copy, what it copied."""
-
-    phase = "build"
-
-    def __init__(self, device):
-        from zeroplus.offload.host_tier import DeviceCopier
-
-        self._inner = DeviceCopier(device)
-        self.log = []      # (phase, what, event)
-        self.copied = {}   # event -> the values copied
-        self.n = 0
-
-    def host_empty(self, numel, dtype, pin):
-        return self._inner.host_empty(numel, dtype, pin)
-
-    def follow_compute(self):
-        self.log.append((RecordingCopier.phase, "follow", None))
-
-    def copy(self, dst, src, device_side):
-        dst.copy_(src)
-        self.n += 1
-        event = f"e{self.n}"
-        self.copied[event] = src.clone()
-        self.log.append((RecordingCopier.phase, "copy", event))
-        return event
-
-    def host_wait(self, event):
-        if event is not None:
-            self.log.append((RecordingCopier.phase, "host_wait", event))
-
-    def compute_waits(self, event):
-        if event is not None:
-            self.log.append((RecordingCopier.phase, "compute_waits", event))
 
 
 def _ordering_case(rank, group, stage, precision):
@@ -318,7 +330,6 @@ def _ordering_case(rank, group, stage, precision):
         ref_opt.step()
         ref_opt.zero_grad()
         rec.log.clear()
-        rec.copied.clear()
         RecordingCopier.phase = "backward"
         opt.backward(nn.functional.mse_loss(model(x).float(), y))
         RecordingCopier.phase = "clip"
