@@ -50,18 +50,43 @@ class Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class Chain(nn.Module):
+    """Five linear layers, every parameter used: the buckets of the later layers are complete
+    (and launched, in bucket order) while backward goes on through the earlier ones. (Net's unused
+    `never` sits in bucket 0, which then completes only at the end of backward, holding back every
+    later bucket: launches are in bucket order, as DDP's.) The overlap cases use this one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 24)
+        self.b = nn.Linear(24, 24)
+        self.c = nn.Linear(24, 24)
+        self.d = nn.Linear(24, 24)
+        self.e = nn.Linear(24, 6)
+
+    def rest(self, h):
+        """Everything after layer a."""
+        for layer in (self.b, self.c, self.d, self.e):
+            h = layer(torch.tanh(h))
+        return h
+
+    def forward(self, x):
+        return self.rest(self.a(x))
+
+
 def _batch(step: int, rank: int):
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _build(group, stage, precision, optimizer, offload=None):
+def _build(group, stage, precision, optimizer, offload=None, net=Net):
     import zeroplus
 
     kw = {"momentum": 0.9} if optimizer is torch.optim.SGD else {"weight_decay": 0.1}
     if offload is not None:
         kw["offload_optimizer"] = offload
-    return zeroplus.initialize(Net(), optimizer, stage=stage, lr=1e-2, mixed_precision=precision,
+    return zeroplus.initialize(net(), optimizer, stage=stage, lr=1e-2, mixed_precision=precision,
                                process_group=group, config=CONFIG[stage], **kw)
 
 
@@ -196,7 +221,7 @@ class _Raise(Exception):
     pass
 
 
-def _micro_steps(model, opt, rank, step, mode, fail):
+def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
     """One optimizer step's backward passes in `mode`; `fail` makes the first pass raise late in
     backward (after the later layers' buckets were reduced: a hook on layer a's output)."""
     def loss_of(k):
@@ -206,7 +231,7 @@ def _micro_steps(model, opt, rank, step, mode, fail):
             def boom(_grad):
                 raise _Raise()
             h.register_hook(boom)
-        out = model.c(torch.tanh(model.b(torch.tanh(h))))
+        out = model.rest(h)
         return nn.functional.mse_loss(out.float(), y)
 
     if mode == "no_sync":  # DDP's accumulation: the first micro-batch is not reduced
@@ -224,7 +249,7 @@ def _micro_steps(model, opt, rank, step, mode, fail):
         try:
             opt.backward(loss_of(0))
         except _Raise:
-            pass
+            after_raise()
         else:
             raise AssertionError("the hook did not raise")
         opt.backward(loss_of(1))
@@ -285,13 +310,20 @@ def _overlap_case(rank, group, stage, precision, mode):
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
 
     offload = {"device": "cpu", "pin_memory": True}
-    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW)
-    with force_on_cpu_for_tests(copier_factory=RecordingCopier):  # copies run as late as CUDA may
-        model, opt = _build(group, stage, precision, torch.optim.AdamW, offload)
-    found = []
+    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW, net=Chain)
+    copiers = []
+
+    def factory(device):
+        copiers.append(RecordingCopier(device))  # copies run as late as CUDA may
+        return copiers[-1]
+
+    with force_on_cpu_for_tests(copier_factory=factory):
+        model, opt = _build(group, stage, precision, torch.optim.AdamW, offload, net=Chain)
+    found, raised_with = [], []
     for step in range(STEPS):
         for m, o in ((ref, ref_opt), (model, opt)):
-            _micro_steps(m, o, rank, step, mode, fail=(mode == "raising"))
+            mark = (lambda: raised_with.append(len(copiers[0].pending))) if o is opt else (lambda: None)
+            _micro_steps(m, o, rank, step, mode, fail=(mode == "raising"), after_raise=mark)
             o.clip_grad_norm_(0.5)
             o.step()
             o.zero_grad()
@@ -301,7 +333,8 @@ def _overlap_case(rank, group, stage, precision, mode):
     return {"buckets": len(opt.buckets), "found_on_host": found,
             "params": _diffs(_params(model, stage), _params(ref, stage)),
             "state": _state_diffs(opt.state_dict(), ref_opt.state_dict()),
-            "grad_bytes": (report.get("offload_host_grads"), shard_bytes)}
+            "grad_bytes": (report.get("offload_host_grads"), shard_bytes),
+            "raised_with": raised_with}  # gradient copies not run yet when a backward raised
 
 
 def _ordering_case(rank, group, stage, precision):
@@ -317,21 +350,28 @@ def _ordering_case(rank, group, stage, precision):
         copiers.append(RecordingCopier(device))
         return copiers[-1]
 
-    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW)
+    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW, net=Chain)
     with force_on_cpu_for_tests(copier_factory=factory):
-        model, opt = _build(group, stage, precision, torch.optim.AdamW, {"device": "cpu"})
+        model, opt = _build(group, stage, precision, torch.optim.AdamW, {"device": "cpu"}, net=Chain)
     rec = copiers[0]
     out = []
+
+    def loss_of(m, x, y, mark=False):
+        h = m.a(x.to(m.a.weight.dtype))
+        if mark:  # backward reaches layer a (its gradient still to come): the late part of backward
+            h.register_hook(lambda g: setattr(RecordingCopier, "phase", "backward_end"))
+        return nn.functional.mse_loss(m.rest(h).float(), y)
+
     for step in range(STEPS):
         x, y = _batch(step, rank)
-        ref_opt.backward(nn.functional.mse_loss(ref(x).float(), y))
+        ref_opt.backward(loss_of(ref, x, y))
         reduced = [t.clone() for t in ref_opt.reducer.shards]
         ref_opt.clip_grad_norm_(0.5)
         ref_opt.step()
         ref_opt.zero_grad()
         rec.log.clear()
         RecordingCopier.phase = "backward"
-        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        opt.backward(loss_of(model, x, y, mark=True))
         RecordingCopier.phase = "clip"
         opt.clip_grad_norm_(0.5)
         RecordingCopier.phase = "step"
@@ -340,14 +380,15 @@ def _ordering_case(rank, group, stage, precision):
         opt.zero_grad()
         RecordingCopier.phase = "other"
         log = list(rec.log)
-        down = [e for ph, what, e in log if what == "copy" and ph == "backward"]
+        down = [e for ph, what, e in log if what == "copy" and ph in ("backward", "backward_end")]
         follows_first = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
-                            if what == "copy" and ph == "backward")
+                            if what == "copy" and ph in ("backward", "backward_end"))
         step_waits = [e for ph, what, e in log if what == "host_wait" and ph == "step"]
         clip_waits = [e for ph, what, e in log if what == "compute_waits" and ph == "clip"]
         out.append({
             "buckets": len(opt.buckets),
             "down_in_backward": len(down),
+            "down_before_layer_a": sum(1 for ph, what, e in log if what == "copy" and ph == "backward"),
             "values": [k for k, e in enumerate(down)
                        if k >= len(reduced) or not torch.equal(rec.copied[e], reduced[k])],
             "follows_first": follows_first,
@@ -441,6 +482,8 @@ def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_ex
         assert res["params"] == [], f"rank {r}: parameters differ from the in-memory engine: {res['params'][:5]}"
         assert res["state"] == [], f"rank {r}: optimizer state differs: {res['state'][:5]}"
         assert res["found_on_host"] == [res["buckets"]] * STEPS, f"rank {r}: {res['found_on_host']}"
+        if case[2] == "raising":  # the raising backward had started copies (then discarded)
+            assert len(res["raised_with"]) == STEPS and min(res["raised_with"]) > 0, f"rank {r}: {res['raised_with']}"
         host, shards = res["grad_bytes"]
         assert host == shards, f"rank {r}: offload_host_grads {host} bytes, the gradient shards {shards}"
 
@@ -455,6 +498,7 @@ def test_each_gradient_copy_starts_in_backward_after_its_reduction_and_the_step_
         for k, st in enumerate(steps):
             where = f"rank {r} step {k}: {st}"
             assert st["down_in_backward"] == st["buckets"] > 3, where
+            assert st["down_before_layer_a"] > 0, where  # copies overlap the rest of backward
             assert st["values"] == [], where  # a copy before its reduction would hold other values
             assert st["follows_first"], where
             assert st["clip_waits_all"], where  # clipping's multiply waits for each copy's read
@@ -462,6 +506,8 @@ def test_each_gradient_copy_starts_in_backward_after_its_reduction_and_the_step_
             assert st["found_on_host"] == st["buckets"], where
             assert st["uploads_in_step"] == st["buckets"], where  # the step itself only uploads
         assert final["params"] == [], f"rank {r}: {final['params'][:5]}"
+        print(f"\n{key} rank {r}: buckets {steps[0]['buckets']}, copies started before backward reached layer a "
+              f"{[st['down_before_layer_a'] for st in steps]}")
 
 
 # -- the staging ring alone (no ranks) --------------------------------------------------------------
