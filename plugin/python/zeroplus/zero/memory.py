@@ -135,8 +135,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     tier, docs/offload.md "ZeRO-Offload") leaves parameters and gradients on the GPU and puts on the
     host an fp32 master shard in every precision (in fp32 too: the host keeps its own copy) with
     the optimizer state ("cpu") or the swapper's buffers ("nvme", whose files then hold that master
-    and the state), plus the staging buffers (3 gradient shards and 2 parameter shards of a
-    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`. offload_param
+    and the state), plus a host copy of this rank's gradient shards (one pinned buffer per bucket,
+    which backward's copies land in: g * psi / n) and 2 upload buffers (a bucket's parameter
+    shard each); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`. offload_param
     on CUDA training is not built (ValueError)."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
         raise ValueError(f"estimate_memory: num_params must be a non-negative number, got {num_params!r}")
@@ -202,7 +203,7 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     else:
         host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
         shard = -(-min(bucket_elems, max(psi, 1)) // n)
-        staging = 3 * shard * g + 2 * shard * p
+        staging = g * psi / n + 2 * shard * p  # every bucket's gradient shard, 2 upload buffers
         out["gpu"] = out["parameters"] + out["gradients"]
         if offload_optimizer == "cpu":
             out["host"] = host_master + out["optimizer_state"] + staging
