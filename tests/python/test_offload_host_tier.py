@@ -254,6 +254,10 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
         opt.backward(loss_of(0))
         opt.zero_grad()
         opt.backward(loss_of(1))
+    elif mode == "edit_shards":  # the user halves the gradient shards in place before the step
+        opt.backward(loss_of(0))
+        for shard in opt.gradient_shards():
+            shard.mul_(0.5)
     elif mode == "raising":  # the first backward raises midway; its pass is abandoned
         try:
             opt.backward(loss_of(0))
@@ -413,6 +417,7 @@ def _ordering_case(rank, group, stage, precision):
 OVERLAP_CASES = ([(stage, precision, mode) for stage in (1, 2, 3) for precision in (None, "bf16")
                   for mode in ("no_sync", "two_backwards")]
                  + [(2, None, "zero_grad_between"), (3, "bf16", "zero_grad_between"),
+                    (1, None, "edit_shards"), (3, None, "edit_shards"),
                     (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising")])
 ORDERING_CASES = [(1, None), (2, None), (3, None), (2, "bf16")]
 
@@ -482,15 +487,18 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
 def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_exact(results, case):
     """Gradient accumulation (no_sync, or two reduced backwards: a copy made in the first is
     forgotten when the second adds to the shard), zero_grad between backward and step, a backward
-    that raises midway (its copies discarded): bit for bit the in-memory engine, and every step
-    found every bucket's gradient already on the host."""
+    that raises midway (its copies discarded), gradient shards edited in place through
+    opt.gradient_shards(): bit for bit the in-memory engine, and every step found every bucket's
+    gradient already on the host (none after gradient_shards(): those are copied by the step)."""
     key = _overlap_id(case)
     for r, per_rank in enumerate(results):
         status, res = per_rank[key]
         assert status == "ok", f"rank {r}:\n{res}"
         assert res["params"] == [], f"rank {r}: parameters differ from the in-memory engine: {res['params'][:5]}"
         assert res["state"] == [], f"rank {r}: optimizer state differs: {res['state'][:5]}"
-        assert res["found_on_host"] == [res["buckets"]] * STEPS, f"rank {r}: {res['found_on_host']}"
+        # gradient_shards() hands out the device shards to write: their copies are dropped, the step copies
+        expected = 0 if case[2] == "edit_shards" else res["buckets"]
+        assert res["found_on_host"] == [expected] * STEPS, f"rank {r}: {res['found_on_host']}"
         if case[2] == "raising":  # the raising backward had started copies (then discarded)
             assert len(res["raised_with"]) == STEPS and min(res["raised_with"]) > 0, f"rank {r}: {res['raised_with']}"
         host, shards = res["grad_bytes"]
