@@ -179,7 +179,9 @@ class HostTier:
         self._position: dict[int, int] = {}
         self._source = None
         self._issued = 0                 # positions of _order checked for a copy to start
-        self.found_on_host = 0           # buckets the last step found copied during backward
+        # Buckets whose gradient the last step found copied (or on its way) from backward: all of
+        # them unless accumulation leftovers, a dropped copy or spilled buckets were copied by it.
+        self.found_on_host = 0
 
     @property
     def grad_bytes(self) -> int:
