@@ -384,10 +384,13 @@ class GradientReducer:
 
     def _retire_inputs(self) -> None:
         """Keep at most MAX_INFLIGHT_INPUTS full-size bucket inputs alive: wait for older
-        reduce-scatters and drop their inputs. Their outputs (1/world_size of a bucket) are kept
-        and added to the accumulators only when the whole pass succeeded. Without this every
-        bucket's full gradient would stay alive until backward ends: the full gradient size,
-        transiently, which ZeRO-2/3 exist to avoid."""
+        reduce-scatters and drop their inputs. Their outputs (1/world_size of a bucket) go into the
+        accumulators at once when the pass started from no gradient (a failed pass frees them
+        anyway; the observer then hears of them during backward), else they are kept and added
+        only when the whole pass succeeded. Without this every bucket's full gradient would stay
+        alive until backward ends: the full gradient size, transiently, which ZeRO-2/3 exist to
+        avoid. (A stage-1 pass that all-reduces in place has no inputs to drop: it comes here only
+        with an observer, to settle its older buckets.)"""
         live = [entry for entry in self._inflight if entry.work is not None]
         for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
             entry.work.wait()
