@@ -148,6 +148,8 @@ def _case(rank, group, stage, precision, device):
                 "masters_pinned": [bool(m.is_pinned()) for m in opt.masters if m.numel()],
             }
             losses, step_s = _train(model, opt, rank, STEPS, cuda)
+            # Buckets whose gradient shard the last step found copied during backward, of all.
+            placement["found_on_host"] = (tier.found_on_host if tier is not None else None, len(opt.buckets))
             placement["state_devices"] = sorted({t.device.type for bo in opt.bucket_optimizers
                                                  for t in bo.state_tensors()})
             params, state = _params(model, stage), opt.state_dict()
@@ -231,6 +233,8 @@ def test_cuda_offload_matches_training_in_gpu_memory(world, case):
         assert res["param_devices"] == ["cuda"], f"{where}: parameters on {res['param_devices']}, expected the GPU"
         assert res["master_devices"] == ["cpu"], f"{where}: fp32 masters on {res['master_devices']}, expected the host"
         assert res["state_devices"] == ["cpu"], f"{where}: optimizer state on {res['state_devices']}, expected the host"
+        found, buckets = res["found_on_host"]
+        assert found == buckets, f"{where}: the step found {found} of {buckets} gradient shards copied in backward"
         if device == "cpu":  # pin_memory=True
             assert res["masters_pinned"] and all(res["masters_pinned"]), \
                 f"{where}: masters not page-locked with pin_memory=True: {res['masters_pinned']}"

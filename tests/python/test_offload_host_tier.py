@@ -5,13 +5,22 @@ memory and steps them there; gradients come down and parameters go up per bucket
 device-specific calls go through one place that is a plain copy on CPU, and a private hook
 (force_on_cpu_for_tests) makes CPU training take the same path. So here, 2 ranks, one pooled
 launch: the forced host tier must equal the in-memory engine BIT FOR BIT after 3 steps (with
-clipping, an unused parameter, more buckets than the staging ring has slots) at stages 1-3, fp32
+clipping, an unused parameter, several buckets) at stages 1-3, fp32
 and bf16, Adam/AdamW/SGD; its sharded state_dict must equal the in-memory one, and loading it
 (plus the model's state) into fresh engines must continue identically; fp16 with an overflowing
 step is skipped alike; zeroplus checkpoints cross-load (each side loads the other's and they
 continue alike); "nvme" (the swapper under the host tier) is equal too. A case also checks
 that the tier is really in use: its masters are host tensors of their own (not the parameters)
-and the optimizer state lives on them. Unit tests pin the staging ring's order and its casts.
+and the optimizer state lives on them, and that every step found every bucket's gradient already
+on the host (copied during backward).
+
+Gradient copies during backward (the tier observes the gradient reducer): the same bitwise
+comparison with gradient accumulation (no_sync, and two reduced backwards), zero_grad between
+backward and step, and a backward that raises midway, through a recording copier that runs each
+copy as late as CUDA may; and an ordering test: each bucket's copy starts in backward (most of
+them before backward reaches the first layer), after its reduction (it copies the reduced
+shard), clipping's in-place multiply waits for it and the step waits for it. Unit tests pin the
+per-bucket buffers' order and the casts.
 """
 
 from __future__ import annotations
@@ -50,22 +59,49 @@ class Net(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class Chain(nn.Module):
+    """Five linear layers, every parameter used: the buckets of the later layers are complete
+    (and launched, in bucket order) while backward goes on through the earlier ones. (Net's unused
+    `never` sits in bucket 0, which then completes only at the end of backward, holding back every
+    later bucket: launches are in bucket order, as DDP's.) The overlap cases use this one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 24)
+        self.b = nn.Linear(24, 24)
+        self.c = nn.Linear(24, 24)
+        self.d = nn.Linear(24, 24)
+        self.e = nn.Linear(24, 6)
+
+    def rest(self, h):
+        """Everything after layer a."""
+        for layer in (self.b, self.c, self.d, self.e):
+            h = layer(torch.tanh(h))
+        return h
+
+    def forward(self, x):
+        return self.rest(self.a(x))
+
+
 def _batch(step: int, rank: int):
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _build(group, stage, precision, optimizer, offload=None):
+def _build(group, stage, precision, optimizer, offload=None, net=Net):
     import zeroplus
 
     kw = {"momentum": 0.9} if optimizer is torch.optim.SGD else {"weight_decay": 0.1}
     if offload is not None:
         kw["offload_optimizer"] = offload
-    return zeroplus.initialize(Net(), optimizer, stage=stage, lr=1e-2, mixed_precision=precision,
+    return zeroplus.initialize(net(), optimizer, stage=stage, lr=1e-2, mixed_precision=precision,
                                process_group=group, config=CONFIG[stage], **kw)
 
 
-def _train(model, opt, rank, steps, start=0, overflow_at=None):
+def _train(model, opt, rank, steps, start=0, overflow_at=None, found=None):
+    """`found`, a list: the host tier's found_on_host after each step (buckets whose gradient
+    came down during backward)."""
     for step in range(start, start + steps):
         x, y = _batch(step, rank)
         loss = nn.functional.mse_loss(model(x).float(), y)
@@ -74,6 +110,8 @@ def _train(model, opt, rank, steps, start=0, overflow_at=None):
         opt.backward(loss)
         opt.clip_grad_norm_(0.5)
         opt.step()
+        if found is not None:
+            found.append(opt.host_tier.found_on_host)
         opt.zero_grad()
 
 
@@ -128,7 +166,9 @@ def _case(rank, group, stage, precision, optimizer, device):
                            for m in opt.masters for b in opt.buckets for t in (b.flat, b.shard) if t is not None),
         }
         _train(ref, ref_opt, rank, STEPS, overflow_at=overflow_at)
-        _train(model, opt, rank, STEPS, overflow_at=overflow_at)
+        found = []
+        _train(model, opt, rank, STEPS, overflow_at=overflow_at, found=found)
+        used["found_on_host"] = found
         state_devices = {str(t.device) for bo in opt.bucket_optimizers for t in bo.state_tensors()}
         used["staging"] = __import__("zeroplus").memory_report(model, opt).get("offload_host_staging")
         out = {**used, "state_devices": sorted(state_devices), "skipped": (ref_opt.skipped_steps, opt.skipped_steps),
@@ -184,6 +224,204 @@ def _case(rank, group, stage, precision, optimizer, device):
             shutil.rmtree(root, ignore_errors=True)
 
 
+# -- gradient copies during backward: accumulation, zero_grad, a raising backward, the ordering ------
+
+class _Raise(Exception):
+    pass
+
+
+def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
+    """One optimizer step's backward passes in `mode`; `fail` makes the first pass raise late in
+    backward (after the later layers' buckets were reduced: a hook on layer a's output)."""
+    def loss_of(k):
+        x, y = _batch(10 * step + k, rank)
+        h = model.a(x.to(model.a.weight.dtype))  # (the root's forward, which casts inputs, is bypassed)
+        if fail and k == 0:
+            def boom(_grad):
+                raise _Raise()
+            h.register_hook(boom)
+        out = model.rest(h)
+        return nn.functional.mse_loss(out.float(), y)
+
+    if mode == "no_sync":  # DDP's accumulation: the first micro-batch is not reduced
+        with model.no_sync():
+            opt.backward(loss_of(0))
+        opt.backward(loss_of(1))
+    elif mode == "two_backwards":  # every micro-batch reduced, summed in the accumulators
+        opt.backward(loss_of(0))
+        opt.backward(loss_of(1))
+    elif mode == "zero_grad_between":  # the first backward's gradients are dropped
+        opt.backward(loss_of(0))
+        opt.zero_grad()
+        opt.backward(loss_of(1))
+    elif mode == "edit_shards":  # the user halves the gradient shards in place before the step
+        opt.backward(loss_of(0))
+        for shard in opt.gradient_shards():
+            shard.mul_(0.5)
+    elif mode == "raising":  # the first backward raises midway; its pass is abandoned
+        try:
+            opt.backward(loss_of(0))
+        except _Raise:
+            after_raise()
+        else:
+            raise AssertionError("the hook did not raise")
+        opt.backward(loss_of(1))
+    else:
+        raise ValueError(mode)
+
+
+class RecordingCopier:
+    """A DeviceCopier that records what CUDA would be asked (each call with the training phase it
+    came in, set by the test) and runs each copy as late as CUDA may: when its event (or a later
+    one: one stream) is waited for, by the host or by the compute stream. So a read of a host
+    buffer before its wait sees stale bytes, and a device write to a shard before the compute
+    stream waits for the copy reading it changes what the copy reads: both break the bitwise
+    comparisons. `copied[event]` is what a copy read, when it ran."""
+
+    phase = "build"
+
+    def __init__(self, device):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(device)
+        self.log = []      # (phase, what, event)
+        self.copied = {}   # event -> the values copied
+        self.pending = []  # (event, dst, src) issued, not run yet
+        self.n = 0
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        self.log.append((RecordingCopier.phase, "follow", None))
+
+    def copy(self, dst, src, device_side):
+        self.n += 1
+        event = f"e{self.n}"
+        self.pending.append((event, dst, src))
+        self.log.append((RecordingCopier.phase, "copy", event))
+        return event
+
+    def _run_through(self, event):
+        while any(e == event for e, _, _ in self.pending):
+            e, dst, src = self.pending.pop(0)
+            dst.copy_(src)
+            self.copied[e] = src.clone()
+
+    def host_wait(self, event):
+        if event is not None:
+            self.log.append((RecordingCopier.phase, "host_wait", event))
+            self._run_through(event)
+
+    def compute_waits(self, event):
+        if event is not None:
+            self.log.append((RecordingCopier.phase, "compute_waits", event))
+            self._run_through(event)
+
+
+def _overlap_case(rank, group, stage, precision, mode):
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+
+    offload = {"device": "cpu", "pin_memory": True}
+    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW, net=Chain)
+    copiers = []
+
+    def factory(device):
+        copiers.append(RecordingCopier(device))  # copies run as late as CUDA may
+        return copiers[-1]
+
+    with force_on_cpu_for_tests(copier_factory=factory):
+        model, opt = _build(group, stage, precision, torch.optim.AdamW, offload, net=Chain)
+    found, raised_with = [], []
+    for step in range(STEPS):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            mark = (lambda: raised_with.append(len(copiers[0].pending))) if o is opt else (lambda: None)
+            _micro_steps(m, o, rank, step, mode, fail=(mode == "raising"), after_raise=mark)
+            o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
+        found.append(opt.host_tier.found_on_host)
+    report = __import__("zeroplus").memory_report(model, opt)
+    shard_bytes = sum(t.numel() * t.element_size() for t in ref_opt.reducer.shards)
+    return {"buckets": len(opt.buckets), "found_on_host": found,
+            "params": _diffs(_params(model, stage), _params(ref, stage)),
+            "state": _state_diffs(opt.state_dict(), ref_opt.state_dict()),
+            "grad_bytes": (report.get("offload_host_grads"), shard_bytes),
+            "raised_with": raised_with}  # gradient copies not run yet when a backward raised
+
+
+def _ordering_case(rank, group, stage, precision):
+    """Per step: every gradient copy is issued during backward, after its bucket's reduction
+    (what it copied is the reduced, averaged shard: the in-memory engine's shard after the same
+    backward), after the copy stream was told to follow the compute stream; clipping's in-place
+    multiply waits for it on the device; the step waits for it on the host and copies nothing."""
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+
+    copiers = []
+
+    def factory(device):
+        copiers.append(RecordingCopier(device))
+        return copiers[-1]
+
+    ref, ref_opt = _build(group, stage, precision, torch.optim.AdamW, net=Chain)
+    with force_on_cpu_for_tests(copier_factory=factory):
+        model, opt = _build(group, stage, precision, torch.optim.AdamW, {"device": "cpu"}, net=Chain)
+    rec = copiers[0]
+    out = []
+
+    def loss_of(m, x, y, mark=False):
+        h = m.a(x.to(m.a.weight.dtype))
+        if mark:  # backward reaches layer a (its gradient still to come): the late part of backward
+            h.register_hook(lambda g: setattr(RecordingCopier, "phase", "backward_end"))
+        return nn.functional.mse_loss(m.rest(h).float(), y)
+
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        ref_opt.backward(loss_of(ref, x, y))
+        reduced = [t.clone() for t in ref_opt.reducer.shards]
+        ref_opt.clip_grad_norm_(0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        rec.log.clear()
+        RecordingCopier.phase = "backward"
+        opt.backward(loss_of(model, x, y, mark=True))
+        RecordingCopier.phase = "clip"
+        opt.clip_grad_norm_(0.5)
+        RecordingCopier.phase = "step"
+        opt.step()
+        RecordingCopier.phase = "zero_grad"
+        opt.zero_grad()
+        RecordingCopier.phase = "other"
+        log = list(rec.log)
+        down = [e for ph, what, e in log if what == "copy" and ph in ("backward", "backward_end")]
+        follows_first = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
+                            if what == "copy" and ph in ("backward", "backward_end"))
+        step_waits = [e for ph, what, e in log if what == "host_wait" and ph == "step"]
+        clip_waits = [e for ph, what, e in log if what == "compute_waits" and ph == "clip"]
+        out.append({
+            "buckets": len(opt.buckets),
+            "down_in_backward": len(down),
+            "down_before_layer_a": sum(1 for ph, what, e in log if what == "copy" and ph == "backward"),
+            "values": [k for k, e in enumerate(down)
+                       if k >= len(reduced) or not torch.equal(rec.copied[e], reduced[k])],
+            "follows_first": follows_first,
+            "step_waits_all": all(step_waits.count(e) == 1 for e in down),  # (and uploads' events)
+            "clip_waits_all": sorted(set(clip_waits)) == sorted(down),
+            "uploads_in_step": sum(1 for ph, what, e in log if what == "copy" and ph == "step"),
+            "found_on_host": opt.host_tier.found_on_host,
+        })
+    out.append({"params": _diffs(_params(model, stage), _params(ref, stage))})
+    return out
+
+
+OVERLAP_CASES = ([(stage, precision, mode) for stage in (1, 2, 3) for precision in (None, "bf16")
+                  for mode in ("no_sync", "two_backwards")]
+                 + [(2, None, "zero_grad_between"), (3, "bf16", "zero_grad_between"),
+                    (1, None, "edit_shards"), (3, None, "edit_shards"),
+                    (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising")])
+ORDERING_CASES = [(1, None), (2, None), (3, None), (2, "bf16")]
+
+
 CASES = ([(stage, precision, opt, "cpu") for stage in (1, 2, 3) for precision in (None, "bf16")
           for opt in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)]
          + [(2, "fp16", torch.optim.AdamW, "cpu"), (3, "fp16", torch.optim.Adam, "cpu"),
@@ -196,8 +434,23 @@ def _case_id(case) -> str:
     return f"stage{stage}-{precision or 'fp32'}-{opt.__name__}-{device}"
 
 
+def _overlap_id(case) -> str:
+    stage, precision, mode = case
+    return f"stage{stage}-{precision or 'fp32'}-{mode}"
+
+
+def _ordering_id(case) -> str:
+    stage, precision = case
+    return f"ordering-stage{stage}-{precision or 'fp32'}"
+
+
 def _all_cases(rank, world):
-    return run_cases_in_own_groups(rank, world, {_case_id(c): functools.partial(_case_in, case=c) for c in CASES})
+    cases = {_case_id(c): functools.partial(_case_in, case=c) for c in CASES}
+    cases.update({_overlap_id(c): functools.partial(_overlap_case, stage=c[0], precision=c[1], mode=c[2])
+                  for c in OVERLAP_CASES})
+    cases.update({_ordering_id(c): functools.partial(_ordering_case, stage=c[0], precision=c[1])
+                  for c in ORDERING_CASES})
+    return run_cases_in_own_groups(rank, world, cases)
 
 
 def _case_in(rank, group, case):
@@ -216,7 +469,7 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
         status, res = per_rank[key]
         assert status == "ok", f"rank {r}:\n{res}"
         assert res["tier"], f"rank {r}: the engine did not take the host tier"
-        assert res["buckets"] > 3, f"rank {r}: {res['buckets']} buckets do not exercise the staging ring"
+        assert res["buckets"] > 3, f"rank {r}: {res['buckets']} buckets do not exercise several buffers"
         assert res["aliases"] == 0, f"rank {r}: {res['aliases']} host masters alias the parameters"
         assert res["state_devices"] == ["cpu"], f"rank {r}: optimizer state on {res['state_devices']}"
         assert res["staging"], f"rank {r}: memory_report has no offload_host_staging bytes: {res['staging']!r}"
@@ -226,11 +479,57 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
         assert res["never_moved"] == [], f"rank {r}: the unused parameter was stepped: {res['never_moved']}"
         ref_skipped, skipped = res["skipped"]
         assert skipped == ref_skipped == (1 if case[1] == "fp16" else 0), f"rank {r}: skipped {res['skipped']}"
+        # Every bucket's gradient came down during backward (the step waited, copied nothing).
+        assert res["found_on_host"] == [res["buckets"]] * STEPS, f"rank {r}: {res['found_on_host']}"
 
 
-# -- the staging ring alone (no ranks) --------------------------------------------------------------
+@pytest.mark.parametrize("case", OVERLAP_CASES, ids=_overlap_id)
+def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_exact(results, case):
+    """Gradient accumulation (no_sync, or two reduced backwards: a copy made in the first is
+    forgotten when the second adds to the shard), zero_grad between backward and step, a backward
+    that raises midway (its copies discarded), gradient shards edited in place through
+    opt.gradient_shards(): bit for bit the in-memory engine, and every step found every bucket's
+    gradient already on the host (none after gradient_shards(): those are copied by the step)."""
+    key = _overlap_id(case)
+    for r, per_rank in enumerate(results):
+        status, res = per_rank[key]
+        assert status == "ok", f"rank {r}:\n{res}"
+        assert res["params"] == [], f"rank {r}: parameters differ from the in-memory engine: {res['params'][:5]}"
+        assert res["state"] == [], f"rank {r}: optimizer state differs: {res['state'][:5]}"
+        # gradient_shards() hands out the device shards to write: their copies are dropped, the step copies
+        expected = 0 if case[2] == "edit_shards" else res["buckets"]
+        assert res["found_on_host"] == [expected] * STEPS, f"rank {r}: {res['found_on_host']}"
+        if case[2] == "raising":  # the raising backward had started copies (then discarded)
+            assert len(res["raised_with"]) == STEPS and min(res["raised_with"]) > 0, f"rank {r}: {res['raised_with']}"
+        host, shards = res["grad_bytes"]
+        assert host == shards, f"rank {r}: offload_host_grads {host} bytes, the gradient shards {shards}"
 
-def test_gradients_come_in_step_order_through_the_ring():
+
+@pytest.mark.parametrize("case", ORDERING_CASES, ids=_ordering_id)
+def test_each_gradient_copy_starts_in_backward_after_its_reduction_and_the_step_waits(results, case):
+    key = _ordering_id(case)
+    for r, per_rank in enumerate(results):
+        status, res = per_rank[key]
+        assert status == "ok", f"rank {r}:\n{res}"
+        *steps, final = res
+        for k, st in enumerate(steps):
+            where = f"rank {r} step {k}: {st}"
+            assert st["down_in_backward"] == st["buckets"] > 3, where
+            assert st["down_before_layer_a"] > 0, where  # copies overlap the rest of backward
+            assert st["values"] == [], where  # a copy before its reduction would hold other values
+            assert st["follows_first"], where
+            assert st["clip_waits_all"], where  # clipping's multiply waits for each copy's read
+            assert st["step_waits_all"], where  # the step waits for each before reading it
+            assert st["found_on_host"] == st["buckets"], where
+            assert st["uploads_in_step"] == st["buckets"], where  # the step itself only uploads
+        assert final["params"] == [], f"rank {r}: {final['params'][:5]}"
+        print(f"\n{key} rank {r}: buckets {steps[0]['buckets']}, copies started before backward reached layer a "
+              f"{[st['down_before_layer_a'] for st in steps]}")
+
+
+# -- the tier alone (no ranks) --------------------------------------------------------------
+
+def test_gradients_come_in_step_order_into_their_buffers():
     from zeroplus.offload.host_tier import DEPTH, HostTier
 
     masters = [torch.full((n,), float(i)) for i, n in enumerate((5, 3, 8, 1, 6, 4))]
@@ -258,8 +557,13 @@ def test_gradients_come_in_step_order_through_the_ring():
         if i != 3:
             assert torch.equal(tier.gradient(i), grads[i]), f"bucket {i} after a skipped one"
     tier.end_step()
-    # DEPTH + 1 slots, each as large as the largest shard it held: never one per bucket.
-    assert 0 < tier.staging_bytes <= (DEPTH + 1) * 8 * 2
+    # One buffer per bucket, its shard's bytes, reused: a third step allocates nothing.
+    assert tier.grad_bytes == tier.staging_bytes == sum(m.numel() for m in masters) * 2
+    tier.begin_step(order, source)
+    for i in order:
+        tier.gradient(i)
+    tier.end_step()
+    assert tier.grad_bytes == sum(m.numel() for m in masters) * 2
 
 
 def test_copies_and_waits_come_in_the_order_the_device_needs():
@@ -362,16 +666,17 @@ def test_estimate_memory_gpu_and_host_columns():
     base = zeroplus.estimate_memory(psi, n, 2, "bf16", device="cuda")
     assert base["gpu"] == base["model_state"] and base["host"] == 0
     off = zeroplus.estimate_memory(psi, n, 2, "bf16", offload_optimizer="cpu", device="cuda")
-    staging = 3 * shard * 2 + 2 * shard * 2  # 3 gradient and 2 parameter shards of a bucket, bf16
+    staging = 2 * psi / n + 2 * shard * 2  # every bucket's gradient shard and 2 upload buffers, bf16
     assert off["gpu"] == base["parameters"] + base["gradients"]
     assert off["host"] == 4 * psi / n + base["optimizer_state"] + staging
     fp32 = zeroplus.estimate_memory(psi, n, 2, None, offload_optimizer="cpu", device="cuda")
-    assert fp32["master_parameters"] == 0 and fp32["host"] == 4 * psi / n + fp32["optimizer_state"] + 5 * shard * 4
+    assert fp32["master_parameters"] == 0
+    assert fp32["host"] == 4 * psi / n + fp32["optimizer_state"] + 4 * psi / n + 2 * shard * 4
     nvme = zeroplus.estimate_memory(psi, n, 3, None, offload_optimizer="nvme", buffer_count=4, device="cuda")
     buckets = -(-psi // bucket)
     assert nvme["nvme"] == 4 * psi / n + nvme["optimizer_state"] + 4096 * buckets  # the master too, in fp32
     assert nvme["offload_buffers"] == 4 * (4096 + shard * 12)  # whole pages already
-    assert nvme["host"] == nvme["offload_buffers"] + 5 * shard * 4
+    assert nvme["host"] == nvme["offload_buffers"] + 4 * psi / n + 2 * shard * 4
     assert nvme["resident"] == nvme["gpu"] + nvme["host"]
     cpu = zeroplus.estimate_memory(psi, n, 2, "bf16", offload_optimizer="nvme")
     assert cpu["gpu"] == 0 and cpu["host"] == cpu["resident"]

@@ -4,39 +4,66 @@ With offload_optimizer on CUDA training (device "cpu" or "nvme"), every bucket's
 host tensor made here, and the engine builds its bucket optimizers (zero/bucket_optimizer.py)
 over those host tensors: their state is created on the host and zeroplus's fused CPU kernels step
 them. With "nvme" the NVMe swapper (swapper.py) sits under this tier: the host masters and the
-host state are what it swaps. Per step the engine (zero/engine.py, _step_buckets) calls
+host state are what it swaps.
 
-    begin_step(order, source)  the copy stream waits for the compute stream (backward, the
-                               reduce-scatters, clipping and unscaling ran there), then the
-                               gradient shards of the first DEPTH buckets of `order` start down:
-                               device -> a pinned host staging buffer, non_blocking, on the copy
-                               stream, one event each. source(i) is bucket i's gradient shard.
-    gradient(i)                starts the copies of the DEPTH buckets after i, waits for bucket
-                               i's event and returns its host staging buffer (the CPU step reads
-                               it), so bucket i+1's copy runs while bucket i steps
+Gradients down, during backward. The tier is the gradient reducer's observer (grad_reducer.py,
+"Observer"): the reducer calls
+
+    ready(b, shard)      bucket b's gradient shard holds what the step would read (its
+                         reduce-scatter was waited on and its result accumulated; the work that
+                         produced it is queued on the compute stream): the copy stream waits for
+                         the compute stream and the shard starts down, device -> bucket b's own
+                         pinned host buffer, non_blocking, one event. During backward this is as
+                         soon as the bucket's reduction was retired (two buckets behind the
+                         newest launched one); the last buckets at the end of backward.
+    scaling(b, coef)     the shard is about to be multiplied in place (clipping, an external
+                         unscale): the compute stream waits for the copy that reads it, and the
+                         host copy gets the same multiplication when the step takes it (the same
+                         operation in the same dtype: the same bits)
+    changing(b)          the shard is about to be written otherwise (a later backward adds to it,
+                         gradient accumulation): the compute stream waits for the copy, which is
+                         forgotten (a new ready follows)
+    discard()            zero_grad, a skipped fp16 step, a backward that raised: every copy in
+                         flight is waited for on the host and forgotten
+
+Per step the engine (zero/engine.py, _step_buckets) calls
+
+    begin_step(order, source)  buckets with a copy from backward need nothing; for the others
+                               (an accumulation leftover reduced by step()'s flush, a spilled
+                               bucket, a second step without backward) the copy stream waits for
+                               the compute stream and the first DEPTH of them in `order` start
+                               down as before: source(i) is bucket i's gradient shard
+    gradient(i)                starts the copies of the DEPTH buckets after i that have none,
+                               waits for bucket i's event, applies the pending scalings and
+                               returns its host buffer (the CPU step reads it)
     upload(i, dst)             the updated master, cast on the host into a pinned upload buffer
                                in dst's dtype, then copied into dst (this rank's shard of the
                                parameters on the device: non_blocking, copy stream, an event);
                                the compute stream waits for that event, so the all-gather (stages
                                1-2) or the next gather (stage 3) that reads dst comes after it,
                                while the CPU goes on with the next bucket's step
-    end_step()                 waits for every gradient copy still in flight (a step that raised
-                               must not leave a copy reading a shard that zero_grad then frees)
+    end_step()                 waits for every gradient copy still in flight and forgets them all
+                               (a step that raised must not leave a copy reading a shard that
+                               zero_grad then frees; a second step copies again)
 
 Everything CUDA (streams, events, page-locked allocation) goes through DeviceCopier, the one
 place that knows the device; with "device" and "host" both the CPU a copy is a plain copy_ and an
-event is None. force_on_cpu_for_tests() (a private test hook, not a user knob) makes CPU training take this
-path, so the tests run the same code, bit for bit, against the in-memory engine.
+event is None. force_on_cpu_for_tests() (a private test hook, not a user knob) makes CPU training
+take this path, so the tests run the same code, bit for bit, against the in-memory engine; it also
+takes a copier factory, so a test can record the order of copies and waits.
 
 Memory: the fp32 masters (page-locked when pin_memory is set: transfers never read them directly,
-they go through the staging buffers, so pinning only keeps them out of the OS's swap) and the
-optimizer state on the host; DEPTH + 1 gradient staging buffers (one bucket's gradient shard each)
-and UPLOAD_SLOTS upload buffers (one bucket's shard in the compute dtype), always page-locked on
-CUDA (asynchronous copies need it), grown to the largest bucket at first use and reused every
-step. torch's pinned allocator rounds each allocation up to a power of two: up to twice a
-master's bytes when pin_memory is set. On the device stay the parameters and the gradient shards.
+they go through the buffers below, so pinning only keeps them out of the OS's swap) and the
+optimizer state on the host; one gradient buffer per bucket (its gradient shard in the
+accumulation dtype: in all the gradient-shard bytes of this rank, as DeepSpeed's CPU gradient
+partition; bounded, allocated at a bucket's first copy and reused every step: `grad_bytes`) and
+UPLOAD_SLOTS upload buffers (one bucket's shard in the compute dtype), always page-locked on CUDA
+(asynchronous copies need it; where page-locking fails a buffer is pageable and its copies block
+the CPU). torch's pinned allocator rounds each allocation up to a power of two: up to twice a
+buffer's bytes. On the device stay the parameters and the gradient shards.
 
-Not thread-safe: the training thread calls it.
+Not thread-safe: the training thread calls it (the reducer's calls come from the autograd thread
+while the training thread is inside backward).
 """
 
 from __future__ import annotations
@@ -45,22 +72,25 @@ import contextlib
 
 import torch
 
-DEPTH = 2         # gradient shards copied down ahead of the bucket stepping
+DEPTH = 2         # gradient shards copied down ahead of the bucket stepping (those not copied in backward)
 UPLOAD_SLOTS = 2  # one upload on the wire while the next bucket's is cast
 
 _forced = False
+_copier_factory = None
 
 
 @contextlib.contextmanager
-def force_on_cpu_for_tests():
+def force_on_cpu_for_tests(copier_factory=None):
     """Engines built inside this block take the host tier on CPU training too (offload_optimizer
-    "cpu" or "nvme"), as CUDA training does. For tests only: on CPU the tier only adds copies."""
-    global _forced
-    old, _forced = _forced, True
+    "cpu" or "nvme"), as CUDA training does; copier_factory(device), when given, makes their
+    DeviceCopier (a recording one). For tests only: on CPU the tier only adds copies."""
+    global _forced, _copier_factory
+    old = _forced, _copier_factory
+    _forced, _copier_factory = True, copier_factory
     try:
         yield
     finally:
-        _forced = old
+        _forced, _copier_factory = old
 
 
 def forced_on_cpu() -> bool:
@@ -114,37 +144,57 @@ class DeviceCopier:
             torch.cuda.current_stream(self.device).wait_event(event)
 
 
+class _Copy:
+    """One bucket's gradient shard on its way to (or on) the host."""
+    __slots__ = ("staged", "event", "scales", "in_backward")
+
+    def __init__(self, staged: torch.Tensor, event, in_backward: bool):
+        self.staged = staged          # a typed view of the bucket's host buffer
+        self.event = event            # the copy's event (None on CPU or once waited for)
+        self.scales: list = []        # coefficients the device shard got after the copy, in order
+        self.in_backward = in_backward
+
+
 class HostTier:
     def __init__(self, device: torch.device, masters: list[torch.Tensor], pin_memory: bool,
                  copier: DeviceCopier | None = None):
         """masters: the engine's fp32 masters (on `device`); `self.masters` are their host copies,
         which the engine uses from now on (never aliases of the parameters, even on CPU).
         copier: DeviceCopier(device) unless given (tests give one that records the ordering)."""
-        self._copier = DeviceCopier(device) if copier is None else copier
+        if copier is None:
+            copier = _copier_factory(device) if _forced and _copier_factory is not None else DeviceCopier(device)
+        self._copier = copier
         self.device = device
         self.masters = []
         for m in masters:
             host = self._copier.host_empty(m.numel(), m.dtype, pin_memory)
             host.copy_(m.detach())
             self.masters.append(host)
-        self._grad_slots: list[torch.Tensor | None] = [None] * (DEPTH + 1)  # uint8 staging buffers
-        self._slot_owner: list[int | None] = [None] * (DEPTH + 1)
+        self._grad_buffers: list[torch.Tensor | None] = [None] * len(masters)  # uint8, one per bucket
+        self._copies: dict[int, _Copy] = {}  # bucket -> its gradient copy (from backward or this step)
         self._upload_slots: list[torch.Tensor | None] = [None] * UPLOAD_SLOTS
         self._upload_events: list = [None] * UPLOAD_SLOTS
         self._next_upload = 0
         self._order: list[int] = []
         self._position: dict[int, int] = {}
         self._source = None
-        self._issued = 0                 # positions of _order whose gradient copy has started
-        self._inflight: dict[int, tuple] = {}  # bucket -> (host staging view, event)
+        self._issued = 0                 # positions of _order checked for a copy to start
+        # Buckets whose gradient the last step found copied (or on its way) from backward: all of
+        # them unless accumulation leftovers, a dropped copy or spilled buckets were copied by it.
+        self.found_on_host = 0
+
+    @property
+    def grad_bytes(self) -> int:
+        """The per-bucket host gradient buffers (allocated so far)."""
+        return sum(t.numel() for t in self._grad_buffers if t is not None)
 
     @property
     def staging_bytes(self) -> int:
-        return sum(t.numel() for t in self._grad_slots + self._upload_slots if t is not None)
+        return self.grad_bytes + sum(t.numel() for t in self._upload_slots if t is not None)
 
     def _buffer(self, slots: list, k: int, nbytes: int) -> torch.Tensor:
-        """Slot k's staging buffer with at least nbytes (grown at first use; the caller made sure
-        no copy still uses the old one)."""
+        """Slot k's buffer with at least nbytes (grown at first use; the caller made sure no copy
+        still uses the old one)."""
         if slots[k] is None or slots[k].numel() < nbytes:
             slots[k] = None
             slots[k] = self._copier.host_empty(max(nbytes, 1), torch.uint8, pin=True)
@@ -154,49 +204,84 @@ class HostTier:
     def _typed(buf: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return buf[:numel * dtype.itemsize].view(dtype)
 
-    # -- gradients down ---------------------------------------------------------------------------
+    def _start(self, b: int, src: torch.Tensor, in_backward: bool) -> None:
+        """Bucket b's shard starts down into its own buffer (no copy of b is in flight: callers
+        forgot the previous one, after waiting for it where the host could still read it). The
+        copy stream follows the compute stream first: per copy in backward, once per step."""
+        if in_backward:
+            self._copier.follow_compute()
+        buf = self._buffer(self._grad_buffers, b, src.numel() * src.element_size())
+        staged = self._typed(buf, src.numel(), src.dtype)
+        self._copies[b] = _Copy(staged, self._copier.copy(staged, src, src), in_backward)
+
+    # -- the gradient reducer's observer (backward) ------------------------------------------------
+
+    def ready(self, b: int, shard: torch.Tensor) -> None:
+        self._forget(b)
+        self._start(b, shard, in_backward=True)
+
+    def scaling(self, b: int, coef) -> None:
+        copy = self._copies.get(b)
+        if copy is not None:
+            self._copier.compute_waits(copy.event)  # the in-place multiply must not race the read
+            copy.scales.append(coef)
+
+    def changing(self, b: int) -> None:
+        self._forget(b)
+
+    def discard(self) -> None:
+        for copy in self._copies.values():
+            self._copier.host_wait(copy.event)
+        self._copies.clear()
+
+    def _forget(self, b: int) -> None:
+        copy = self._copies.pop(b, None)
+        if copy is not None:
+            # The device shard's next write waits for the read; the buffer's next copy is queued
+            # on the same stream after it, and the host does not read it any more.
+            self._copier.compute_waits(copy.event)
+
+    # -- gradients down (the step) ----------------------------------------------------------------
 
     def begin_step(self, order: list[int], source) -> None:
-        self.end_step()
-        self._copier.follow_compute()
         self._order = list(order)
         self._position = {b: k for k, b in enumerate(self._order)}
         self._source = source
         self._issued = 0
+        self.found_on_host = sum(1 for b in self._order if b in self._copies)
+        self._copier.follow_compute()  # clipping and unscaling of the shards still to copy ran there
         self._issue_through(DEPTH - 1)
 
     def _issue_through(self, position: int) -> None:
-        last = min(position, len(self._order) - 1)
-        while self._issued <= last:
-            k = self._issued
-            self._issued += 1
+        """Start the copies of the buckets at positions up to `position` (counting only those
+        without a copy from backward) that have none."""
+        k = self._issued
+        while k < len(self._order):
             b = self._order[k]
-            src = self._source(b)
-            slot = k % (DEPTH + 1)
-            # The slot's previous bucket (k - DEPTH - 1) has stepped (the engine asked for a later
-            # one since), or was skipped: its copy was issued on the same stream, before this one.
-            previous = self._slot_owner[slot]
-            if previous is not None:
-                self._inflight.pop(previous, None)
-            nbytes = src.numel() * src.element_size()
-            buf = self._buffer(self._grad_slots, slot, nbytes)
-            staged = self._typed(buf, src.numel(), src.dtype)
-            self._inflight[b] = (staged, self._copier.copy(staged, src, src))
-            self._slot_owner[slot] = b
+            if b not in self._copies:
+                if k > position:
+                    break
+                self._start(b, self._source(b), in_backward=False)
+            k += 1
+        self._issued = k
 
     def gradient(self, i: int) -> torch.Tensor:
-        """Bucket i's gradient shard on the host (valid until the engine asks for DEPTH + 1 more)."""
+        """Bucket i's gradient shard on the host (valid until end_step)."""
         k = self._position[i]
         self._issue_through(k + DEPTH)
-        staged, event = self._inflight.pop(i)
-        self._copier.host_wait(event)
+        if i not in self._copies:  # its copy was never started (asked for out of order)
+            self._start(i, self._source(i), in_backward=False)
+        copy = self._copies[i]
+        self._copier.host_wait(copy.event)
+        copy.event = None
+        staged = copy.staged
+        for coef in copy.scales:  # what the device shard got after the copy, in the same order
+            staged.mul_(coef.to(device="cpu", dtype=staged.dtype) if isinstance(coef, torch.Tensor) else coef)
+        copy.scales.clear()
         return staged
 
     def end_step(self) -> None:
-        for _staged, event in self._inflight.values():
-            self._copier.host_wait(event)
-        self._inflight.clear()
-        self._slot_owner = [None] * (DEPTH + 1)
+        self.discard()
         self._source = None
 
     # -- parameters up ----------------------------------------------------------------------------

@@ -21,9 +21,10 @@ parameter piece ("segment"), so each parameter keeps its own state and step coun
 no rank gave a gradient is not updated at all (usage.py). step() walks the buckets: fetch, step,
 store, then the placement publishes the new values (an all-gather overlapping the next bucket's
 step at stages 1-2; this rank's shard at stage 3). With offload_optimizer on CUDA training the
-masters are the host tier's (zeroplus.offload.host_tier): gradient shards come down to the host
-a few buckets ahead (host_tier.gradient), the step runs on the CPU, and publish copies the new
-master up (write_master_into) before the bucket's all-gather.
+masters are the host tier's (zeroplus.offload.host_tier): it observes the reducer, so gradient
+shards start down to the host during backward as each bucket's reduction is settled (the rest a
+few buckets ahead of the step, host_tier.gradient), the step runs on the CPU, and publish copies
+the new master up (write_master_into) before the bucket's all-gather.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class ZeroEngine(torch.optim.Optimizer):
         self._build_inner(optimizer_class)
         self.reducer = GradientReducer(self.buckets, process_group, self.world_size, self.rank,
                                        precision_policy.grad_accum_dtype, shard_gradients=self.stage >= 2)
+        if self.host_tier is not None:  # gradient shards start down to the host as backward reduces them
+            self.reducer.attach_observer(self.host_tier)
         # The one owner of backward-pass hooks and of the end-of-backward callback; the reducer
         # is its first participant (stage 3 attaches the gatherer after it).
         self.backward_pass = BackwardPass()
@@ -239,8 +242,12 @@ class ZeroEngine(torch.optim.Optimizer):
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16).
-        With offload_param "nvme" the spilled ones are read back: copies, all at once."""
+        With offload_param "nvme" the spilled ones are read back: copies, all at once. With the
+        host tier the copies made in backward are dropped (the caller may write the shards; the
+        step copies them again)."""
         self._flush()
+        if self.host_tier is not None:
+            self.host_tier.discard()
         return self.reducer.shards
 
     def _flush(self) -> None:
@@ -367,7 +374,7 @@ class ZeroEngine(torch.optim.Optimizer):
             self._offload_steps += 1
             self.offload.begin_step(order)
         self.step_order = order
-        if self.host_tier is not None:  # gradient shards start down to the host, a few buckets ahead
+        if self.host_tier is not None:  # shards not copied in backward start down, a few buckets ahead
             self.host_tier.begin_step(order, self.reducer.shard)
         try:
             for i in order:

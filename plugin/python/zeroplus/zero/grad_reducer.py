@@ -39,6 +39,19 @@ no accumulator. Their result is handed to the spill as soon as their collective 
 generation, and committed with the pass, so at most a few buckets' gradients are in memory.
 `shard(b)` reads one back for the step; `scale_(coef)` and `local_terms(p)` serve clipping and
 unscaling without reading them.
+Observer (the host tier of ZeRO-Offload, zeroplus.offload.host_tier, attached by the engine):
+a bucket's result is added into its accumulator ("settled") as soon as its collective is waited
+on when the pass starts from no gradient (has_grads False: a failed pass frees the accumulators
+anyway, so nothing is lost by not waiting for the whole pass), else at the end of the pass (the
+previous gradients must survive a failed pass). Then `observer.ready(b, shard)` is told: the
+shard holds what the step would read unless something changes it, which the observer hears of
+first: `scaling(b, coef)` before scale_ multiplies it in place, `changing(b)` before a later
+pass adds into it, `discard()` when a pass is abandoned or zero() clears the gradients. Spilled
+buckets are not announced (the step reads them back). In backward the buckets are waited on two
+launches behind the newest (MAX_INFLIGHT_INPUTS), so most are announced while backward goes on;
+the last ones at its end. Whether a backward is the last before step() cannot be known here (a
+user may run several without no_sync): every pass announces its buckets, and a later pass's
+`changing` makes the observer forget the earlier copy.
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
 backward (or flush) and leaves the accumulators as they were before that pass. A backward that
 raised for any reason (autograd then drops the queued end-of-pass callback) leaves its pass open;
@@ -66,6 +79,7 @@ class InFlight:
     out: torch.Tensor | None     # where this rank's result lands (the accumulator, a shard-sized tensor, or a view of buf)
     buf: torch.Tensor | None     # the full-size input while it may still be read; None once recycled
     staged: bool = False         # a spilled bucket's result was handed to the spill
+    settled: bool = False        # the result is in the accumulator (or the spill); buffers recycled
 
 
 # Full-size bucket inputs allowed in flight at once (overlap needs two: one on the wire while the
@@ -104,7 +118,12 @@ class GradientReducer:
         self._buffers: list[torch.Tensor | None] = []
         self._inflight = []
         self.spill = None  # zeroplus.offload.GradSpill, or None
+        self.observer = None  # told when a gradient shard is final or about to change (module doc)
         self._reset_pass()
+
+    def attach_observer(self, observer) -> None:
+        """observer.ready / scaling / changing / discard are called as the module doc says."""
+        self.observer = observer
 
     def attach_spill(self, spill) -> None:
         """Gradients of the buckets `spill.spills(b)` go to it (see the module doc)."""
@@ -159,6 +178,8 @@ class GradientReducer:
             if self._spilled(b):
                 continue
             g = self.shard(b)
+            if self.observer is not None:
+                self.observer.scaling(b, coef)
             g.mul_(coef.to(g.dtype) if isinstance(coef, torch.Tensor) else coef)
         if self.spill is not None:
             self.spill.scale_all(coef if isinstance(coef, torch.Tensor) else torch.tensor(coef))
@@ -334,6 +355,8 @@ class GradientReducer:
             self._inflight.append(InFlight(b, work, buf, None))  # the accumulator: not a pooled input
             self._buffers[b] = None
             self._next = b + 1
+            if self.observer is not None:
+                self._retire_inputs()  # settle the older buckets, so their copies start in backward
             return
         # fp16: pre-divide (DDP and DeepSpeed do too), the sum of averaged gradients cannot
         # overflow where the sum of raw ones might. Others: 1/N is applied when accumulating.
@@ -361,14 +384,20 @@ class GradientReducer:
 
     def _retire_inputs(self) -> None:
         """Keep at most MAX_INFLIGHT_INPUTS full-size bucket inputs alive: wait for older
-        reduce-scatters and drop their inputs. Their outputs (1/world_size of a bucket) are kept
-        and added to the accumulators only when the whole pass succeeded. Without this every
-        bucket's full gradient would stay alive until backward ends: the full gradient size,
-        transiently, which ZeRO-2/3 exist to avoid."""
-        live = [entry for entry in self._inflight if entry.buf is not None]
+        reduce-scatters and drop their inputs. Their outputs (1/world_size of a bucket) go into the
+        accumulators at once when the pass started from no gradient (a failed pass frees them
+        anyway; the observer then hears of them during backward), else they are kept and added
+        only when the whole pass succeeded. Without this every bucket's full gradient would stay
+        alive until backward ends: the full gradient size, transiently, which ZeRO-2/3 exist to
+        avoid. (A stage-1 pass that all-reduces in place has no inputs to drop: it comes here only
+        with an observer, to settle its older buckets.)"""
+        live = [entry for entry in self._inflight if entry.work is not None]
         for entry in live[:max(0, len(live) - MAX_INFLIGHT_INPUTS)]:
             entry.work.wait()
             entry.work = None  # the work references the input
+            if not self.has_grads:
+                self._settle(entry)  # a failed pass frees the accumulators: no need to wait for the pass
+                continue
             if self._spilled(entry.bucket):
                 self._stage(entry)  # before the input is recycled: the result may be a view of it
             elif entry.out.untyped_storage().data_ptr() == entry.buf.untyped_storage().data_ptr():
@@ -395,27 +424,8 @@ class GradientReducer:
                     entry.work.wait()
                     entry.work = None
             for entry in self._inflight:  # all collectives succeeded: now update the accumulators
-                b = entry.bucket
-                scale = self._scale_of(b)
-                if self._spilled(b):
-                    if not entry.staged:
-                        self._stage(entry)
-                    entry.out = None
-                    if entry.buf is not None:
-                        self._recycle_input(entry)
-                    continue
-                if (entry.out is not self.accum[b] and not self.has_grads
-                        and self.accum_dtypes[b] == entry.out.dtype):
-                    # No gradient yet: the accumulator is the scaled result, no zero fill + add.
-                    entry.out = self._accum_to_overwrite(b).copy_(entry.out)
-                if entry.out is self.accum[b]:  # the result is in an accumulator that was zero
-                    if scale != 1.0:
-                        self.accum[b].mul_(scale)  # bitwise 0 + scale * sum, as add_ gives
-                else:
-                    self._accum(b).add_(entry.out, alpha=scale)
-                entry.out = None
-                if entry.buf is not None:
-                    self._recycle_input(entry)
+                if not entry.settled:
+                    self._settle(entry)
             if self.spill is not None:
                 self.spill.commit()  # the pass's spilled gradients become the gradients
             self.usage.commit(self._pass_used)
@@ -427,10 +437,42 @@ class GradientReducer:
         finally:
             self._reset_pass()
 
+    def _settle(self, entry) -> None:
+        """A waited-on result into its accumulator (or the spill), its input recycled; then the
+        observer hears that the shard is final for this pass (module doc)."""
+        b = entry.bucket
+        entry.settled = True
+        if self._spilled(b):
+            if not entry.staged:
+                self._stage(entry)
+            entry.out = None
+            if entry.buf is not None:
+                self._recycle_input(entry)
+            return
+        if self.observer is not None:
+            self.observer.changing(b)  # a copy of the previous passes' sum is being overwritten
+        scale = self._scale_of(b)
+        if (entry.out is not self.accum[b] and not self.has_grads
+                and self.accum_dtypes[b] == entry.out.dtype):
+            # No gradient yet: the accumulator is the scaled result, no zero fill + add.
+            entry.out = self._accum_to_overwrite(b).copy_(entry.out)
+        if entry.out is self.accum[b]:  # the result is in an accumulator that was zero
+            if scale != 1.0:
+                self.accum[b].mul_(scale)  # bitwise 0 + scale * sum, as add_ gives
+        else:
+            self._accum(b).add_(entry.out, alpha=scale)
+        entry.out = None
+        if entry.buf is not None:
+            self._recycle_input(entry)
+        if self.observer is not None:
+            self.observer.ready(b, self.shard(b))
+
     def _abandon_pass(self) -> None:
         """End a pass that failed: wait for what it launched, put the accumulators back as they
         were (no gradient: freed, where results went straight into them) and forget its buffers."""
         self._drain()
+        if self.observer is not None:
+            self.observer.discard()  # copies of this pass's results (or of what it began to change)
         if self.spill is not None:
             self.spill.discard()  # the previous gradients (other files) stay
         if not self.has_grads:
@@ -463,6 +505,8 @@ class GradientReducer:
         """zero_grad: free the accumulators (set_to_none) or keep them as zeros."""
         if self._in_pass:
             self._abandon_pass()  # a backward that raised left it open
+        if self.observer is not None:
+            self.observer.discard()
         if self.spill is not None:
             self.spill.clear()
         if set_to_none:

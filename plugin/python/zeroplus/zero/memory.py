@@ -76,7 +76,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
                     "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
                     "offload_param_peak_buffers", "offload_param_disk",
-                    "offload_host_staging"):  # stage 3; offload
+                    "offload_host_staging", "offload_host_grads"):  # stage 3; offload
             if key in ours:
                 report[key] = ours[key]
     else:
@@ -96,7 +96,8 @@ def optimizer_bytes(opt) -> dict[str, int]:
            "peak_communication_buffers": opt.reducer.pool.peak_bytes}
     tier = getattr(opt, "host_tier", None)
     if tier is not None:  # CUDA offload: masters and state above are in host memory, and so are these
-        out["offload_host_staging"] = tier.staging_bytes
+        out["offload_host_staging"] = tier.staging_bytes  # the gradient buffers and the upload buffers
+        out["offload_host_grads"] = tier.grad_bytes       # of which the per-bucket gradient buffers
     store = getattr(opt, "offload", None)
     if store is not None:
         out.update(offload_buffers=store.buffer_bytes, offload_peak_buffers=store.peak_buffer_bytes,
@@ -134,8 +135,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     tier, docs/offload.md "ZeRO-Offload") leaves parameters and gradients on the GPU and puts on the
     host an fp32 master shard in every precision (in fp32 too: the host keeps its own copy) with
     the optimizer state ("cpu") or the swapper's buffers ("nvme", whose files then hold that master
-    and the state), plus the staging buffers (3 gradient shards and 2 parameter shards of a
-    bucket); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`.
+    and the state), plus a host copy of this rank's gradient shards (one pinned buffer per bucket,
+    which backward's copies land in: g * psi / n) and 2 upload buffers (a bucket's parameter
+    shard each); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`.
     offload_param on CUDA training (stage 3, docs/offload.md "Parameter offload on CUDA training")
     moves the parameter shards off `gpu`: "cpu" to `host`; "nvme" to `nvme` (+ 4 KiB per record;
     gradients are not spilled on CUDA training) with the swapper's pool (`offload_param_buffers`)
@@ -217,7 +219,7 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     else:
         host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
         shard = -(-min(bucket_elems, max(psi, 1)) // n)
-        staging = 3 * shard * g + 2 * shard * p
+        staging = g * psi / n + 2 * shard * p  # every bucket's gradient shard, 2 upload buffers
         out["gpu"] = out["parameters"] + out["gradients"]
         if offload_optimizer == "cpu":
             out["host"] = host_master + out["optimizer_state"] + staging
