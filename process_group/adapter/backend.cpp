@@ -208,12 +208,14 @@ void ZeroPlusBackend::shutdown() {
   // A Work completes (and its waiter returns) before the worker clears busy_: a rank that
   // waited on its last op and destroys the group at once must not abort, or peers still
   // finishing that op would take the abort alert for a failure. So "in flight" means an
-  // incomplete Work, not busy_.
+  // incomplete Work, not busy_. And a Work's future completes before the Work itself (the
+  // worker runs the future's callbacks in between): a rank that waited on the future, as DDP's
+  // reducer does, is just as done with the op.
   bool inFlight = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inFlight = !queue_.empty();
-    for (const auto& w : running_) inFlight = inFlight || !w->isCompleted();
+    for (const auto& w : running_) inFlight = inFlight || !(w->isCompleted() || w->getFuture()->completed());
   }
   // Point-to-point ops still pending count as in flight too (a recv nobody will satisfy).
   inFlight = inFlight || (p2p_ && p2p_->pending() > 0);
