@@ -36,6 +36,8 @@ import pytest
 import torch
 from torch import nn
 
+from offload_compare import worst_relative as _worst, state_tensors as _state_tensors
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (torch.cuda.is_available() is False)")
 
@@ -106,28 +108,6 @@ def _params(model) -> dict:
 
     sd = zeroplus.full_state_dict(model, rank0_only=False)
     return {k: v.detach().float().cpu().clone() for k, v in sd.items()}
-
-
-def _worst(a: dict, b: dict) -> tuple[float, str]:
-    """The largest difference of a from b, relative to b's largest magnitude (per tensor)."""
-    worst, where = 0.0, ""
-    for k in sorted(b):
-        if k not in a:
-            return float("inf"), f"{k} missing"
-        x, y = torch.as_tensor(a[k]).float().cpu(), torch.as_tensor(b[k]).float().cpu()
-        if x.shape != y.shape:
-            return float("inf"), f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
-        if not y.numel():
-            continue
-        rel = float((x - y).abs().max()) / max(float(y.abs().max()), 1e-12)
-        if rel > worst:
-            worst, where = rel, k
-    return worst, where
-
-
-def _state_tensors(sd: dict) -> dict:
-    return {f"{i}.{k}": v for i, st in sd["state"].items() for k, v in st.items()
-            if isinstance(v, torch.Tensor) and v.dim() > 0}
 
 
 def _placement(model, opt) -> dict:

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from harness import run_cases_in_own_groups, run_pooled
+from offload_compare import diffs as _diffs, state_diffs as _state_diffs
 
 STEPS = 3
 CONFIG = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # every unit offloaded
@@ -95,28 +96,6 @@ def _full(model):
     import zeroplus
 
     return zeroplus.full_state_dict(model, rank0_only=False)
-
-
-def _diffs(a: dict, b: dict) -> list[str]:
-    """Keys whose tensors are not bitwise equal (or missing on one side)."""
-    out = []
-    for k in sorted(set(a) | set(b)):
-        if k not in a or k not in b:
-            out.append(f"{k}: missing")
-        elif isinstance(a[k], torch.Tensor) or isinstance(b[k], torch.Tensor):
-            x, y = torch.as_tensor(a[k]), torch.as_tensor(b[k])
-            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
-                out.append(f"{k}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
-        elif a[k] != b[k]:
-            out.append(f"{k}: {a[k]!r} vs {b[k]!r}")
-    return out
-
-
-def _state_diffs(sa: dict, sb: dict) -> list[str]:
-    out = []
-    for i in sorted(set(sa["state"]) | set(sb["state"])):
-        out += [f"state[{i}].{d}" for d in _diffs(sa["state"].get(i, {}), sb["state"].get(i, {}))]
-    return out
 
 
 def _residency(opt, ref_opt) -> dict:
