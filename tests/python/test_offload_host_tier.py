@@ -245,6 +245,28 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
         else:
             raise AssertionError("the hook did not raise")
         opt.backward(loss_of(1))
+    elif mode == "raising_after_one":  # a backward, then one that raises: the first one's gradients stay
+        opt.backward(loss_of(1))
+        try:
+            opt.backward(loss_of(0))
+        except _Raise:
+            after_raise()
+        else:
+            raise AssertionError("the hook did not raise")
+    elif mode == "norms":  # norms whose terms were not kept (3), kept (inf), and stale after a scaling
+        opt.backward(loss_of(0))
+        opt.clip_grad_norm_(0.02, norm_type=3.0)
+        opt.clip_grad_norm_(0.01, norm_type=float("inf"))
+    elif mode == "grad_scaler":  # zeroplus.GradScaler: unscale_ scales, its inf check reads back
+        import zeroplus
+
+        scaler = zeroplus.GradScaler(init_scale=1024.0)
+        opt.backward(scaler.scale(loss_of(0)))
+        scaler.unscale_(opt)
+    elif mode == "step_twice":  # a step, then a second one on the same (already clipped) gradients
+        opt.backward(loss_of(0))
+        opt.clip_grad_norm_(0.5)
+        opt.step()
     else:
         raise ValueError(mode)
 
@@ -311,11 +333,13 @@ def _overlap_case(rank, group, stage, precision, mode):
 
     with force_on_cpu_for_tests(copier_factory=factory):
         model, opt = _build(group, stage, precision, torch.optim.AdamW, offload, net=Chain)
-    found, raised_with = [], []
+    found, raised_with, device_grads = [], [], []
     for step in range(STEPS):
         for m, o in ((ref, ref_opt), (model, opt)):
             mark = (lambda: raised_with.append(len(copiers[0].pending))) if o is opt else (lambda: None)
-            _micro_steps(m, o, rank, step, mode, fail=(mode == "raising"), after_raise=mark)
+            _micro_steps(m, o, rank, step, mode, fail=mode.startswith("raising"), after_raise=mark)
+            if o is opt:  # where the gradients live between backward and step
+                device_grads.append(__import__("zeroplus").memory_report(model, opt)["gradients"])
             o.clip_grad_norm_(0.5)
             o.step()
             o.zero_grad()
@@ -326,7 +350,8 @@ def _overlap_case(rank, group, stage, precision, mode):
             "params": _diffs(_params(model, stage), _params(ref, stage)),
             "state": _state_diffs(opt.state_dict(), ref_opt.state_dict()),
             "grad_bytes": (report.get("offload_host_grads"), shard_bytes),
-            "raised_with": raised_with}  # gradient copies not run yet when a backward raised
+            "raised_with": raised_with,  # gradient copies not run yet when a backward raised
+            "device_grads": device_grads}
 
 
 def _ordering_case(rank, group, stage, precision):
@@ -397,7 +422,11 @@ OVERLAP_CASES = ([(stage, precision, mode) for stage in (1, 2, 3) for precision 
                   for mode in ("no_sync", "two_backwards")]
                  + [(2, None, "zero_grad_between"), (3, "bf16", "zero_grad_between"),
                     (1, None, "edit_shards"), (3, None, "edit_shards"),
-                    (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising")])
+                    (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising"),
+                    (1, None, "raising_after_one"), (3, "bf16", "raising_after_one"),
+                    (1, None, "norms"), (2, "fp16", "norms"), (3, "bf16", "norms"),
+                    (2, None, "step_twice"), (3, None, "step_twice"),
+                    (2, None, "grad_scaler"), (3, "bf16", "grad_scaler")])
 ORDERING_CASES = [(1, None), (2, None), (3, None), (2, "bf16")]
 
 
@@ -478,10 +507,16 @@ def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_ex
         # gradient_shards() hands out the device shards to write: their copies are dropped, the step copies
         expected = 0 if case[2] == "edit_shards" else res["buckets"]
         assert res["found_on_host"] == [expected] * STEPS, f"rank {r}: {res['found_on_host']}"
-        if case[2] == "raising":  # the raising backward had started copies (then discarded)
+        if case[2].startswith("raising"):  # the raising backward had started copies (then discarded)
             assert len(res["raised_with"]) == STEPS and min(res["raised_with"]) > 0, f"rank {r}: {res['raised_with']}"
         host, shards = res["grad_bytes"]
         assert host == shards, f"rank {r}: offload_host_grads {host} bytes, the gradient shards {shards}"
+        # Between backward and step the gradients live on the host only (ZeRO-Offload), except
+        # those gradient_shards() handed out to be written in place.
+        if case[2] == "edit_shards":
+            assert all(g > 0 for g in res["device_grads"]), f"rank {r}: {res['device_grads']}"
+        else:
+            assert res["device_grads"] == [0] * STEPS, f"rank {r}: gradient bytes on the device {res['device_grads']}"
 
 
 @pytest.mark.parametrize("case", ORDERING_CASES, ids=_ordering_id)

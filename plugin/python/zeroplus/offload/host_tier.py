@@ -6,8 +6,8 @@ over those host tensors: their state is created on the host and zeroplus's fused
 them. With "nvme" the NVMe swapper (swapper.py) sits under this tier: the host masters and the
 host state are what it swaps.
 
-Gradients down, during backward. The tier is the gradient reducer's observer (grad_reducer.py,
-"Observer"): the reducer calls
+Gradients down, during backward, and kept there. The tier is the gradient reducer's observer
+(grad_reducer.py, "Observer"): the reducer calls
 
     ready(b, shard)      bucket b's gradient shard holds what the step would read (its
                          reduce-scatter was waited on and its result accumulated; the work that
@@ -15,16 +15,31 @@ Gradients down, during backward. The tier is the gradient reducer's observer (gr
                          the compute stream and the shard starts down, device -> bucket b's own
                          pinned host buffer, non_blocking, one event. During backward this is as
                          soon as the bucket's reduction was retired (two buckets behind the
-                         newest launched one); the last buckets at the end of backward.
+                         newest launched one); the last buckets at the end of backward. Returns
+                         True: from now on the host buffer is the gradient's home (the reducer
+                         frees its device accumulator; the copy keeps the device memory from
+                         being reused until it has read it), so the device holds no gradient
+                         shards between backward and step (DeepSpeed's ZeRO-Offload keeps its
+                         gradient partitions on the CPU likewise).
+    fetch(b)             a device tensor with the gradient's current value (the host copy up, on
+                         the copy stream, the compute stream waiting for it, then the scalings the
+                         host copy has not had yet, applied on the device as the reducer would
+                         have): the reducer reads it (a clipping term it has not kept, the fp16
+                         overflow check after an unscale) or takes it back as its accumulator (a
+                         later backward adds to it)
     scaling(b, coef)     the shard is about to be multiplied in place (clipping, an external
-                         unscale): the compute stream waits for the copy that reads it, and the
-                         host copy gets the same multiplication when the step takes it (the same
-                         operation in the same dtype: the same bits)
+                         unscale; for a gradient that lives here only, the reducer skips the
+                         device multiply): the compute stream waits for the copy that reads it,
+                         and the host copy gets the same multiplication when the step takes it
+                         (the same operation in the same dtype: the same bits)
     changing(b)          the shard is about to be written otherwise (a later backward adds to it,
-                         gradient accumulation): the compute stream waits for the copy, which is
-                         forgotten (a new ready follows)
-    discard()            zero_grad, a skipped fp16 step, a backward that raised: every copy in
-                         flight is waited for on the host and forgotten
+                         gradient accumulation, after taking it back with fetch): the compute
+                         stream waits for the copy, which is forgotten (a new ready follows)
+    discard()            a backward that raised after an earlier one succeeded, engine.gradient_
+                         shards: every copy in flight is waited for on the host, and those that
+                         are not a gradient's home are forgotten
+    clear()              zero_grad, a skipped fp16 step, a first backward that raised: the
+                         gradients are zero; every copy is waited for and forgotten
 
 Per step the engine (zero/engine.py, _step_buckets) calls
 
@@ -42,9 +57,11 @@ Per step the engine (zero/engine.py, _step_buckets) calls
                                the compute stream waits for that event, so the all-gather (stages
                                1-2) or the next gather (stage 3) that reads dst comes after it,
                                while the CPU goes on with the next bucket's step
-    end_step()                 waits for every gradient copy still in flight and forgets them all
-                               (a step that raised must not leave a copy reading a shard that
-                               zero_grad then frees; a second step copies again)
+    end_step()                 waits for every gradient copy still in flight and forgets those
+                               that are not a gradient's home (a step that raised must not leave a
+                               copy reading a shard that zero_grad then frees; a second step
+                               copies again); the homes stay, already scaled: a second step
+                               without backward reads them
 
 Everything CUDA (streams, events, page-locked allocation) goes through DeviceCopier, the one
 place that knows the device; with "device" and "host" both the CPU a copy is a plain copy_ and an
@@ -60,7 +77,8 @@ partition; bounded, allocated at a bucket's first copy and reused every step: `g
 UPLOAD_SLOTS upload buffers (one bucket's shard in the compute dtype), always page-locked on CUDA
 (asynchronous copies need it; where page-locking fails a buffer is pageable and its copies block
 the CPU). torch's pinned allocator rounds each allocation up to a power of two: up to twice a
-buffer's bytes. On the device stay the parameters and the gradient shards.
+buffer's bytes. On the device stay the parameters; a gradient shard only from its reduction until
+its copy down has read it (and while a later backward adds to it).
 
 Not thread-safe: the training thread calls it (the reducer's calls come from the autograd thread
 while the training thread is inside backward).
@@ -146,13 +164,14 @@ class DeviceCopier:
 
 class _Copy:
     """One bucket's gradient shard on its way to (or on) the host."""
-    __slots__ = ("staged", "event", "scales", "in_backward")
+    __slots__ = ("staged", "event", "scales", "in_backward", "home")
 
     def __init__(self, staged: torch.Tensor, event, in_backward: bool):
         self.staged = staged          # a typed view of the bucket's host buffer
-        self.event = event            # the copy's event (None on CPU or once waited for)
-        self.scales: list = []        # coefficients the device shard got after the copy, in order
+        self.event = event            # the last copy reading or writing `staged` (None on CPU or once waited for)
+        self.scales: list = []        # coefficients the gradient got after the copy, in order, not yet applied here
         self.in_backward = in_backward
+        self.home = False             # the gradient lives here only (ready: the device accumulator was freed)
 
 
 class HostTier:
@@ -216,9 +235,25 @@ class HostTier:
 
     # -- the gradient reducer's observer (backward) ------------------------------------------------
 
-    def ready(self, b: int, shard: torch.Tensor) -> None:
+    def ready(self, b: int, shard: torch.Tensor) -> bool:
         self._forget(b)
         self._start(b, shard, in_backward=True)
+        self._copies[b].home = True
+        return True
+
+    def fetch(self, b: int) -> torch.Tensor:
+        copy = self._copies[b]
+        staged = copy.staged
+        value = torch.empty(staged.numel(), dtype=staged.dtype, device=self.device)
+        # The copy stream writes memory the compute stream just allocated (it may have been read
+        # by work still queued there): it follows the compute stream first. It is the stream of
+        # the copy down, so the copy up starts after that; its event now covers both.
+        self._copier.follow_compute()
+        copy.event = self._copier.copy(value, staged, value)
+        self._copier.compute_waits(copy.event)
+        for coef in copy.scales:  # as GradientReducer.scale_ multiplies a device shard
+            value.mul_(coef.to(value.dtype) if isinstance(coef, torch.Tensor) else coef)
+        return value
 
     def scaling(self, b: int, coef) -> None:
         copy = self._copies.get(b)
@@ -232,6 +267,11 @@ class HostTier:
     def discard(self) -> None:
         for copy in self._copies.values():
             self._copier.host_wait(copy.event)
+            copy.event = None
+        self._copies = {b: copy for b, copy in self._copies.items() if copy.home}
+
+    def clear(self) -> None:
+        self.discard()
         self._copies.clear()
 
     def _forget(self, b: int) -> None:

@@ -44,14 +44,22 @@ a bucket's result is added into its accumulator ("settled") as soon as its colle
 on when the pass starts from no gradient (has_grads False: a failed pass frees the accumulators
 anyway, so nothing is lost by not waiting for the whole pass), else at the end of the pass (the
 previous gradients must survive a failed pass). Then `observer.ready(b, shard)` is told: the
-shard holds what the step would read unless something changes it, which the observer hears of
-first: `scaling(b, coef)` before scale_ multiplies it in place, `changing(b)` before a later
-pass adds into it, `discard()` when a pass is abandoned or zero() clears the gradients. Spilled
-buckets are not announced (the step reads them back). In backward the buckets are waited on two
-launches behind the newest (MAX_INFLIGHT_INPUTS), so most are announced while backward goes on;
-the last ones at its end. Whether a backward is the last before step() cannot be known here (a
-user may run several without no_sync): every pass announces its buckets, and a later pass's
-`changing` makes the observer forget the earlier copy.
+shard holds what the step would read. When it answers True the observer's host copy is the
+gradient's home from then on: the device accumulator is freed ("released"; the observer's copy
+keeps its memory until it has been read), after the two terms clipping and the fp16 overflow
+check need (2-norm and max |g|, clipping.local_term on the device shard: the bits a later
+local_terms would compute) were kept. A released gradient is read back through
+`observer.fetch(b)` (a device tensor: another norm, a term made stale by a scaling, `shard(b)`)
+and taken back as the accumulator when a later pass adds to it or `shards` hands it to a user.
+The observer hears of every change first: `scaling(b, coef)` before scale_ multiplies a shard
+(in place on the device; a released one is multiplied only there), `changing(b)` before a later
+pass adds into it, `discard()` when a pass after a successful one is abandoned (released
+gradients stay), `clear()` when zero() clears the gradients or a first pass is abandoned.
+Spilled buckets are not announced (the step reads them back). In backward the buckets are
+waited on two launches behind the newest (MAX_INFLIGHT_INPUTS), so most are announced (and
+released) while backward goes on; the last ones at its end. Whether a backward is the last
+before step() cannot be known here (a user may run several without no_sync): every pass
+announces its buckets, and a later pass takes each back (fetch, changing) before adding to it.
 Every rank must run the same backward passes (as with DDP); a collective failure raises from
 backward (or flush) and leaves the accumulators as they were before that pass. A backward that
 raised for any reason (autograd then drops the queued end-of-pass callback) leaves its pass open;
@@ -70,6 +78,11 @@ from .buffer_pool import BufferPool
 from .dtensor_params import local_grad
 from .layout import Bucket
 from .usage import ParamUsage
+
+
+def _term_key(norm_type: float) -> str | None:
+    """Which kept term serves this norm (GradientReducer._release keeps the 2-norm's and max |g|)."""
+    return "inf" if norm_type == float("inf") else ("2" if norm_type == 2.0 else None)
 
 @dataclass
 class InFlight:
@@ -119,10 +132,14 @@ class GradientReducer:
         self._inflight = []
         self.spill = None  # zeroplus.offload.GradSpill, or None
         self.observer = None  # told when a gradient shard is final or about to change (module doc)
+        # released[b]: bucket b's gradient lives only in the observer's host copy (accum[b] None);
+        # kept_terms[b]: its clipping terms, computed before the release ({"2", "inf"}; None: stale).
+        self.released = [False] * len(buckets)
+        self.kept_terms: list[dict | None] = [None] * len(buckets)
         self._reset_pass()
 
     def attach_observer(self, observer) -> None:
-        """observer.ready / scaling / changing / discard are called as the module doc says."""
+        """observer.ready / fetch / scaling / changing / discard / clear are called as the module doc says."""
         self.observer = observer
 
     def attach_spill(self, spill) -> None:
@@ -152,12 +169,14 @@ class GradientReducer:
         entry.out, entry.staged = None, True
 
     def shard(self, b: int) -> torch.Tensor:
-        """Bucket b's gradient shard: the accumulator, or a spilled one read back (a copy: write
-        changes through scale_)."""
+        """Bucket b's gradient shard: the accumulator, or a spilled or released one read back (a
+        copy: write changes through scale_)."""
         if self._spilled(b):
             value = self.spill.load(b)
             return value if value is not None else torch.zeros(self.buckets[b].shard_numel, dtype=self.accum_dtypes[b],
                                                                 device=self.buckets[b].device)
+        if self.released[b]:
+            return self.observer.fetch(b)
         if self.shard_gradients:
             return self._accum(b)
         return self._accum(b)[slice(*self.buckets[b].shard_range(self.rank))]
@@ -177,6 +196,10 @@ class GradientReducer:
         for b in range(len(self.buckets)):
             if self._spilled(b):
                 continue
+            if self.released[b]:  # multiplied where it lives (the observer's copy), when read
+                self.observer.scaling(b, coef)
+                self.kept_terms[b] = None
+                continue
             g = self.shard(b)
             if self.observer is not None:
                 self.observer.scaling(b, coef)
@@ -186,7 +209,7 @@ class GradientReducer:
 
     def local_terms(self, norm_type: float, term_of):
         """Each bucket's clipping term in bucket order (term_of(shard) for resident ones; a
-        spilled one's from the spill, or read back one at a time)."""
+        spilled or released one's kept term, or its gradient read back one at a time)."""
         for b in range(len(self.buckets)):
             if self._spilled(b):
                 t = self.spill.term(b, norm_type)
@@ -194,12 +217,19 @@ class GradientReducer:
                     t = term_of(self.shard(b))
                     self.release_shard(b)
                 yield t
+            elif self.released[b]:
+                key = _term_key(norm_type)
+                kept = self.kept_terms[b]
+                yield kept[key] if kept is not None and key is not None else term_of(self.shard(b))
             else:
                 yield term_of(self.shard(b))
 
     def all_finite(self) -> bool:
         for b in range(len(self.buckets)):
             known = self.spill.finite(b) if self._spilled(b) else None
+            if self.released[b] and self.kept_terms[b] is not None:
+                inf = self.kept_terms[b]["inf"]  # max |g|: finite exactly when every element is
+                known = inf is None or bool(torch.isfinite(inf))
             if known is None:
                 g = self.shard(b)
                 known = clipping.all_finite(g)
@@ -210,6 +240,8 @@ class GradientReducer:
         return True
 
     def _accum(self, b: int) -> torch.Tensor:
+        if self.released[b]:
+            raise RuntimeError(f"GradientReducer: bucket {b}'s gradient was released to the host tier; take it back first")
         acc = self.accum[b]
         if acc is None:
             bucket = self.buckets[b]
@@ -233,7 +265,11 @@ class GradientReducer:
     @property
     def shards(self) -> list[torch.Tensor]:
         """The owned shard of each bucket's gradient (views into the accumulators, allocated as
-        zeros where no gradient exists; spilled ones read back: copies, all at once)."""
+        zeros where no gradient exists; released ones taken back into accumulators first;
+        spilled ones read back: copies, all at once)."""
+        for b in range(len(self.buckets)):
+            if self.released[b]:
+                self._take_back(b)
         if self.spill is not None:
             return [self.shard(b) for b in range(len(self.buckets))]
         if self.shard_gradients:
@@ -449,7 +485,9 @@ class GradientReducer:
             if entry.buf is not None:
                 self._recycle_input(entry)
             return
-        if self.observer is not None:
+        if self.released[b]:
+            self._take_back(b)  # the previous passes' sum, back on the device to be added to
+        elif self.observer is not None:
             self.observer.changing(b)  # a copy of the previous passes' sum is being overwritten
         scale = self._scale_of(b)
         if (entry.out is not self.accum[b] and not self.has_grads
@@ -465,19 +503,50 @@ class GradientReducer:
         if entry.buf is not None:
             self._recycle_input(entry)
         if self.observer is not None:
-            self.observer.ready(b, self.shard(b))
+            shard = self.shard(b)
+            if self.observer.ready(b, shard):
+                self._release(b, shard)
+
+    def _release(self, b: int, shard: torch.Tensor) -> None:
+        """The observer holds bucket b's gradient from now on: keep its clipping terms, free the
+        device accumulator (the observer's copy keeps the memory until it has read it)."""
+        self.kept_terms[b] = {"2": clipping.local_term(shard, 2.0), "inf": clipping.local_term(shard, float("inf"))}
+        self.accum[b] = None
+        self.released[b] = True
+
+    def _take_back(self, b: int) -> None:
+        """A released gradient back into a device accumulator (the observer forgets its copy).
+        Stage 1 keeps whole buckets: the shard goes into its place in a zero bucket (the other
+        ranks' parts are never read here)."""
+        value = self.observer.fetch(b)
+        if not self.shard_gradients:
+            bucket = self.buckets[b]
+            whole = torch.zeros(bucket.numel, dtype=value.dtype, device=value.device)
+            whole[slice(*bucket.shard_range(self.rank))].copy_(value)
+            value = whole
+        self.accum[b] = value
+        self.released[b], self.kept_terms[b] = False, None
+        self.observer.changing(b)
 
     def _abandon_pass(self) -> None:
         """End a pass that failed: wait for what it launched, put the accumulators back as they
         were (no gradient: freed, where results went straight into them) and forget its buffers."""
         self._drain()
         if self.observer is not None:
-            self.observer.discard()  # copies of this pass's results (or of what it began to change)
+            if self.has_grads:
+                self.observer.discard()  # copies of this pass's results; released gradients stay
+            else:
+                self.observer.clear()  # no gradient before this pass: every copy goes
         if self.spill is not None:
             self.spill.discard()  # the previous gradients (other files) stay
         if not self.has_grads:
             self.accum = [None] * len(self.buckets)
+            self._forget_released()
         self._reset_pass()
+
+    def _forget_released(self) -> None:
+        self.released = [False] * len(self.buckets)
+        self.kept_terms = [None] * len(self.buckets)
 
     def _drain(self) -> None:
         """Wait for every collective this pass launched, ignoring their errors (the failure that
@@ -506,7 +575,8 @@ class GradientReducer:
         if self._in_pass:
             self._abandon_pass()  # a backward that raised left it open
         if self.observer is not None:
-            self.observer.discard()
+            self.observer.clear()
+        self._forget_released()  # zero: accum None (a released bucket has none) is zeros
         if self.spill is not None:
             self.spill.clear()
         if set_to_none:
