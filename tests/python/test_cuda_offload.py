@@ -77,12 +77,15 @@ def _build(group, stage, precision, offload, device):
                                mixed_precision=precision, process_group=group, config=CONFIG[stage], **kw)
 
 
-def _train(model, opt, rank, steps, device, start=0):
+def _train(model, opt, rank, steps, device, start=0, device_grads=None):
+    """device_grads, a list: memory_report's gradient bytes (on the GPU) after each backward."""
     losses, step_s = [], []
     for step in range(start, start + steps):
         x, y = _batch(step, rank, device)
         loss = nn.functional.mse_loss(model(x).float(), y)
         opt.backward(loss)
+        if device_grads is not None:
+            device_grads.append(__import__("zeroplus").memory_report(model, opt)["gradients"])
         opt.clip_grad_norm_(1.0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -127,7 +130,9 @@ def _case(rank, group, stage, precision, device):
                 "master_devices": sorted({m.device.type for m in opt.masters}),
                 "masters_pinned": [bool(m.is_pinned()) for m in opt.masters if m.numel()],
             }
-            losses, step_s = _train(model, opt, rank, STEPS, cuda)
+            device_grads = []
+            losses, step_s = _train(model, opt, rank, STEPS, cuda, device_grads=device_grads)
+            placement["device_grads"] = device_grads  # gradient shards on the GPU between backward and step
             # Buckets whose gradient shard the last step found copied during backward, of all.
             placement["found_on_host"] = (tier.found_on_host if tier is not None else None, len(opt.buckets))
             placement["state_devices"] = sorted({t.device.type for bo in opt.bucket_optimizers
@@ -215,6 +220,8 @@ def test_cuda_offload_matches_training_in_gpu_memory(world, case):
         assert res["state_devices"] == ["cpu"], f"{where}: optimizer state on {res['state_devices']}, expected the host"
         found, buckets = res["found_on_host"]
         assert found == buckets, f"{where}: the step found {found} of {buckets} gradient shards copied in backward"
+        assert res["device_grads"] == [0] * len(res["device_grads"]), \
+            f"{where}: gradient bytes left on the GPU after backward {res['device_grads']} (they live on the host)"
         if device == "cpu":  # pin_memory=True
             assert res["masters_pinned"] and all(res["masters_pinned"]), \
                 f"{where}: masters not page-locked with pin_memory=True: {res['masters_pinned']}"
