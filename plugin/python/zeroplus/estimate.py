@@ -69,7 +69,8 @@ def main(argv=None) -> int:
               "(stage 0 has no offload; offload_param applies to stage 3 only)")
     if cuda:
         print("gpu: GPU memory; host: host memory (offload_optimizer on CUDA: the fp32 master, in every precision, "
-              "and the state or the swapper's buffers, plus staging)")
+              "and the state or the swapper's buffers, plus staging and the gradient shards; the gpu keeps one "
+              "bucket's gradient on its way down)")
     return 0
 
 

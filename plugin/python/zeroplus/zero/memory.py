@@ -220,7 +220,10 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
         shard = -(-min(bucket_elems, max(psi, 1)) // n)
         staging = g * psi / n + 2 * shard * p  # every bucket's gradient shard, 2 upload buffers
-        out["gpu"] = out["parameters"] + out["gradients"]
+        # Gradients live on the host (host_tier.py): on the GPU only a bucket's (its shard; at
+        # stage 1 the whole bucket) from its reduction until its copy down has read it.
+        live_grad = g * (shard if stage >= 2 else min(bucket_elems, max(psi, 1)))
+        out["gpu"] = out["parameters"] + live_grad
         if offload_optimizer == "cpu":
             out["host"] = host_master + out["optimizer_state"] + staging
         else:  # the swapper's records hold the master and the state
