@@ -222,6 +222,14 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
         out = model.rest(h)
         return nn.functional.mse_loss(out.float(), y)
 
+    def raising_backward():
+        try:
+            opt.backward(loss_of(0))
+        except _Raise:
+            after_raise()
+        else:
+            raise AssertionError("the hook did not raise")
+
     if mode == "no_sync":  # DDP's accumulation: the first micro-batch is not reduced
         with model.no_sync():
             opt.backward(loss_of(0))
@@ -238,21 +246,11 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
         for shard in opt.gradient_shards():
             shard.mul_(0.5)
     elif mode == "raising":  # the first backward raises midway; its pass is abandoned
-        try:
-            opt.backward(loss_of(0))
-        except _Raise:
-            after_raise()
-        else:
-            raise AssertionError("the hook did not raise")
+        raising_backward()
         opt.backward(loss_of(1))
     elif mode == "raising_after_one":  # a backward, then one that raises: the first one's gradients stay
         opt.backward(loss_of(1))
-        try:
-            opt.backward(loss_of(0))
-        except _Raise:
-            after_raise()
-        else:
-            raise AssertionError("the hook did not raise")
+        raising_backward()
     elif mode == "norms":  # norms whose terms were not kept (3), kept (inf), and stale after a scaling
         opt.backward(loss_of(0))
         opt.clip_grad_norm_(0.02, norm_type=3.0)
