@@ -253,6 +253,7 @@ def _fault_corrupt(rank, group, precision):
     after = []
     _train(model, opt, rank, 2, start=5, on_step=lambda s, o: after.append(o.step() is None))
     opt.offload.close()
+    os.rmdir(root)  # close() removed the swap directory: nothing is left in the test's root
     return dict(errors=errors, unchanged=unchanged, read_error=read_error, after=after, path=path)
 
 
