@@ -8,7 +8,8 @@ on a machine with one GPU; nothing here runs in CI):
            zeroplus.initialize(stage=3) against FSDP2 (fully_shard per block + AdamW) and plain
            AdamW; median step time and peak GPU memory (torch.cuda.max_memory_allocated).
   offload  GPTs (stage 3, bf16) with the optimizer state in host memory or NVMe
-           (offload_optimizer cpu / nvme) and, where it fits, the same model in GPU memory
+           (offload_optimizer cpu / nvme), with the parameter shards there too (cpu_param,
+           nvme_param: offload_param as well) and, where it fits, the same model in GPU memory
            (device none): step time, peak GPU memory during the steps, and model states
            (16 B/parameter) as a multiple of the GPU's memory and of the peak it used.
 
@@ -199,6 +200,28 @@ def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
 
 # -- offload -----------------------------------------------------------------------------------------
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme", "cpu_param", "nvme_param")
+
+
+def _offload_kwargs(device: str, nvme_path: str | None) -> dict:
+    """zeroplus.initialize's offload arguments for one bench row: none (GPU memory), the
+    optimizer on the host (cpu) or on NVMe (nvme), and with the parameters too (*_param)."""
+    if device not in OFFLOAD_DEVICES:
+        raise ValueError(f"offload device must be one of {OFFLOAD_DEVICES}, got {device!r}")
+    if device == "none":
+        return {}
+    medium = device.split("_")[0]
+    if medium == "cpu":
+        policy = {"device": "cpu", "pin_memory": True}
+    else:
+        os.makedirs(nvme_path, mode=0o700, exist_ok=True)
+        policy = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
+    out = {"offload_optimizer": policy}
+    if device.endswith("_param"):
+        out["offload_param"] = dict(policy)
+    return out
+
+
 def _offload_row(layers: int, device: str, dim: int, batch: int, context: int, nvme_path: str | None,
                  reps: int, timeout_s: int = 600) -> dict:
     import zeroplus
@@ -212,12 +235,7 @@ def _offload_row(layers: int, device: str, dim: int, batch: int, context: int, n
         with torch.device("cuda"):
             model = _gpt(**size)
         row["params"] = sum(p.numel() for p in model.parameters())
-        offload = {}
-        if device == "cpu":
-            offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
-        elif device == "nvme":
-            os.makedirs(nvme_path, mode=0o700, exist_ok=True)
-            offload = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}}
+        offload = _offload_kwargs(device, nvme_path)
         model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-4, mixed_precision="bf16",
                                          **offload)
         row["build_s"] = time.perf_counter() - t0
@@ -241,7 +259,7 @@ def bench_offload(reps: int, runs: list[tuple[int, str]], dim: int, batch: int, 
     """runs: (layers, offload device) pairs; device "none" is the same model in GPU memory."""
     rows = []
     for layers, device in runs:
-        if device == "nvme" and not nvme_path:
+        if device.startswith("nvme") and not nvme_path:
             continue
         row = _isolated({"part": "offload", "layers": layers, "device": device, "dim": dim, "batch": batch,
                          "context": context, "nvme_path": nvme_path, "reps": reps})
@@ -313,8 +331,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--offload-runs", default="8:none,8:cpu,8:nvme,20:cpu",
-                        help="LAYERS:DEVICE pairs (device none: the same model in GPU memory)")
+    parser.add_argument("--offload-runs", default="8:none,8:cpu,8:nvme,8:cpu_param,8:nvme_param,20:cpu",
+                        help="LAYERS:DEVICE pairs, DEVICE one of none (the same model in GPU memory), cpu, nvme "
+                             "(offload_optimizer), cpu_param, nvme_param (offload_param too)")
     parser.add_argument("--offload-dim", type=int, default=4096)
     parser.add_argument("--nvme-path", default=None)
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one row in this process (_isolated)
