@@ -647,12 +647,21 @@ def test_estimate_memory_cuda_param_columns():
                                   param_buffer_count=2, param_buffer_size=1)
     pool = 2 * (4096 + -(-bucket // n) * 2)  # two records of the largest shard (whole pages already)
     assert nv["offload_param_buffers"] == pool
-    assert nv["nvme"] == 2 * psi / n + 4096 * records  # the parameter records only: no gradient files on CUDA
-    assert nv["gpu"] == both["gpu"] and nv["host"] == base["host"] + pool
+    # with the step on the host the gradient shards are spilled: two files per bucket, off the GPU
+    # and out of the host tier's per-bucket gradient buffers
+    grads = 2 * psi / n
+    assert nv["nvme"] == 2 * psi / n + 4096 * records + 2 * grads + 2 * 4096 * records
+    assert nv["gpu"] == both["gpu"] - grads and nv["host"] == base["host"] + pool - grads
     nv_opt = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="nvme", offload_param="nvme",
                                       device="cuda")
     opt_only = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="nvme", device="cuda")
-    assert nv_opt["nvme"] == opt_only["nvme"] + 2 * psi / n + 4096 * records
+    assert nv_opt["nvme"] == opt_only["nvme"] + 2 * psi / n + 4096 * records + 2 * grads + 2 * 4096 * records
+    assert nv_opt["gpu"] == opt_only["gpu"] - 2 * psi / n - grads
+    # the step on the GPU reads its gradients there: only the parameter records go to the files
+    nv_gpu = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_param="nvme", device="cuda", param_buffer_count=2,
+                                      param_buffer_size=1)
+    assert nv_gpu["nvme"] == 2 * psi / n + 4096 * records
+    assert nv_gpu["gpu"] == alone["gpu"] and nv_gpu["host"] == pool
 
 
 def test_wall_time():
