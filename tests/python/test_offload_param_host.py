@@ -19,7 +19,12 @@ force_on_cpu_for_tests makes CPU training take this path, so here (2 ranks, one 
     unit's copy is issued before the previous unit's forward ends;
   * memory: at every module boundary the device-resident shard bytes stay within those of the
     units gathered or in flight plus buffer_count read-ahead shards (buffer_count 1 here), and
-    the buckets of released units are empty.
+    the buckets of released units are empty;
+  * gradient spill ("nvme" with offload_optimizer "cpu"/"nvme"; fp32, bf16, fp16, and one case
+    with persistent buckets beside the offloaded ones): bit for bit with the in-memory engine
+    through gradient accumulation, a backward that raises midway, clipping twice in a step and an
+    fp16 overflow; between backward and step the gradient files are on disk, no spilled bucket has
+    an accumulator and the host tier holds no gradient buffer for it.
 Unit tests: the store's read-ahead limit, invalidation on write, replacements, bad input; the
 device/offload decisions; estimate_memory's CUDA columns.
 """
@@ -68,7 +73,7 @@ def _batch(step: int, rank: int):
     return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _build(group, precision, param=None, optimizer=None):
+def _build(group, precision, param=None, optimizer=None, config=CONFIG):
     import zeroplus
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
 
@@ -80,7 +85,7 @@ def _build(group, precision, param=None, optimizer=None):
     model = Net()
     with force_on_cpu_for_tests():
         return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1,
-                                   mixed_precision=precision, process_group=group, config=CONFIG, **kw)
+                                   mixed_precision=precision, process_group=group, config=config, **kw)
 
 
 def _train(model, opt, rank, steps, start=0):
@@ -323,22 +328,27 @@ def _grad_files(spill) -> int:
     return sum(1 for n in os.listdir(spill.directory.path) if n.startswith("grad-b"))
 
 
-def _spill(rank, group, precision, optimizer):
+def _spill(rank, group, precision, optimizer, persistent=False):
     """offload_param "nvme" with offload_optimizer: the offloaded buckets' gradients go to files as
     backward reduces them, as on CPU training. Trained beside the in-memory engine on the same
     batches: gradient accumulation (two backwards) on odd steps, a backward that raises midway
     after the first of them (the previous gradients must survive), clipping (twice on step 2:
     the second call reads the scaled gradients back, its terms are stale), zero_grad; fp16: one
-    step overflows and is skipped."""
+    step overflows and is skipped. persistent: the biases are persistent buckets (kept whole, not
+    offloaded): their gradients go through the host tier's buffers beside the spilled ones."""
     root = tempfile.mkdtemp(prefix="zp-param-host-spill-")
     param = {"device": "nvme", "nvme_path": root, "buffer_count": 2, "buffer_size": 1}
     opt_offload = ({"device": "cpu", "pin_memory": True} if optimizer == "cpu"
                    else {"device": "nvme", "nvme_path": root, "buffer_count": 2})
     try:
-        ref, ref_opt = _build(group, precision)
-        model, opt = _build(group, precision, param, opt_offload)
+        config = {"zero_optimization": {"stage3_param_persistence_threshold": 40 if persistent else 0}}
+        ref, ref_opt = _build(group, precision, config=config)
+        model, opt = _build(group, precision, param, opt_offload, config=config)
         spill = opt.reducer.spill
         out = {"spill": spill is not None, "checks": [], "raised": []}
+        # the host tier's gradient buffers may hold the non-spilled (persistent) buckets' shards only
+        kept = sum(b.shard_numel * opt.reducer.accum_dtypes[i].itemsize for i, b in enumerate(opt.buckets)
+                   if spill is None or not spill.spills(i))
         if spill is None:
             return out
         spilled = [i for i in range(len(opt.buckets)) if spill.spills(i)]
@@ -377,12 +387,13 @@ def _spill(rank, group, precision, optimizer):
                 "files": _grad_files(spill),
                 "on_disk": spill.bytes_written > 0,
                 "resident": sum(opt.reducer.accum[i] is not None for i in spilled),
-                "host_grad_bytes": opt.host_tier.grad_bytes,
+                "host_grad_bytes": opt.host_tier.grad_bytes - kept,
             })
             for o in (ref_opt, opt):
                 o.step()
                 o.zero_grad()
-        out["host_grad_bytes_after"] = opt.host_tier.grad_bytes
+        out["host_grad_bytes_after"] = opt.host_tier.grad_bytes - kept
+        out["kept_on_host"] = kept
         out["found_on_host"] = opt.host_tier.found_on_host
         out["skipped"] = (opt.skipped_steps, ref_opt.skipped_steps)
         out["params"] = _diffs(_full(model), _full(ref))
@@ -394,11 +405,12 @@ def _spill(rank, group, precision, optimizer):
         shutil.rmtree(root, ignore_errors=True)
 
 
-SPILL = [(p, o) for p in (None, "bf16") for o in ("cpu", "nvme")] + [("fp16", "cpu")]
+SPILL = [(p, o, False) for p in (None, "bf16") for o in ("cpu", "nvme")] + [("fp16", "cpu", False),
+                                                                           ("bf16", "nvme", True)]
 
 
 def _spill_id(case) -> str:
-    return f"spill-{case[0] or 'fp32'}-opt_{case[1]}"
+    return f"spill-{case[0] or 'fp32'}-opt_{case[1]}{'-persistent_biases' if case[2] else ''}"
 
 
 PARITY = [(p, o, pin, "cpu") for p in (None, "bf16") for o, pin in (("cpu", True), (None, False))] \
@@ -469,17 +481,20 @@ def test_bit_for_bit_with_the_in_memory_engine(case):
 
 @pytest.mark.parametrize("case", SPILL, ids=_spill_id)
 def test_nvme_param_offload_spills_gradients_with_the_step_on_the_host(case):
-    precision, _optimizer = case
+    precision, _optimizer, persistent = case
     for rank, out in enumerate(_ok(_spill_id(case))):
         assert out["spill"], "offload_param nvme + offload_optimizer on the device path kept its gradients in memory"
-        assert out["spilled"] == out["buckets"] == 3  # a, b, c (frozen has no gradient)
+        # a, b, c (frozen has no gradient); with persistent biases 3 more buckets, not offloaded
+        assert out["spilled"] == 3 and out["buckets"] == (6 if persistent else 3), out
+        assert (out["kept_on_host"] > 0) == persistent
         assert out["raised"] == [1, 3], out["raised"]
         for step, c in enumerate(out["checks"]):
             # a record file per bucket, two from the second pass on (generations alternate); no
             # gradient shard in memory: not on the device, not in the host tier
             assert c["files"] == (1 if step == 0 else 2) * 3 and c["on_disk"], (rank, step, c)
             assert c["resident"] == 0 and c["host_grad_bytes"] == 0, (rank, step, c)
-        assert out["host_grad_bytes_after"] == 0 and out["found_on_host"] == 0
+        assert out["host_grad_bytes_after"] == 0
+        assert out["found_on_host"] == (3 if persistent else 0)  # copied in backward: the persistent ones
         assert out["skipped"] == ((1, 1) if precision == "fp16" else (0, 0)), out["skipped"]
         assert out["params"] == [] and out["state"] == [], (out["params"], out["state"])
         assert 0 < out["spill_peak"] <= 2 * (-(-out["grad_record"] // 4096) * 4096), out
