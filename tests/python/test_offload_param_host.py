@@ -405,6 +405,46 @@ def _spill(rank, group, precision, optimizer, persistent=False):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _spill_fault(rank, group):
+    """A spilled gradient damaged between backward and step (each rank its own record of the same
+    bucket): step raises EBADMSG naming the file and the bucket after the step's collectives, that
+    bucket is not stepped (its parameters unchanged) and training goes on."""
+    root = tempfile.mkdtemp(prefix="zp-param-host-spill-fault-")
+    try:
+        model, opt = _build(group, None, {"device": "nvme", "nvme_path": root, "buffer_count": 2, "buffer_size": 1},
+                            {"device": "cpu"})
+        _train(model, opt, rank, 1)
+        x, y = _batch(1, rank)
+        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        spill = opt.reducer.spill
+        b = 0  # every bucket is spilled (no persistent ones)
+        h = spill._buckets[b]  # noqa: SLF001
+        gpath = spill.directory.display_path(h.name(h.generation))
+        with open(gpath, "r+b") as f:
+            f.seek(4096 + 8)
+            byte = f.read(1)
+            f.seek(4096 + 8)
+            f.write(bytes([byte[0] ^ 0x01]))
+        before = _full(model)
+        out = {"gpath": gpath, "bucket": b}
+        try:
+            opt.step()
+            out["error"] = None
+        except OSError as e:
+            out["error"] = (e.errno, str(e), e.filename)
+        after = _full(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        in_bucket = {names[id(e.param)] for e in opt.buckets[b].entries}
+        out["bucket_params_changed"] = sorted(n for n in in_bucket if not torch.equal(before[n], after[n]))
+        out["others_changed"] = sorted(n for n in before if n not in in_bucket and not torch.equal(before[n], after[n]))
+        opt.zero_grad()
+        _train(model, opt, rank, 1, start=2)
+        out["went_on"] = all(torch.isfinite(v).all() for v in _full(model).values())
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 SPILL = [(p, o, False) for p in (None, "bf16") for o in ("cpu", "nvme")] + [("fp16", "cpu", False),
                                                                            ("bf16", "nvme", True)]
 
@@ -427,6 +467,7 @@ def _parity_id(case) -> str:
 def _all_cases(rank, world):
     cases = {_parity_id(c): functools.partial(_parity_in, case=c) for c in PARITY}
     cases.update({_spill_id(c): functools.partial(_spill_in, case=c) for c in SPILL})
+    cases["spill_fault"] = _spill_fault
     cases["ordering"] = _ordering
     cases["memory"] = _memory
     return run_cases_in_own_groups(rank, world, cases)
@@ -498,6 +539,19 @@ def test_nvme_param_offload_spills_gradients_with_the_step_on_the_host(case):
         assert out["skipped"] == ((1, 1) if precision == "fp16" else (0, 0)), out["skipped"]
         assert out["params"] == [] and out["state"] == [], (out["params"], out["state"])
         assert 0 < out["spill_peak"] <= 2 * (-(-out["grad_record"] // 4096) * 4096), out
+
+
+def test_damaged_spilled_gradient_is_refused_naming_file_and_bucket():
+    import errno
+
+    for rank, out in enumerate(_ok("spill_fault")):
+        assert out["error"] is not None, f"rank {rank}: a damaged gradient record was read back as valid"
+        code, msg, filename = out["error"]
+        assert code == errno.EBADMSG and filename == out["gpath"], (rank, out["error"])
+        assert f"gradient bucket {out['bucket']}" in msg and "payload checksum" in msg and f"rank {rank}" in msg, msg
+        assert out["bucket_params_changed"] == [], f"rank {rank}: the refused bucket was stepped"
+        assert out["others_changed"], f"rank {rank}: the other buckets were not stepped"
+        assert out["went_on"]
 
 
 def test_copy_up_comes_before_its_all_gather_and_ahead_of_compute():

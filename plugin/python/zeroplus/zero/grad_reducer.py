@@ -34,8 +34,9 @@ engine's BackwardPass, backward_pass.py; this class is its first participant):
   * Which parameters had a gradient in a pass is committed to `usage` (usage.py) when the pass
     succeeds; the optimizer steps only parameters some rank used (torch skips a None grad).
 Gradient spill (offload_param "nvme": CPU training, and CUDA training with offload_optimizer;
-zeroplus.offload.grad_spill): the buckets it spills get no accumulator. Their result is handed to the spill as soon as their collective is waited on
-(added to the previous gradient read back from it, when accumulating), written as a pending
+zeroplus.offload.grad_spill): the buckets it spills get no accumulator. Their result is handed to
+the spill as soon as their collective is waited on (added, where it was reduced, to the previous
+gradient read back from it, when accumulating), written as a pending
 generation, and committed with the pass, so at most a few buckets' gradients are in memory.
 `shard(b)` reads one back for the step; `scale_(coef)` and `local_terms(p)` serve clipping and
 unscaling without reading them.

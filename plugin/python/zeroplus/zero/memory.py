@@ -143,8 +143,9 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     with the swapper's pool (`offload_param_buffers`) in `host`. "nvme" with offload_optimizer
     also spills the gradient shards, as on CPU training: off `gpu` and out of the host tier's
     per-bucket gradient buffers, into `nvme` (two files per bucket); without offload_optimizer
-    they stay on the GPU (the step runs there). Without offload_optimizer an fp32 run then keeps a separate fp32 master shard on the
-    GPU (the shard is no longer the master), so `gpu` only drops in mixed precision. The gathered
+    they stay on the GPU (the step runs there). Without offload_optimizer an fp32 run then keeps a
+    separate fp32 master shard on the GPU (the shard is no longer the master), so `gpu` only drops
+    in mixed precision. The gathered
     units (the unit computing and the prefetch) are working memory, not model state, and are not
     counted. offload_param="cpu" on CPU training changes nothing."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
