@@ -4,7 +4,7 @@ Skipped without CUDA. Run on a GPU machine as `python -m pytest tests/python/tes
 (-s prints the step times). Every case trains, in one rank process, the same stage-3 model twice on
 the same batches: in GPU memory without offload (the reference), and with offload_param
 {"device": "cpu", "pin_memory": ...} or {"device": "nvme", ...} (zeroplus.offload.host_params, with
-the NVMe parameter swapper under it for "nvme"), with offload_optimizer "cpu" (the
+the NVMe parameter swapper under it for "nvme"), with offload_optimizer "cpu" or "nvme" (the
 usual ZeRO-Infinity set-up: the step on the CPU, the new master cast into the host shard) or
 without it (the step on the GPU, the master copied down). 1 rank, and 2 ranks on one GPU (backend
 "zeroplus" with ZEROPLUS_CUDA_TRANSPORT unset: "auto" picks host staging for ranks that share a GPU,
@@ -19,7 +19,11 @@ What must hold:
     to the tensor's largest value; with offload_optimizer the step runs on the CPU's fused Adam,
     which rounds differently in the last bit); bf16 within 5 %;
   * a state_dict round trip: a fresh offloaded engine that loads the reference's model and optimizer
-    state continues like the reference does.
+    state continues like the reference does;
+  * gradients: with offload_param "nvme" and offload_optimizer ("cpu" or "nvme") the offloaded
+    buckets' gradient shards are spilled to files (two per bucket once two passes ran), none is
+    held in GPU memory or in the host tier's per-bucket buffers; otherwise nothing is spilled.
+    Odd steps accumulate a second micro-batch (a spilled gradient read back, added to on the GPU).
 A failure says which side failed: "reference" (the in-memory CUDA engine, not this path) or
 "offload", with the rank's traceback. Not run on a GPU yet (written 2026-11-26 without one).
 """
@@ -87,6 +91,8 @@ def _build(group, precision, param, optimizer, device):
 
 
 def _train(model, opt, rank, steps, device, start=0):
+    """Odd steps accumulate a second micro-batch (a spilled gradient is read back, copied up and
+    added to on the GPU)."""
     losses, step_s = [], []
     for step in range(start, start + steps):
         x, y = _batch(step, rank, device)
@@ -94,6 +100,9 @@ def _train(model, opt, rank, steps, device, start=0):
         t0 = time.perf_counter()
         loss = nn.functional.mse_loss(model(x).float(), y)
         opt.backward(loss)
+        if step % 2:
+            x2, y2 = _batch(1000 + step, rank, device)
+            opt.backward(nn.functional.mse_loss(model(x2).float(), y2))
         opt.clip_grad_norm_(1.0)
         opt.step()
         torch.cuda.synchronize()
@@ -129,11 +138,30 @@ def _placement(model, opt) -> dict:
         "module_param_elems": sum(p.numel() for p in model.parameters()),
         "master_devices": sorted({m.device.type for m in opt.masters}),
         "disk_bytes": store.disk_bytes(),
+        **_gradients(opt),
+    }
+
+
+def _gradients(opt) -> dict:
+    """Where the gradient shards of offloaded buckets are: spilled (files, none in GPU memory nor in
+    the host tier's per-bucket buffers) or on the GPU."""
+    import os
+
+    spill = opt.reducer.spill
+    spilled = [] if spill is None else [i for i in range(len(opt.buckets)) if spill.spills(i)]
+    return {
+        "grad_spill": spill is not None,
+        "spilled": len(spilled),
+        "grad_files": 0 if spill is None else sum(1 for n in os.listdir(spill.directory.path)
+                                                  if n.startswith("grad-b")),
+        "grad_bytes_written": 0 if spill is None else spill.bytes_written,
+        "grads_resident": sum(opt.reducer.accum[i] is not None for i in spilled),
+        "host_grad_bytes": 0 if opt.host_tier is None else opt.host_tier.grad_bytes,
     }
 
 
 def _case(rank, group, precision, pin, optimizer, device="cpu"):
-    root = tempfile.mkdtemp(prefix="zp-cuda-param-") if device == "nvme" else None
+    root = tempfile.mkdtemp(prefix="zp-cuda-param-") if "nvme" in (device, optimizer) else None
     try:
         return _case_in_dir(rank, group, precision, pin, optimizer, device, root)
     finally:
@@ -147,6 +175,8 @@ def _case_in_dir(rank, group, precision, pin, optimizer, device, root):
     if device == "nvme":
         param.update(nvme_path=root, buffer_count=2, buffer_size=1)  # a pool of 2 records
     opt_offload = {"device": optimizer, "pin_memory": True} if optimizer else None
+    if optimizer == "nvme":
+        opt_offload.update(nvme_path=root, buffer_count=2)
     try:
         ref, ref_opt = _build(group, precision, None, None, cuda)
         ref_losses, ref_step_s = _train(ref, ref_opt, rank, STEPS, cuda)
@@ -192,7 +222,8 @@ def _case_in_dir(rank, group, precision, pin, optimizer, device, root):
 
 CASES = [(None, True, "cpu", "cpu"), ("bf16", True, "cpu", "cpu"), ("bf16", False, "cpu", "cpu"),
          (None, True, None, "cpu"), ("bf16", False, None, "cpu"),
-         ("bf16", True, "cpu", "nvme"), (None, True, None, "nvme")]
+         ("bf16", True, "cpu", "nvme"), (None, True, None, "nvme"),
+         (None, True, "cpu", "nvme"), (None, True, "nvme", "nvme"), ("bf16", True, "nvme", "nvme")]
 
 
 def _case_id(case) -> str:
@@ -250,6 +281,16 @@ def test_cuda_param_offload_matches_training_in_gpu_memory(world, case, monkeypa
                 assert pl["disk_bytes"] >= 5 * 4096, f"{where} ({when}): parameter records not on disk: {pl}"
             assert pl["master_devices"] == (["cpu"] if optimizer else ["cuda"]), \
                 f"{where} ({when}): masters on {pl['master_devices']}"
+            # "nvme" with the step on the host: gradients spilled to files as on CPU training;
+            # else (the step on the GPU, or "cpu") they stay on the GPU (host_params.py)
+            spills = device == "nvme" and optimizer is not None
+            assert pl["grad_spill"] == spills, f"{where} ({when}): gradient spill {pl['grad_spill']}, expected {spills}"
+            if spills:
+                assert pl["spilled"] == 4 and pl["grads_resident"] == 0 and pl["host_grad_bytes"] == 0, \
+                    f"{where} ({when}): spilled gradients held in GPU or host-tier memory: {pl}"
+                if when != "before":
+                    assert pl["grad_files"] == 2 * 4 and pl["grad_bytes_written"] > 0, \
+                        f"{where} ({when}): gradient files missing: {pl}"
         assert res["inside"] >= STEPS * 6 and res["wrong_inside"] == [], \
             f"{where}: a unit's parameters inside its forward were not its full CUDA tensors: {res['wrong_inside']}"
         for what in ("params", "state", "after_params", "after_state"):

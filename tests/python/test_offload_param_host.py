@@ -19,7 +19,12 @@ force_on_cpu_for_tests makes CPU training take this path, so here (2 ranks, one 
     unit's copy is issued before the previous unit's forward ends;
   * memory: at every module boundary the device-resident shard bytes stay within those of the
     units gathered or in flight plus buffer_count read-ahead shards (buffer_count 1 here), and
-    the buckets of released units are empty.
+    the buckets of released units are empty;
+  * gradient spill ("nvme" with offload_optimizer "cpu"/"nvme"; fp32, bf16, fp16, and one case
+    with persistent buckets beside the offloaded ones): bit for bit with the in-memory engine
+    through gradient accumulation, a backward that raises midway, clipping twice in a step and an
+    fp16 overflow; between backward and step the gradient files are on disk, no spilled bucket has
+    an accumulator and the host tier holds no gradient buffer for it.
 Unit tests: the store's read-ahead limit, invalidation on write, replacements, bad input; the
 device/offload decisions; estimate_memory's CUDA columns.
 """
@@ -68,7 +73,7 @@ def _batch(step: int, rank: int):
     return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _build(group, precision, param=None, optimizer=None):
+def _build(group, precision, param=None, optimizer=None, config=CONFIG):
     import zeroplus
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
 
@@ -80,7 +85,7 @@ def _build(group, precision, param=None, optimizer=None):
     model = Net()
     with force_on_cpu_for_tests():
         return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1,
-                                   mixed_precision=precision, process_group=group, config=CONFIG, **kw)
+                                   mixed_precision=precision, process_group=group, config=config, **kw)
 
 
 def _train(model, opt, rank, steps, start=0):
@@ -317,6 +322,137 @@ def _memory(rank, group):
     return out
 
 
+def _grad_files(spill) -> int:
+    import os
+
+    return sum(1 for n in os.listdir(spill.directory.path) if n.startswith("grad-b"))
+
+
+def _spill(rank, group, precision, optimizer, persistent=False):
+    """offload_param "nvme" with offload_optimizer: the offloaded buckets' gradients go to files as
+    backward reduces them, as on CPU training. Trained beside the in-memory engine on the same
+    batches: gradient accumulation (two backwards) on odd steps, a backward that raises midway
+    after the first of them (the previous gradients must survive), clipping (twice on step 2:
+    the second call reads the scaled gradients back, its terms are stale), zero_grad; fp16: one
+    step overflows and is skipped. persistent: the biases are persistent buckets (kept whole, not
+    offloaded): their gradients go through the host tier's buffers beside the spilled ones."""
+    root = tempfile.mkdtemp(prefix="zp-param-host-spill-")
+    param = {"device": "nvme", "nvme_path": root, "buffer_count": 2, "buffer_size": 1}
+    opt_offload = ({"device": "cpu", "pin_memory": True} if optimizer == "cpu"
+                   else {"device": "nvme", "nvme_path": root, "buffer_count": 2})
+    try:
+        config = {"zero_optimization": {"stage3_param_persistence_threshold": 40 if persistent else 0}}
+        ref, ref_opt = _build(group, precision, config=config)
+        model, opt = _build(group, precision, param, opt_offload, config=config)
+        spill = opt.reducer.spill
+        out = {"spill": spill is not None, "checks": [], "raised": []}
+        # the host tier's gradient buffers may hold the non-spilled (persistent) buckets' shards only
+        kept = sum(b.shard_numel * opt.reducer.accum_dtypes[i].itemsize for i, b in enumerate(opt.buckets)
+                   if spill is None or not spill.spills(i))
+        if spill is None:
+            return out
+        spilled = [i for i in range(len(opt.buckets)) if spill.spills(i)]
+        out["spilled"], out["buckets"] = len(spilled), len(opt.buckets)
+
+        def fail_midway(_grad):  # on the input layer's output: the later units' buckets are reduced by then
+            raise RuntimeError("planted backward failure")
+
+        def plant(_module, _inputs, output):
+            output.register_hook(fail_midway)
+
+        for step in range(4):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                x, y = _batch(step, rank)
+                scale = float("inf") if (precision == "fp16" and step == 1) else 1.0
+                o.backward(nn.functional.mse_loss(m(x).float(), y) * scale)
+                if step % 2:
+                    x, y = _batch(50 + step, rank)
+                    planted = m.a.register_forward_hook(plant)
+                    loss = nn.functional.mse_loss(m(x).float(), y)
+                    planted.remove()
+                    try:
+                        o.backward(loss)
+                    except RuntimeError as e:
+                        if "planted" not in str(e):
+                            raise
+                        if o is opt:
+                            out["raised"].append(step)
+                    x, y = _batch(100 + step, rank)
+                    o.backward(nn.functional.mse_loss(m(x).float(), y))
+                o.clip_grad_norm_(0.5)
+                if step == 2:
+                    o.clip_grad_norm_(0.25)
+            # between backward and step: the gradients are in files, none of them in memory
+            out["checks"].append({
+                "files": _grad_files(spill),
+                "on_disk": spill.bytes_written > 0,
+                "resident": sum(opt.reducer.accum[i] is not None for i in spilled),
+                "host_grad_bytes": opt.host_tier.grad_bytes - kept,
+            })
+            for o in (ref_opt, opt):
+                o.step()
+                o.zero_grad()
+        out["host_grad_bytes_after"] = opt.host_tier.grad_bytes - kept
+        out["kept_on_host"] = kept
+        out["found_on_host"] = opt.host_tier.found_on_host
+        out["skipped"] = (opt.skipped_steps, ref_opt.skipped_steps)
+        out["params"] = _diffs(_full(model), _full(ref))
+        out["state"] = _state_diffs(opt.state_dict(), ref_opt.state_dict())
+        out["spill_peak"] = spill.peak_buffer_bytes
+        out["grad_record"] = max(spill._buckets[i].layout.record_bytes for i in spilled)  # noqa: SLF001
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _spill_fault(rank, group):
+    """A spilled gradient damaged between backward and step (each rank its own record of the same
+    bucket): step raises EBADMSG naming the file and the bucket after the step's collectives, that
+    bucket is not stepped (its parameters unchanged) and training goes on."""
+    root = tempfile.mkdtemp(prefix="zp-param-host-spill-fault-")
+    try:
+        model, opt = _build(group, None, {"device": "nvme", "nvme_path": root, "buffer_count": 2, "buffer_size": 1},
+                            {"device": "cpu"})
+        _train(model, opt, rank, 1)
+        x, y = _batch(1, rank)
+        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        spill = opt.reducer.spill
+        b = 0  # every bucket is spilled (no persistent ones)
+        h = spill._buckets[b]  # noqa: SLF001
+        gpath = spill.directory.display_path(h.name(h.generation))
+        with open(gpath, "r+b") as f:
+            f.seek(4096 + 8)
+            byte = f.read(1)
+            f.seek(4096 + 8)
+            f.write(bytes([byte[0] ^ 0x01]))
+        before = _full(model)
+        out = {"gpath": gpath, "bucket": b}
+        try:
+            opt.step()
+            out["error"] = None
+        except OSError as e:
+            out["error"] = (e.errno, str(e), e.filename)
+        after = _full(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        in_bucket = {names[id(e.param)] for e in opt.buckets[b].entries}
+        out["bucket_params_changed"] = sorted(n for n in in_bucket if not torch.equal(before[n], after[n]))
+        out["others_changed"] = sorted(n for n in before if n not in in_bucket and not torch.equal(before[n], after[n]))
+        opt.zero_grad()
+        _train(model, opt, rank, 1, start=2)
+        out["went_on"] = all(torch.isfinite(v).all() for v in _full(model).values())
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+SPILL = [(p, o, False) for p in (None, "bf16") for o in ("cpu", "nvme")] + [("fp16", "cpu", False),
+                                                                           ("bf16", "nvme", True)]
+
+
+def _spill_id(case) -> str:
+    return f"spill-{case[0] or 'fp32'}-opt_{case[1]}{'-persistent_biases' if case[2] else ''}"
+
+
 PARITY = [(p, o, pin, "cpu") for p in (None, "bf16") for o, pin in (("cpu", True), (None, False))] \
     + [("bf16", "nvme", True, "cpu"), (None, "cpu", False, "cpu"), ("fp16", "cpu", True, "cpu"),
        ("bf16", "cpu", True, "nvme"), (None, "nvme", True, "nvme"), ("bf16", None, False, "nvme")]
@@ -330,6 +466,8 @@ def _parity_id(case) -> str:
 
 def _all_cases(rank, world):
     cases = {_parity_id(c): functools.partial(_parity_in, case=c) for c in PARITY}
+    cases.update({_spill_id(c): functools.partial(_spill_in, case=c) for c in SPILL})
+    cases["spill_fault"] = _spill_fault
     cases["ordering"] = _ordering
     cases["memory"] = _memory
     return run_cases_in_own_groups(rank, world, cases)
@@ -337,6 +475,10 @@ def _all_cases(rank, world):
 
 def _parity_in(rank, group, case):
     return _parity(rank, group, *case)
+
+
+def _spill_in(rank, group, case):
+    return _spill(rank, group, *case)
 
 
 @functools.lru_cache(maxsize=1)
@@ -361,7 +503,8 @@ def test_bit_for_bit_with_the_in_memory_engine(case):
     precision, optimizer, _pin, device = case
     for out in _ok(_parity_id(case)):
         res = out["residency"]
-        assert res["store"] == "HostParamStore" and not res["grad_spill"]
+        # gradients go to files with "nvme" and the step on the host only (host_params.py)
+        assert res["store"] == "HostParamStore" and res["grad_spill"] == (device == "nvme" and optimizer is not None)
         assert res["offloaded"] == res["all_buckets"] == 4  # one bucket per unit (weight and bias)
         assert res["device_shard_elems"] == 0 and res["device_bytes"] == 0 and res["module_param_elems"] == 0
         assert res["host_equal"], "a host shard differs from the in-memory engine's shard"
@@ -375,6 +518,40 @@ def test_bit_for_bit_with_the_in_memory_engine(case):
             assert disk >= 4 * 4096 and written > 0, out["on_disk"]
         else:
             assert disk == written == 0
+
+
+@pytest.mark.parametrize("case", SPILL, ids=_spill_id)
+def test_nvme_param_offload_spills_gradients_with_the_step_on_the_host(case):
+    precision, _optimizer, persistent = case
+    for rank, out in enumerate(_ok(_spill_id(case))):
+        assert out["spill"], "offload_param nvme + offload_optimizer on the device path kept its gradients in memory"
+        # a, b, c (frozen has no gradient); with persistent biases 3 more buckets, not offloaded
+        assert out["spilled"] == 3 and out["buckets"] == (6 if persistent else 3), out
+        assert (out["kept_on_host"] > 0) == persistent
+        assert out["raised"] == [1, 3], out["raised"]
+        for step, c in enumerate(out["checks"]):
+            # a record file per bucket, two from the second pass on (generations alternate); no
+            # gradient shard in memory: not on the device, not in the host tier
+            assert c["files"] == (1 if step == 0 else 2) * 3 and c["on_disk"], (rank, step, c)
+            assert c["resident"] == 0 and c["host_grad_bytes"] == 0, (rank, step, c)
+        assert out["host_grad_bytes_after"] == 0
+        assert out["found_on_host"] == (3 if persistent else 0)  # copied in backward: the persistent ones
+        assert out["skipped"] == ((1, 1) if precision == "fp16" else (0, 0)), out["skipped"]
+        assert out["params"] == [] and out["state"] == [], (out["params"], out["state"])
+        assert 0 < out["spill_peak"] <= 2 * (-(-out["grad_record"] // 4096) * 4096), out
+
+
+def test_damaged_spilled_gradient_is_refused_naming_file_and_bucket():
+    import errno
+
+    for rank, out in enumerate(_ok("spill_fault")):
+        assert out["error"] is not None, f"rank {rank}: a damaged gradient record was read back as valid"
+        code, msg, filename = out["error"]
+        assert code == errno.EBADMSG and filename == out["gpath"], (rank, out["error"])
+        assert f"gradient bucket {out['bucket']}" in msg and "payload checksum" in msg and f"rank {rank}" in msg, msg
+        assert out["bucket_params_changed"] == [], f"rank {rank}: the refused bucket was stepped"
+        assert out["others_changed"], f"rank {rank}: the other buckets were not stepped"
+        assert out["went_on"]
 
 
 def test_copy_up_comes_before_its_all_gather_and_ahead_of_compute():
@@ -468,7 +645,7 @@ def test_store_pageable_goes_through_the_staging_ring():
 
 
 def test_decisions_by_device_and_hook(tmp_path):
-    from zeroplus.offload import HostParams, make_param_store, prepare_param_store
+    from zeroplus.offload import HostParams, OptimizerOffload, make_grad_spill, make_param_store, prepare_param_store
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
     from zeroplus.offload.policy import parse_offload
 
@@ -485,7 +662,19 @@ def test_decisions_by_device_and_hook(tmp_path):
         assert store.swapper is None
         nvme_store = make_param_store(prepare_param_store(nvme_p, 3, 0, cpu, "E"), [])
         assert type(nvme_store.swapper).__name__ == "ParamSwapper" and nvme_store.read_ahead_limit == 0
+        assert not nvme_store.spills_gradients  # the step on the device reads its gradients there
         nvme_store.close()
+        # the step on the host (offload_optimizer: the host tier): gradients to files, "nvme" only
+        on_host = OptimizerOffload(parse_offload("offload_optimizer", {"device": "cpu"}), 0, None, True)
+        spilling = make_param_store(prepare_param_store(nvme_p, 3, 0, cpu, "E", on_host), [])
+        assert spilling.spills_gradients
+        spill = make_grad_spill(spilling, {}, cpu)
+        assert spill.directory is spilling.swapper.directory and spill.device == cpu
+        spilling.close()
+        assert not make_param_store(prepare_param_store(cpu_p, 3, 0, cpu, "E", on_host), []).spills_gradients
+    prepared = prepare_param_store(nvme_p, 3, 0, cuda, "E", on_host)
+    assert prepared.spill_gradients
+    prepared.directory.close()
     prepared = prepare_param_store(nvme_p, 3, 0, cuda, "E")
     assert isinstance(prepared, HostParams) and prepared.directory is not None
     prepared.directory.close()
@@ -501,6 +690,10 @@ def test_decisions_by_device_and_hook(tmp_path):
         HostParamStore(nvme_p, cuda, [])
     with pytest.raises(ValueError, match="needs an offload_param OffloadPolicy with device 'cpu'"):
         HostParamStore(cpu_p, cuda, [], swapper_for=lambda _b: None)
+    with pytest.raises(ValueError, match="spill_gradients needs NVMe mode"):
+        HostParamStore(cpu_p, cuda, [], spill_gradients=True)
+    with pytest.raises(TypeError, match="spill_gradients must be a bool, got str"):
+        HostParamStore(cpu_p, cuda, [], spill_gradients="yes")
 
 
 def test_estimate_memory_cuda_param_columns():
@@ -523,12 +716,21 @@ def test_estimate_memory_cuda_param_columns():
                                   param_buffer_count=2, param_buffer_size=1)
     pool = 2 * (4096 + -(-bucket // n) * 2)  # two records of the largest shard (whole pages already)
     assert nv["offload_param_buffers"] == pool
-    assert nv["nvme"] == 2 * psi / n + 4096 * records  # the parameter records only: no gradient files on CUDA
-    assert nv["gpu"] == both["gpu"] and nv["host"] == base["host"] + pool
+    # with the step on the host the gradient shards are spilled: two files per bucket, out of the
+    # host tier's per-bucket gradient buffers (the GPU holds one bucket's on its way, as with "cpu")
+    grads = 2 * psi / n
+    assert nv["nvme"] == 2 * psi / n + 4096 * records + 2 * grads + 2 * 4096 * records
+    assert nv["gpu"] == both["gpu"] and nv["host"] == base["host"] + pool - grads
     nv_opt = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="nvme", offload_param="nvme",
                                       device="cuda")
     opt_only = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_optimizer="nvme", device="cuda")
-    assert nv_opt["nvme"] == opt_only["nvme"] + 2 * psi / n + 4096 * records
+    assert nv_opt["nvme"] == opt_only["nvme"] + 2 * psi / n + 4096 * records + 2 * grads + 2 * 4096 * records
+    assert nv_opt["gpu"] == opt_only["gpu"] - 2 * psi / n
+    # the step on the GPU reads its gradients there: only the parameter records go to the files
+    nv_gpu = zeroplus.estimate_memory(psi, n, 3, "bf16", offload_param="nvme", device="cuda", param_buffer_count=2,
+                                      param_buffer_size=1)
+    assert nv_gpu["nvme"] == 2 * psi / n + 4096 * records
+    assert nv_gpu["gpu"] == alone["gpu"] and nv_gpu["host"] == pool
 
 
 def test_wall_time():

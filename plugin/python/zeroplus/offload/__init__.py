@@ -9,7 +9,8 @@
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
     host_params.py the same interface on CUDA training: shards in host memory ("cpu") or in the
                    NVMe swapper's records ("nvme"), copied up for their gather on a copy stream
-    grad_spill.py  gradient shards of those parameters, in files between backward and step
+    grad_spill.py  gradient shards of NVMe-offloaded parameters, in files between backward and step
+                   (CPU training; CUDA training with offload_optimizer)
     io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
 
 The ZeRO engines call prepare_optimizer_store() before changing anything (checks, the swap
@@ -89,6 +90,7 @@ class HostParams:
     device: torch.device
     rank: int = 0
     directory: SwapDirectory | None = None
+    spill_gradients: bool = False    # 'nvme' with the step on the host: gradients to files (host_params.py)
 
 
 def make_host_tier(prepared: OptimizerOffload | None, device: torch.device,
@@ -99,10 +101,14 @@ def make_host_tier(prepared: OptimizerOffload | None, device: torch.device,
     return HostTier(device, masters, prepared.policy.pin_memory)
 
 
-def prepare_param_store(policy: OffloadPolicy, stage: int, rank: int, device: torch.device, who: str):
+def prepare_param_store(policy: OffloadPolicy, stage: int, rank: int, device: torch.device, who: str,
+                        optimizer: OptimizerOffload | None = None):
     """Checks offload_param against the stage and device and creates this rank's parameter swap
     directory; returns what make_param_store needs (None: parameters stay in memory; device
-    'cpu' on CPU training is a no-op, like offload_optimizer's)."""
+    'cpu' on CPU training is a no-op, like offload_optimizer's). optimizer: what
+    prepare_optimizer_store decided; on CUDA training 'nvme' spills the offloaded buckets'
+    gradients when the step runs on the host (the host tier), and keeps them on the device when
+    it runs there (host_params.py)."""
     if not policy.enabled:
         return None
     if stage != 3:
@@ -111,7 +117,8 @@ def prepare_param_store(policy: OffloadPolicy, stage: int, rank: int, device: to
     _check_param_device(policy, device, who)
     if _device_path(device):  # host_params.py
         directory = SwapDirectory(policy.nvme_path, rank, policy.what) if policy.device == "nvme" else None
-        return HostParams(policy, device, rank, directory)
+        on_host = optimizer is not None and optimizer.host_tier
+        return HostParams(policy, device, rank, directory, spill_gradients=directory is not None and on_host)
     if policy.device == "cpu":
         return None  # CPU training: the shards are in CPU memory already (docs/offload.md)
     return (policy, rank, SwapDirectory(policy.nvme_path, rank, policy.what))
@@ -127,15 +134,18 @@ def make_param_store(prepared, buckets: list):
         if prepared.directory is not None:
             def swapper_for(stand_ins):
                 return ParamSwapper(prepared.policy, prepared.rank, prepared.directory, stand_ins)
-        return HostParamStore(prepared.policy, prepared.device, buckets, swapper_for=swapper_for)
+        return HostParamStore(prepared.policy, prepared.device, buckets, swapper_for=swapper_for,
+                              spill_gradients=prepared.spill_gradients)
     policy, rank, directory = prepared
     return ParamSwapper(policy, rank, directory, buckets)
 
 
-def make_grad_spill(param_store: ParamSwapper, buckets: dict):
+def make_grad_spill(param_store: ParamSwapper | HostParamStore, buckets: dict, device: torch.device):
     """The GradSpill for these reducer buckets ({index: (dtype, shard_numel)}), in the parameter
-    store's directory."""
-    return GradSpill(param_store.policy, param_store.rank, param_store.directory, buckets)
+    swapper's directory (a HostParamStore's: the one under it); device: where the gradients are
+    reduced (the spill's statistics are computed there)."""
+    home = param_store.swapper if isinstance(param_store, HostParamStore) else param_store
+    return GradSpill(home.policy, home.rank, home.directory, buckets, device)
 
 
 def attach_optimizer_store(prepared, bucket_optimizers: list):

@@ -4,7 +4,12 @@ With offload_param "nvme" the gradient reducer (zero/grad_reducer.py) hands each
 bucket's reduced gradient shard to this spill as soon as its collective is done, instead of
 keeping it as an accumulator; the step reads it back one bucket at a time. So no more than a few
 buckets' gradients are in memory at once, never the model's (4 bytes x parameters / ranks in
-fp32).
+fp32). On CPU training always; on CUDA training when offload_optimizer puts the step on the host
+(host_params.py says why not otherwise). There a staged shard is a device tensor: its statistics
+(below) are computed on the device, as the in-GPU-memory run computes them, and it is copied
+device -> host into the record's page-locked buffer (a synchronous copy: the record is sealed and
+written from that buffer next); a loaded one is a host tensor, which the host tier's step reads
+directly. `device` is where the gradients are reduced.
 
 Per bucket two record files, `grad-bNNNNN-0.swp` and `-1.swp` (record.py: generation and
 checksums), used alternately: a backward pass writes its results as the *pending* generation
@@ -17,7 +22,10 @@ per-bucket clipping terms (sum of squares for the 2-norm, max |g| for the inf-no
 clipping.local_term computes them on the in-memory shard) and whether it is finite (fp16's
 overflow check). Scaling the gradients (clipping, unscaling) is recorded as a list of factors
 applied, in order and with the same in-place multiply, when a shard is loaded: the bits are those
-of the in-memory run. Terms computed before a scaling are stale after it; callers then load.
+of the in-memory run (a multiply by one rounded factor gives the same bits on host and device).
+Terms computed before a scaling are stale after it: term() then loads the shard, moves it to
+`device` and computes the term there (the bits of the in-memory run's term on that device).
+Finiteness is kept as a 0-d tensor and read (a device sync) only when asked for.
 
 Errors are OSError naming the file, the bucket and the rank: a failed write raises from commit()
 (the backward pass fails and is abandoned, the previous gradient intact), a failed read or a bad
@@ -70,9 +78,12 @@ def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
 
 
 class GradSpill:
-    def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, buckets: dict):
-        """buckets: {reducer bucket index: (dtype, shard_numel)} of the spilled buckets."""
+    def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, buckets: dict,
+                 device: torch.device | str = "cpu"):
+        """buckets: {reducer bucket index: (dtype, shard_numel)} of the spilled buckets; device:
+        where the staged gradients are reduced (the statistics are computed there)."""
         self.policy = policy
+        self.device = torch.device(device)
         self.rank = rank
         self.directory = directory
         self._io = policy.aio.new_handle()
@@ -100,17 +111,19 @@ class GradSpill:
     # -- backward: stage, then commit or discard ---------------------------------------------------
 
     def stage(self, b: int, value: torch.Tensor) -> None:
-        """The pass's new gradient of bucket b (written as the pending generation)."""
+        """The pass's new gradient of bucket b (written as the pending generation); value may be
+        a device tensor (CUDA training): statistics there, then copied down (module doc)."""
         h = self._buckets[b]
         inf = local_term(value, math.inf)
         # Finite exactly when max |g| is (NaN and inf propagate through it): no pass of its own.
+        # Kept as a tensor: reading it would make the CPU wait for the device here.
         h.pending_stats = {"2": local_term(value, 2.0), "inf": inf,
-                           "finite": inf is None or bool(torch.isfinite(inf))}
+                           "finite": True if inf is None else torch.isfinite(inf)}
         if len(self._writing) >= self.policy.buffer_count:
             self._drain()
         generation = h.generation + 1
         buf = self._take(h.layout.record_bytes)
-        h.layout.view(buf, h.layout.slots[0]).copy_(value.reshape(-1))
+        h.layout.view(buf, h.layout.slots[0]).copy_(value.reshape(-1))  # device -> host: synchronous
         t0 = time.perf_counter()
         record.seal(buf, h.layout, h.index, self.rank, generation)
         self.checksum_s += time.perf_counter() - t0
@@ -207,8 +220,8 @@ class GradSpill:
             raise self._named(e, h, h.generation, "reading") from None
         self.bytes_read += h.layout.record_bytes
         value = h.layout.view(buf, h.layout.slots[0])
-        for coef in h.scales:
-            value.mul_(coef.to(value.dtype))
+        for coef in h.scales:  # a device coefficient (CUDA clipping) is read once per factor
+            value.mul_(coef.to(device=value.device, dtype=value.dtype))
         h.loaned = buf
         return value
 
@@ -220,18 +233,27 @@ class GradSpill:
             self._give(buf)
 
     def term(self, b: int, norm_type: float) -> torch.Tensor | None:
-        """The clipping term of bucket b's gradient without reading it, or None (load it)."""
+        """The clipping term of bucket b's gradient (on `device`), or None when it has none
+        (zeros). Without reading it where the staged statistics still hold; else (scaled since,
+        another norm type) read back and computed on `device` (raises OSError like load)."""
         h = self._buckets[b]
-        if not h.valid or h.stats is None or h.scales:
+        if not h.valid:
             return None
         key = "inf" if math.isinf(norm_type) else ("2" if norm_type == 2.0 else None)
-        return None if key is None else h.stats[key]
+        if h.stats is not None and not h.scales and key is not None:
+            return h.stats[key]
+        value = self.load(b)
+        try:
+            return local_term(value.to(self.device), norm_type)
+        finally:
+            del value
+            self.give_back(b)
 
     def finite(self, b: int) -> bool | None:
         h = self._buckets[b]
         if not h.valid or h.stats is None or h.scales:
             return None
-        return h.stats["finite"]
+        return bool(h.stats["finite"])
 
     def scale_all(self, coef: torch.Tensor) -> None:
         for h in self._buckets.values():

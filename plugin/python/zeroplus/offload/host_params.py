@@ -44,8 +44,21 @@ up ahead of its pin in this mode (the disk reads run ahead instead); its errors 
 
 All CUDA calls go through host_tier.DeviceCopier; on a CPU "device" (the test hook
 host_tier.force_on_cpu_for_tests) copies are plain copies and events None, so CPU tests run this
-code bit for bit against the in-memory engine. Gradients are not spilled (they stay on the device
-until the step; with offload_optimizer the host tier copies them down per bucket).
+code bit for bit against the in-memory engine.
+
+Gradients (`spills_gradients`, read by the stage-3 placement when it attaches the reducer):
+  * NVMe mode with offload_optimizer (spill_gradients=True): the offloaded buckets' gradient
+    shards go to files beside the parameter records as they are reduced (grad_spill.GradSpill,
+    in the swapper's directory), exactly as on CPU training: the reducer copies each result down
+    into the spill's page-locked record buffer once its collective is waited on, so neither the
+    GPU nor host memory ever holds a whole model's gradient shards; the host tier's step reads
+    each one back (a host tensor: used directly, not copied again).
+  * NVMe mode without offload_optimizer: the step runs on the GPU and reads its gradient shards
+    there, so spilling them would only add a round trip through the disk and the bus per step
+    (down in backward, up at the step) without lowering the GPU's peak, which the step needs
+    anyway: they stay on the device.
+  * "cpu" mode: with offload_optimizer the host tier takes each gradient shard down as it is
+    reduced and the device frees it (host_tier.py); without, they stay on the device.
 Not thread-safe: the training thread calls it.
 """
 
@@ -83,18 +96,25 @@ class _Shard:
 
 
 class HostParamStore:
-    spills_gradients = False   # gradient shards stay on the device (no gradient files)
     keeps_master_apart = True  # in fp32 the master is not the shard (the shard is on the host)
 
     def __init__(self, policy: OffloadPolicy, device: torch.device, buckets: list, copier: DeviceCopier | None = None,
-                 swapper_for=None):
+                 swapper_for=None, spill_gradients: bool = False):
         """swapper_for: NVMe mode (policy device 'nvme'): called with the stand-in buckets, returns
-        the ParamSwapper that holds their records."""
+        the ParamSwapper that holds their records. spill_gradients (NVMe mode only): the
+        offloaded buckets' gradients go to files in its directory (the module doc: with
+        offload_optimizer, whose step reads them on the host)."""
         if not isinstance(policy, OffloadPolicy) or policy.what != "offload_param" \
                 or policy.device != ("nvme" if swapper_for is not None else "cpu"):
             raise ValueError("HostParamStore: needs an offload_param OffloadPolicy with device 'cpu' (or 'nvme' with "
                              "swapper_for)")
+        if not isinstance(spill_gradients, bool):
+            raise TypeError(f"HostParamStore: spill_gradients must be a bool, got {type(spill_gradients).__name__}")
+        if spill_gradients and swapper_for is None:
+            raise ValueError("HostParamStore: spill_gradients needs NVMe mode (swapper_for): the gradient files live "
+                             "in the parameter swapper's directory")
         self.policy = policy
+        self.spills_gradients = spill_gradients  # offloaded buckets' gradient shards go to files (module doc)
         self.device = torch.device(device)
         self.copier = DeviceCopier(self.device) if copier is None else copier
         self._homes: dict[int, _Shard] = {id(b): _Shard(i, b.dtype, b.shard_numel) for i, b in enumerate(buckets)}

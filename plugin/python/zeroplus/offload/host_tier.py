@@ -44,10 +44,14 @@ Gradients down, during backward, and kept there. The tier is the gradient reduce
 Per step the engine (zero/engine.py, _step_buckets) calls
 
     begin_step(order, source)  buckets with a copy from backward need nothing; for the others
-                               (an accumulation leftover reduced by step()'s flush, a spilled
-                               bucket, a second step without backward) the copy stream waits for
-                               the compute stream and the first DEPTH of them in `order` start
-                               down as before: source(i) is bucket i's gradient shard
+                               (an accumulation leftover reduced by step()'s flush, a second step
+                               without backward) the copy stream waits for the compute stream and
+                               the first DEPTH of them in `order` start down as before: source(i)
+                               is bucket i's gradient shard (a device tensor). Buckets whose
+                               gradients are spilled to files (offload_param "nvme",
+                               grad_spill.py) are not in `order`: the engine steps them on the
+                               spill's read-back host tensor, which needs no copy and no buffer
+                               here
     gradient(i)                starts the copies of the DEPTH buckets after i that have none,
                                waits for bucket i's event, applies the pending scalings and
                                returns its host buffer (the CPU step reads it)
@@ -73,12 +77,14 @@ Memory: the fp32 masters (page-locked when pin_memory is set: transfers never re
 they go through the buffers below, so pinning only keeps them out of the OS's swap) and the
 optimizer state on the host; one gradient buffer per bucket (its gradient shard in the
 accumulation dtype: in all the gradient-shard bytes of this rank, as DeepSpeed's CPU gradient
-partition; bounded, allocated at a bucket's first copy and reused every step: `grad_bytes`) and
+partition; bounded, allocated at a bucket's first copy and reused every step: `grad_bytes`; none
+for a spilled bucket, whose gradient is in its files and the spill's few record buffers) and
 UPLOAD_SLOTS upload buffers (one bucket's shard in the compute dtype), always page-locked on CUDA
 (asynchronous copies need it; where page-locking fails a buffer is pageable and its copies block
 the CPU). torch's pinned allocator rounds each allocation up to a power of two: up to twice a
 buffer's bytes. On the device stay the parameters; a gradient shard only from its reduction until
-its copy down has read it (and while a later backward adds to it).
+its copy down has read it (and while a later backward adds to it); a spilled one until it is
+copied into its record.
 
 Not thread-safe: the training thread calls it (the reducer's calls come from the autograd thread
 while the training thread is inside backward).
@@ -199,7 +205,7 @@ class HostTier:
         self._source = None
         self._issued = 0                 # positions of _order checked for a copy to start
         # Buckets whose gradient the last step found copied (or on its way) from backward: all of
-        # them unless accumulation leftovers, a dropped copy or spilled buckets were copied by it.
+        # them unless accumulation leftovers or a dropped copy were copied by it.
         self.found_on_host = 0
 
     @property

@@ -105,7 +105,8 @@ class ZeroEngine(torch.optim.Optimizer):
         device = self.placement.target_device or next(p.device for grp in trainable for p in grp)
         self._offload_prepared = prepare_optimizer_store(options.offload_optimizer, options.offload_param, self.rank,
                                                          device, name)
-        param_store = prepare_param_store(options.offload_param, self.stage, self.rank, device, name)
+        param_store = prepare_param_store(options.offload_param, self.stage, self.rank, device, name,
+                                          self._offload_prepared)
         if param_store is not None:
             self.placement.use_param_store(param_store)
         if self.compute_dtype is not None and module is not None:
@@ -242,7 +243,7 @@ class ZeroEngine(torch.optim.Optimizer):
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16).
-        With offload_param "nvme" the spilled ones are read back: copies, all at once. With the
+        With offload_param "nvme" the spilled ones are read back: host copies, all at once. With the
         host tier the copies made in backward are dropped (the caller may write the shards; the
         step copies them again)."""
         self._flush()
@@ -374,14 +375,18 @@ class ZeroEngine(torch.optim.Optimizer):
             self._offload_steps += 1
             self.offload.begin_step(order)
         self.step_order = order
+        # Spilled gradients (offload_param "nvme") are host tensors read back by the placement
+        # (read ahead, a read error deferred to end_step): the host tier copies only device ones.
+        spill = self.reducer.spill
+        spilled = set() if spill is None else {i for i in order if spill.spills(i)}
         if self.host_tier is not None:  # shards not copied in backward start down, a few buckets ahead
-            self.host_tier.begin_step(order, self.reducer.shard)
+            self.host_tier.begin_step([i for i in order if i not in spilled], self.reducer.shard)
         try:
             for i in order:
                 bo = self.bucket_optimizers[i]
                 if not self.placement.before_bucket_step(i):
                     continue  # an offloaded parameter shard could not be read: not stepped
-                grad_shard = (self.host_tier.gradient(i) if self.host_tier is not None
+                grad_shard = (self.host_tier.gradient(i) if self.host_tier is not None and i not in spilled
                               else self.placement.gradient_shard(i, self.reducer))
                 if grad_shard is None:
                     continue  # a spilled gradient that could not be read: not stepped (raised at the end)

@@ -33,9 +33,10 @@ engine's BackwardPass, backward_pass.py; this class is its first participant):
     the next pass (buffer_pool.py: no page faults per step, never more than the peak in use).
   * Which parameters had a gradient in a pass is committed to `usage` (usage.py) when the pass
     succeeds; the optimizer steps only parameters some rank used (torch skips a None grad).
-Gradient spill (offload_param "nvme", zeroplus.offload.grad_spill): the buckets it spills get
-no accumulator. Their result is handed to the spill as soon as their collective is waited on
-(added to the previous gradient read back from it, when accumulating), written as a pending
+Gradient spill (offload_param "nvme": CPU training, and CUDA training with offload_optimizer;
+zeroplus.offload.grad_spill): the buckets it spills get no accumulator. Their result is handed to
+the spill as soon as their collective is waited on (added, where it was reduced, to the previous
+gradient read back from it, when accumulating), written as a pending
 generation, and committed with the pass, so at most a few buckets' gradients are in memory.
 `shard(b)` reads one back for the step; `scale_(coef)` and `local_terms(p)` serve clipping and
 unscaling without reading them.
@@ -158,7 +159,9 @@ class GradientReducer:
         b, out, scale = entry.bucket, entry.out, self._scale_of(entry.bucket)
         old = self.spill.load(b) if self.has_grads and self.spill.has(b) else None
         if old is not None:
-            value = old.add_(out, alpha=scale)
+            # The add where the in-memory accumulator is (CUDA: the loaded host shard goes up
+            # first; on CPU .to is the loaded tensor itself), for its bits.
+            value = old.to(out.device).add_(out, alpha=scale)
         elif self.accum_dtypes[b] == out.dtype:
             value = out.mul_(scale) if scale != 1.0 else out  # bitwise 0 + scale * sum
         else:
@@ -170,11 +173,12 @@ class GradientReducer:
 
     def shard(self, b: int) -> torch.Tensor:
         """Bucket b's gradient shard: the accumulator, or a spilled or released one read back (a
-        copy: write changes through scale_)."""
+        copy: write changes through scale_). A spilled one is a host tensor, zeros included (CUDA
+        training: the host tier's step reads it there); a released one a device tensor."""
         if self._spilled(b):
             value = self.spill.load(b)
             return value if value is not None else torch.zeros(self.buckets[b].shard_numel, dtype=self.accum_dtypes[b],
-                                                                device=self.buckets[b].device)
+                                                                device="cpu")
         if self.released[b]:
             return self.observer.fetch(b)
         if self.shard_gradients:

@@ -139,10 +139,13 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     which backward's copies land in: g * psi / n) and 2 upload buffers (a bucket's parameter
     shard each); `resident` is gpu + host. device="cpu": `gpu` 0, `host` = `resident`.
     offload_param on CUDA training (stage 3, docs/offload.md "Parameter offload on CUDA training")
-    moves the parameter shards off `gpu`: "cpu" to `host`; "nvme" to `nvme` (+ 4 KiB per record;
-    gradients are not spilled on CUDA training) with the swapper's pool (`offload_param_buffers`)
-    in `host`. Without offload_optimizer an fp32 run then keeps a separate fp32 master shard on the
-    GPU (the shard is no longer the master), so `gpu` only drops in mixed precision. The gathered
+    moves the parameter shards off `gpu`: "cpu" to `host`; "nvme" to `nvme` (+ 4 KiB per record)
+    with the swapper's pool (`offload_param_buffers`) in `host`. "nvme" with offload_optimizer
+    also spills the gradient shards, as on CPU training: off `gpu` and out of the host tier's
+    per-bucket gradient buffers, into `nvme` (two files per bucket); without offload_optimizer
+    they stay on the GPU (the step runs there). Without offload_optimizer an fp32 run then keeps a
+    separate fp32 master shard on the GPU (the shard is no longer the master), so `gpu` only drops
+    in mixed precision. The gathered
     units (the unit computing and the prefetch) are working memory, not model state, and are not
     counted. offload_param="cpu" on CPU training changes nothing."""
     if isinstance(num_params, bool) or not isinstance(num_params, (int, float)) or num_params < 0:
@@ -201,11 +204,14 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
         out["nvme"] += out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
         out["resident"] += out["offload_param_buffers"] - out["parameters"] - out["gradients"]
     param_nvme = 0.0
+    grads_spilled = device == "cuda" and offload_param == "nvme" and offload_optimizer != "none"
     if device == "cuda" and offload_param == "nvme":
-        # CUDA training spills no gradients: only the parameter records go to the files
+        # the parameter records go to the files; the gradient files too when the step is on the host
         buckets = -(-psi // bucket_elems) if psi else 0
         out["nvme"] -= out["parameters"] + 2 * out["gradients"] + 3 * 4096 * buckets
         param_nvme = out["parameters"] + 4096 * buckets
+        if grads_spilled:
+            param_nvme += 2 * out["gradients"] + 2 * 4096 * buckets
     params_off = out["parameters"] if (device == "cuda" and offload_param != "none") else 0.0
     params_host = out["parameters"] if offload_param == "cpu" else out["offload_param_buffers"]
     if device == "cpu":
@@ -219,9 +225,11 @@ def estimate_memory(num_params, world_size: int, stage: int, mixed_precision: st
     else:
         host_master = 4 * psi / n  # the host tier's own fp32 master shard, in every precision
         shard = -(-min(bucket_elems, max(psi, 1)) // n)
-        staging = g * psi / n + 2 * shard * p  # every bucket's gradient shard, 2 upload buffers
-        # Gradients live on the host (host_tier.py): on the GPU only a bucket's (its shard; at
-        # stage 1 the whole bucket) from its reduction until its copy down has read it.
+        # every bucket's gradient shard (none when they are spilled), 2 upload buffers
+        staging = (0.0 if grads_spilled else g * psi / n) + 2 * shard * p
+        # Gradients live on the host (host_tier.py) or in files (spilled): on the GPU only a
+        # bucket's (its shard; at stage 1 the whole bucket) from its reduction until its copy
+        # down has read it.
         live_grad = g * (shard if stage >= 2 else min(bucket_elems, max(psi, 1)))
         out["gpu"] = out["parameters"] + live_grad
         if offload_optimizer == "cpu":

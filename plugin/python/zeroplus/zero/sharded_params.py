@@ -28,9 +28,12 @@ predicted ones ahead. The step pins a bucket's shard before its optimizer runs w
 the fp32 master itself and writes the updated shard back at publish: once, in place (fp32), or
 cast from the master (mixed precision). A shard that cannot be read (before_bucket_step) is not
 stepped; its error is raised by end_step after the step's last collective.
-With offload_param "cpu" on CUDA training (host_params.py, the same interface) the shards live in
-host memory, the master is never the shard (keeps_master_apart: a host-tier or device fp32 copy)
-and publish casts it into the host shard; gradients are not spilled.
+With offload_param "cpu" or "nvme" on CUDA training (host_params.py, the same interface) the
+shards live in host memory or its swapper's files, the master is never the shard
+(keeps_master_apart: a host-tier or device fp32 copy) and publish casts it into the host shard;
+gradients are spilled only with "nvme" and offload_optimizer (spills_gradients: the host tier's
+step reads them on the host); with "cpu" and offload_optimizer the host tier holds them; without
+offload_optimizer they stay on the device.
 
 Reads the engine's public attributes (process_group, rank, world_size, compute_dtype, module,
 param_groups, buckets, masters, backward_pass); called by the engine only.
@@ -184,7 +187,7 @@ class ShardedParams:
             # Gradients of offloaded buckets are spilled beside their parameter records.
             spilled = {i: (engine.reducer.accum_dtypes[i], b.shard_numel) for i, b in enumerate(engine.buckets)
                        if self.param_store.offloads(b)}
-            engine.reducer.attach_spill(make_grad_spill(self.param_store, spilled))
+            engine.reducer.attach_spill(make_grad_spill(self.param_store, spilled, self.target_device))
         self.gatherer = ParameterGatherer(self.units, list(engine.buckets) + self.frozen_buckets,
                                           engine.process_group, engine.rank, engine.backward_pass,
                                           prefetch_elems=policy.prefetch_bucket_size,
