@@ -15,8 +15,10 @@ force_on_cpu_for_tests makes CPU training take this path, so here (2 ranks, one 
   * round trips: model + optimizer state dicts, and zeroplus checkpoints cross-loaded between the
     in-memory and offloaded engines, continue identically;
   * ordering (a recording copier): each offloaded shard's copy up, and the compute stream's wait
-    for it, come before the all-gather that reads it; on the second pass (prediction recorded) a
-    unit's copy is issued before the previous unit's forward ends;
+    for it, come before the all-gather that reads it; each copy up comes right after the copy
+    stream was told to follow the compute stream (its device buffer was just allocated there); on
+    the second pass (prediction recorded) a unit's copy is issued before the previous unit's
+    forward ends;
   * memory: at every module boundary the device-resident shard bytes stay within those of the
     units gathered or in flight plus buffer_count read-ahead shards (buffer_count 1 here), and
     the buckets of released units are empty.
@@ -209,7 +211,7 @@ class _RecordingCopier:
     def copy(self, dst, src, device_side):
         dst.copy_(src)
         token = object()
-        self.log.append(("copy", dst.data_ptr(), dst.numel(), id(token)))
+        self.log.append(("copy", dst.data_ptr(), dst.numel(), id(token), device_side is dst))
         return token
 
     @staticmethod
@@ -249,12 +251,15 @@ def _ordering(rank, group):
     finally:
         host_params.DeviceCopier, comm.all_gather = real_copier, real_gather
         _RecordingCopier.log = []
-    out = {"gathers": 0, "gather_without_copy": [], "gather_before_wait": [], "late_prefetch": []}
+    out = {"gathers": 0, "gather_without_copy": [], "gather_before_wait": [], "late_prefetch": [],
+           "up_without_follow": []}
     for entries in passes:
         last_copy, waited = {}, set()
         for k, e in enumerate(entries):
             if e[0] == "copy":
                 last_copy[(e[1], e[2])] = (k, e[3])
+                if e[4] and (k == 0 or entries[k - 1] != ("follow",)):
+                    out["up_without_follow"].append(k)
             elif e[0] == "compute_waits":
                 waited.add(e[1])
             elif e[0] == "gather":
@@ -383,6 +388,7 @@ def test_copy_up_comes_before_its_all_gather_and_ahead_of_compute():
         assert out["gather_without_copy"] == [], "an all-gather read a shard that was not copied up"
         assert out["gather_before_wait"] == [], "an all-gather was issued before the compute stream waited for its copy"
         assert out["late_prefetch"] == [], "a unit's copy up was not issued before the previous unit's forward ended"
+        assert out["up_without_follow"] == [], "a copy up was issued without the copy stream following the compute stream"
 
 
 def test_device_holds_only_the_gathered_units_shards():
@@ -454,6 +460,96 @@ def test_store_read_ahead_write_and_replacements():
     store.read_ahead([b2])
     store.end_step()
     assert store.device_bytes == 0 and store.disk_bytes() == 0
+
+
+class _StreamLog:
+    """A CPU DeviceCopier that logs, in order, the copy stream following the compute stream and
+    each copy, as "up" (the device-side tensor is the destination) or "down"."""
+
+    def __init__(self):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(torch.device("cpu"))
+        self.device, self.cuda, self.log = self._inner.device, False, []
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        self.log.append("follow")
+
+    def copy(self, dst, src, device_side):
+        dst.copy_(src)
+        self.log.append("up" if device_side is dst else "down")
+        return object()
+
+    def host_wait(self, event):
+        pass
+
+    def compute_waits(self, event):
+        if event is not None:
+            self.log.append("compute_waits")
+
+
+class _FakeSwapper:
+    """What HostParamStore's NVMe mode uses of a ParamSwapper, in memory."""
+
+    def put_initial(self, proxy, values):
+        proxy.shard = values.clone()
+
+    def finish_initial(self):
+        pass
+
+    def pin(self, proxy, update=False):
+        return proxy.shard
+
+    def unpin(self, proxy):
+        pass
+
+    def read_ahead(self, proxies, depth=None):
+        pass
+
+    def write(self, proxy, src, defer=False):
+        proxy.shard.copy_(src)
+
+    def end_step(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ("pinned", "pageable", "nvme"))
+def test_every_copy_up_follows_the_compute_stream(mode, tmp_path):
+    """A copy up writes a device buffer just allocated from the compute stream's pool, whose
+    memory the kernels queued there may still use (a freed activation, a shard an all-gather the
+    compute stream waits for still reads): on CUDA the copy stream must wait for the compute
+    stream first. (On CPU copies are synchronous, so only the order of the calls can show it.)"""
+    from zeroplus.offload.host_params import HostParamStore
+    from zeroplus.offload.policy import parse_offload
+
+    rec = _StreamLog()
+    buckets = [_Bucket(4), _Bucket(3), _Bucket(2, torch.bfloat16)]
+    knobs = {"device": "cpu", "pin_memory": mode == "pinned", "buffer_count": 2}
+    swapper_for = None
+    if mode == "nvme":
+        knobs = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2}
+        swapper_for = lambda _proxies: _FakeSwapper()  # noqa: E731
+    store = HostParamStore(parse_offload("offload_param", knobs), torch.device("cpu"), buckets, copier=rec,
+                           swapper_for=swapper_for)
+    for b in buckets:
+        store.put_initial(b, b.shard)
+    store.finish_initial()
+    for _ in range(2):  # read ahead, pinned, unpinned; written down; gathered again on demand
+        store.read_ahead(buckets)
+        for b in buckets:
+            shard = store.pin(b)
+            assert torch.equal(shard.float(), torch.arange(float(b.shard_numel)))
+            store.unpin(b)
+        store.pin(buckets[0])
+        store.write(buckets[0], None)
+        store.unpin(buckets[0])
+        store.end_step()
+    ups = [k for k, what in enumerate(rec.log) if what == "up"]
+    assert len(ups) >= 2 * len(buckets)
+    assert all(k > 0 and rec.log[k - 1] == "follow" for k in ups), rec.log
 
 
 def test_store_pageable_goes_through_the_staging_ring():

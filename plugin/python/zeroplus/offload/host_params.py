@@ -26,10 +26,13 @@ the step's publish, full state dicts and checkpoints drive both the same way:
     stage_replacement / commit_replacements / discard_replacements   load_checkpoint's
                          all-or-nothing replacement of frozen shards (held in memory until commit).
 
-Ordering (CUDA): copies up and down go through one copy stream (in issue order); a device-side
-tensor is recorded on that stream so the caching allocator does not reuse it early; before the
-host writes a host shard (write, commit) it waits for every copy still reading or writing it, and
-drops a read-ahead copy of the old values. Without pin_memory the host shard is pageable, so each
+Ordering (CUDA): copies up and down go through one copy stream (in issue order); the copy stream
+follows the compute stream before each copy up (its device buffer is allocated on the compute
+stream, whose kernels queued so far may still use that memory) and before each copy down (the
+step or the load that wrote the source ran there); a device-side tensor is recorded on the copy
+stream so the caching allocator does not reuse it early; before the host writes a host shard
+(write, commit) it waits for every copy still reading or writing it, and drops a read-ahead copy
+of the old values. Without pin_memory the host shard is pageable, so each
 copy up goes through a page-locked staging buffer (a ring, each buffer reused after its copy's
 event), as asynchronous copies need.
 
@@ -183,6 +186,11 @@ class HostParamStore:
             return
         src = self._stage(h)
         dst = torch.empty(h.host.numel(), dtype=h.host.dtype, device=self.device)
+        # dst comes from the compute stream's pool: its memory may have been freed there by a
+        # tensor whose kernels (or a collective the compute stream waits for) are still queued,
+        # and the copy stream runs beside them. The copy starts after them; the copies ahead of
+        # the next units still overlap the forward or backward queued from now on.
+        self.copier.follow_compute()
         event = self.copier.copy(dst, src, dst)
         if src is not h.host:
             k = (self._next_staging - 1) % len(self._staging)
@@ -200,6 +208,7 @@ class HostParamStore:
         src = self.swapper.pin(h.proxy)
         try:
             dst = torch.empty(h.numel, dtype=h.dtype, device=self.device)
+            self.copier.follow_compute()  # (see _copy_up)
             event = self.copier.copy(dst, src, dst)
             self.copier.host_wait(event)
         finally:
