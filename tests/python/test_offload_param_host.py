@@ -9,7 +9,9 @@ force_on_cpu_for_tests makes CPU training take this path, so here (2 ranks, one 
   * parity: BIT FOR BIT with the in-memory stage-3 engine after 3 steps with clipping, fp32 and
     bf16, with the optimizer offloaded too (host tier, "cpu" and "nvme") and without (the step on
     the device, the master copied down into the host shard), pinned and pageable (the staging
-    ring), on a model with a layer used twice in one forward and a frozen layer; the sharded and
+    ring), on a model with a layer used twice in one forward and a frozen layer; a few cases
+    again with the store's copies run as late as CUDA may (when their event is waited for; a copy
+    up's buffer is NaN until then), so a missing wait shows as a difference; the sharded and
     consolidated optimizer state too; between steps every offloaded shard is empty on the device
     and its host shard holds the in-memory run's values;
   * round trips: model + optimizer state dicts, and zeroplus checkpoints cross-loaded between the
@@ -70,8 +72,10 @@ def _batch(step: int, rank: int):
     return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _build(group, precision, param=None, optimizer=None):
+def _build(group, precision, param=None, optimizer=None, copier=None):
+    """copier: the class the parameter store makes its DeviceCopier from (default: the real one)."""
     import zeroplus
+    import zeroplus.offload.host_params as host_params
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
 
     kw = {}
@@ -80,9 +84,55 @@ def _build(group, precision, param=None, optimizer=None):
     if optimizer is not None:
         kw["offload_optimizer"] = optimizer
     model = Net()
-    with force_on_cpu_for_tests():
-        return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1,
-                                   mixed_precision=precision, process_group=group, config=CONFIG, **kw)
+    real = host_params.DeviceCopier
+    host_params.DeviceCopier = copier or real
+    try:
+        with force_on_cpu_for_tests():
+            return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1,
+                                       mixed_precision=precision, process_group=group, config=CONFIG, **kw)
+    finally:
+        host_params.DeviceCopier = real
+
+
+class _LateCopier:
+    """A CPU DeviceCopier that runs each copy as late as CUDA may: when its event (or a later one:
+    one stream) is waited for, by the host or by the compute stream. A copy up's destination is
+    NaN until then (so an all-gather reading it before the compute stream waited fails the
+    comparison), a copy down's host shard keeps the old values, and a device tensor written
+    before the wait changes what the copy reads."""
+
+    def __init__(self, device):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(device)
+        self.device, self.cuda = self._inner.device, False
+        self.pending = []  # (event, dst, src) issued, not run yet
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        pass
+
+    def copy(self, dst, src, device_side):
+        event = object()
+        if device_side is dst and dst.is_floating_point():
+            dst.fill_(float("nan"))
+        self.pending.append((event, dst, src))
+        return event
+
+    def _run_through(self, event):
+        while any(e is event for e, _, _ in self.pending):
+            _, dst, src = self.pending.pop(0)
+            dst.copy_(src)
+
+    def host_wait(self, event):
+        if event is not None:
+            self._run_through(event)
+
+    def compute_waits(self, event):
+        if event is not None:
+            self._run_through(event)
 
 
 def _train(model, opt, rank, steps, start=0):
@@ -119,7 +169,7 @@ def _residency(opt, ref_opt) -> dict:
     }
 
 
-def _parity(rank, group, precision, optimizer, pin, device="cpu"):
+def _parity(rank, group, precision, optimizer, pin, device="cpu", late=False):
     import torch.distributed as dist
     import zeroplus
 
@@ -134,7 +184,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
         opt_offload = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
     try:
         ref, ref_opt = _build(group, precision)
-        model, opt = _build(group, precision, param, opt_offload)
+        model, opt = _build(group, precision, param, opt_offload, _LateCopier if late else None)
         out = {"host_tier": opt.host_tier is not None}
         _train(ref, ref_opt, rank, STEPS)
         _train(model, opt, rank, STEPS)
@@ -151,7 +201,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
         # Round trip: fresh engines (one step taken, so there is state to replace) load the in-memory
         # run's model and sharded optimizer state, then continue alike.
         ref2, ref_opt2 = _build(group, precision)
-        model2, opt2 = _build(group, precision, param, opt_offload)
+        model2, opt2 = _build(group, precision, param, opt_offload, _LateCopier if late else None)
         for m, o in ((ref2, ref_opt2), (model2, opt2)):
             _train(m, o, rank, 1, start=10)
             m.load_state_dict(saved_model)
@@ -168,7 +218,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
             zeroplus.save_checkpoint(f"{ckpt[0]}/host", model, opt)
             zeroplus.save_checkpoint(f"{ckpt[0]}/ref", ref, ref_opt)
             ref3, ref_opt3 = _build(group, precision)
-            model3, opt3 = _build(group, precision, param, opt_offload)
+            model3, opt3 = _build(group, precision, param, opt_offload, _LateCopier if late else None)
             for m, o, which in ((ref3, ref_opt3, "host"), (model3, opt3, "ref")):
                 _train(m, o, rank, 1, start=10)
                 zeroplus.load_checkpoint(f"{ckpt[0]}/{which}", m, o)
@@ -325,12 +375,15 @@ def _memory(rank, group):
 PARITY = [(p, o, pin, "cpu") for p in (None, "bf16") for o, pin in (("cpu", True), (None, False))] \
     + [("bf16", "nvme", True, "cpu"), (None, "cpu", False, "cpu"), ("fp16", "cpu", True, "cpu"),
        ("bf16", "cpu", True, "nvme"), (None, "nvme", True, "nvme"), ("bf16", None, False, "nvme")]
+# The store's copies run as late as CUDA may (_LateCopier): every wait the store needs is there.
+PARITY += [(None, None, True, "cpu", True), ("bf16", "cpu", True, "cpu", True), ("bf16", None, False, "cpu", True),
+           (None, None, True, "nvme", True)]
 
 
 def _parity_id(case) -> str:
-    precision, optimizer, pin, device = case
+    precision, optimizer, pin, device, *late = case
     return (f"{precision or 'fp32'}-param_{device}-opt_{optimizer or 'device'}-"
-            f"{'pinned' if pin else 'pageable'}")
+            f"{'pinned' if pin else 'pageable'}{'-late_copies' if late else ''}")
 
 
 def _all_cases(rank, world):
@@ -363,7 +416,7 @@ def _ok(key):
 
 @pytest.mark.parametrize("case", PARITY, ids=_parity_id)
 def test_bit_for_bit_with_the_in_memory_engine(case):
-    precision, optimizer, _pin, device = case
+    precision, optimizer, _pin, device, *_late = case
     for out in _ok(_parity_id(case)):
         res = out["residency"]
         assert res["store"] == "HostParamStore" and not res["grad_spill"]

@@ -293,8 +293,11 @@ class HostParamStore:
             # swapper casts it into a record and writes it (at end_step when deferred)
             self.swapper.write(h.proxy, src if src.device.type == "cpu" else src.to("cpu"), defer=defer)
             return
-        if src.device.type == "cpu":
-            h.host.copy_(src)  # the host tier's master: the cast on the host, no device round trip
+        if src.device != self.device:
+            # The host tier's master (a host tensor on CUDA training): the cast on the host, no
+            # device round trip. On a CPU "device" (the test hook) every master takes the device
+            # path below instead, so CPU tests run its copy and its waits.
+            h.host.copy_(src)
             return
         # A device master (the step ran on the GPU) or the pinned shard: cast there, copied down
         # after the compute stream's work so far (the step, the load).
