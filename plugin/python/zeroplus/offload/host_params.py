@@ -40,7 +40,8 @@ NVMe (offload_param "nvme" on CUDA training): the host side is the NVMe paramete
 (param_swapper.py) over stand-in buckets whose `shard` is a host tensor: the shards live in its
 records, read ahead (from disk, into its pooled page-locked buffers) in the gatherer's order; a pin
 pins the record on the host, copies it up and waits for that copy (so the pool buffer can be
-reused at once: the CPU, not the GPU, waits for the copy), and a write hands the new shard (cast on
+reused at once: the CPU, not the GPU, waits for the copy; as the copy follows the compute stream,
+the CPU also waits for the work queued before it), and a write hands the new shard (cast on
 the host, or copied down first) to the swapper, which writes it after the step. No shard is copied
 up ahead of its pin in this mode (the disk reads run ahead instead); its errors are the swapper's
 (docs/offload.md "Faults").
