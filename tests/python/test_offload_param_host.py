@@ -72,10 +72,8 @@ def _batch(step: int, rank: int):
     return torch.randn(8, 12, generator=g), torch.randn(8, 6, generator=g)
 
 
-def _build(group, precision, param=None, optimizer=None, copier=None):
-    """copier: the class the parameter store makes its DeviceCopier from (default: the real one)."""
+def _build(group, precision, param=None, optimizer=None):
     import zeroplus
-    import zeroplus.offload.host_params as host_params
     from zeroplus.offload.host_tier import force_on_cpu_for_tests
 
     kw = {}
@@ -84,55 +82,9 @@ def _build(group, precision, param=None, optimizer=None, copier=None):
     if optimizer is not None:
         kw["offload_optimizer"] = optimizer
     model = Net()
-    real = host_params.DeviceCopier
-    host_params.DeviceCopier = copier or real
-    try:
-        with force_on_cpu_for_tests():
-            return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1,
-                                       mixed_precision=precision, process_group=group, config=CONFIG, **kw)
-    finally:
-        host_params.DeviceCopier = real
-
-
-class _LateCopier:
-    """A CPU DeviceCopier that runs each copy as late as CUDA may: when its event (or a later one:
-    one stream) is waited for, by the host or by the compute stream. A copy up's destination is
-    NaN until then (so an all-gather reading it before the compute stream waited fails the
-    comparison), a copy down's host shard keeps the old values, and a device tensor written
-    before the wait changes what the copy reads."""
-
-    def __init__(self, device):
-        from zeroplus.offload.host_tier import DeviceCopier
-
-        self._inner = DeviceCopier(device)
-        self.device, self.cuda = self._inner.device, False
-        self.pending = []  # (event, dst, src) issued, not run yet
-
-    def host_empty(self, numel, dtype, pin):
-        return self._inner.host_empty(numel, dtype, pin)
-
-    def follow_compute(self):
-        pass
-
-    def copy(self, dst, src, device_side):
-        event = object()
-        if device_side is dst and dst.is_floating_point():
-            dst.fill_(float("nan"))
-        self.pending.append((event, dst, src))
-        return event
-
-    def _run_through(self, event):
-        while any(e is event for e, _, _ in self.pending):
-            _, dst, src = self.pending.pop(0)
-            dst.copy_(src)
-
-    def host_wait(self, event):
-        if event is not None:
-            self._run_through(event)
-
-    def compute_waits(self, event):
-        if event is not None:
-            self._run_through(event)
+    with force_on_cpu_for_tests():
+        return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=1e-2, weight_decay=0.1,
+                                   mixed_precision=precision, process_group=group, config=CONFIG, **kw)
 
 
 def _train(model, opt, rank, steps, start=0):
@@ -184,7 +136,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu", late=False):
         opt_offload = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
     try:
         ref, ref_opt = _build(group, precision)
-        model, opt = _build(group, precision, param, opt_offload, _LateCopier if late else None)
+        model, opt = _build_with(_LateCopier if late else None, group, precision, param, opt_offload)
         out = {"host_tier": opt.host_tier is not None}
         _train(ref, ref_opt, rank, STEPS)
         _train(model, opt, rank, STEPS)
@@ -201,7 +153,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu", late=False):
         # Round trip: fresh engines (one step taken, so there is state to replace) load the in-memory
         # run's model and sharded optimizer state, then continue alike.
         ref2, ref_opt2 = _build(group, precision)
-        model2, opt2 = _build(group, precision, param, opt_offload, _LateCopier if late else None)
+        model2, opt2 = _build_with(_LateCopier if late else None, group, precision, param, opt_offload)
         for m, o in ((ref2, ref_opt2), (model2, opt2)):
             _train(m, o, rank, 1, start=10)
             m.load_state_dict(saved_model)
@@ -218,7 +170,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu", late=False):
             zeroplus.save_checkpoint(f"{ckpt[0]}/host", model, opt)
             zeroplus.save_checkpoint(f"{ckpt[0]}/ref", ref, ref_opt)
             ref3, ref_opt3 = _build(group, precision)
-            model3, opt3 = _build(group, precision, param, opt_offload, _LateCopier if late else None)
+            model3, opt3 = _build_with(_LateCopier if late else None, group, precision, param, opt_offload)
             for m, o, which in ((ref3, ref_opt3, "host"), (model3, opt3, "ref")):
                 _train(m, o, rank, 1, start=10)
                 zeroplus.load_checkpoint(f"{ckpt[0]}/{which}", m, o)
@@ -238,6 +190,59 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu", late=False):
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _build_with(copier, *args, **kwargs):
+    """_build, with the parameter store's DeviceCopier made from `copier` (None: the real one)."""
+    import zeroplus.offload.host_params as host_params
+
+    real = host_params.DeviceCopier
+    host_params.DeviceCopier = copier or real
+    try:
+        return _build(*args, **kwargs)
+    finally:
+        host_params.DeviceCopier = real
+
+
+class _LateCopier:
+    """A CPU DeviceCopier that runs each copy as late as CUDA may: when its event (or a later one:
+    one stream) is waited for, by the host or by the compute stream. A copy up's destination is
+    NaN until then (so an all-gather reading it before the compute stream waited fails the
+    comparison), a copy down's host shard keeps the old values, and a device tensor written
+    before the wait changes what the copy reads."""
+
+    def __init__(self, device):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(device)
+        self.device, self.cuda = self._inner.device, False
+        self.pending = []  # (event, dst, src) issued, not run yet
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        pass
+
+    def copy(self, dst, src, device_side):
+        event = object()
+        if device_side is dst and dst.is_floating_point():
+            dst.fill_(float("nan"))
+        self.pending.append((event, dst, src))
+        return event
+
+    def _run_through(self, event):
+        while any(e is event for e, _, _ in self.pending):
+            _, dst, src = self.pending.pop(0)
+            dst.copy_(src)
+
+    def host_wait(self, event):
+        if event is not None:
+            self._run_through(event)
+
+    def compute_waits(self, event):
+        if event is not None:
+            self._run_through(event)
 
 
 class _RecordingCopier:
