@@ -20,6 +20,10 @@ What must hold:
     optimizer state continues like the reference does.
 A failure says which side failed: "reference" (the in-memory CUDA engine itself, not the
 offload path) or "offload", with the rank's traceback.
+Stream ordering (one process, the host tier alone): a gradient shard the step's source makes on
+the compute stream (the reducer zero-fills an accumulator that a failed backward freed) is copied
+down after its fill, not before. Expected to fail until host_tier's step copies follow the compute
+stream (helper review cudareview, 2026-11-26); strict, so the fix shows as XPASS.
 """
 
 from __future__ import annotations
@@ -235,3 +239,46 @@ def test_cuda_offload_matches_training_in_gpu_memory(world, case):
         offload_ms, ref_ms = res["step_ms"]
         print(f"\n{where}: step {offload_ms:.2f} ms offloaded, {ref_ms:.2f} ms in GPU memory (tiny model: latency, "
               f"not bandwidth)")
+
+
+# -- stream ordering of the host tier alone ---------------------------------------------------------
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: the CPU issues what follows long before it runs
+
+
+@pytest.mark.xfail(strict=True, reason="HostTier._start follows the compute stream only for copies made in backward; "
+                                       "a shard the step's source allocates (and fills) on the compute stream is "
+                                       "read before its fill (cudareview report)")
+def test_step_copy_of_a_shard_made_at_the_step_runs_after_its_fill():
+    from zeroplus.offload.host_tier import HostTier
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    n = 1 << 19  # 2 MiB of fp32: a large-pool block, the only free one of its size once freed
+    tier = HostTier(cuda, [torch.zeros(n, device=cuda)], pin_memory=True)
+    # A first step allocates the bucket's page-locked gradient buffer (an allocation there might
+    # synchronize); the second reuses it.
+    tier.begin_step([0], lambda _b: torch.zeros(n, device=cuda))
+    tier.gradient(0)
+    tier.end_step()
+    torch.cuda.synchronize()
+    junk = torch.full((n,), 7.0, device=cuda)
+    torch.cuda.synchronize()
+    where = junk.data_ptr()
+    del junk  # its block holds 7s
+    made = []
+
+    def source(_b):  # as reducer.shard() for an accumulator a failed backward freed: zeros, made now
+        torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy: the fill below runs late
+        t = torch.zeros(n, device=cuda)
+        made.append(t)
+        return t
+
+    try:
+        tier.begin_step([0], source)
+        got = tier.gradient(0).clone()
+    finally:
+        tier.end_step()
+    if made[0].data_ptr() != where:
+        pytest.skip("the caching allocator handed the shard another block: nothing to order")
+    assert torch.equal(got, torch.zeros(n)), \
+        f"the step's copy read the shard before its fill ({int((got == 7.0).sum())} of {n} elements are stale)"

@@ -25,7 +25,12 @@ What must hold:
     held in GPU memory or in the host tier's per-bucket buffers; otherwise nothing is spilled.
     Odd steps accumulate a second micro-batch (a spilled gradient read back, added to on the GPU).
 A failure says which side failed: "reference" (the in-memory CUDA engine, not this path) or
-"offload", with the rank's traceback. Not run on a GPU yet (written 2026-11-26 without one).
+"offload", with the rank's traceback.
+Stream ordering (one process, the store alone, a second or so): a shard's copy up writes a device
+buffer the caching allocator just handed out; a kernel still queued on the compute stream behind a
+busy GPU (torch.cuda._sleep) that writes that memory must run before the copy, not after it (pinned,
+pageable and NVMe mode; skipped when the allocator did not hand out the same block).
+Not run on a GPU yet (written 2026-11-26 without one).
 """
 
 from __future__ import annotations
@@ -301,3 +306,65 @@ def test_cuda_param_offload_matches_training_in_gpu_memory(world, case, monkeypa
         offload_ms, ref_ms = res["step_ms"]
         print(f"\n{where}: training step {offload_ms:.2f} ms with parameters on the host, {ref_ms:.2f} ms in GPU "
               f"memory (tiny model: latency, not bandwidth)")
+
+
+# -- stream ordering of the store alone ------------------------------------------------------------
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: the CPU issues what follows long before it runs
+
+
+class _Bucket:
+    def __init__(self, n, device):
+        self.shard = torch.arange(n, dtype=torch.float32, device=device)
+        self.shard_numel, self.dtype = n, torch.float32
+
+
+class _MemorySwapper:
+    """What HostParamStore's NVMe mode uses of a ParamSwapper, in host memory."""
+
+    def put_initial(self, proxy, values):
+        proxy.shard = values.clone()
+
+    def finish_initial(self):
+        pass
+
+    def pin(self, proxy, update=False):
+        return proxy.shard
+
+    def unpin(self, proxy):
+        pass
+
+
+@pytest.mark.parametrize("mode", ("pinned", "pageable", "nvme"))
+def test_copy_up_runs_after_the_queued_kernels_that_use_its_buffer(mode, tmp_path):
+    from zeroplus.offload.host_params import HostParamStore
+    from zeroplus.offload.policy import parse_offload
+
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    n = 1 << 19  # 2 MiB of fp32: a large-pool block, the only free one of its size once freed
+    bucket = _Bucket(n, cuda)
+    knobs, swapper_for = {"device": "cpu", "pin_memory": mode == "pinned", "buffer_count": 1}, None
+    if mode == "nvme":
+        knobs, swapper_for = {"device": "nvme", "nvme_path": str(tmp_path)}, (lambda _proxies: _MemorySwapper())
+    store = HostParamStore(parse_offload("offload_param", knobs), cuda, [bucket], swapper_for=swapper_for)
+    store.put_initial(bucket, bucket.shard)  # the device copy is freed: its block goes back to the allocator
+    store.finish_initial()
+    for _ in range(2):  # page-locked staging buffers allocated now (an allocation there might synchronize)
+        store.pin(bucket)
+        store.unpin(bucket)
+    torch.cuda.synchronize()
+    junk = torch.empty(n, dtype=torch.float32, device=cuda)
+    where = junk.data_ptr()
+    torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy; the fill below runs after it
+    junk.fill_(-1.0)
+    del junk  # freed while its fill is still queued: the next allocation of this size may get the block
+    shard = store.pin(bucket)
+    try:
+        if shard.data_ptr() != where:
+            pytest.skip("the caching allocator handed the copy up another block: nothing to order")
+        got = shard.clone().cpu()  # after pin's wait for the copy (compute stream)
+    finally:
+        store.unpin(bucket)
+    assert torch.equal(got, torch.arange(n, dtype=torch.float32)), \
+        f"{mode}: the copy up ran before a kernel queued earlier wrote its buffer " \
+        f"({int((got == -1.0).sum())} of {n} elements are the kernel's)"

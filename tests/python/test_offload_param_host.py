@@ -9,14 +9,18 @@ force_on_cpu_for_tests makes CPU training take this path, so here (2 ranks, one 
   * parity: BIT FOR BIT with the in-memory stage-3 engine after 3 steps with clipping, fp32 and
     bf16, with the optimizer offloaded too (host tier, "cpu" and "nvme") and without (the step on
     the device, the master copied down into the host shard), pinned and pageable (the staging
-    ring), on a model with a layer used twice in one forward and a frozen layer; the sharded and
+    ring), on a model with a layer used twice in one forward and a frozen layer; a few cases
+    again with the store's copies run as late as CUDA may (when their event is waited for; a copy
+    up's buffer is NaN until then), so a missing wait shows as a difference; the sharded and
     consolidated optimizer state too; between steps every offloaded shard is empty on the device
     and its host shard holds the in-memory run's values;
   * round trips: model + optimizer state dicts, and zeroplus checkpoints cross-loaded between the
     in-memory and offloaded engines, continue identically;
   * ordering (a recording copier): each offloaded shard's copy up, and the compute stream's wait
-    for it, come before the all-gather that reads it; on the second pass (prediction recorded) a
-    unit's copy is issued before the previous unit's forward ends;
+    for it, come before the all-gather that reads it; each copy up comes right after the copy
+    stream was told to follow the compute stream (its device buffer was just allocated there); on
+    the second pass (prediction recorded) a unit's copy is issued before the previous unit's
+    forward ends;
   * memory: at every module boundary the device-resident shard bytes stay within those of the
     units gathered or in flight plus buffer_count read-ahead shards (buffer_count 1 here), and
     the buckets of released units are empty;
@@ -122,7 +126,7 @@ def _residency(opt, ref_opt) -> dict:
     }
 
 
-def _parity(rank, group, precision, optimizer, pin, device="cpu"):
+def _parity(rank, group, precision, optimizer, pin, device="cpu", late=False):
     import torch.distributed as dist
     import zeroplus
 
@@ -137,7 +141,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
         opt_offload = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
     try:
         ref, ref_opt = _build(group, precision)
-        model, opt = _build(group, precision, param, opt_offload)
+        model, opt = _build_with(_LateCopier if late else None, group, precision, param, opt_offload)
         out = {"host_tier": opt.host_tier is not None}
         _train(ref, ref_opt, rank, STEPS)
         _train(model, opt, rank, STEPS)
@@ -154,7 +158,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
         # Round trip: fresh engines (one step taken, so there is state to replace) load the in-memory
         # run's model and sharded optimizer state, then continue alike.
         ref2, ref_opt2 = _build(group, precision)
-        model2, opt2 = _build(group, precision, param, opt_offload)
+        model2, opt2 = _build_with(_LateCopier if late else None, group, precision, param, opt_offload)
         for m, o in ((ref2, ref_opt2), (model2, opt2)):
             _train(m, o, rank, 1, start=10)
             m.load_state_dict(saved_model)
@@ -171,7 +175,7 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
             zeroplus.save_checkpoint(f"{ckpt[0]}/host", model, opt)
             zeroplus.save_checkpoint(f"{ckpt[0]}/ref", ref, ref_opt)
             ref3, ref_opt3 = _build(group, precision)
-            model3, opt3 = _build(group, precision, param, opt_offload)
+            model3, opt3 = _build_with(_LateCopier if late else None, group, precision, param, opt_offload)
             for m, o, which in ((ref3, ref_opt3, "host"), (model3, opt3, "ref")):
                 _train(m, o, rank, 1, start=10)
                 zeroplus.load_checkpoint(f"{ckpt[0]}/{which}", m, o)
@@ -191,6 +195,59 @@ def _parity(rank, group, precision, optimizer, pin, device="cpu"):
     finally:
         if root is not None:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _build_with(copier, *args, **kwargs):
+    """_build, with the parameter store's DeviceCopier made from `copier` (None: the real one)."""
+    import zeroplus.offload.host_params as host_params
+
+    real = host_params.DeviceCopier
+    host_params.DeviceCopier = copier or real
+    try:
+        return _build(*args, **kwargs)
+    finally:
+        host_params.DeviceCopier = real
+
+
+class _LateCopier:
+    """A CPU DeviceCopier that runs each copy as late as CUDA may: when its event (or a later one:
+    one stream) is waited for, by the host or by the compute stream. A copy up's destination is
+    NaN until then (so an all-gather reading it before the compute stream waited fails the
+    comparison), a copy down's host shard keeps the old values, and a device tensor written
+    before the wait changes what the copy reads."""
+
+    def __init__(self, device):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(device)
+        self.device, self.cuda = self._inner.device, False
+        self.pending = []  # (event, dst, src) issued, not run yet
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        pass
+
+    def copy(self, dst, src, device_side):
+        event = object()
+        if device_side is dst and dst.is_floating_point():
+            dst.fill_(float("nan"))
+        self.pending.append((event, dst, src))
+        return event
+
+    def _run_through(self, event):
+        while any(e is event for e, _, _ in self.pending):
+            _, dst, src = self.pending.pop(0)
+            dst.copy_(src)
+
+    def host_wait(self, event):
+        if event is not None:
+            self._run_through(event)
+
+    def compute_waits(self, event):
+        if event is not None:
+            self._run_through(event)
 
 
 class _RecordingCopier:
@@ -214,7 +271,7 @@ class _RecordingCopier:
     def copy(self, dst, src, device_side):
         dst.copy_(src)
         token = object()
-        self.log.append(("copy", dst.data_ptr(), dst.numel(), id(token)))
+        self.log.append(("copy", dst.data_ptr(), dst.numel(), id(token), device_side is dst))
         return token
 
     @staticmethod
@@ -254,12 +311,15 @@ def _ordering(rank, group):
     finally:
         host_params.DeviceCopier, comm.all_gather = real_copier, real_gather
         _RecordingCopier.log = []
-    out = {"gathers": 0, "gather_without_copy": [], "gather_before_wait": [], "late_prefetch": []}
+    out = {"gathers": 0, "gather_without_copy": [], "gather_before_wait": [], "late_prefetch": [],
+           "up_without_follow": []}
     for entries in passes:
         last_copy, waited = {}, set()
         for k, e in enumerate(entries):
             if e[0] == "copy":
                 last_copy[(e[1], e[2])] = (k, e[3])
+                if e[4] and (k == 0 or entries[k - 1] != ("follow",)):
+                    out["up_without_follow"].append(k)
             elif e[0] == "compute_waits":
                 waited.add(e[1])
             elif e[0] == "gather":
@@ -456,12 +516,15 @@ def _spill_id(case) -> str:
 PARITY = [(p, o, pin, "cpu") for p in (None, "bf16") for o, pin in (("cpu", True), (None, False))] \
     + [("bf16", "nvme", True, "cpu"), (None, "cpu", False, "cpu"), ("fp16", "cpu", True, "cpu"),
        ("bf16", "cpu", True, "nvme"), (None, "nvme", True, "nvme"), ("bf16", None, False, "nvme")]
+# The store's copies run as late as CUDA may (_LateCopier): every wait the store needs is there.
+PARITY += [(None, None, True, "cpu", True), ("bf16", "cpu", True, "cpu", True), ("bf16", None, False, "cpu", True),
+           (None, None, True, "nvme", True)]
 
 
 def _parity_id(case) -> str:
-    precision, optimizer, pin, device = case
+    precision, optimizer, pin, device, *late = case
     return (f"{precision or 'fp32'}-param_{device}-opt_{optimizer or 'device'}-"
-            f"{'pinned' if pin else 'pageable'}")
+            f"{'pinned' if pin else 'pageable'}{'-late_copies' if late else ''}")
 
 
 def _all_cases(rank, world):
@@ -500,7 +563,7 @@ def _ok(key):
 
 @pytest.mark.parametrize("case", PARITY, ids=_parity_id)
 def test_bit_for_bit_with_the_in_memory_engine(case):
-    precision, optimizer, _pin, device = case
+    precision, optimizer, _pin, device, *_late = case
     for out in _ok(_parity_id(case)):
         res = out["residency"]
         # gradients go to files with "nvme" and the step on the host only (host_params.py)
@@ -560,6 +623,7 @@ def test_copy_up_comes_before_its_all_gather_and_ahead_of_compute():
         assert out["gather_without_copy"] == [], "an all-gather read a shard that was not copied up"
         assert out["gather_before_wait"] == [], "an all-gather was issued before the compute stream waited for its copy"
         assert out["late_prefetch"] == [], "a unit's copy up was not issued before the previous unit's forward ended"
+        assert out["up_without_follow"] == [], "a copy up was issued without the copy stream following the compute stream"
 
 
 def test_device_holds_only_the_gathered_units_shards():
@@ -631,6 +695,96 @@ def test_store_read_ahead_write_and_replacements():
     store.read_ahead([b2])
     store.end_step()
     assert store.device_bytes == 0 and store.disk_bytes() == 0
+
+
+class _StreamLog:
+    """A CPU DeviceCopier that logs, in order, the copy stream following the compute stream and
+    each copy, as "up" (the device-side tensor is the destination) or "down"."""
+
+    def __init__(self):
+        from zeroplus.offload.host_tier import DeviceCopier
+
+        self._inner = DeviceCopier(torch.device("cpu"))
+        self.device, self.cuda, self.log = self._inner.device, False, []
+
+    def host_empty(self, numel, dtype, pin):
+        return self._inner.host_empty(numel, dtype, pin)
+
+    def follow_compute(self):
+        self.log.append("follow")
+
+    def copy(self, dst, src, device_side):
+        dst.copy_(src)
+        self.log.append("up" if device_side is dst else "down")
+        return object()
+
+    def host_wait(self, event):
+        pass
+
+    def compute_waits(self, event):
+        if event is not None:
+            self.log.append("compute_waits")
+
+
+class _FakeSwapper:
+    """What HostParamStore's NVMe mode uses of a ParamSwapper, in memory."""
+
+    def put_initial(self, proxy, values):
+        proxy.shard = values.clone()
+
+    def finish_initial(self):
+        pass
+
+    def pin(self, proxy, update=False):
+        return proxy.shard
+
+    def unpin(self, proxy):
+        pass
+
+    def read_ahead(self, proxies, depth=None):
+        pass
+
+    def write(self, proxy, src, defer=False):
+        proxy.shard.copy_(src)
+
+    def end_step(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ("pinned", "pageable", "nvme"))
+def test_every_copy_up_follows_the_compute_stream(mode, tmp_path):
+    """A copy up writes a device buffer just allocated from the compute stream's pool, whose
+    memory the kernels queued there may still use (a freed activation, a shard an all-gather the
+    compute stream waits for still reads): on CUDA the copy stream must wait for the compute
+    stream first. (On CPU copies are synchronous, so only the order of the calls can show it.)"""
+    from zeroplus.offload.host_params import HostParamStore
+    from zeroplus.offload.policy import parse_offload
+
+    rec = _StreamLog()
+    buckets = [_Bucket(4), _Bucket(3), _Bucket(2, torch.bfloat16)]
+    knobs = {"device": "cpu", "pin_memory": mode == "pinned", "buffer_count": 2}
+    swapper_for = None
+    if mode == "nvme":
+        knobs = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2}
+        swapper_for = lambda _proxies: _FakeSwapper()  # noqa: E731
+    store = HostParamStore(parse_offload("offload_param", knobs), torch.device("cpu"), buckets, copier=rec,
+                           swapper_for=swapper_for)
+    for b in buckets:
+        store.put_initial(b, b.shard)
+    store.finish_initial()
+    for _ in range(2):  # read ahead, pinned, unpinned; written down; gathered again on demand
+        store.read_ahead(buckets)
+        for b in buckets:
+            shard = store.pin(b)
+            assert torch.equal(shard.float(), torch.arange(float(b.shard_numel)))
+            store.unpin(b)
+        store.pin(buckets[0])
+        store.write(buckets[0], None)
+        store.unpin(buckets[0])
+        store.end_step()
+    ups = [k for k, what in enumerate(rec.log) if what == "up"]
+    assert len(ups) >= 2 * len(buckets)
+    assert all(k > 0 and rec.log[k - 1] == "follow" for k in ups), rec.log
 
 
 def test_store_pageable_goes_through_the_staging_ring():

@@ -26,10 +26,13 @@ the step's publish, full state dicts and checkpoints drive both the same way:
     stage_replacement / commit_replacements / discard_replacements   load_checkpoint's
                          all-or-nothing replacement of frozen shards (held in memory until commit).
 
-Ordering (CUDA): copies up and down go through one copy stream (in issue order); a device-side
-tensor is recorded on that stream so the caching allocator does not reuse it early; before the
-host writes a host shard (write, commit) it waits for every copy still reading or writing it, and
-drops a read-ahead copy of the old values. Without pin_memory the host shard is pageable, so each
+Ordering (CUDA): copies up and down go through one copy stream (in issue order); the copy stream
+follows the compute stream before each copy up (its device buffer is allocated on the compute
+stream, whose kernels queued so far may still use that memory) and before each copy down (the
+step or the load that wrote the source ran there); a device-side tensor is recorded on the copy
+stream so the caching allocator does not reuse it early; before the host writes a host shard
+(write, commit) it waits for every copy still reading or writing it, and drops a read-ahead copy
+of the old values. Without pin_memory the host shard is pageable, so each
 copy up goes through a page-locked staging buffer (a ring, each buffer reused after its copy's
 event), as asynchronous copies need.
 
@@ -37,7 +40,8 @@ NVMe (offload_param "nvme" on CUDA training): the host side is the NVMe paramete
 (param_swapper.py) over stand-in buckets whose `shard` is a host tensor: the shards live in its
 records, read ahead (from disk, into its pooled page-locked buffers) in the gatherer's order; a pin
 pins the record on the host, copies it up and waits for that copy (so the pool buffer can be
-reused at once: the CPU, not the GPU, waits for the copy), and a write hands the new shard (cast on
+reused at once: the CPU, not the GPU, waits for the copy; as the copy follows the compute stream,
+the CPU also waits for the work queued before it), and a write hands the new shard (cast on
 the host, or copied down first) to the swapper, which writes it after the step. No shard is copied
 up ahead of its pin in this mode (the disk reads run ahead instead); its errors are the swapper's
 (docs/offload.md "Faults").
@@ -203,6 +207,11 @@ class HostParamStore:
             return
         src = self._stage(h)
         dst = torch.empty(h.host.numel(), dtype=h.host.dtype, device=self.device)
+        # dst comes from the compute stream's pool: its memory may have been freed there by a
+        # tensor whose kernels (or a collective the compute stream waits for) are still queued,
+        # and the copy stream runs beside them. The copy starts after them; the copies ahead of
+        # the next units still overlap the forward or backward queued from now on.
+        self.copier.follow_compute()
         event = self.copier.copy(dst, src, dst)
         if src is not h.host:
             k = (self._next_staging - 1) % len(self._staging)
@@ -220,6 +229,7 @@ class HostParamStore:
         src = self.swapper.pin(h.proxy)
         try:
             dst = torch.empty(h.numel, dtype=h.dtype, device=self.device)
+            self.copier.follow_compute()  # (see _copy_up)
             event = self.copier.copy(dst, src, dst)
             self.copier.host_wait(event)
         finally:
@@ -304,8 +314,11 @@ class HostParamStore:
             # swapper casts it into a record and writes it (at end_step when deferred)
             self.swapper.write(h.proxy, src if src.device.type == "cpu" else src.to("cpu"), defer=defer)
             return
-        if src.device.type == "cpu":
-            h.host.copy_(src)  # the host tier's master: the cast on the host, no device round trip
+        if src.device != self.device:
+            # The host tier's master (a host tensor on CUDA training): the cast on the host, no
+            # device round trip. On a CPU "device" (the test hook) every master takes the device
+            # path below instead, so CPU tests run its copy and its waits.
+            h.host.copy_(src)
             return
         # A device master (the step ran on the GPU) or the pinned shard: cast there, copied down
         # after the compute stream's work so far (the step, the load).
