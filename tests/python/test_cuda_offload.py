@@ -246,9 +246,6 @@ def test_cuda_offload_matches_training_in_gpu_memory(world, case):
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: the CPU issues what follows long before it runs
 
 
-@pytest.mark.xfail(strict=True, reason="HostTier._start follows the compute stream only for copies made in backward; "
-                                       "a shard the step's source allocates (and fills) on the compute stream is "
-                                       "read before its fill (cudareview report)")
 def test_step_copy_of_a_shard_made_at_the_step_runs_after_its_fill():
     from zeroplus.offload.host_tier import HostTier
 

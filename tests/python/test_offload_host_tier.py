@@ -581,7 +581,8 @@ def test_gradients_come_in_step_order_into_their_buffers():
 def test_copies_and_waits_come_in_the_order_the_device_needs():
     """On CPU a copy is synchronous, so the bit-for-bit cases cannot see a missing wait; a copier
     that records its calls pins the CUDA ordering: the copy stream follows the compute stream
-    before the first copy, bucket i+1's download is queued before the CPU waits for bucket i's,
+    before every copy, after the shard it copies was asked for (the reducer may make it just then,
+    on the compute stream: a zero-filled accumulator), bucket i+1's download is queued before the CPU waits for bucket i's,
     every upload is followed by the compute stream waiting for it, an upload buffer is reused only
     after its last copy is done, and end_step waits for downloads the step never asked for."""
     from zeroplus.offload.host_tier import DeviceCopier, HostTier
@@ -612,11 +613,18 @@ def test_copies_and_waits_come_in_the_order_the_device_needs():
     tier = HostTier(torch.device("cpu"), masters, pin_memory=False, copier=rec)
     grads = [torch.full((4,), 10.0 + i) for i in range(4)]
     dst = torch.empty(4, dtype=torch.bfloat16)
-    tier.begin_step([0, 1, 2, 3], grads.__getitem__)
-    assert rec.log == ["follow", "copy e1", "copy e2"]  # buckets 0 and 1 start down at once
+
+    def source(b):
+        rec.log.append(f"source {b}")
+        return grads[b]
+
+    tier.begin_step([0, 1, 2, 3], source)
+    # buckets 0 and 1 start down at once, each after its shard was made
+    assert rec.log == ["source 0", "follow", "copy e1", "source 1", "follow", "copy e2"]
     rec.log.clear()
     assert torch.equal(tier.gradient(0), grads[0])
-    assert rec.log == ["copy e3", "host_wait e1"]  # bucket 2 queued before the CPU waits for bucket 0
+    # bucket 2 queued before the CPU waits for bucket 0
+    assert rec.log == ["source 2", "follow", "copy e3", "host_wait e1"]
     rec.log.clear()
     tier.upload(0, dst)
     tier.upload(1, dst)
@@ -627,6 +635,37 @@ def test_copies_and_waits_come_in_the_order_the_device_needs():
     rec.log.clear()
     tier.end_step()  # buckets 1 and 2 were downloaded but never asked for
     assert sorted(rec.log) == ["host_wait e2", "host_wait e3"]
+
+
+def test_a_device_coefficient_comes_to_the_host_once_per_step():
+    """Clipping's coefficient is a device tensor: bringing it to the host makes the CPU wait for
+    the compute stream (and so for the previous bucket's upload). It is brought once per step and
+    dtype, not once per bucket, and a new step brings the new one."""
+    from zeroplus.offload.host_tier import HostTier
+
+    moved = []
+
+    class Coef(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.to:
+                moved.append(1)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    tier = HostTier(torch.device("cpu"), [torch.zeros(4) for _ in range(4)], pin_memory=False)
+    for step, value in enumerate((0.5, 0.25)):
+        moved.clear()
+        coef = torch.tensor(value).as_subclass(Coef)
+        grads = [torch.full((4,), 1.0 + b) for b in range(4)]
+        for b in range(4):
+            tier.ready(b, grads[b])
+            tier.scaling(b, coef)
+        tier.begin_step([0, 1, 2, 3], grads.__getitem__)
+        for b in range(4):
+            assert torch.equal(tier.gradient(b).as_subclass(torch.Tensor), torch.full((4,), (1.0 + b) * value))
+        tier.end_step()
+        tier.clear()
+        assert len(moved) == 1, f"step {step}: the coefficient was moved {len(moved)} times"
 
 
 def test_upload_casts_like_the_device_and_checks_sizes():

@@ -203,6 +203,7 @@ class HostTier:
         self._order: list[int] = []
         self._position: dict[int, int] = {}
         self._source = None
+        self._host_coefs: dict = {}      # (id(coef), dtype) -> (coef, its host copy): one transfer per coefficient
         self._issued = 0                 # positions of _order checked for a copy to start
         # Buckets whose gradient the last step found copied (or on its way) from backward: all of
         # them unless accumulation leftovers or a dropped copy were copied by it.
@@ -232,9 +233,10 @@ class HostTier:
     def _start(self, b: int, src: torch.Tensor, in_backward: bool) -> None:
         """Bucket b's shard starts down into its own buffer (no copy of b is in flight: callers
         forgot the previous one, after waiting for it where the host could still read it). The
-        copy stream follows the compute stream first: per copy in backward, once per step."""
-        if in_backward:
-            self._copier.follow_compute()
+        copy stream follows the compute stream first, for every copy: in backward the shard was
+        just reduced, and at the step src may have been made just now (reducer.shard() allocates
+        and zero-fills an accumulator a failed backward freed, on the compute stream)."""
+        self._copier.follow_compute()
         buf = self._buffer(self._grad_buffers, b, src.numel() * src.element_size())
         staged = self._typed(buf, src.numel(), src.dtype)
         self._copies[b] = _Copy(staged, self._copier.copy(staged, src, src), in_backward)
@@ -295,8 +297,7 @@ class HostTier:
         self._source = source
         self._issued = 0
         self.found_on_host = sum(1 for b in self._order if b in self._copies)
-        self._copier.follow_compute()  # clipping and unscaling of the shards still to copy ran there
-        self._issue_through(DEPTH - 1)
+        self._issue_through(DEPTH - 1)  # each copy follows the compute stream (clipping, unscaling ran there)
 
     def _issue_through(self, position: int) -> None:
         """Start the copies of the buckets at positions up to `position` (counting only those
@@ -322,12 +323,24 @@ class HostTier:
         copy.event = None
         staged = copy.staged
         for coef in copy.scales:  # what the device shard got after the copy, in the same order
-            staged.mul_(coef.to(device="cpu", dtype=staged.dtype) if isinstance(coef, torch.Tensor) else coef)
+            staged.mul_(self._on_host(coef, staged.dtype))
         copy.scales.clear()
         return staged
 
+    def _on_host(self, coef, dtype):
+        """A device coefficient cast as the device casts it and brought to the host once per step
+        (every bucket shares it: a transfer per bucket would wait for the compute stream, and so
+        for the previous bucket's upload, each time)."""
+        if not isinstance(coef, torch.Tensor):
+            return coef
+        key = (id(coef), dtype)
+        if key not in self._host_coefs:
+            self._host_coefs[key] = (coef, coef.to(device="cpu", dtype=dtype))  # coef kept: its id stays its own
+        return self._host_coefs[key][1]
+
     def end_step(self) -> None:
         self.discard()
+        self._host_coefs.clear()
         self._source = None
 
     # -- parameters up ----------------------------------------------------------------------------
