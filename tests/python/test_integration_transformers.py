@@ -1,6 +1,7 @@
 """HF transformers: the stock Trainer with zeroplus.ZeroRedundancyOptimizer (stage 1, save and
 resume) and ZeroPlusTrainer at stages 1-3 (and with HF's ds_config_zero2.json), 2 ranks over
-backend="zeroplus", losses against the plain DDP Trainer run. One pooled launch. The stage-3
+backend="zeroplus", losses against the plain DDP Trainer run; HF's stage-3 seed config with NVMe
+offload of optimizer and parameters, saved and resumed. One pooled launch. The stage-3
 checkpoints (resume at 2 ranks and at 1, load_best_model_at_end) hold and load sharded
 parameters (persistence threshold 0 saving, 100 loading; asserted)."""
 
@@ -140,6 +141,32 @@ def _all_cases(rank, world_size, tmp):
         out[name] = (_losses(t), [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h],
                      engine.stage, engine.options.offload_optimizer.device, engine.options.gradient_clipping)
 
+    # 3b. The stage-3 seed config with optimizer and parameters on NVMe (ZeRO-Infinity; nvme_path a
+    # directory both ranks share, each with its own private swap directory under it), saving at
+    # step 2, then a resume from checkpoint-2 into other weights: the checkpoint streams the
+    # swapped state bucket by bucket and the resumed run must continue the uninterrupted one.
+    nvme_config = json.loads((FIXTURES / "ds_config_zero3.json").read_text())
+    nvme_path = f"{tmp}/nvme"
+    os.makedirs(nvme_path, exist_ok=True)
+    for key in ("offload_optimizer", "offload_param"):
+        nvme_config["zero_optimization"][key] = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
+    nvme_args = dict(max_grad_norm=1.0, warmup_steps=2)
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/nvme_run", save_strategy="steps", save_steps=2,
+                                                         **nvme_args), train_dataset=data, config=nvme_config)
+    t.train()
+    engine = t.optimizer.optimizer
+    out["nvme"] = (_losses(t), _params_full(t.model), engine.options.offload_optimizer.device,
+                   engine.options.offload_param.device, sorted(os.listdir(nvme_path)))
+    t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/nvme_run", **nvme_args), train_dataset=data,
+                        config=nvme_config)
+    t.train(resume_from_checkpoint=f"{tmp}/nvme_run/checkpoint-2")
+    out["nvme_resumed"] = (_losses(t), _params_full(t.model))
+    del t, engine
+    import gc
+    gc.collect()  # the engines go: their swap directories are removed
+    dist.barrier()
+    out["nvme_left"] = sorted(os.listdir(nvme_path))
+
     # 4. bf16 from TrainingArguments (CPU autocast by accelerate + zeroplus bf16 compute).
     t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/bf16", bf16=True), train_dataset=data, stage=2)
     t.train()
@@ -248,6 +275,19 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         assert (got_stage, offload, clip) == (stage, "cpu", 1.0), name
         assert lrs == pytest.approx([0.0, 0.0, 1e-3, 1e-3]) and len(losses) == STEPS, name
         assert losses == pytest.approx(r["ds_config_zero2.json"][0], rel=1e-4, abs=1e-5), name
+    # NVMe offload of the optimizer and the parameters through the Trainer (CPU training: bit for
+    # bit the seed config's run, whose "cpu" offload is a no-op on CPU), a resume from its
+    # checkpoint continuing it exactly, the swap directories there while training and gone after.
+    for rr in results:
+        losses, params, opt_device, param_device, during = rr["nvme"]
+        assert (opt_device, param_device) == ("nvme", "nvme")
+        assert losses == rr["ds_config_zero3.json"][0], (losses, rr["ds_config_zero3.json"][0])
+        assert any(name.startswith("zeroplus-swap-") for name in during), during
+        resumed, resumed_params = rr["nvme_resumed"]
+        assert len(resumed) == STEPS and resumed[2:] == losses[2:], (resumed, losses)
+        for k, v in resumed_params.items():
+            assert torch.equal(v, params[k]), k
+        assert rr["nvme_left"] == [], rr["nvme_left"]
     assert len(r["ddp_accum"]) == STEPS and r["ddp_accum"] != r["ddp"]
     assert r["zp_accum"] == pytest.approx(r["ddp_accum"], rel=1e-4, abs=1e-5)
     for stage in (1, 2, 3):
