@@ -136,6 +136,25 @@ def _all_cases(rank, world_size, tmp):
         out[f"zp{stage}_resumed"] = m.losses
         out[f"zp{stage}_resumed_sharded"] = ic.sharded_counts(m, trainer.strategy.optimizers[0])
         out[f"zp{stage}_resumed_step"] = trainer.global_step
+    # Stage 3 with optimizer and parameters on NVMe through the strategy's config: bit for bit
+    # the in-memory stage-3 run (CPU training), saved after epoch 1 (the swapped state streamed into
+    # the checkpoint) and resumed exactly; the swap directories are gone once the engines are.
+    nvme_path = f"{tmp}/nvme"
+    os.makedirs(nvme_path, exist_ok=True)
+    nvme = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
+    nvme_cfg = {"zero_optimization": {"offload_optimizer": dict(nvme), "offload_param": dict(nvme)}}
+    m, trainer = _fit(ZeroPlusStrategy(stage=3, config=nvme_cfg), tmp)
+    engine = trainer.strategy.optimizers[0]
+    out["nvme"] = (m.losses, engine.options.offload_optimizer.device, engine.options.offload_param.device,
+                   any(n.startswith("zeroplus-swap-") for n in os.listdir(nvme_path)))
+    _fit(ZeroPlusStrategy(stage=3, config=nvme_cfg), tmp, epochs=1, save=f"{tmp}/nvme.ckpt")
+    m, trainer = _fit(ZeroPlusStrategy(stage=3, config=nvme_cfg), tmp, seed=5, ckpt=f"{tmp}/nvme.ckpt")
+    out["nvme_resumed"] = m.losses
+    del m, trainer, engine
+    import gc
+    gc.collect()
+    dist.barrier()
+    out["nvme_left"] = sorted(os.listdir(nvme_path))
     try:
         _fit(ZeroPlusStrategy(stage=3), tmp, seed=5, ckpt=f"{tmp}/mc")  # not a zeroplus checkpoint
     except FileNotFoundError as e:
@@ -197,6 +216,11 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
             assert r[f"zp{stage}_resumed"] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), (rank, stage)
             assert r[f"zp{stage}_resumed_step"] == 4
         assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
+        losses, opt_device, param_device, swapping = r["nvme"]
+        assert (opt_device, param_device, swapping) == ("nvme", "nvme", True), r["nvme"]
+        assert losses == r["zp3"], (rank, losses, r["zp3"])  # bit for bit the in-memory run
+        assert r["nvme_resumed"] == losses[2:], (rank, r["nvme_resumed"], losses)
+        assert r["nvme_left"] == [], r["nvme_left"]
         assert "fit() only" in r["validate_ckpt_error"]
         assert "ckpt_path" in r["wrong_ckpt_error"] and "zeroplus" in r["wrong_ckpt_error"]
         for stage in (1, 2, 3):
