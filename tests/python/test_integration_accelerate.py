@@ -1,8 +1,8 @@
 """accelerate: the stock accelerator.prepare with zeroplus.ZeroRedundancyOptimizer (stage 1,
 save_state/load_state) and zeroplus.integrations.accelerate.prepare at stages 1-3 with save_state/
 load_state (zeroplus checkpoints, resumed at 2 ranks and at 1; stage 3 with sharded parameters,
-asserted), 2 ranks over backend="zeroplus", losses against the plain DDP run. One pooled launch
-per world size."""
+asserted; stage 3 with optimizer and parameters on NVMe), 2 ranks over backend="zeroplus", losses
+against the plain DDP run. One pooled launch per world size."""
 
 from __future__ import annotations
 
@@ -125,6 +125,31 @@ def _all_cases(rank, world_size, tmp):
         accelerator.load_state(f"{tmp}/stock")
     except FileNotFoundError as e:
         out["wrong_state_error"] = str(e)
+    # Stage 3 with optimizer and parameters on NVMe, given as prepare's keyword arguments (as to
+    # zeroplus.initialize): bit for bit the in-memory stage-3 run (CPU training), save_state after
+    # 2 steps and load_state into other weights continue it exactly; the swap directories go with
+    # the engines.
+    nvme_path = f"{tmp}/nvme"
+    os.makedirs(nvme_path, exist_ok=True)
+    nvme = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
+    accelerator = Accelerator(cpu=True)
+    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=3, lr=LR,
+                                       weight_decay=0.0, offload_optimizer=dict(nvme), offload_param=dict(nvme))
+    out["nvme"] = _loop(accelerator, model, opt, _loader(accelerator), 2)
+    accelerator.save_state(f"{tmp}/nvme_state")
+    out["nvme_swapping"] = any(n.startswith("zeroplus-swap-") for n in os.listdir(nvme_path))
+    out["nvme"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    accelerator = Accelerator(cpu=True)
+    model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=3, lr=LR,
+                                       weight_decay=0.0, offload_optimizer=dict(nvme), offload_param=dict(nvme))
+    accelerator.load_state(f"{tmp}/nvme_state")
+    out["nvme_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    accelerator.free_memory()  # accelerate's way to drop what it holds (its models, optimizers, hooks)
+    del model, opt
+    import gc
+    gc.collect()
+    dist.barrier()
+    out["nvme_left"] = sorted(os.listdir(nvme_path))
     # fp16: zeroplus's loss scaler through opt.backward, with Accelerator(mixed_precision="no");
     # Accelerator(mixed_precision="fp16") is refused by name.
     accelerator = Accelerator(cpu=True, mixed_precision="no")
@@ -198,6 +223,9 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
             assert r[f"zp{stage}_optimizer_file"] == {"zeroplus_checkpoint": "zeroplus"}
             assert r[f"zp{stage}_resumed"] == pytest.approx(r[f"zp{stage}"][2:], rel=1e-6, abs=1e-7), (rank, stage)
         assert r["cfg_resumed"] == pytest.approx(r["cfg"][2:], rel=1e-6, abs=1e-7) and r["cfg_resumed_lr"] == [LR]
+        assert r["nvme_swapping"] and r["nvme"] == r["zp3"], (rank, r["nvme"], r["zp3"])  # bit for bit
+        assert r["nvme_resumed"] == r["nvme"][2:], (rank, r["nvme_resumed"], r["nvme"])
+        assert r["nvme_left"] == [], r["nvme_left"]
         assert r["fp16_engine"] == ("fp16", 2.0 ** 16, 0) and r["fp16"] == pytest.approx(r["ddp"], abs=0.02), rank
         assert "accelerator.load_state" in r["reference_error"]
         assert "mixed_precision='fp16'" in r["fp16_refused"] and "opt.backward" in r["fp16_refused"]

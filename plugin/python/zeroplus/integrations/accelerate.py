@@ -19,7 +19,9 @@ shards) and takes this model's weights out of what accelerate saves (the pattern
 hook documentation); the optimizer file accelerate writes holds only a reference to PATH/zeroplus.
 load_state's pre-hook loads PATH/zeroplus (at any world size and stage) and takes the model out
 of what accelerate loads; the optimizer's load of the reference checks that the hook ran.
-Schedulers, RNG states and dataloaders go through accelerate's own files.
+Schedulers, RNG states and dataloaders go through accelerate's own files. The hooks hold the model
+and optimizer weakly: after accelerator.free_memory() (or once the user dropped them) the engine,
+its memory and its swap files go, as they would without the accelerator.
 
 For the stock path (your own model wrapped by accelerator.prepare in DDP, with
 zeroplus.ZeroRedundancyOptimizer), prepare() is not needed; register the consolidating hook:
@@ -28,6 +30,8 @@ zeroplus.ZeroRedundancyOptimizer), prepare() is not needed; register the consoli
 """
 
 from __future__ import annotations
+
+import weakref
 
 from accelerate.optimizer import AcceleratedOptimizer
 
@@ -85,7 +89,15 @@ class ZeroPlusOptimizer(AcceleratedOptimizer):
 
 
 def _save_hook(model, opt: ZeroPlusOptimizer):
+    # The accelerator keeps its hooks for its whole life, also after free_memory() dropped its
+    # models and optimizers: the hooks hold them weakly, so that they (the engine's memory, its
+    # swap files) can go then. A hook whose model is gone has nothing to save.
+    model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)
+
     def hook(models, weights, output_dir):
+        model, opt = model_ref(), opt_ref()
+        if model is None or opt is None:
+            return
         for i, m in enumerate(models):
             if m is model:
                 checkpoint_dir.save(output_dir, model, opt.optimizer, "accelerator.save_state")
@@ -96,7 +108,12 @@ def _save_hook(model, opt: ZeroPlusOptimizer):
 
 
 def _load_hook(model, opt: ZeroPlusOptimizer):
+    model_ref, opt_ref = weakref.ref(model), weakref.ref(opt)  # as _save_hook's
+
     def hook(models, input_dir):
+        model, opt = model_ref(), opt_ref()
+        if model is None or opt is None:
+            return
         for i, m in enumerate(models):
             if m is model:
                 checkpoint_dir.load(input_dir, model, opt.optimizer, "accelerator.load_state")
@@ -110,8 +127,12 @@ def consolidate_on_save(optimizer):
     """A save_state pre-hook (hook(models, weights, output_dir), run on every rank) that makes
     `optimizer.state_dict()` of a zeroplus.ZeroRedundancyOptimizer the full state for the save
     that follows (the stock path: DDP + ZeroRedundancyOptimizer through accelerator.prepare)."""
+    optimizer_ref = weakref.ref(optimizer)  # as _save_hook's: the hook does not keep it alive
+
     def hook(models, weights, output_dir):
-        consolidate_for_save(unwrap_optimizer(optimizer))
+        optimizer = optimizer_ref()
+        if optimizer is not None:
+            consolidate_for_save(unwrap_optimizer(optimizer))
     return hook
 
 
