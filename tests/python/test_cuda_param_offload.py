@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from offload_compare import worst_relative as _worst, state_tensors as _state_tensors
+from offload_fakes import MemorySwapper
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device (torch.cuda.is_available() is False)")
@@ -319,22 +320,6 @@ class _Bucket:
         self.shard_numel, self.dtype = n, torch.float32
 
 
-class _MemorySwapper:
-    """What HostParamStore's NVMe mode uses of a ParamSwapper, in host memory."""
-
-    def put_initial(self, proxy, values):
-        proxy.shard = values.clone()
-
-    def finish_initial(self):
-        pass
-
-    def pin(self, proxy, update=False):
-        return proxy.shard
-
-    def unpin(self, proxy):
-        pass
-
-
 @pytest.mark.parametrize("mode", ("pinned", "pageable", "nvme"))
 def test_copy_up_runs_after_the_queued_kernels_that_use_its_buffer(mode, tmp_path):
     from zeroplus.offload.host_params import HostParamStore
@@ -345,7 +330,7 @@ def test_copy_up_runs_after_the_queued_kernels_that_use_its_buffer(mode, tmp_pat
     bucket = _Bucket(n, cuda)
     knobs, swapper_for = {"device": "cpu", "pin_memory": mode == "pinned", "buffer_count": 1}, None
     if mode == "nvme":
-        knobs, swapper_for = {"device": "nvme", "nvme_path": str(tmp_path)}, (lambda _proxies: _MemorySwapper())
+        knobs, swapper_for = {"device": "nvme", "nvme_path": str(tmp_path)}, (lambda _proxies: MemorySwapper())
     store = HostParamStore(parse_offload("offload_param", knobs), cuda, [bucket], swapper_for=swapper_for)
     store.put_initial(bucket, bucket.shard)  # the device copy is freed: its block goes back to the allocator
     store.finish_initial()

@@ -46,6 +46,7 @@ from torch import nn
 
 from harness import run_cases_in_own_groups, run_pooled
 from offload_compare import diffs as _diffs, state_diffs as _state_diffs
+from offload_fakes import MemorySwapper
 
 STEPS = 3
 CONFIG = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # every unit offloaded
@@ -726,31 +727,6 @@ class _StreamLog:
             self.log.append("compute_waits")
 
 
-class _FakeSwapper:
-    """What HostParamStore's NVMe mode uses of a ParamSwapper, in memory."""
-
-    def put_initial(self, proxy, values):
-        proxy.shard = values.clone()
-
-    def finish_initial(self):
-        pass
-
-    def pin(self, proxy, update=False):
-        return proxy.shard
-
-    def unpin(self, proxy):
-        pass
-
-    def read_ahead(self, proxies, depth=None):
-        pass
-
-    def write(self, proxy, src, defer=False):
-        proxy.shard.copy_(src)
-
-    def end_step(self):
-        pass
-
-
 @pytest.mark.parametrize("mode", ("pinned", "pageable", "nvme"))
 def test_every_copy_up_follows_the_compute_stream(mode, tmp_path):
     """A copy up writes a device buffer just allocated from the compute stream's pool, whose
@@ -766,7 +742,7 @@ def test_every_copy_up_follows_the_compute_stream(mode, tmp_path):
     swapper_for = None
     if mode == "nvme":
         knobs = {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 2}
-        swapper_for = lambda _proxies: _FakeSwapper()  # noqa: E731
+        swapper_for = lambda _proxies: MemorySwapper()  # noqa: E731
     store = HostParamStore(parse_offload("offload_param", knobs), torch.device("cpu"), buckets, copier=rec,
                            swapper_for=swapper_for)
     for b in buckets:
