@@ -398,6 +398,11 @@ def _ordering_case(rank, group, stage, precision):
         down = [e for ph, what, e in log if what == "copy" and ph in ("backward", "backward_end")]
         follows_first = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
                             if what == "copy" and ph in ("backward", "backward_end"))
+        # An upload writes the parameter shard, which work queued on the compute stream (the
+        # previous step's all-gather, user code after backward) may still read or write: the copy
+        # stream follows the compute stream right before it (DeviceCopier's contract).
+        uploads_follow = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
+                             if what == "copy" and ph == "step")
         step_waits = [e for ph, what, e in log if what == "host_wait" and ph == "step"]
         clip_waits = [e for ph, what, e in log if what == "compute_waits" and ph == "clip"]
         out.append({
@@ -407,6 +412,7 @@ def _ordering_case(rank, group, stage, precision):
             "values": [k for k, e in enumerate(down)
                        if k >= len(reduced) or not torch.equal(rec.copied[e], reduced[k])],
             "follows_first": follows_first,
+            "uploads_follow": uploads_follow,
             "step_waits_all": all(step_waits.count(e) == 1 for e in down),  # (and uploads' events)
             "clip_waits_all": sorted(set(clip_waits)) == sorted(down),
             "uploads_in_step": sum(1 for ph, what, e in log if what == "copy" and ph == "step"),
@@ -530,6 +536,7 @@ def test_each_gradient_copy_starts_in_backward_after_its_reduction_and_the_step_
             assert st["down_before_layer_a"] > 0, where  # copies overlap the rest of backward
             assert st["values"] == [], where  # a copy before its reduction would hold other values
             assert st["follows_first"], where
+            assert st["uploads_follow"], where
             assert st["clip_waits_all"], where  # clipping's multiply waits for each copy's read
             assert st["step_waits_all"], where  # the step waits for each before reading it
             assert st["found_on_host"] == st["buckets"], where
@@ -583,7 +590,8 @@ def test_copies_and_waits_come_in_the_order_the_device_needs():
     that records its calls pins the CUDA ordering: the copy stream follows the compute stream
     before every copy, after the shard it copies was asked for (the reducer may make it just then,
     on the compute stream: a zero-filled accumulator), bucket i+1's download is queued before the CPU waits for bucket i's,
-    every upload is followed by the compute stream waiting for it, an upload buffer is reused only
+    every upload follows the compute stream (it writes the parameter shard) and is followed by the
+    compute stream waiting for it, an upload buffer is reused only
     after its last copy is done, and end_step waits for downloads the step never asked for."""
     from zeroplus.offload.host_tier import DeviceCopier, HostTier
 
@@ -629,8 +637,10 @@ def test_copies_and_waits_come_in_the_order_the_device_needs():
     tier.upload(0, dst)
     tier.upload(1, dst)
     tier.upload(2, dst)  # the first upload buffer again: its copy (e4) must be done first
-    assert rec.log == ["copy e4", "compute_waits e4", "copy e5", "compute_waits e5",
-                       "host_wait e4", "copy e6", "compute_waits e6"]
+    # each upload follows the compute stream first (it writes the parameter shard, which queued
+    # work may still use)
+    assert rec.log == ["follow", "copy e4", "compute_waits e4", "follow", "copy e5", "compute_waits e5",
+                       "host_wait e4", "follow", "copy e6", "compute_waits e6"]
     assert torch.equal(dst, masters[2].to(torch.bfloat16))
     rec.log.clear()
     tier.end_step()  # buckets 1 and 2 were downloaded but never asked for
