@@ -251,6 +251,29 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
     elif mode == "raising_after_one":  # a backward, then one that raises: the first one's gradients stay
         opt.backward(loss_of(1))
         raising_backward()
+    elif mode == "settle_fails":  # a second backward fails while adding into the released gradients
+        # (taking a gradient back allocates on the device: out of memory there) after one bucket
+        # was added: every bucket keeps the first backward's gradient, as a failed pass leaves them
+        opt.backward(loss_of(0))
+        tier = getattr(opt, "host_tier", None)
+        if tier is not None:  # the in-memory engine's pass cannot fail there: it is left out
+            fetch, calls = tier.fetch, []
+
+            def failing_fetch(b):
+                calls.append(b)
+                if len(calls) == 2:
+                    raise _Raise()
+                return fetch(b)
+
+            tier.fetch = failing_fetch
+            try:
+                opt.backward(loss_of(1))
+            except _Raise:
+                after_raise()
+            else:
+                raise AssertionError("the second backward did not fail")
+            finally:
+                del tier.fetch
     elif mode == "norms":  # norms whose terms were not kept (3), kept (inf), and stale after a scaling
         opt.backward(loss_of(0))
         opt.clip_grad_norm_(0.02, norm_type=3.0)
@@ -428,6 +451,7 @@ OVERLAP_CASES = ([(stage, precision, mode) for stage in (1, 2, 3) for precision 
                     (1, None, "edit_shards"), (3, None, "edit_shards"),
                     (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising"),
                     (1, None, "raising_after_one"), (3, "bf16", "raising_after_one"),
+                    (1, None, "settle_fails"), (2, "bf16", "settle_fails"),
                     (1, None, "norms"), (2, "fp16", "norms"), (3, "bf16", "norms"),
                     (2, None, "step_twice"), (3, None, "step_twice"),
                     (2, None, "grad_scaler"), (3, "bf16", "grad_scaler")])
