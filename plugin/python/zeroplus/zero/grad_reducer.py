@@ -37,7 +37,9 @@ Gradient spill (offload_param "nvme": CPU training, and CUDA training with offlo
 zeroplus.offload.grad_spill): the buckets it spills get no accumulator. Their result is handed to
 the spill as soon as their collective is waited on (added, where it was reduced, to the previous
 gradient read back from it, when accumulating), written as a pending
-generation, and committed with the pass, so at most a few buckets' gradients are in memory.
+generation, and committed with the pass (after earlier gradients, before the other buckets'
+accumulators change: a failed write leaves them as they were), so at most a few buckets'
+gradients are in memory.
 `shard(b)` reads one back for the step; `scale_(coef)` and `local_terms(p)` serve clipping and
 unscaling without reading them.
 Observer (the host tier of ZeRO-Offload, zeroplus.offload.host_tier, attached by the engine):
@@ -474,11 +476,20 @@ class GradientReducer:
             for entry in self._inflight:
                 if not entry.settled and self.released[entry.bucket]:
                     self._sum_released(entry)
+            # The spill's writes may fail (commit raises): with earlier gradients, before any
+            # other bucket's changes, which a failed pass must leave as they were. (Without, a
+            # failure frees every accumulator, and the spill's pass must not be committed first.)
+            commit_first = self.spill is not None and self.has_grads
+            if commit_first:
+                for entry in self._inflight:
+                    if not entry.settled and self._spilled(entry.bucket):
+                        self._settle(entry)
+                self.spill.commit()  # the pass's spilled gradients become the gradients
             for entry in self._inflight:
                 if not entry.settled:
                     self._settle(entry)
-            if self.spill is not None:
-                self.spill.commit()  # the pass's spilled gradients become the gradients
+            if self.spill is not None and not commit_first:
+                self.spill.commit()
             self.usage.commit(self._pass_used)
             self.has_grads = True
             self.local_pending = False
