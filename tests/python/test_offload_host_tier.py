@@ -523,7 +523,8 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
 def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_exact(results, case):
     """Gradient accumulation (no_sync, or two reduced backwards: a copy made in the first is
     forgotten when the second adds to the shard), zero_grad between backward and step, a backward
-    that raises midway (its copies discarded), gradient shards edited in place through
+    that raises midway (its copies discarded), a second backward that fails while adding to the
+    gradients kept on the host (none of them changes), gradient shards edited in place through
     opt.gradient_shards(): bit for bit the in-memory engine, and every step found every bucket's
     gradient already on the host (none after gradient_shards(): those are copied by the step)."""
     key = _overlap_id(case)
