@@ -251,6 +251,29 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
     elif mode == "raising_after_one":  # a backward, then one that raises: the first one's gradients stay
         opt.backward(loss_of(1))
         raising_backward()
+    elif mode == "settle_fails":  # a second backward fails while adding into the released gradients
+        # (taking a gradient back allocates on the device: out of memory there) after one bucket
+        # was added: every bucket keeps the first backward's gradient, as a failed pass leaves them
+        opt.backward(loss_of(0))
+        tier = getattr(opt, "host_tier", None)
+        if tier is not None:  # the in-memory engine's pass cannot fail there: it is left out
+            fetch, calls = tier.fetch, []
+
+            def failing_fetch(b):
+                calls.append(b)
+                if len(calls) == 2:
+                    raise _Raise()
+                return fetch(b)
+
+            tier.fetch = failing_fetch
+            try:
+                opt.backward(loss_of(1))
+            except _Raise:
+                after_raise()
+            else:
+                raise AssertionError("the second backward did not fail")
+            finally:
+                del tier.fetch
     elif mode == "norms":  # norms whose terms were not kept (3), kept (inf), and stale after a scaling
         opt.backward(loss_of(0))
         opt.clip_grad_norm_(0.02, norm_type=3.0)
@@ -398,6 +421,11 @@ def _ordering_case(rank, group, stage, precision):
         down = [e for ph, what, e in log if what == "copy" and ph in ("backward", "backward_end")]
         follows_first = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
                             if what == "copy" and ph in ("backward", "backward_end"))
+        # An upload writes the parameter shard, which work queued on the compute stream (the
+        # previous step's all-gather, user code after backward) may still read or write: the copy
+        # stream follows the compute stream right before it (DeviceCopier's contract).
+        uploads_follow = all(log[k - 1][1] == "follow" for k, (ph, what, e) in enumerate(log)
+                             if what == "copy" and ph == "step")
         step_waits = [e for ph, what, e in log if what == "host_wait" and ph == "step"]
         clip_waits = [e for ph, what, e in log if what == "compute_waits" and ph == "clip"]
         out.append({
@@ -407,6 +435,7 @@ def _ordering_case(rank, group, stage, precision):
             "values": [k for k, e in enumerate(down)
                        if k >= len(reduced) or not torch.equal(rec.copied[e], reduced[k])],
             "follows_first": follows_first,
+            "uploads_follow": uploads_follow,
             "step_waits_all": all(step_waits.count(e) == 1 for e in down),  # (and uploads' events)
             "clip_waits_all": sorted(set(clip_waits)) == sorted(down),
             "uploads_in_step": sum(1 for ph, what, e in log if what == "copy" and ph == "step"),
@@ -422,6 +451,7 @@ OVERLAP_CASES = ([(stage, precision, mode) for stage in (1, 2, 3) for precision 
                     (1, None, "edit_shards"), (3, None, "edit_shards"),
                     (1, None, "raising"), (2, "bf16", "raising"), (3, None, "raising"),
                     (1, None, "raising_after_one"), (3, "bf16", "raising_after_one"),
+                    (1, None, "settle_fails"), (2, "bf16", "settle_fails"),
                     (1, None, "norms"), (2, "fp16", "norms"), (3, "bf16", "norms"),
                     (2, None, "step_twice"), (3, None, "step_twice"),
                     (2, None, "grad_scaler"), (3, "bf16", "grad_scaler")])
@@ -493,7 +523,8 @@ def test_host_tier_equals_in_memory_bit_for_bit(results, case):
 def test_copies_in_backward_keep_accumulation_zero_grad_and_raising_backwards_exact(results, case):
     """Gradient accumulation (no_sync, or two reduced backwards: a copy made in the first is
     forgotten when the second adds to the shard), zero_grad between backward and step, a backward
-    that raises midway (its copies discarded), gradient shards edited in place through
+    that raises midway (its copies discarded), a second backward that fails while adding to the
+    gradients kept on the host (none of them changes), gradient shards edited in place through
     opt.gradient_shards(): bit for bit the in-memory engine, and every step found every bucket's
     gradient already on the host (none after gradient_shards(): those are copied by the step)."""
     key = _overlap_id(case)
@@ -530,6 +561,7 @@ def test_each_gradient_copy_starts_in_backward_after_its_reduction_and_the_step_
             assert st["down_before_layer_a"] > 0, where  # copies overlap the rest of backward
             assert st["values"] == [], where  # a copy before its reduction would hold other values
             assert st["follows_first"], where
+            assert st["uploads_follow"], where
             assert st["clip_waits_all"], where  # clipping's multiply waits for each copy's read
             assert st["step_waits_all"], where  # the step waits for each before reading it
             assert st["found_on_host"] == st["buckets"], where
@@ -583,7 +615,8 @@ def test_copies_and_waits_come_in_the_order_the_device_needs():
     that records its calls pins the CUDA ordering: the copy stream follows the compute stream
     before every copy, after the shard it copies was asked for (the reducer may make it just then,
     on the compute stream: a zero-filled accumulator), bucket i+1's download is queued before the CPU waits for bucket i's,
-    every upload is followed by the compute stream waiting for it, an upload buffer is reused only
+    every upload follows the compute stream (it writes the parameter shard) and is followed by the
+    compute stream waiting for it, an upload buffer is reused only
     after its last copy is done, and end_step waits for downloads the step never asked for."""
     from zeroplus.offload.host_tier import DeviceCopier, HostTier
 
@@ -629,8 +662,10 @@ def test_copies_and_waits_come_in_the_order_the_device_needs():
     tier.upload(0, dst)
     tier.upload(1, dst)
     tier.upload(2, dst)  # the first upload buffer again: its copy (e4) must be done first
-    assert rec.log == ["copy e4", "compute_waits e4", "copy e5", "compute_waits e5",
-                       "host_wait e4", "copy e6", "compute_waits e6"]
+    # each upload follows the compute stream first (it writes the parameter shard, which queued
+    # work may still use)
+    assert rec.log == ["follow", "copy e4", "compute_waits e4", "follow", "copy e5", "compute_waits e5",
+                       "host_wait e4", "follow", "copy e6", "compute_waits e6"]
     assert torch.equal(dst, masters[2].to(torch.bfloat16))
     rec.log.clear()
     tier.end_step()  # buckets 1 and 2 were downloaded but never asked for

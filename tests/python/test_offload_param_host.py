@@ -440,6 +440,23 @@ def _spill(rank, group, precision, optimizer, persistent=False):
                             out["raised"].append(step)
                     x, y = _batch(100 + step, rank)
                     o.backward(nn.functional.mse_loss(m(x).float(), y))
+                if step == 3 and o is opt:
+                    # A pass whose gradient files cannot be written (commit raises) changes no
+                    # gradient, the persistent buckets' either (the in-memory engine runs no such pass).
+                    x, y = _batch(70 + step, rank)
+
+                    def failing_commit():
+                        raise OSError(5, "planted gradient write failure")
+
+                    spill.commit = failing_commit
+                    try:
+                        o.backward(nn.functional.mse_loss(m(x).float(), y))
+                    except OSError as e:
+                        if "planted" not in str(e):
+                            raise
+                        out["commit_failed"] = True
+                    finally:
+                        del spill.commit
                 o.clip_grad_norm_(0.5)
                 if step == 2:
                     o.clip_grad_norm_(0.25)
@@ -593,6 +610,7 @@ def test_nvme_param_offload_spills_gradients_with_the_step_on_the_host(case):
         assert out["spilled"] == 3 and out["buckets"] == (6 if persistent else 3), out
         assert (out["kept_on_host"] > 0) == persistent
         assert out["raised"] == [1, 3], out["raised"]
+        assert out.get("commit_failed"), "the planted gradient write failure did not raise from backward"
         for step, c in enumerate(out["checks"]):
             # a record file per bucket, two from the second pass on (generations alternate); no
             # gradient shard in memory: not on the device, not in the host tier

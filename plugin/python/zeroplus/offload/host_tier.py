@@ -57,7 +57,9 @@ Per step the engine (zero/engine.py, _step_buckets) calls
                                returns its host buffer (the CPU step reads it)
     upload(i, dst)             the updated master, cast on the host into a pinned upload buffer
                                in dst's dtype, then copied into dst (this rank's shard of the
-                               parameters on the device: non_blocking, copy stream, an event);
+                               parameters on the device: non_blocking, copy stream, an event;
+                               the copy stream follows the compute stream first, whose queued
+                               work may still use dst);
                                the compute stream waits for that event, so the all-gather (stages
                                1-2) or the next gather (stage 3) that reads dst comes after it,
                                while the CPU goes on with the next bucket's step
@@ -358,6 +360,11 @@ class HostTier:
         buf = self._buffer(self._upload_slots, slot, dst.numel() * dst.element_size())
         staged = self._typed(buf, dst.numel(), dst.dtype)
         staged.copy_(master)  # the cast on the host: round to nearest even, as on the device
+        # dst is the parameter shard: work queued on the compute stream may still read or write
+        # it (the previous step's all-gather, a step without backward before; user code between
+        # backward and step). The copy waits for that work; when every gradient came down in
+        # backward nothing else in the step makes the copy stream follow the compute stream.
+        self._copier.follow_compute()
         event = self._copier.copy(dst, staged, dst)
         self._copier.compute_waits(event)
         self._upload_events[slot] = event

@@ -37,7 +37,9 @@ Gradient spill (offload_param "nvme": CPU training, and CUDA training with offlo
 zeroplus.offload.grad_spill): the buckets it spills get no accumulator. Their result is handed to
 the spill as soon as their collective is waited on (added, where it was reduced, to the previous
 gradient read back from it, when accumulating), written as a pending
-generation, and committed with the pass, so at most a few buckets' gradients are in memory.
+generation, and committed with the pass (after earlier gradients, before the other buckets'
+accumulators change: a failed write leaves them as they were), so at most a few buckets'
+gradients are in memory.
 `shard(b)` reads one back for the step; `scale_(coef)` and `local_terms(p)` serve clipping and
 unscaling without reading them.
 Observer (the host tier of ZeRO-Offload, zeroplus.offload.host_tier, attached by the engine):
@@ -52,6 +54,9 @@ check need (2-norm and max |g|, clipping.local_term on the device shard: the bit
 local_terms would compute) were kept. A released gradient is read back through
 `observer.fetch(b)` (a device tensor: another norm, a term made stale by a scaling, `shard(b)`)
 and taken back as the accumulator when a later pass adds to it or `shards` hands it to a user.
+A later pass adds to every released gradient it settles before any replaces its home copy (each
+read back beside it, with the result added): a failure there (out of memory) leaves them all as
+they were before the pass, not some with the pass added.
 The observer hears of every change first: `scaling(b, coef)` before scale_ multiplies a shard
 (in place on the device; a released one is multiplied only there), `changing(b)` before a later
 pass adds into it, `discard()` when a pass after a successful one is abandoned (released
@@ -93,6 +98,7 @@ class InFlight:
     out: torch.Tensor | None     # where this rank's result lands (the accumulator, a shard-sized tensor, or a view of buf)
     buf: torch.Tensor | None     # the full-size input while it may still be read; None once recycled
     staged: bool = False         # a spilled bucket's result was handed to the spill
+    summed: bool = False         # out is a released bucket's previous gradient + this result (_sum_released)
     settled: bool = False        # the result is in the accumulator (or the spill); buffers recycled
 
 
@@ -463,11 +469,27 @@ class GradientReducer:
                 if entry.work is not None:
                     entry.work.wait()
                     entry.work = None
-            for entry in self._inflight:  # all collectives succeeded: now update the accumulators
+            # All collectives succeeded. The released gradients come back with this pass's result
+            # added first, beside their home copies (an allocation each: out of memory there must
+            # leave every gradient as it was, not some buckets with this pass added); then the
+            # accumulators are updated.
+            for entry in self._inflight:
+                if not entry.settled and self.released[entry.bucket]:
+                    self._sum_released(entry)
+            # The spill's writes may fail (commit raises): with earlier gradients, before any
+            # other bucket's changes, which a failed pass must leave as they were. (Without, a
+            # failure frees every accumulator, and the spill's pass must not be committed first.)
+            commit_first = self.spill is not None and self.has_grads
+            if commit_first:
+                for entry in self._inflight:
+                    if not entry.settled and self._spilled(entry.bucket):
+                        self._settle(entry)
+                self.spill.commit()  # the pass's spilled gradients become the gradients
+            for entry in self._inflight:
                 if not entry.settled:
                     self._settle(entry)
-            if self.spill is not None:
-                self.spill.commit()  # the pass's spilled gradients become the gradients
+            if self.spill is not None and not commit_first:
+                self.spill.commit()
             self.usage.commit(self._pass_used)
             self.has_grads = True
             self.local_pending = False
@@ -489,9 +511,21 @@ class GradientReducer:
             if entry.buf is not None:
                 self._recycle_input(entry)
             return
-        if self.released[b]:
-            self._take_back(b)  # the previous passes' sum, back on the device to be added to
-        elif self.observer is not None:
+        if self.released[b] and not entry.summed:
+            self._sum_released(entry)  # (the end of a pass made every sum first)
+        if entry.summed:
+            # The previous passes' sum + this result: the gradient from now on, replacing the
+            # observer's home copy; no allocation here (stage 1 needs no whole bucket when the
+            # observer keeps it again).
+            shard, entry.out = entry.out, None
+            self.observer.changing(b)
+            if self.observer.ready(b, shard):
+                self._release(b, shard)
+            else:
+                self.accum[b] = self._whole(b, shard)
+                self.released[b], self.kept_terms[b] = False, None
+            return
+        if self.observer is not None:
             self.observer.changing(b)  # a copy of the previous passes' sum is being overwritten
         scale = self._scale_of(b)
         if (entry.out is not self.accum[b] and not self.has_grads
@@ -518,19 +552,35 @@ class GradientReducer:
         self.accum[b] = None
         self.released[b] = True
 
-    def _take_back(self, b: int) -> None:
-        """A released gradient back into a device accumulator (the observer forgets its copy).
-        Stage 1 keeps whole buckets: the shard goes into its place in a zero bucket (the other
-        ranks' parts are never read here)."""
+    def _sum_released(self, entry) -> None:
+        """A released bucket's gradient read back (a new device tensor) with this pass's result
+        added as _settle adds it into an accumulator (the same add: the same bits; stage 1 adds
+        the owned part only, the only part read), becoming entry.out. The observer's home copy
+        stays the gradient until _settle takes this sum as the accumulator: a failure before
+        (this allocation, a later bucket's) leaves the previous gradient in place."""
+        b = entry.bucket
         value = self.observer.fetch(b)
-        if not self.shard_gradients:
-            bucket = self.buckets[b]
-            whole = torch.zeros(bucket.numel, dtype=value.dtype, device=value.device)
-            whole[slice(*bucket.shard_range(self.rank))].copy_(value)
-            value = whole
-        self.accum[b] = value
+        out = entry.out if self.shard_gradients else entry.out[slice(*self.buckets[b].shard_range(self.rank))]
+        value.add_(out, alpha=self._scale_of(b))
+        entry.out, entry.summed = value, True
+        if entry.buf is not None:
+            self._recycle_input(entry)  # the result may have been a view of it
+
+    def _take_back(self, b: int) -> None:
+        """A released gradient back into a device accumulator (the observer forgets its copy)."""
+        self.accum[b] = self._whole(b, self.observer.fetch(b))
         self.released[b], self.kept_terms[b] = False, None
         self.observer.changing(b)
+
+    def _whole(self, b: int, shard: torch.Tensor) -> torch.Tensor:
+        """Bucket b's accumulator holding this gradient shard. Stage 1 keeps whole buckets: the
+        shard goes into its place in a zero bucket (the other ranks' parts are never read here)."""
+        if self.shard_gradients:
+            return shard
+        bucket = self.buckets[b]
+        whole = torch.zeros(bucket.numel, dtype=shard.dtype, device=shard.device)
+        whole[slice(*bucket.shard_range(self.rank))].copy_(shard)
+        return whole
 
     def _abandon_pass(self) -> None:
         """End a pass that failed: wait for what it launched, put the accumulators back as they
