@@ -17,13 +17,13 @@ What must hold:
     parameters and state within 5 % (a last-bit master difference can flip a bf16 rounding, 0.4 %,
     which the next gradients carry); a wrong step is off by ~100 %;
   * a state_dict round trip: a fresh offloaded engine that loads the reference's model and
-    optimizer state continues like the reference does.
+    optimizer state continues like the reference does;
+  * between backward and step no gradient bytes stay on the GPU (they live on the host).
 A failure says which side failed: "reference" (the in-memory CUDA engine itself, not the
 offload path) or "offload", with the rank's traceback.
 Stream ordering (one process, the host tier alone): a gradient shard the step's source makes on
 the compute stream (the reducer zero-fills an accumulator that a failed backward freed) is copied
-down after its fill, not before. Expected to fail until host_tier's step copies follow the compute
-stream (helper review cudareview, 2026-11-26); strict, so the fix shows as XPASS.
+down after its fill, not before (every copy follows the compute stream).
 """
 
 from __future__ import annotations
