@@ -86,6 +86,12 @@ from .layout import Bucket
 from .usage import ParamUsage
 
 
+def _kept_terms(shard: torch.Tensor) -> dict:
+    """What a released gradient keeps for clipping and the fp16 check: its 2-norm and inf-norm
+    terms (clipping.local_term on the device shard, the bits a later local_terms computes)."""
+    return {"2": clipping.local_term(shard, 2.0), "inf": clipping.local_term(shard, float("inf"))}
+
+
 def _term_key(norm_type: float) -> str | None:
     """Which kept term serves this norm (GradientReducer._release keeps the 2-norm's and max |g|)."""
     return "inf" if norm_type == float("inf") else ("2" if norm_type == 2.0 else None)
@@ -518,9 +524,10 @@ class GradientReducer:
             # observer's home copy; no allocation here (stage 1 needs no whole bucket when the
             # observer keeps it again).
             shard, entry.out = entry.out, None
+            terms = _kept_terms(shard)  # before the observer takes it: nothing may fail after
             self.observer.changing(b)
             if self.observer.ready(b, shard):
-                self._release(b, shard)
+                self._release(b, terms)
             else:
                 self.accum[b] = self._whole(b, shard)
                 self.released[b], self.kept_terms[b] = False, None
@@ -542,13 +549,14 @@ class GradientReducer:
             self._recycle_input(entry)
         if self.observer is not None:
             shard = self.shard(b)
+            terms = _kept_terms(shard)  # before the observer takes it: nothing may fail after
             if self.observer.ready(b, shard):
-                self._release(b, shard)
+                self._release(b, terms)
 
-    def _release(self, b: int, shard: torch.Tensor) -> None:
+    def _release(self, b: int, terms: dict) -> None:
         """The observer holds bucket b's gradient from now on: keep its clipping terms, free the
         device accumulator (the observer's copy keeps the memory until it has read it)."""
-        self.kept_terms[b] = {"2": clipping.local_term(shard, 2.0), "inf": clipping.local_term(shard, float("inf"))}
+        self.kept_terms[b] = terms
         self.accum[b] = None
         self.released[b] = True
 
