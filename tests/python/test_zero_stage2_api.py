@@ -2,6 +2,7 @@
 ZeroRedundancyOptimizer(stage=2) constructor, the estimator CLI."""
 
 import copy
+import os
 import json
 import subprocess
 import sys
@@ -236,12 +237,49 @@ def _zero_redundancy_stage2(rank, world):
         zm.loss_fn(model, x, y).backward()  # plain loss.backward(): the hooks do the work
         opt.step()
         opt.zero_grad()
-    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.module.parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.module.parameters()))
+    # offload_optimizer as zeroplus.initialize takes it: NVMe under stage 2, bit for bit the
+    # in-memory engine; refused by name where the engine does not run (stage 1 is torch's class)
+    # or cannot (offload_param is stage 3's).
+    import tempfile
+
+    root = [tempfile.mkdtemp(prefix="zp-zro-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(root, src=0)
+    nvme = {"device": "nvme", "nvme_path": root[0]}
+    in_memory, offloaded = zm.make_model(), zm.make_model()
+    opts = [zeroplus.ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, stage=2, lr=LR, **kw)
+            for m, kw in ((in_memory, {}), (offloaded, {"offload_optimizer": nvme}))]
+    for step in range(3):
+        x, y = zm.batch(step, rank)
+        for m, o in zip((in_memory, offloaded), opts):
+            zm.loss_fn(m, x, y).backward()
+            o.step()
+            o.zero_grad()
+    same = all(torch.equal(a, b) for a, b in zip(in_memory.parameters(), offloaded.parameters()))
+    swapping = opts[1].offload is not None and os.path.isdir(opts[1].offload.directory.path)
+    errors = []
+    for kw in ({"offload_optimizer": nvme}, {"mixed_precision": "bf16"}, {"stage": 2, "offload_param": nvme}):
+        try:
+            zeroplus.ZeroRedundancyOptimizer(zm.make_model().parameters(), optimizer_class=torch.optim.AdamW, lr=LR, **kw)
+        except ValueError as e:
+            errors.append(str(e))
+    del opts, offloaded, m, o  # (the loop's names hold the last engine too)
+    import gc
+    gc.collect()
+    torch.distributed.barrier()
+    if rank == 0:
+        os.rmdir(root[0])  # the engine removed its swap directory: the root is empty
+    return diff, same, swapping, errors
 
 
 def test_zero_redundancy_optimizer_stage2_constructor():
-    for diff in run_pooled(_zero_redundancy_stage2, 2, timeout=120):
+    for diff, same, swapping, errors in run_pooled(_zero_redundancy_stage2, 2, timeout=120):
         assert diff < 1e-6
+        assert same and swapping, (same, swapping)
+        assert len(errors) == 3, errors
+        assert "offload_optimizer needs zeroplus's ZeRO engine" in errors[0] and "stage=2" in errors[0], errors[0]
+        assert "mixed_precision needs" in errors[1], errors[1]
+        assert "offload_param applies to ZeRO stage 3 only" in errors[2], errors[2]
 
 
 def test_config_file_gives_the_same_engine(tmp_path):

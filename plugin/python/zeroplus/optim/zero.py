@@ -52,6 +52,9 @@ SYNC_BUCKET_CAP_BYTES = 32 << 20
 # stage -> engine class, for ZeroRedundancyOptimizer(..., stage=2). Filled by zeroplus.zero when it
 # is imported (it builds on this package's fused kernels, so this package must not import it).
 STAGE_ENGINES: dict[int, type] = {}
+# Keywords that are options of that engine, not of optimizer_class (offload_param is refused there
+# with its reason: it is stage 3's).
+ENGINE_KEYWORDS = ("mixed_precision", "reduce_bucket_elems", "offload_optimizer", "offload_param")
 
 
 class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
@@ -59,12 +62,22 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                 overlap_with_ddp=False, *, stage=1, **defaults):
         """stage=1 (default) is torch's ZeroRedundancyOptimizer; stage=2 returns the zeroplus
         ZeRO-2 engine (zeroplus.zero.Stage2Optimizer) over the same params, for models that are
-        NOT wrapped in DDP. Extra stage-2 keywords: mixed_precision, reduce_bucket_elems.
+        NOT wrapped in DDP. Extra stage-2 keywords: mixed_precision, reduce_bucket_elems,
+        offload_optimizer (ENGINE_KEYWORDS; refused by name at stage 1, where torch's class runs).
         Tensor-parallel params (DTensors, torch.distributed.tensor.parallel) at stage 1 give the
         engine's Stage1Optimizer (process_group: the data-parallel group; docs/tensor_parallel.md)."""
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
         params, tensor_parallel = _with_dtensor(params)
+        engine_only = sorted(k for k in ENGINE_KEYWORDS if k in defaults)
+        if stage == 1 and not tensor_parallel and engine_only:
+            # torch's stage 1 would hand them to optimizer_class, which fails with a TypeError
+            # that does not say why: they are options of zeroplus's engine.
+            raise ValueError(f"ZeroRedundancyOptimizer: {', '.join(engine_only)} "
+                             f"{'needs' if len(engine_only) == 1 else 'need'} zeroplus's ZeRO engine, which "
+                             f"stage=1 (torch's ZeroRedundancyOptimizer, for a DDP-wrapped model) does not use: pass "
+                             f"stage=2 here (a model not wrapped in DDP), or zeroplus.initialize(model, ..., stage=1, "
+                             f"...) for stage 1")
         if stage == 1 and not tensor_parallel:
             obj = super().__new__(cls)
             obj._zp_params = params  # a generator was read here: __init__ takes the list
