@@ -222,13 +222,13 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
         out = model.rest(h)
         return nn.functional.mse_loss(out.float(), y)
 
-    def raising_backward():
+    def raising_backward(k=0, why="the hook did not raise"):
         try:
-            opt.backward(loss_of(0))
+            opt.backward(loss_of(k))
         except _Raise:
             after_raise()
         else:
-            raise AssertionError("the hook did not raise")
+            raise AssertionError(why)
 
     if mode == "no_sync":  # DDP's accumulation: the first micro-batch is not reduced
         with model.no_sync():
@@ -267,11 +267,7 @@ def _micro_steps(model, opt, rank, step, mode, fail, after_raise=lambda: None):
 
             tier.fetch = failing_fetch
             try:
-                opt.backward(loss_of(1))
-            except _Raise:
-                after_raise()
-            else:
-                raise AssertionError("the second backward did not fail")
+                raising_backward(1, "the second backward did not fail")
             finally:
                 del tier.fetch
     elif mode == "norms":  # norms whose terms were not kept (3), kept (inf), and stale after a scaling
