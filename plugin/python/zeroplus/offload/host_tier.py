@@ -15,8 +15,8 @@ Gradients down, during backward, and kept there. The tier is the gradient reduce
                          the compute stream and the shard starts down, device -> bucket b's own
                          pinned host buffer, non_blocking, one event. During backward this is as
                          soon as the bucket's reduction was retired (two buckets behind the
-                         newest launched one); the last buckets at the end of backward. Returns
-                         True: from now on the host buffer is the gradient's home (the reducer
+                         newest launched one); the last buckets at the end of backward. From
+                         now on the host buffer is the gradient's home (the reducer
                          frees its device accumulator; the copy keeps the device memory from
                          being reused until it has read it), so the device holds no gradient
                          shards between backward and step (DeepSpeed's ZeRO-Offload keeps its
@@ -245,11 +245,10 @@ class HostTier:
 
     # -- the gradient reducer's observer (backward) ------------------------------------------------
 
-    def ready(self, b: int, shard: torch.Tensor) -> bool:
+    def ready(self, b: int, shard: torch.Tensor) -> None:
         self._forget(b)
         self._start(b, shard, in_backward=True)
         self._copies[b].home = True
-        return True
 
     def fetch(self, b: int) -> torch.Tensor:
         copy = self._copies[b]

@@ -47,8 +47,8 @@ a bucket's result is added into its accumulator ("settled") as soon as its colle
 on when the pass starts from no gradient (has_grads False: a failed pass frees the accumulators
 anyway, so nothing is lost by not waiting for the whole pass), else at the end of the pass (the
 previous gradients must survive a failed pass). Then `observer.ready(b, shard)` is told: the
-shard holds what the step would read. When it answers True the observer's host copy is the
-gradient's home from then on: the device accumulator is freed ("released"; the observer's copy
+shard holds what the step would read, and the observer's host copy is the gradient's home
+from then on: the device accumulator is freed ("released"; the observer's copy
 keeps its memory until it has been read), after the two terms clipping and the fp16 overflow
 check need (2-norm and max |g|, clipping.local_term on the device shard: the bits a later
 local_terms would compute) were kept. A released gradient is read back through
@@ -525,12 +525,8 @@ class GradientReducer:
             # observer keeps it again).
             shard, entry.out = entry.out, None
             terms = _kept_terms(shard)  # before the observer takes it: nothing may fail after
-            self.observer.changing(b)
-            if self.observer.ready(b, shard):
-                self._release(b, terms)
-            else:
-                self.accum[b] = self._whole(b, shard)
-                self.released[b], self.kept_terms[b] = False, None
+            self.observer.ready(b, shard)  # (replaces its home copy)
+            self._release(b, terms)
             return
         if self.observer is not None:
             self.observer.changing(b)  # a copy of the previous passes' sum is being overwritten
@@ -550,8 +546,8 @@ class GradientReducer:
         if self.observer is not None:
             shard = self.shard(b)
             terms = _kept_terms(shard)  # before the observer takes it: nothing may fail after
-            if self.observer.ready(b, shard):
-                self._release(b, terms)
+            self.observer.ready(b, shard)
+            self._release(b, terms)
 
     def _release(self, b: int, terms: dict) -> None:
         """The observer holds bucket b's gradient from now on: keep its clipping terms, free the
