@@ -222,6 +222,14 @@ def _offload_kwargs(device: str, nvme_path: str | None) -> dict:
     return out
 
 
+def _offload_run(text: str) -> tuple[int, str]:
+    """One --offload-runs entry, LAYERS:DEVICE."""
+    layers, sep, device = text.partition(":")
+    if not sep or not layers.isdigit() or int(layers) < 1 or device not in OFFLOAD_DEVICES:
+        raise ValueError(f"{text!r} is not LAYERS:DEVICE (LAYERS >= 1, DEVICE one of {', '.join(OFFLOAD_DEVICES)})")
+    return int(layers), device
+
+
 def _offload_row(layers: int, device: str, dim: int, batch: int, context: int, nvme_path: str | None,
                  reps: int, timeout_s: int = 600) -> dict:
     import zeroplus
@@ -338,6 +346,10 @@ def main() -> None:
     parser.add_argument("--nvme-path", default=None)
     parser.add_argument("--job", help=argparse.SUPPRESS)  # one row in this process (_isolated)
     args = parser.parse_args()
+    try:
+        runs = [_offload_run(r) for r in args.offload_runs.split(",")]
+    except ValueError as e:
+        parser.error(f"--offload-runs: {e}")
     if args.job:
         print("ROW " + json.dumps(_run_job(json.loads(args.job))), flush=True)
         return
@@ -355,7 +367,6 @@ def main() -> None:
         rows += bench_stage3(max(5, args.reps // 2), dict(dim=args.dim, layers=args.layers, vocab=32000,
                                                          context=args.context), args.batch)
     if "offload" in parts:
-        runs = [(int(r.split(":")[0]), r.split(":")[1]) for r in args.offload_runs.split(",")]
         rows += bench_offload(3, runs, args.offload_dim, 2, 512, args.nvme_path)
     _write(rows, pathlib.Path(args.out), header)
 
