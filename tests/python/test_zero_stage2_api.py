@@ -310,6 +310,22 @@ def test_estimate_cli_prints_all_stages():
     assert total[3] == pytest.approx(16 / 8 * gib, rel=1e-3)
 
 
+def test_estimate_cli_help_and_mixed_precision_none():
+    """--help describes the tool (it printed a stray usage line as its description), and the
+    advertised `--mixed-precision none` is fp32 training, as --fp32 (it was rejected)."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "zeroplus.estimate", *args], capture_output=True, text=True,
+                              timeout=120, check=True).stdout
+
+    help_text = run("--help")
+    description = help_text.split("\n\n")[1]
+    assert description.startswith("Prints the ZeRO model-state bytes per rank"), help_text
+    assert "[--offload-param" not in description
+    fp32 = run("--params", "1e9", "--world-size", "4", "--fp32")
+    assert run("--params", "1e9", "--world-size", "4", "--mixed-precision", "none") == fp32
+    assert ", fp32," in fp32.splitlines()[0]
+
+
 def _stage1(rank, world, precision, tolerance):
     import zeroplus
     import zero_models as zm

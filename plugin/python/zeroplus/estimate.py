@@ -20,13 +20,19 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:10.2f}"
 
 
+def _description() -> str:
+    # The module docstring opens with the usage lines (argparse prints its own usage); the
+    # description is the paragraph after them.
+    return " ".join(__doc__.split("\n\n", 1)[1].split())
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zeroplus.estimate", description=__doc__.splitlines()[2])
+    parser = argparse.ArgumentParser(prog="python -m zeroplus.estimate", description=_description())
     parser.add_argument("--params", type=float, required=True, help="number of parameters (1.3e9)")
     parser.add_argument("--world-size", type=int, required=True, help="data-parallel ranks")
-    parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default="bf16",
-                        help="compute dtype (default bf16; 'none' for fp32 training)")
-    parser.add_argument("--fp32", action="store_true", help="fp32 training (no master copy)")
+    parser.add_argument("--mixed-precision", choices=["bf16", "fp16", "none"], default="bf16",
+                        help="compute dtype (default bf16; 'none' for fp32 training, as --fp32)")
+    parser.add_argument("--fp32", action="store_true", help="fp32 training (no master copy); same as --mixed-precision none")
     parser.add_argument("--optimizer", default="adam", help="adam | adamw | sgd | sgd_nomomentum | adagrad")
     parser.add_argument("--offload-optimizer", choices=["none", "cpu", "nvme"], default="none",
                         help="optimizer offload (docs/offload.md); nvme adds the resident and nvme columns")
@@ -41,7 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where training runs (cuda: gpu and host columns)")
     args = parser.parse_args(argv)
-    precision = None if args.fp32 else args.mixed_precision
+    precision = None if args.fp32 or args.mixed_precision == "none" else args.mixed_precision
     offload = args.offload_optimizer
 
     def row(stage):
