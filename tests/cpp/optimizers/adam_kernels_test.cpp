@@ -133,20 +133,25 @@ TEST(AdamKernels, FirstStepMovesByLrTimesSign) {
   EXPECT_NEAR(b.param.get(1), 1.1f, 1e-6);
 }
 
-TEST(AdamKernels, LerpHighBranchMatchesReference) {
+// One instance per ISA, so a CPU without one reports a skip (it was a silent `continue`).
+class AdamLerpHighBranchTest : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(AdamLerpHighBranchTest, MatchesReference) {
+  const Isa isa = GetParam();
+  ZEROPLUS_SKIP_IF_UNSUPPORTED(isa);
   AdamOptions o;
   o.beta1 = 0.3;  // weight 0.7 >= 0.5 selects torch's second lerp formula
-  for (Isa isa : simdIsas()) {
-    if (!cpuSupports(isa)) continue;
-    AdamBuffers r(DType::kFloat32, 50, 5), s(DType::kFloat32, 50, 5);
-    const auto g = randomFloats(50, 9, -1.f, 1.f);
-    for (int64_t i = 0; i < 50; ++i) r.grad.set(i, g[i]), s.grad.set(i, g[i]);
-    AdamSpan rs = r.span(50, 1), ss = s.span(50, 1);
-    ASSERT_EQ(adamStepReference(o, DType::kFloat32, {&rs, 1}), 0);
-    ASSERT_EQ(adamStep(o, DType::kFloat32, {&ss, 1}, KernelConfig{isa, 1, 1}), 0);
-    for (int64_t i = 0; i < 50; ++i) EXPECT_TRUE(closeUlps(s.m[i], r.m[i], ulpOf(DType::kFloat32), 4, 0)) << i;
-  }
+  AdamBuffers r(DType::kFloat32, 50, 5), s(DType::kFloat32, 50, 5);
+  const auto g = randomFloats(50, 9, -1.f, 1.f);
+  for (int64_t i = 0; i < 50; ++i) r.grad.set(i, g[i]), s.grad.set(i, g[i]);
+  AdamSpan rs = r.span(50, 1), ss = s.span(50, 1);
+  ASSERT_EQ(adamStepReference(o, DType::kFloat32, {&rs, 1}), 0);
+  ASSERT_EQ(adamStep(o, DType::kFloat32, {&ss, 1}, KernelConfig{isa, 1, 1}), 0);
+  for (int64_t i = 0; i < 50; ++i) EXPECT_TRUE(closeUlps(s.m[i], r.m[i], ulpOf(DType::kFloat32), 4, 0)) << i;
 }
+
+INSTANTIATE_TEST_SUITE_P(Isas, AdamLerpHighBranchTest, ::testing::ValuesIn(simdIsas()),
+                         [](const ::testing::TestParamInfo<Isa>& info) { return std::string(isaName(info.param)); });
 
 TEST(AdamKernels, MultiSpanAndThreadsAreBitwiseEqualToSeparateCalls) {
   const AdamOptions o = optionsFor(8 | 1);  // AdamW + amsgrad

@@ -108,26 +108,31 @@ TEST_P(SgdReferenceTest, FollowsTorchFormulasInDouble) {
 INSTANTIATE_TEST_SUITE_P(AllCombos, SgdReferenceTest, ::testing::Range(0, 16),
                          [](const ::testing::TestParamInfo<int>& info) { return comboName(info.param); });
 
-TEST(SgdKernels, FirstStepBufferIsTheGradientUndampened) {
+// One instance per ISA, so a CPU without one reports a skip (it was a silent `continue`).
+class SgdFirstStepTest : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(SgdFirstStepTest, BufferIsTheGradientUndampened) {
+  const Isa isa = GetParam();
+  ZEROPLUS_SKIP_IF_UNSUPPORTED(isa);
   SgdOptions o;
   o.lr = 1.0;
   o.momentum = 0.9;
   o.dampening = 0.5;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (!cpuSupports(isa)) continue;
-    SgdBuffers b(DType::kFloat32, 3, 1);
-    for (int64_t i = 0; i < 3; ++i) b.param.set(i, 0.f), b.grad.set(i, float(i + 1)), b.buf[i] = 123.f;
-    SgdSpan s = b.span(3, true);
-    ASSERT_EQ(sgdStep(o, DType::kFloat32, {&s, 1}, KernelConfig{isa, 1, 1}), 0);
-    for (int64_t i = 0; i < 3; ++i) {
-      EXPECT_EQ(b.buf[i], float(i + 1)) << isaName(isa);  // stale contents ignored, no dampening
-      EXPECT_EQ(b.param.get(i), -float(i + 1)) << isaName(isa);
-    }
-    s.init_momentum = false;
-    ASSERT_EQ(sgdStep(o, DType::kFloat32, {&s, 1}, KernelConfig{isa, 1, 1}), 0);
-    for (int64_t i = 0; i < 3; ++i) EXPECT_FLOAT_EQ(b.buf[i], 0.9f * (i + 1) + 0.5f * (i + 1));
+  SgdBuffers b(DType::kFloat32, 3, 1);
+  for (int64_t i = 0; i < 3; ++i) b.param.set(i, 0.f), b.grad.set(i, float(i + 1)), b.buf[i] = 123.f;
+  SgdSpan s = b.span(3, true);
+  ASSERT_EQ(sgdStep(o, DType::kFloat32, {&s, 1}, KernelConfig{isa, 1, 1}), 0);
+  for (int64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(b.buf[i], float(i + 1));  // stale contents ignored, no dampening
+    EXPECT_EQ(b.param.get(i), -float(i + 1));
   }
+  s.init_momentum = false;
+  ASSERT_EQ(sgdStep(o, DType::kFloat32, {&s, 1}, KernelConfig{isa, 1, 1}), 0);
+  for (int64_t i = 0; i < 3; ++i) EXPECT_FLOAT_EQ(b.buf[i], 0.9f * (i + 1) + 0.5f * (i + 1));
 }
+
+INSTANTIATE_TEST_SUITE_P(Isas, SgdFirstStepTest, ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512),
+                         [](const ::testing::TestParamInfo<Isa>& info) { return std::string(isaName(info.param)); });
 
 TEST(SgdKernels, RejectsBadArguments) {
   SgdBuffers b(DType::kFloat32, 4, 1);
