@@ -43,7 +43,7 @@ flavours=("$@")
 for f in "${flavours[@]}"; do
   case "$f" in
     asan) run_flavour "ASan+UBSan" "${ZEROPLUS_ASAN_BUILD_DIR:-$repo_root/build-asan}" "address,undefined" \
-            "process_group;optimizers;aio" ;;
+            "common;process_group;optimizers;aio" ;;
     # Under TSan the "EveryTypeAndOp" collectives at ~1M elements take 7 of the 8 minutes of
     # collectives_test (every dtype x op through instrumented reduction loops, ~80x slower): they
     # test arithmetic, which the ASan build covers. The other ~1M-element cases (multi-segment

@@ -67,7 +67,7 @@ stage "GoogleTest (ctest)" ctest --test-dir "$build_dir" --output-on-failure -j 
 cd "$repo_root"
 # --durations: the slowest tests also appear in pytest's own report; the junit file feeds the
 # table at the end (slowest tests and the total per module).
-stage "pytest" "$venv/bin/python" -m pytest tests/python -q -p no:cacheprovider --durations=25 \
+stage "pytest" "$venv/bin/python" -m pytest tests/python -q -rs -p no:cacheprovider --durations=25 \
   --junitxml="$junit" -o junit_family=xunit2 "$@"
 
 if [[ "${ZEROPLUS_SKIP_PACKAGE:-0}" != "1" ]]; then
