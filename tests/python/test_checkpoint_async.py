@@ -14,7 +14,8 @@ One 2-rank launch (one process group per case):
   * error: a file size limit on one rank makes both ranks' wait() raise (the limited rank its
     OSError, the other the commit failure naming the rank); the previous checkpoint still loads;
   * serialised: two saves in a row: the second starts after the first finished; a load of the
-    second right away (no wait()) waits for it; latest names the second.
+    second right away (no wait()) waits for it and gets its parameters and optimizer state; the
+    first holds the parameters from before; latest names the second.
 """
 
 from __future__ import annotations
@@ -193,20 +194,36 @@ def case_serialised(root, rank, group):
 
     root = os.path.join(root, "serial")
     model, call, opt = build("engine", 1, None, group, seed=0)
+    before = full_params("engine", model)
     h1 = zeroplus.save_checkpoint(os.path.join(root, "one"), model, opt, async_=True)
     train(call, opt, 1, rank)
     h2 = zeroplus.save_checkpoint(os.path.join(root, "two"), model, opt, async_=True)
     first_done_when_second_started = h1.done()
     # No wait(): a load of the same path waits for this process's save in flight (rank 0 ends
     # its commit before it; the other ranks wait in the load's collective for rank 0).
-    model_b, _c, opt_b = build("engine", 1, None, group, seed=1)
+    model_b, call_b, opt_b = build("engine", 1, None, group, seed=1)
     zeroplus.load_checkpoint(os.path.join(root, "two"), model_b, opt_b)
     h2.wait()
     h1.wait()
+    # What was loaded is the second save: the parameters as they were, and the optimizer state
+    # (one more step on each gives the same parameters again).
+    saved, loaded = full_params("engine", model), full_params("engine", model_b)
+    moved = [k for k in before if not torch.equal(before[k], saved[k])]
+    differ = [k for k in saved if not torch.equal(saved[k], loaded[k])]
+    train(call, opt, 1, rank, first_step=1)
+    train(call_b, opt_b, 1, rank, first_step=1)
+    after, after_b = full_params("engine", model), full_params("engine", model_b)
+    differ_after_step = [k for k in after if not torch.equal(after[k], after_b[k])]
+    # The first save holds the parameters from before the training step.
+    model_c, _c, opt_c = build("engine", 1, None, group, seed=2)
+    zeroplus.load_checkpoint(os.path.join(root, "one"), model_c, opt_c)
+    first = full_params("engine", model_c)
+    differ_first = [k for k in before if not torch.equal(before[k], first[k])]
+    compared = (moved, differ, differ_after_step, differ_first)
     if rank != 0:
-        return first_done_when_second_started, None  # latest is rank 0's to update, after wait() on rank > 0
+        return first_done_when_second_started, None, compared  # latest is rank 0's to update, after wait() on rank > 0
     with open(os.path.join(root, "latest")) as f:
-        return first_done_when_second_started, f.read().strip()
+        return first_done_when_second_started, f.read().strip(), compared
 
 
 def case_async_replace(root, rank, group):
@@ -269,9 +286,14 @@ def test_async_save_error_raises_at_wait(results):
 
 
 def test_async_saves_are_serialised(results):
-    for rank, (first_done, latest) in enumerate(ok_values(results, "serialised")):
+    for rank, (first_done, latest, (moved, differ, differ_after_step, differ_first)) in enumerate(
+            ok_values(results, "serialised")):
         assert first_done
         assert latest == ("two" if rank == 0 else None)
+        assert moved, "training between the two saves changed nothing: the comparisons test nothing"
+        assert differ == [], f"rank {rank}: the second checkpoint loaded other parameters in {differ}"
+        assert differ_after_step == [], f"rank {rank}: a step after loading differs in {differ_after_step}"
+        assert differ_first == [], f"rank {rank}: the first checkpoint loaded other parameters in {differ_first}"
 
 
 def test_async_replace_then_load_sees_the_new_checkpoint(results):
