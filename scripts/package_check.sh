@@ -60,7 +60,9 @@ PY
   start=$(date +%s)
   cd /tmp  # nothing of the repository on sys.path
   "${clean_env[@]}" "$smoke/bin/python" -m zeroplus.report --dir "$work"
-  "${clean_env[@]}" "$smoke/bin/zeroplus-report" --json > "$work/report.json"  # the console script
+  "${clean_env[@]}" "$smoke/bin/zeroplus-report" --json > "$work/report.json"  # the console scripts
+  "${clean_env[@]}" "$smoke/bin/zeroplus-estimate" --params 1e9 --world-size 8 > /dev/null
+  "${clean_env[@]}" "$smoke/bin/zeroplus-checkpoint" --help > /dev/null
   "${clean_env[@]}" "$smoke/bin/torchrun" --nproc_per_node 2 --master_port "$(free_port)" \
     "$repo_root/tests/install/smoke_2rank.py"
   cd "$repo_root"
@@ -68,7 +70,7 @@ PY
 
   "$smoke/bin/python" -m pip uninstall -q -y zeroplus
   local left
-  left="$(ls -d "$site"/zeroplus* "$smoke/bin/zeroplus-report" 2>/dev/null || true)"
+  left="$(ls -d "$site"/zeroplus* "$smoke"/bin/zeroplus-* 2>/dev/null || true)"
   if [[ -n "$left" ]]; then
     echo "[package] FAILED: pip uninstall zeroplus left: $left" >&2
     exit 1

@@ -8,7 +8,7 @@ file. check_one(data) runs everything a load, `inspect` and `consolidate` do wit
      (cut or zero-padded to the size the manifest declares, up to 1 MiB; larger declared sizes
      keep the bytes as they are) are written to a scratch directory, which CheckpointReader opens;
      every file is verified block by block against its CRC-32 list (inspect) and every tensor is
-     read whole (consolidate.iter_tensors: chunk lookup, range assembly, dtype checks).
+     read whole (consolidate's iter_tensors: chunk lookup, range assembly, dtype checks).
 The contract it asserts: each step returns a validated result or raises CheckpointError (or a
 subclass: CheckpointCorruptError, CheckpointVersionError), the documented error of every parser
 of checkpoint bytes; any other exception is a crash (atheris reports it with the input). Hangs
@@ -38,7 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugin" / "python"))
 
 import zeroplus  # noqa: E402,F401  (loads the library: zeroplus.files opens the scratch files)
-from zeroplus.checkpoint import consolidate, format as fmt, fsutil, reader  # noqa: E402
+from zeroplus.checkpoint import format as fmt, fsutil, reader  # noqa: E402
+from zeroplus.checkpoint.consolidate import iter_tensors  # noqa: E402 (the package's `consolidate` is the function)
 
 SEPARATOR = b"\n--zeroplus-shard--\n"
 _MAX_FILE = 1 << 20  # bytes written per shard file at most
@@ -90,7 +91,7 @@ def write_checkpoint(m: dict, manifest: bytes, shard: bytes) -> str:
 def consolidate_path(d: str, m: dict) -> None:
     """What `consolidate` reads: every tensor whole (no file verified first)."""
     with reader.CheckpointReader(d) as r:
-        for _name, _value in consolidate.iter_tensors(r):
+        for _name, _value in iter_tensors(r):
             pass
 
 

@@ -1,4 +1,7 @@
-"""python -m zeroplus.checkpoint {consolidate PATH OUT [--format torch|safetensors] | inspect PATH [--json]}
+"""python -m zeroplus.checkpoint {consolidate PATH (OUT [--format torch|safetensors] | --output-dir DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16] [--trainable-only] [--mode 0644]) | inspect PATH [--json]}
+
+Also installed as the console script `zeroplus-checkpoint`. consolidate writes one fp32 state
+dict (OUT), or with --output-dir an HF folder of sharded safetensors that from_pretrained reads.
 
 Exit status: 0 on success (inspect: every checksum matched), 1 when inspect found a bad file,
 2 on an error (the message names the file).
@@ -11,21 +14,45 @@ import json
 import sys
 
 
+def _octal_mode(text: str) -> int:
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mode must be an octal permission mode like 0644, got {text!r}") from None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroplus.checkpoint", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="one fp32 state dict (torch.load(weights_only=True) or safetensors)")
+    c = sub.add_parser("consolidate", help="one fp32 state dict (torch.load(weights_only=True) or safetensors), "
+                                          "or an HF folder of sharded safetensors (--output-dir)")
     c.add_argument("path", help="checkpoint directory, or a root whose 'latest' names one")
-    c.add_argument("out", help="output file (must not exist)")
-    c.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    c.add_argument("out", nargs="?", help="output file (must not exist)")
+    c.add_argument("--format", choices=("torch", "safetensors"), default="torch", help="of OUT")
+    c.add_argument("--output-dir", help="write an HF folder instead (must not exist): model-0000K-of-0000N."
+                                        "safetensors + model.safetensors.index.json")
+    c.add_argument("--max-shard-size", default="5GB", help="--output-dir: bytes per file, '5GB', '500MiB' (default 5GB)")
+    c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="--output-dir: floating tensors in this dtype (default fp32)")
+    c.add_argument("--trainable-only", action="store_true",
+                   help="--output-dir: only the parameters trainable when saved (PEFT adapters)")
+    c.add_argument("--mode", type=_octal_mode, default=0o644, help="--output-dir: file mode, octal (default 0644)")
     i = sub.add_parser("inspect", help="source, tensors, bytes; verifies every checksum")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.command == "consolidate" and (args.out is None) == (args.output_dir is None):
+        parser.error("consolidate: give OUT (one file) or --output-dir DIR (an HF folder), exactly one")
 
     from .consolidate import consolidate, inspect  # noqa: PLC0415 - after argument errors, which need no torch
 
     try:
+        if args.command == "consolidate" and args.output_dir is not None:
+            res = consolidate(args.path, output_dir=args.output_dir, max_shard_size=args.max_shard_size,
+                              dtype=args.dtype, trainable_only=args.trainable_only, mode=args.mode)
+            print(f"wrote {args.output_dir}: {res['tensors']} tensors in {len(res['files'])} files, "
+                  f"{res['bytes']} bytes ({args.dtype})")
+            return 0
         if args.command == "consolidate":
             res = consolidate(args.path, args.out, args.format)
             print(f"wrote {args.out}: {res['tensors']} tensors, {res['bytes']} bytes ({args.format})")

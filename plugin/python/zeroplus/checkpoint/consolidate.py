@@ -28,7 +28,7 @@ from . import fsutil
 from .format import DTYPE_BYTES, MANIFEST, CheckpointCorruptError
 from .reader import CheckpointReader
 
-_SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
 
@@ -36,21 +36,32 @@ def _out_dtype(saved: str) -> str:
     return "float32" if saved in ("float16", "bfloat16", "float32", "float64") else saved
 
 
+def read_tensor(reader: CheckpointReader, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor `name` in its full shape as `dtype` (the master for a parameter that has one)."""
+    t = reader.manifest["tensors"][name]
+    key = "param" if t["kind"] == "param" else "value"
+    numel = t["numel"]
+    if numel and not reader.has(name, key):  # before allocating anything of the size the manifest claims
+        raise CheckpointCorruptError(errno.EIO, f"checkpoint: no shard holds {name!r} (the manifest is torn)",
+                                     os.path.join(reader.path, MANIFEST))
+    if numel == 0:
+        return torch.zeros(t["shape"], dtype=dtype)
+    return reader.read_many([(name, key, 0, numel)])[0].to(dtype).reshape(t["shape"])
+
+
 def iter_tensors(reader: CheckpointReader):
     """(name, full-shape tensor) of every tensor, params first, one at a time."""
-    m = reader.manifest
-    for name, t in m["tensors"].items():
-        key = "param" if t["kind"] == "param" else "value"
-        numel = t["numel"]
-        if numel and not reader.has(name, key):  # before allocating anything of the size the manifest claims
-            raise CheckpointCorruptError(errno.EIO, f"checkpoint: no shard holds {name!r} (the manifest is torn)",
-                                         os.path.join(reader.path, MANIFEST))
-        if numel == 0:
-            value = torch.zeros(t["shape"], dtype=getattr(torch, _out_dtype(t["dtype"])))
-        else:
-            value = reader.read_many([(name, key, 0, numel)])[0]
-            value = value.to(getattr(torch, _out_dtype(t["dtype"]))).reshape(t["shape"])
-        yield name, value
+    for name, t in reader.manifest["tensors"].items():
+        yield name, read_tensor(reader, name, getattr(torch, _out_dtype(t["dtype"])))
+
+
+def load_fp32_state_dict(path) -> dict[str, torch.Tensor]:
+    """The model's full state dict from a checkpoint, in memory, without a process group: the
+    keys model.state_dict() has (tied parameters under every name, one tensor), floating values
+    as float32 (the master where there is one). What consolidate(fmt="torch") writes."""
+    with CheckpointReader(path) as reader:
+        keys = _keys(reader.manifest)
+        return {k: value for name, value in iter_tensors(reader) for k in keys[name]}
 
 
 def _keys(m: dict) -> dict[str, list[str]]:
@@ -76,8 +87,18 @@ def _create_output(out: str):
     return dir_fd, tmp, name, fd
 
 
-def consolidate(path, out, fmt: str = "torch") -> dict:
-    """See the module doc. Returns {"tensors": n, "bytes": output size}."""
+def consolidate(path, out=None, fmt: str = "torch", *, output_dir=None, **hf_options) -> dict:
+    """See the module doc. Returns {"tensors": n, "bytes": output size}. With output_dir instead
+    of out: an HF folder of sharded safetensors (hf_export.export_hf; hf_options: max_shard_size,
+    dtype, trainable_only, mode), and the result also lists its "files"."""
+    if output_dir is not None:
+        if out is not None:
+            raise ValueError("consolidate: give out (one file) or output_dir (an HF folder), not both")
+        from .hf_export import export_hf  # noqa: PLC0415
+
+        return export_hf(path, output_dir, **hf_options)
+    if hf_options:
+        raise TypeError(f"consolidate: {sorted(hf_options)} apply to output_dir= only")
     if fmt not in ("torch", "safetensors"):
         raise ValueError(f"consolidate: format must be 'torch' or 'safetensors', got {fmt!r}")
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
@@ -119,7 +140,7 @@ def _write_safetensors(reader: CheckpointReader, fd: int) -> int:
         dtype = _out_dtype(t["dtype"])
         nbytes = t["numel"] * DTYPE_BYTES[dtype]
         for k in keys[name]:
-            header[k] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": t["shape"], "data_offsets": [offset, offset + nbytes]}
+            header[k] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": t["shape"], "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
             order.append(name)
     header["__metadata__"] = {"format": "pt", "zeroplus_source": json.dumps(m["source"])}

@@ -155,6 +155,7 @@ def read_into(fd: int, view: memoryview, offset: int, name: str) -> None:
         done += n
 
 
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -169,3 +170,15 @@ def exchange(dir_fd: int, a: str, b: str) -> None:
     if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"checkpoint: renameat2(RENAME_EXCHANGE) failed: {os.strerror(err)}", b)
+
+
+def rename_noreplace(dir_fd: int, a: str, b: str) -> None:
+    """Rename a -> b inside dir_fd unless b exists (renameat2 RENAME_NOREPLACE: FileExistsError),
+    for directories too, which link() cannot publish. OSError if the kernel or the file system
+    cannot."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "checkpoint: renameat2 is not available in this C library")
+    if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_NOREPLACE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"checkpoint: renameat2(RENAME_NOREPLACE) {a} -> {b} failed: {os.strerror(err)}", b)
