@@ -311,6 +311,12 @@ def test_own_links_are_followed_and_another_users_refused(tmp_path):
     os.close(lock_fd)
     assert os.path.isdir(tmp_path / "real" / staging)
     assert save._split(str(tmp_path / "ck_link")) == (str(tmp_path / "real"), "ck")
+    os.makedirs(tmp_path / "dcp_real")
+    os.symlink(tmp_path / "dcp_real", tmp_path / "dcp_link")  # DCP's checkpoint directory as a link
+    _dcp_save(tmp_path / "dcp_link", {"a": torch.arange(4.0)})
+    sd = {"a": torch.zeros(4)}
+    _dcp_load(tmp_path / "dcp_link", sd)
+    assert torch.equal(sd["a"], torch.arange(4.0)) and (tmp_path / "dcp_real" / ".metadata").exists()
 
     os.lchown(tmp_path / "ck_link", 65534, 65534)  # now another user's link (the tests run as root)
     if os.lstat(tmp_path / "ck_link").st_uid != 65534:

@@ -15,7 +15,8 @@ that adds what DCP's lacks:
     is checked to be the one the engine wrote;
   * every rename (DCP's `.metadata.tmp` -> `.metadata`, the commit point) is followed by an fsync
     of the directory, so a crash after dcp.save returned cannot lose the metadata;
-  * reads open files with O_NOFOLLOW.
+  * reads open files with O_NOFOLLOW; the checkpoint directory itself may be a symbolic link of
+    this user or root, never of another user (files.open_directory).
 sync_files=True is forced (it is what makes a save durable).
 
 Trust model of AioStorageReader (docs/security.md): DCP's `.metadata` is a pickle, and torch's
@@ -112,7 +113,7 @@ class _DurableFileSystem(FileSystem):
     @contextmanager
     def create_stream(self, path, mode: str):
         path = Path(path)
-        dir_fd = files.open_directory_at(None, str(path.parent))
+        dir_fd = files.open_directory(str(path.parent))
         try:
             if mode == "wb":
                 fd = files.create_exclusive_at(dir_fd, path.name)
@@ -139,7 +140,7 @@ class _DurableFileSystem(FileSystem):
         path, new_path = Path(path), Path(new_path)
         if path.parent != new_path.parent:
             raise ValueError(f"dcp storage: rename across directories ({path} -> {new_path})")
-        dir_fd = files.open_directory_at(None, str(path.parent))
+        dir_fd = files.open_directory(str(path.parent))
         try:
             fsutil.publish(dir_fd, path.name, new_path.name, replace=True)
         finally:
