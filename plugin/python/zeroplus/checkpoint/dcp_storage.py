@@ -222,10 +222,17 @@ class AioStorageReader(FileSystemReader):
         self.fs = _DurableFileSystem()
         self.path = self.fs.init_path(path)
 
+    def _metadata_path(self, rank):
+        # torch >= 2.13 names per-rank metadata (__<rank>.metadata, no rank coordination); older
+        # readers have only the one file.
+        if hasattr(self, "_get_metadata_path"):
+            return self._get_metadata_path(rank)
+        return self.fs.concat_path(self.path, ".metadata")
+
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = self._metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
@@ -240,10 +247,10 @@ class AioStorageReader(FileSystemReader):
         check_storage_data(metadata.storage_data, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs) -> None:
         # Every rank, whatever read the metadata (rank 0 may have sent it over): what read_data follows.
-        check_storage_data(metadata.storage_data, str(self._get_metadata_path(kwargs.get("rank"))))
+        check_storage_data(metadata.storage_data, str(self._metadata_path(None)))
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
