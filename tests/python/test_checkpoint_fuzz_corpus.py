@@ -28,8 +28,9 @@ def test_corpus_input_gives_a_result_or_a_checkpoint_error(name):
     target.check_one((CORPUS / name).read_bytes())
 
 
-def test_the_real_seed_reads_and_verifies_without_error():
-    manifest, _sep, shard = (CORPUS / "seed-manifest-and-shard").read_bytes().partition(target.SEPARATOR)
+@pytest.mark.parametrize("seed", ["seed-manifest-and-shard", "seed-sealed-manifest-and-shard"])
+def test_the_real_seed_reads_and_verifies_without_error(seed):
+    manifest, _sep, shard = (CORPUS / seed).read_bytes().partition(target.SEPARATOR)
     m = target.parse(manifest)
     d = target.write_checkpoint(m, manifest, shard)
     target.consolidate_path(d, m)  # each raises on any error: the seed is a valid checkpoint
