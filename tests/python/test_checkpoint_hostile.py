@@ -8,7 +8,8 @@ test runs in milliseconds and also against the code before its fix:
   * a manifest over 16 MiB still marks its directory as a checkpoint a save may replace (6);
   * more shard files than the descriptors left (RLIMIT_NOFILE) read, inspect and consolidate
     (7); a checkpoint replaced under an open reader is read whole, or named as replaced (11);
-  * a 2**40-byte checksum block is refused when parsed and when configured (8); version <= 0 (19);
+  * a 2**40-byte checksum block is refused when parsed and when configured, and inspect of a
+    sparse shard holds at most one 64 MiB block of it (8); version <= 0 (19);
   * the stale-temporary sweep removes only what zeroplus leaves (13), and a staging directory is
     locked before a sweep can see it (10);
   * rank > 0's check of the committed manifest never follows a link or blocks on a FIFO (14);
@@ -120,6 +121,23 @@ def test_huge_checksum_block_is_refused_when_parsed_and_when_configured(tmp_path
             {"name": "rank00000.bin", "bytes": 160, "block_crc32": [0]}]), "manifest.json")
     with pytest.raises(ValueError, match="block_bytes"):
         CheckpointOptions(block_bytes=1 << 40)
+
+
+def test_verifying_a_sparse_shard_holds_at_most_one_bound_of_it_in_memory(tmp_path):
+    """inspect reads runs of blocks into one buffer: with the largest block a manifest may
+    declare, a sparse shard (nothing on disk) must not cost its apparent size in memory."""
+    block = fmt.MAX_BLOCK_BYTES
+    d = tmp_path / "ck"
+    _write_checkpoint(d, 1)
+    with open(d / "rank00000.bin", "wb") as f:
+        f.truncate(2 * block)  # 128 MiB apparent, no data blocks
+    m = json.loads((d / fmt.MANIFEST).read_bytes())
+    zeros = zlib.crc32(bytes(block))
+    m.update(block_bytes=block, files=[{"name": "rank00000.bin", "bytes": 2 * block, "block_crc32": [zeros, zeros]}])
+    (d / fmt.MANIFEST).write_bytes(fmt.dumps(m))
+    with CheckpointReader(d) as reader:
+        reader.verify_file(0)
+        assert len(reader._bounce) <= block, f"verify_file held {len(reader._bounce) >> 20} MiB at once"
 
 
 @pytest.mark.parametrize("version", [0, -1])

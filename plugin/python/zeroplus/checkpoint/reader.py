@@ -40,6 +40,7 @@ from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, Chec
                      parse_manifest)
 
 _MAX_RUN_BLOCKS = 16  # one read call covers at most this many checksum blocks
+_MAX_BOUNCE_BYTES = 64 << 20  # and verify_file's buffer at most this (or one block, at most 64 MiB)
 
 
 def resolve(path) -> str:
@@ -190,8 +191,9 @@ class CheckpointReader:
         """Every block of file fi against its checksum (inspect)."""
         blocks = -(-self.manifest["files"][fi]["bytes"] // self.block)
         self._fd(fi)  # the size check, also for an empty file
-        for first in range(0, blocks, _MAX_RUN_BLOCKS):
-            self._read_blocks(fi, first, min(blocks, first + _MAX_RUN_BLOCKS))
+        run = max(1, min(_MAX_RUN_BLOCKS, _MAX_BOUNCE_BYTES // self.block))
+        for first in range(0, blocks, run):
+            self._read_blocks(fi, first, min(blocks, first + run))
 
     def _verify(self, fi: int, first: int, view) -> None:
         """view holds file fi's bytes from block `first` on, whole blocks (the file's last may be
