@@ -116,8 +116,10 @@ class CheckpointReader:
                     self._fd(fi)
                 except FileNotFoundError:
                     self._missing.add(fi)  # raised when it is read (inspect reports it per file)
-                except CheckpointCorruptError:
-                    pass  # raised again when it is read
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE):
+                        break  # the rest are opened when read, a few at a time
+                    # anything else (a wrong size, a link) is raised again when the file is read
         except BaseException:
             self.close()
             raise
