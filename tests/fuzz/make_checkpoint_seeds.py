@@ -1,12 +1,16 @@
 """Writes the seed corpus of checkpoint_manifest_fuzz.py: a real checkpoint of a small model
 (tied weights, a frozen parameter, a buffer, AdamW state after one step, 64-byte checksum blocks
-so a shard has several) as manifest + separator + shard, and the manifest alone.
+so a shard has several) as manifest + separator + shard, and the manifest alone, both in version 1
+form (the checksum member taken out: libFuzzer's byte mutations of a checksummed manifest nearly
+all stop at the checksum, those of a version-1 one reach every check behind it), and the
+manifest as saved (version 2, checksummed) + shard, which keeps the checksum path fuzzed.
 
     .venv/bin/python tests/fuzz/make_checkpoint_seeds.py    # rewrites seed-manifest-*
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import sys
@@ -21,6 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 import zeroplus  # noqa: E402
 from checkpoint_manifest_fuzz import SEPARATOR  # noqa: E402
+from zeroplus.checkpoint import format as fmt  # noqa: E402
 
 
 class Tiny(torch.nn.Module):
@@ -48,12 +53,18 @@ def main() -> None:
     path = os.path.join(work, "ck")
     zeroplus.save_checkpoint(path, model, opt, extra={"step": 1},
                              options=zeroplus.checkpoint.CheckpointOptions(block_bytes=64))
-    manifest = pathlib.Path(path, "manifest.json").read_bytes()
+    sealed = pathlib.Path(path, "manifest.json").read_bytes()
+    fmt.parse_manifest(sealed, "manifest.json")  # what was saved is what the seeds start from
+    m = json.loads(sealed)
+    del m[fmt.MANIFEST_CHECKSUM]
+    m["version"] = 1
+    manifest = fmt.dumps(m)
     shard = pathlib.Path(path, "rank00000.bin").read_bytes()
     out = HERE / "corpus" / "checkpoint_manifest_fuzz"
     out.mkdir(parents=True, exist_ok=True)
     (out / "seed-manifest-and-shard").write_bytes(manifest + SEPARATOR + shard)
     (out / "seed-manifest-only").write_bytes(manifest)
+    (out / "seed-sealed-manifest-and-shard").write_bytes(sealed + SEPARATOR + shard)
     print(f"wrote {out}: manifest {len(manifest)} bytes, shard {len(shard)} bytes")
     dist.destroy_process_group()
 

@@ -15,7 +15,10 @@ One 2-rank launch (one process group per case):
     OSError, the other the commit failure naming the rank); the previous checkpoint still loads;
   * serialised: two saves in a row: the second starts after the first finished; a load of the
     second right away (no wait()) waits for it and gets its parameters and optimizer state; the
-    first holds the parameters from before; latest names the second.
+    first holds the parameters from before; latest names the second;
+  * full disk (issue 40 item 4): one rank's shard write fails and the disk refuses its failure
+    marker too; with commit_timeout_s=30, every rank's wait() raises within seconds (rank 0 used
+    to poll for its own marker, or for rank 1's, for all 30 s), nothing is left behind.
 """
 
 from __future__ import annotations
@@ -244,6 +247,63 @@ def case_async_replace(root, rank, group):
     return extra, [k for k in a if not torch.equal(a[k], b[k])], sorted(os.listdir(root))
 
 
+@contextlib.contextmanager
+def _full_disk():
+    """This rank's shard write fails with ENOSPC, and so does its failure marker (commit.py): a
+    full disk, as it reaches the save, on this rank only."""
+    import errno
+
+    from zeroplus.checkpoint import fsutil
+    from zeroplus.checkpoint import save_job
+
+    real_shard, real_small = save_job.write_shard, fsutil.write_small_file
+
+    def shard(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    def small(dir_fd, final, *args, **kwargs):
+        if final.endswith(".failed"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return real_small(dir_fd, final, *args, **kwargs)
+    save_job.write_shard, fsutil.write_small_file = shard, small
+    try:
+        yield
+    finally:
+        save_job.write_shard, fsutil.write_small_file = real_shard, real_small
+
+
+def _full_disk_on(root, rank, group, failing_rank):
+    import zeroplus
+    from zeroplus.checkpoint import CheckpointOptions
+
+    root = os.path.join(root, f"full{failing_rank}")
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    zeroplus.save_checkpoint(os.path.join(root, "first"), model, opt)
+    t0 = time.monotonic()
+    with _full_disk() if rank == failing_rank else contextlib.nullcontext():
+        handle = zeroplus.save_checkpoint(os.path.join(root, "second"), model, opt, async_=True,
+                                          options=CheckpointOptions(commit_timeout_s=30))
+        try:
+            handle.wait()
+            err = None
+        except Exception as e:  # noqa: BLE001 - the error is the result
+            err = f"{type(e).__name__}: {e}"
+    waited = time.monotonic() - t0
+    import torch.distributed as dist
+
+    dist.barrier(group=group)  # rank 0 has removed the staging directory on both ranks' listing
+    with open(os.path.join(root, "latest")) as f:
+        return err, waited, f.read().strip(), sorted(os.listdir(root))
+
+
+def case_full_disk_rank0(root, rank, group):
+    return _full_disk_on(root, rank, group, 0)
+
+
+def case_full_disk_rank1(root, rank, group):
+    return _full_disk_on(root, rank, group, 1)
+
+
 def _all(rank, world, root):
     cases = cases_of(globals(), root)
     return run_cases_in_own_groups(rank, world, cases)
@@ -301,3 +361,13 @@ def test_async_replace_then_load_sees_the_new_checkpoint(results):
         assert extra == {"step": 2}
         assert differ == []
         assert names == ["ck", "latest"]
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_full_disk_on_one_rank_fails_every_wait_at_once(results, failing):
+    for rank, (err, waited, latest, names) in enumerate(ok_values(results, f"full_disk_rank{failing}")):
+        assert err is not None, f"rank {rank}: the save succeeded on a full disk"
+        if rank == failing:
+            assert "No space left on device (injected)" in err, err
+        assert waited < 10, f"rank {rank}: wait() took {waited:.1f} s to report the full disk (commit_timeout_s 30)"
+        assert latest == "first" and names == ["first", "latest"], (latest, names)

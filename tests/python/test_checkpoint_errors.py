@@ -5,7 +5,10 @@ One 2-rank launch (stage 2, fp32) runs every case in its own process group: a co
 truncated file, a missing shard, a manifest from a newer version, names escaping the directory
 (in the manifest and in `latest`), a mismatched model (missing/unexpected keys, size mismatch),
 a save over an existing checkpoint, a non-JSON extra, and RLIMIT_FSIZE (EFBIG, the same path as
-ENOSPC) hit mid-save on every rank and on one rank only.
+ENOSPC) hit mid-save on every rank and on one rank only. Issue 40: one digit of a chunk offset
+flipped in manifest.json (still valid JSON, in range) is refused by load_checkpoint, inspect and
+consolidate; a save whose `latest` cannot be replaced leaves the checkpoint it would replace; an
+fp16 loss scaler value that cannot be installed is refused naming the manifest, nothing changed.
 """
 
 from __future__ import annotations
@@ -68,15 +71,17 @@ def _load_fails(path, rank, group, model=None):
 
 
 def _edit_manifest(path, rank, group, fn):
+    """A crafted (not a corrupted) manifest: edited, then checksummed again as zeroplus writes it."""
     import torch.distributed as dist
+    from zeroplus.checkpoint import format as fmt
 
     if rank == 0:
         with open(os.path.join(path, "manifest.json")) as f:
             m = json.load(f)
         fn(m)
         os.chmod(os.path.join(path, "manifest.json"), 0o600)
-        with open(os.path.join(path, "manifest.json"), "w") as f:
-            json.dump(m, f)
+        with open(os.path.join(path, "manifest.json"), "wb") as f:
+            f.write(getattr(fmt, "encode_manifest", fmt.dumps)(m))  # (format 1 had no checksum)
     dist.barrier(group=group)
 
 
@@ -140,6 +145,90 @@ def case_escaping_latest(root, rank, group):
             f.write("../escape\n")
     _on_rank0(rank, group, point_outside)
     return _load_fails(os.path.join(root, "latest_root"), rank, group)
+
+
+def case_flipped_manifest_offset(root, rank, group):
+    """One bit of one digit of a chunk offset flipped (a failing disk or RAM): the manifest is still
+    valid JSON and every range in it still in bounds, so only its own checksum can tell."""
+    import torch.distributed as dist
+    from zeroplus.checkpoint.consolidate import consolidate, inspect
+
+    _m, _o, path = _saved(root, "flipped", rank, group)
+    readers = {}
+    if rank == 0:
+        mf = os.path.join(path, "manifest.json")
+        data = bytearray(open(mf, "rb").read())
+        m = json.loads(data)
+        sizes = [f["bytes"] for f in m["files"]]
+        es = {"float32": 4, "bfloat16": 2, "float16": 2}
+        for name, key, lo, hi, dtype, fi, off in m["chunks"]:
+            new = off ^ 1  # the last decimal digit's lowest bit: 4096 -> 4097
+            if key == "param" and off > 0 and new + (hi - lo) * es[dtype] <= sizes[fi]:
+                old = json.dumps([name, key, lo, hi, dtype, fi, off], separators=(",", ":")).encode()
+                at = data.index(old) + len(old) - 2
+                data[at] ^= 1
+                break
+        else:
+            raise AssertionError("no chunk offset can be flipped in range")
+        json.loads(data)  # still valid JSON
+        os.chmod(mf, 0o600)
+        open(mf, "wb").write(bytes(data))
+        for what, fn in (("inspect", lambda: inspect(path)),
+                         ("consolidate", lambda: consolidate(path, os.path.join(root, "flipped.pt")))):
+            try:
+                fn()
+                readers[what] = None
+            except Exception as e:  # noqa: BLE001 - the error is the result
+                readers[what] = f"{type(e).__name__}: {e}"
+        readers["output_written"] = os.path.exists(os.path.join(root, "flipped.pt"))
+    dist.barrier(group=group)
+    err, untouched = _load_fails(path, rank, group)
+    return err, (untouched, readers)
+
+
+def case_latest_not_replaceable(root, rank, group):
+    """`latest` cannot be replaced (a directory is in its place): a save over NAME raises and NAME
+    still holds the checkpoint it held (it was replaced and deleted before the fix)."""
+    import zeroplus
+
+    root = os.path.join(root, "latest_dir")
+    model, opt, path = _saved(root, "ck", rank, group)
+    saved = full_params("engine", model)
+
+    def latest_becomes_a_directory():
+        os.unlink(os.path.join(root, "latest"))
+        os.makedirs(os.path.join(root, "latest", "mine"))
+    _on_rank0(rank, group, latest_becomes_a_directory)
+    train(model, opt, 2, rank, first_step=20)
+    try:
+        zeroplus.save_checkpoint(path, model, opt, extra={"step": 4})
+        err = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        err = f"{type(e).__name__}: {e}"
+    model_b, _call, opt_b = build("engine", 2, None, group, seed=1)
+    extra = zeroplus.load_checkpoint(path, model_b, opt_b)
+    loaded = full_params("engine", model_b)
+    kept = extra == {"step": 2} and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    return err, (kept, sorted(os.listdir(root)), sorted(os.listdir(os.path.join(root, "latest"))))
+
+
+def case_fp16_loss_scale_not_a_number(root, rank, group):
+    import zeroplus
+
+    model, call, opt = build("engine", 2, "fp16", group, seed=0)
+    train(call, opt, 2, rank)
+    path = os.path.join(root, "fp16scale")
+    zeroplus.save_checkpoint(path, model, opt)
+    _edit_manifest(path, rank, group, lambda m: m["optimizer"]["loss_scaler"].update(scale="lots"))
+    model_b, call_b, opt_b = build("engine", 2, "fp16", group, seed=1, lr=1e-3)
+    train(call_b, opt_b, 1, rank)  # optimizer state a failed load must leave alone
+    before = _state(model_b, opt_b), opt_b.scaler.state_dict()
+    try:
+        zeroplus.load_checkpoint(path, model_b, opt_b)
+        err = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        err = f"{type(e).__name__}: {e}"
+    return err, _same(before[0], _state(model_b, opt_b)) and before[1] == opt_b.scaler.state_dict()
 
 
 def case_ranks_read_different_checkpoints(root, rank, group):
@@ -312,6 +401,7 @@ def results(tmp_path_factory):
     ("size_mismatch", ["size mismatch for lin1.weight", "torch.Size([24, 8])", "torch.Size([32, 8])"]),
     ("missing_keys", ['Missing key(s) in state_dict: "extra.weight", "extra.bias"']),
     ("unexpected_keys", ['Unexpected key(s) in state_dict: "frozen"']),
+    ("fp16_loss_scale_not_a_number", ["CheckpointError", "optimizer.loss_scaler.scale is 'lots'", "manifest.json"]),
 ])
 def test_bad_checkpoint_is_refused_and_changes_nothing(results, case, words):
     for rank, (err, untouched) in enumerate(ok_values(results, case)):
@@ -357,3 +447,22 @@ def test_rank0_failure_before_the_start_reaches_every_rank(results):
     assert err0 is not None and err0.startswith("TypeError") and "object" in err0
     assert err1 is not None and "rank 0 could not start the save" in err1
     assert not left0 and not left1
+
+
+def test_one_flipped_bit_in_the_manifest_is_refused_by_every_reader(results):
+    for rank, (err, (untouched, readers)) in enumerate(ok_values(results, "flipped_manifest_offset")):
+        assert err is not None, f"rank {rank}: load_checkpoint loaded the damaged manifest"
+        assert "checksum mismatch in the manifest" in err and "manifest.json" in err, err
+        assert untouched, f"rank {rank}: the refused load changed the model or the optimizer"
+        if rank == 0:
+            for what in ("inspect", "consolidate"):
+                assert readers[what] is not None and "checksum mismatch in the manifest" in readers[what], \
+                    f"{what}: {readers[what]}"
+            assert not readers["output_written"]
+
+
+def test_save_whose_latest_cannot_be_replaced_keeps_the_checkpoint_it_would_replace(results):
+    for rank, (err, (kept, listing, latest_dir)) in enumerate(ok_values(results, "latest_not_replaceable")):
+        assert err is not None and "latest" in err, f"rank {rank}: {err}"
+        assert kept, f"rank {rank}: NAME no longer holds the checkpoint it held before the failed save"
+        assert listing == ["ck", "latest"] and latest_dir == ["mine"], listing

@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 
-from zeroplus.checkpoint.format import (CheckpointError, CheckpointVersionError, DTYPE_BYTES, decode_value, dumps,
-                                        encode_value, parse_manifest)
+from zeroplus.checkpoint.format import (VERSION, CheckpointError, CheckpointVersionError, DTYPE_BYTES, decode_value,
+                                        dumps, encode_value, parse_manifest)
 
 TRIALS = 3000
 
@@ -89,8 +89,8 @@ def test_valid_manifest_parses():
 
 
 def test_newer_version_is_refused():
-    with pytest.raises(CheckpointVersionError, match="version 2, newer"):
-        parse_manifest(dumps({**_valid(), "version": 2}), "m.json")
+    with pytest.raises(CheckpointVersionError, match=f"version {VERSION + 1}, newer"):
+        parse_manifest(dumps({**_valid(), "version": VERSION + 1}), "m.json")
 
 
 def test_fuzzed_manifests_parse_or_raise_checkpoint_error():

@@ -82,6 +82,30 @@ def test_exported_from_the_package():
     assert zeroplus.files is files
 
 
+def test_open_directory_follows_only_links_of_this_user_or_root(tmp_path):
+    """The rule docs/security.md states for a directory the user names (issue 40 item 9)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "inside").write_text("x")
+    os.symlink(tmp_path / "real", tmp_path / "mine")
+    os.symlink("mine", tmp_path / "chain")  # relative, and a link to a link
+    for path in (tmp_path / "real", tmp_path / "mine", tmp_path / "chain", str(tmp_path / "chain") + "/"):
+        fd = files.open_directory(path)
+        assert os.listdir(fd) == ["inside"]
+        os.close(fd)
+    assert files.own_link_target(tmp_path / "chain") == str(tmp_path / "real")
+    assert files.own_link_target(tmp_path / "absent") == str(tmp_path / "absent")
+    with pytest.raises(NotADirectoryError):
+        files.open_directory(tmp_path / "real" / "inside")
+    with pytest.raises(TypeError, match="path"):
+        files.open_directory(3)
+    if os.geteuid() != 0:
+        return  # giving a link to another user needs root
+    os.lchown(tmp_path / "mine", 65534, 65534)
+    for path in (tmp_path / "mine", tmp_path / "chain"):
+        with pytest.raises(PermissionError, match="mine"):
+            files.open_directory(path)
+
+
 # -- descriptor-relative peers (what checkpoint/ and offload/ use) ---------------------------------
 
 @pytest.fixture

@@ -33,13 +33,15 @@ sharded format.
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 
 import torch
 
 from ..optim.zero import ZeroRedundancyOptimizer
 from ..zero import state as zero_state
 from ..zero.engine import ZeroEngine
-from .format import encode_value
+from .format import CheckpointError, encode_value
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -280,6 +282,31 @@ class EngineAdapter(_Base):
     def optimizer_meta(self) -> dict:
         return {"loss_scaler": self.opt.scaler.state_dict(), "skipped_steps": int(self.opt.skipped_steps)}
 
+    def check_optimizer_meta(self, optimizer_meta: dict, where: str) -> None:
+        """The manifest's engine state (loss scaler, skipped steps) is what load_optimizer can
+        install, checked before anything changes: CheckpointError naming the manifest and field."""
+        def refuse(field, value, expected):
+            raise CheckpointError(errno.EINVAL, f"checkpoint: optimizer.{field} is {value!r}, expected {expected}",
+                                  where)
+        scaler = optimizer_meta.get("loss_scaler")
+        current = self.opt.scaler.state_dict()
+        if isinstance(scaler, dict) and set(scaler) == set(current):  # else this run keeps its own (load_optimizer)
+            for key, mine in current.items():
+                value = scaler[key]
+                if isinstance(mine, bool):
+                    if not isinstance(value, bool):
+                        refuse(f"loss_scaler.{key}", value, "a bool")
+                elif isinstance(mine, int):
+                    if isinstance(value, bool) or not isinstance(value, int):
+                        refuse(f"loss_scaler.{key}", value, "an int")
+                elif isinstance(mine, float):
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                            or (key == "scale" and value <= 0):
+                        refuse(f"loss_scaler.{key}", value, "a finite number" + (" > 0" if key == "scale" else ""))
+        skipped = optimizer_meta.get("skipped_steps", 0)
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+            refuse("skipped_steps", skipped, "an int >= 0")
+
     # -- load --------------------------------------------------------------------------------------
 
     def destinations(self) -> list:
@@ -428,6 +455,9 @@ class TorchZeroAdapter(_Base):
 
     def optimizer_meta(self) -> dict:
         return {}
+
+    def check_optimizer_meta(self, optimizer_meta: dict, where: str) -> None:
+        pass  # torch's stage-1 optimizer has no engine state
 
     def destinations(self) -> list:
         return [(n, 0, t.numel(), t.data.view(-1)) for n, t in list(self.params.items()) + list(self.buffers.items())

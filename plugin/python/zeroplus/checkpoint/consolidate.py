@@ -8,10 +8,15 @@ assembled one tensor at a time from the shards (each read verified against its c
     header, raw bytes), streaming: only one tensor is in memory at a time. The `safetensors`
     package is not needed to write it; safetensors.torch.load_file reads it.
 The output is created exclusively next to `out` under a temporary name, fdatasync'ed and renamed
-into place; an existing `out` is never replaced (FileExistsError).
+into place; an existing `out` is never replaced (FileExistsError). Its directory may be a
+symbolic link of this user or root (files.open_directory). A state_dict key safetensors cannot
+hold (`__metadata__`, its header's reserved key) raises ValueError before anything is written.
 
 inspect(path): the source (stage, world size, precision), tensors, bytes per file, and whether
-every block of every file matches its checksum.
+every block of every file matches its checksum (the manifest's own checksum is checked when the
+reader opens it: a corrupt manifest raises CheckpointCorruptError instead of a summary). A file
+that cannot be opened for a reason other than its own damage (EMFILE, EACCES) raises; it is never
+reported as corrupt.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from .. import files
 from . import fsutil
-from .format import DTYPE_BYTES, MANIFEST, CheckpointCorruptError
+from .format import DTYPE_BYTES, MANIFEST, CheckpointCorruptError, CheckpointError
 from .reader import CheckpointReader
 
 SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -75,7 +80,7 @@ def _keys(m: dict) -> dict[str, list[str]]:
 def _create_output(out: str):
     out = os.path.abspath(out)
     parent, name = os.path.split(out)
-    dir_fd = files.open_directory_at(None, parent or ".")
+    dir_fd = files.open_directory(parent or ".")
     if os.path.lexists(out):
         os.close(dir_fd)
         raise FileExistsError(errno.EEXIST, "consolidate: output exists; refusing to replace it", out)
@@ -104,6 +109,11 @@ def consolidate(path, out=None, fmt: str = "torch", *, output_dir=None, **hf_opt
     if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
         raise TypeError(f"consolidate: out must be a non-empty path, got {out!r}")
     with CheckpointReader(path) as reader:
+        if fmt == "safetensors":
+            reserved = [k for keys in _keys(reader.manifest).values() for k in keys if k == "__metadata__"]
+            if reserved:
+                raise ValueError(f"consolidate: the checkpoint has a tensor named '__metadata__', the key safetensors "
+                                 f"reserves for its header; use --format torch")
         dir_fd, tmp, name, fd = _create_output(os.fspath(out))
         try:
             try:
@@ -166,7 +176,7 @@ def inspect(path) -> dict:
             try:
                 reader.verify_file(fi)
                 status = "ok"
-            except OSError as e:
+            except (CheckpointError, FileNotFoundError) as e:  # this file's damage; anything else raises
                 status = f"{type(e).__name__}: {e}"
             files.append({"name": f["name"], "bytes": f["bytes"], "checksums": status})
         return {"path": reader.path, "version": m["version"], "source": m["source"],

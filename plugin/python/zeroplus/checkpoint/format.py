@@ -16,6 +16,13 @@ chunks overlapping it.
 
 Integrity: every file's size and the CRC-32 of each `block_bytes` block are recorded, so a
 reader that reads a byte range verifies exactly the blocks it touched (and `inspect` verifies all).
+The manifest checks itself (version 2 on): its bytes end with the member
+`,"manifest_sha256":"<64 hex>"}`, the SHA-256 of the file's bytes with that member taken out
+(everything before it, then the closing `}`); encode_manifest writes it, parse_manifest checks it
+before it trusts any other field, so one flipped bit anywhere in the file (a chunk offset that is
+still valid JSON and in range) is refused instead of loading wrong values. Version 1 manifests
+(zeroplus before the checksum) carry none and are read as before; a manifest of version >= 2 without
+the member, or one that claims a checksum and mismatches, is CheckpointCorruptError.
 
 Parsing (parse_manifest) checks every field it will later trust (names, offsets, ranges, dtypes)
 and never evaluates code: JSON only. This module imports no torch.
@@ -23,15 +30,23 @@ and never evaluates code: JSON only. This module imports no torch.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import math
 import re
 
 FORMAT = "zeroplus-checkpoint"
-VERSION = 1
+VERSION = 2            # 2: the manifest carries its own checksum (MANIFEST_CHECKSUM)
+CHECKSUMMED_SINCE = 2  # the first version whose manifests must carry it
+MANIFEST_CHECKSUM = "manifest_sha256"
 MANIFEST = "manifest.json"
 LATEST = "latest"
 BLOCK_BYTES = 4 << 20
+# The largest checksum block a manifest may declare: a reader allocates one block to read one
+# element, so a crafted block_bytes (2**40 over a sparse shard) would cost the file's apparent
+# size in memory. The writer refuses more too (CheckpointOptions).
+MAX_BLOCK_BYTES = 64 << 20
 
 # dtype name -> bytes per element. Only these may appear in a manifest.
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -40,6 +55,8 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64":
 _MAX_ELEMENTS = 1 << 62  # what torch can index (sizes and strides are int64), with room for byte counts
 _FILE_NAME = re.compile(r"^rank[0-9]{5}\.bin$")
 # A checkpoint directory name as the `latest` pointer may name it: one path component.
+# The last member of a checksummed manifest (encode_manifest), anchored at the end of the file.
+_SEAL = re.compile(rb',"' + MANIFEST_CHECKSUM.encode() + rb'":"([0-9a-f]{64})"\}\Z')
 _DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}$")
 
 
@@ -158,6 +175,28 @@ def dumps(manifest: dict) -> bytes:
     return json.dumps(manifest, separators=(",", ":"), allow_nan=True).encode()
 
 
+def encode_manifest(manifest: dict) -> bytes:
+    """manifest.json's bytes: compact JSON whose last member is the SHA-256 of the bytes without
+    it (module doc). Any MANIFEST_CHECKSUM already in `manifest` is replaced."""
+    body = dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM})
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return body[:-1] + b',"' + MANIFEST_CHECKSUM.encode() + b'":"' + digest + b'"}'
+
+
+def _check_seal(data: bytes, where: str) -> None:
+    """The manifest's own checksum (encode_manifest) matches its bytes, or CheckpointCorruptError."""
+    seal = _SEAL.search(data)
+    if seal is None:
+        raise CheckpointCorruptError(errno.EIO, f"checkpoint: the manifest's checksum ({MANIFEST_CHECKSUM}, the last "
+                                                f"member of a manifest of version >= {CHECKSUMMED_SINCE}) is missing "
+                                                f"or damaged; the manifest is corrupt", where)
+    actual = hashlib.sha256(data[:seal.start()] + b"}").hexdigest()
+    if actual != seal.group(1).decode():
+        raise CheckpointCorruptError(errno.EIO, f"checkpoint: checksum mismatch in the manifest (sha256 of its bytes "
+                                                f"{actual[:16]}..., recorded {seal.group(1).decode()[:16]}...); the "
+                                                f"manifest is corrupt", where)
+
+
 def _need(cond: bool, where: str, what: str) -> None:
     if not cond:
         raise CheckpointError(f"checkpoint: {where}: {what}")
@@ -182,14 +221,18 @@ def parse_manifest(data: bytes, where: str) -> dict:
     _need(isinstance(m, dict) and m.get("format") == FORMAT, where, f"not a zeroplus checkpoint manifest "
           f"(format {m.get('format') if isinstance(m, dict) else None!r})")
     version = m.get("version")
-    _need(_int(version), where, f"version {version!r} is not an integer")
-    if version > VERSION:
+    _need(_int(version) and version >= 1, where, f"version {version!r} is not a positive integer")
+    if version > VERSION:  # before the checksum: a newer format may seal its manifest otherwise
         raise CheckpointVersionError(f"checkpoint: {where} has format version {version}, newer than this zeroplus "
                                      f"reads ({VERSION}); upgrade zeroplus")
+    if version >= CHECKSUMMED_SINCE or MANIFEST_CHECKSUM in m:
+        _check_seal(bytes(data), where)
+        m.pop(MANIFEST_CHECKSUM, None)
     for key, kind in (("source", dict), ("files", list), ("tensors", dict), ("aliases", dict), ("chunks", list),
                       ("param_groups", list), ("optimizer", dict), ("block_bytes", int)):
         _need(isinstance(m.get(key), kind), where, f"field {key!r} missing or not a {kind.__name__}")
-    _need(m["block_bytes"] > 0, where, "block_bytes must be positive")
+    _need(0 < m["block_bytes"] <= MAX_BLOCK_BYTES, where,
+          f"block_bytes {m['block_bytes']} is outside [1, {MAX_BLOCK_BYTES}]")
     sizes = []
     for i, f in enumerate(m["files"]):
         name = f.get("name") if isinstance(f, dict) else f
@@ -215,6 +258,8 @@ def parse_manifest(data: bytes, where: str) -> dict:
         t["numel"] = math.prod(t["shape"])
     for alias, target in m["aliases"].items():
         _need(_str_in(target, tensors), where, f"alias {alias!r} names unknown tensor {target!r}")
+        _need(alias not in tensors, where, f"alias {alias!r} is also the name of a stored tensor (one state_dict key, "
+                                           f"two values)")
     for i, c in enumerate(m["chunks"]):
         ok = isinstance(c, list) and len(c) == 7
         if ok:

@@ -49,27 +49,53 @@ def lock(fd: int, wait: bool = True) -> bool:
 
 
 STALE_TEMP_FILE_S = 600  # a temporary file (of `latest`) untouched this long belongs to a killed save
+_LATEST_TEMP = re.compile(r"^\.latest\.tmp-[0-9a-f]{16}$")
+_NEW = re.compile(r"^\..+\.new-[0-9a-f]{16}$")
+
+
+def new_locked_directory(dir_fd: int, final: str) -> tuple[str, int]:
+    """A new private directory for `final`'s staging, locked (flock) before it appears under a
+    name remove_stale_temp_dirs recognises: created as ".<final>.new-<random>" (which it leaves
+    alone until STALE_TEMP_FILE_S old), locked, then renamed to temp_name(final) without replacing
+    anything. Another job sweeping the same directory can therefore never find it unlocked.
+    Returns (name, locked descriptor)."""
+    pending = files.temporary_name(f".{final}.new-")
+    fd = files.make_private_directory_at(dir_fd, pending)
+    try:
+        lock(fd)
+        name = temp_name(final)
+        rename_noreplace(dir_fd, pending, name)
+    except BaseException:
+        os.close(fd)
+        files.remove_tree_at(dir_fd, pending)
+        raise
+    return name, fd
 
 
 def remove_stale_temp_dirs(dir_fd: int, keep: str) -> list[str]:
-    """Remove what zeroplus left in dir_fd when a save was killed: temporary directories (names
-    it generates, owned by this user, not locked by a save in flight: the save's rank 0 holds a
-    flock on its staging directory until it commits or cleans up) and temporary regular files of
-    ours (`latest`'s, written in milliseconds) not modified for STALE_TEMP_FILE_S. Returns them."""
+    """Remove what zeroplus left in dir_fd when a save was killed: staging directories (names it
+    generates, owned by this user, not locked by a save in flight: the save's rank 0 holds a
+    flock on its staging directory from before it has that name until it commits or cleans up;
+    a ".new-" directory of new_locked_directory's only once STALE_TEMP_FILE_S old) and temporary
+    files of `latest` (written in milliseconds) not modified for STALE_TEMP_FILE_S. Other files
+    with temporary names (a running consolidate's output, a user's) are left alone. Returns them."""
     removed = []
     now = time.time()
     for entry in os.listdir(dir_fd):
-        if entry == keep or not _TEMP.match(entry):
+        if entry == keep or not (_TEMP.match(entry) or _NEW.match(entry)):
             continue
         try:
             st = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             continue
+        old = now - st.st_mtime > STALE_TEMP_FILE_S
         if stat.S_ISREG(st.st_mode):
-            if st.st_uid == os.geteuid() and now - st.st_mtime > STALE_TEMP_FILE_S:
+            if _LATEST_TEMP.match(entry) and st.st_uid == os.geteuid() and old:
                 remove_quietly(dir_fd, entry)
                 removed.append(entry)
             continue
+        if _NEW.match(entry) and not old:
+            continue  # being locked by the save that created it
         try:
             fd = files.open_directory_at(dir_fd, entry, owned=True)  # a directory of ours, or skipped
         except OSError:
@@ -116,6 +142,17 @@ def write_small_file(dir_fd: int, final: str, data: bytes, *, replace: bool = Fa
     """The whole crash-consistent sequence for a small file: temp -> fdatasync -> rename -> fsync
     dir. durable=False skips the fdatasync (a file only other processes read, never after a
     crash); sync_dir=False leaves the directory's fsync to the caller (publish)."""
+    tmp = write_temporary(dir_fd, final, data, durable=durable)
+    try:
+        publish(dir_fd, tmp, final, replace=replace, sync_dir=sync_dir and durable)
+    except BaseException:
+        remove_quietly(dir_fd, tmp)
+        raise
+
+
+def write_temporary(dir_fd: int, final: str, data: bytes, *, durable: bool = True) -> str:
+    """`data` in a new temporary file for `final` (fdatasync'ed unless durable=False); returns
+    its name, for publish(). Nothing is left behind on an error."""
     fd, tmp = files.create_temporary_at(dir_fd, temp_prefix(final))
     try:
         try:
@@ -124,10 +161,10 @@ def write_small_file(dir_fd: int, final: str, data: bytes, *, replace: bool = Fa
                 os.fdatasync(fd)
         finally:
             os.close(fd)
-        publish(dir_fd, tmp, final, replace=replace, sync_dir=sync_dir and durable)
     except BaseException:
         remove_quietly(dir_fd, tmp)
         raise
+    return tmp
 
 
 def remove_quietly(dir_fd: int, name: str) -> None:
@@ -173,12 +210,23 @@ def exchange(dir_fd: int, a: str, b: str) -> None:
 
 
 def rename_noreplace(dir_fd: int, a: str, b: str) -> None:
-    """Rename a -> b inside dir_fd unless b exists (renameat2 RENAME_NOREPLACE: FileExistsError),
-    for directories too, which link() cannot publish. OSError if the kernel or the file system
-    cannot."""
+    """Rename entry a of dir_fd to b, failing (FileExistsError) when b exists: renameat2
+    RENAME_NOREPLACE, or, where the kernel or file system lacks it, a check then rename()."""
     fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        raise OSError(errno.ENOSYS, "checkpoint: renameat2 is not available in this C library")
-    if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_NOREPLACE) != 0:
+    if fn is not None:
+        if fn(dir_fd, os.fsencode(a), dir_fd, os.fsencode(b), _RENAME_NOREPLACE) == 0:
+            return
         err = ctypes.get_errno()
-        raise OSError(err, f"checkpoint: renameat2(RENAME_NOREPLACE) {a} -> {b} failed: {os.strerror(err)}", b)
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, f"checkpoint: renameat2(RENAME_NOREPLACE) failed: {os.strerror(err)}", b)
+    if _exists_at(dir_fd, b):
+        raise FileExistsError(errno.EEXIST, "checkpoint: refusing to replace an existing name", b)
+    os.rename(a, b, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _exists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

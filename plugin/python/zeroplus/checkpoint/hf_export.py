@@ -145,7 +145,7 @@ def export_hf(path, output_dir, max_shard_size="5GB", dtype: str = "fp32", train
     parent, name = os.path.split(out)
     with CheckpointReader(path) as reader:
         plan = _plan(reader.manifest, _DTYPES[dtype], trainable_only, max_bytes)
-        parent_fd = files.open_directory_at(None, parent)
+        parent_fd = files.open_directory(parent)  # the user's or root's link is followed, another's refused
         stage_name = files.temporary_name(fsutil.temp_prefix(name))
         try:
             if os.path.lexists(out):

@@ -19,11 +19,13 @@ staged records are removed, and model and optimizer are untouched.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from .adapters import adapter_for
-from .format import decode_value
+from .format import MANIFEST, decode_value
 from .reader import CheckpointReader
 from .save import wait_for_pending_save
 
@@ -146,6 +148,7 @@ def _load(path, model, opt, adapter):
         which = (reader.path, reader.manifest_crc32)
         _check_model(manifest, adapter, model)
         groups = _check_groups(manifest, adapter)
+        adapter.check_optimizer_meta(manifest["optimizer"], os.path.join(reader.path, MANIFEST))
         dests, values, states = _read_everything(reader, adapter, {s[0] for _bo, segs in streamed for s in segs})
         for bo, segs in streamed:  # read (every block checked) and dropped: read again below
             _read_streamed(reader, bo, segs)

@@ -7,18 +7,30 @@ checking the CRC-32 of every block of every file it touched. Only the blocks tha
 requested ranges are read (a rank loading its shard reads its shard, plus at most one partial
 block at each end of each range).
 
+Shard files are opened right after the manifest is read, relative to the same directory
+descriptor, and kept open: a save that replaces the checkpoint while it is being read cannot take
+them away (the reader goes on reading the checkpoint whose manifest it read). A checkpoint of more
+shard files than a quarter of the free descriptors (RLIMIT_NOFILE; saved by ~1,000 ranks or more)
+is read with at most that many open at once, the least recently used closed first; a shard missing
+then because the checkpoint was replaced meanwhile is reported as that, never as a corrupt one, and
+running out of descriptors (EMFILE) is an OSError of its own, never corruption.
+
 Errors (all OSError subclasses naming the file): FileNotFoundError for a missing manifest or
-shard file, CheckpointCorruptError for a wrong size (truncated), a checksum mismatch or a range
-no chunk covers, CheckpointVersionError for a newer format, CheckpointError for a malformed
-manifest or a `latest` pointer that names anything but a plain sibling directory.
+shard file, CheckpointCorruptError for a wrong size (truncated), a checksum mismatch (of a block,
+or of the manifest itself: format.py) or a range no chunk covers, CheckpointVersionError for a
+newer format, CheckpointError for a malformed manifest, a `latest` pointer that names anything but
+a plain sibling directory, or a checkpoint replaced during the read. A path (or the directory
+`latest` names) that is a symbolic link of this user or root is followed; another user's is
+refused (files.open_directory).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import resource
 import zlib
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -28,6 +40,7 @@ from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, Chec
                      parse_manifest)
 
 _MAX_RUN_BLOCKS = 16  # one read call covers at most this many checksum blocks
+_MAX_BOUNCE_BYTES = 64 << 20  # and verify_file's buffer at most this (or one block, at most 64 MiB)
 
 
 def resolve(path) -> str:
@@ -39,7 +52,7 @@ def resolve(path) -> str:
         raise ValueError("checkpoint: path must not be empty")
     if os.path.isfile(os.path.join(path, MANIFEST)) or not os.path.lexists(os.path.join(path, LATEST)):
         return path
-    dir_fd = files.open_directory_at(None, path)
+    dir_fd = files.open_directory(path)
     try:
         fd = files.open_regular_at(dir_fd, LATEST)
         try:
@@ -51,14 +64,26 @@ def resolve(path) -> str:
     return os.path.join(path, check_dir_name(name, f"{os.path.join(path, LATEST)}"))
 
 
+def _descriptor_budget() -> int:
+    """How many shard files a reader keeps open: a quarter of the descriptors this process has
+    left under RLIMIT_NOFILE (others need some too), at least 4, at most 1024."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 64
+    free = (1 << 20) if soft == resource.RLIM_INFINITY else soft - in_use
+    return max(4, min(1024, free // 4))
+
+
 class CheckpointReader:
     def __init__(self, path):
         self.path = resolve(path)
         try:
-            self.dir_fd = files.open_directory_at(None, self.path)
+            self.dir_fd = files.open_directory(self.path)
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no such checkpoint directory", self.path) from None
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()  # file index -> fd, least recently used first
         self._bounce: bytearray | None = None
         where = os.path.join(self.path, MANIFEST)
         try:
@@ -83,6 +108,21 @@ class CheckpointReader:
             self._chunks[(name, key)].append((lo, hi, dtype, fi, off))
         for lst in self._chunks.values():
             lst.sort()
+        self._max_open = _descriptor_budget()
+        self._missing: set[int] = set()  # shard files absent when the manifest was read
+        try:
+            for fi in range(min(len(self.manifest["files"]), self._max_open)):
+                try:
+                    self._fd(fi)
+                except FileNotFoundError:
+                    self._missing.add(fi)  # raised when it is read (inspect reports it per file)
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE):
+                        break  # the rest are opened when read, a few at a time
+                    # anything else (a wrong size, a link) is raised again when the file is read
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -101,28 +141,61 @@ class CheckpointReader:
     def file_path(self, fi: int) -> str:
         return os.path.join(self.path, self.manifest["files"][fi]["name"])
 
+    def _replaced(self) -> bool:
+        """The directory this reader opened is no longer the checkpoint at its path (a save
+        replaced or removed it)."""
+        try:
+            mine = os.fstat(self.dir_fd)
+            if mine.st_nlink == 0:
+                return True
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        return (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev)
+
+    def _open(self, fi: int) -> int:
+        name = self.manifest["files"][fi]["name"]
+        try:
+            return files.open_regular_at(self.dir_fd, name)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE) or not self._fds:
+                raise
+        while self._fds:  # out of descriptors: give back the ones this reader holds, then once more
+            os.close(self._fds.popitem(last=False)[1])
+        return files.open_regular_at(self.dir_fd, name)
+
     def _fd(self, fi: int) -> int:
-        if fi not in self._fds:
-            rec = self.manifest["files"][fi]
-            try:
-                fd = files.open_regular_at(self.dir_fd, rec["name"])
-            except FileNotFoundError:
-                raise FileNotFoundError(errno.ENOENT, "checkpoint: shard file listed in the manifest is missing",
-                                        self.file_path(fi)) from None
-            size = os.fstat(fd).st_size
-            if size != rec["bytes"]:
-                os.close(fd)
-                raise CheckpointCorruptError(errno.EIO, f"checkpoint: shard file has {size} bytes, the manifest "
-                                                        f"says {rec['bytes']} (truncated or torn)", self.file_path(fi))
-            self._fds[fi] = fd
-        return self._fds[fi]
+        if fi in self._fds:
+            self._fds.move_to_end(fi)
+            return self._fds[fi]
+        rec = self.manifest["files"][fi]
+        try:
+            if fi in self._missing:
+                raise FileNotFoundError
+            fd = self._open(fi)
+        except FileNotFoundError:
+            if self._replaced():
+                raise CheckpointError(errno.ESTALE, "checkpoint: the checkpoint was replaced (or removed) by a save "
+                                                    "while it was being read; read it again", self.path) from None
+            raise FileNotFoundError(errno.ENOENT, "checkpoint: shard file listed in the manifest is missing",
+                                    self.file_path(fi)) from None
+        size = os.fstat(fd).st_size
+        if size != rec["bytes"]:
+            os.close(fd)
+            raise CheckpointCorruptError(errno.EIO, f"checkpoint: shard file has {size} bytes, the manifest "
+                                                    f"says {rec['bytes']} (truncated or torn)", self.file_path(fi))
+        while len(self._fds) >= self._max_open:
+            os.close(self._fds.popitem(last=False)[1])
+        self._fds[fi] = fd
+        return fd
 
     def verify_file(self, fi: int) -> None:
         """Every block of file fi against its checksum (inspect)."""
         blocks = -(-self.manifest["files"][fi]["bytes"] // self.block)
         self._fd(fi)  # the size check, also for an empty file
-        for first in range(0, blocks, _MAX_RUN_BLOCKS):
-            self._read_blocks(fi, first, min(blocks, first + _MAX_RUN_BLOCKS))
+        run = max(1, min(_MAX_RUN_BLOCKS, _MAX_BOUNCE_BYTES // self.block))
+        for first in range(0, blocks, run):
+            self._read_blocks(fi, first, min(blocks, first + run))
 
     def _verify(self, fi: int, first: int, view) -> None:
         """view holds file fi's bytes from block `first` on, whole blocks (the file's last may be

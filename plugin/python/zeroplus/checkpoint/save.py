@@ -3,7 +3,9 @@
     handle = zeroplus.save_checkpoint("ckpt/step100", model, opt, extra={"step": 100})
 
 PATH is ROOT/NAME: the checkpoint becomes the directory NAME inside ROOT (created 0700 if
-missing), and ROOT/latest names it once it is complete. A PATH holding a complete zeroplus
+missing, and so are its missing parents, whatever the umask), and ROOT/latest names it once it is
+complete. A ROOT or PATH that is a symbolic link of this user or root is followed (the checkpoint
+goes where it points); another user's link is refused (files.own_link_target). A PATH holding a complete zeroplus
 checkpoint is replaced by writing the new one aside and swapping the two atomically, so PATH is
 always one complete checkpoint (never one written over in place); a PATH that exists, is not
 empty and is not a zeroplus checkpoint raises FileExistsError before anything is written.
@@ -43,7 +45,7 @@ from .. import __version__
 from .. import files
 from . import commit, fsutil
 from .adapters import adapter_for
-from .format import BLOCK_BYTES, check_dir_name, check_json, encode_value
+from .format import BLOCK_BYTES, MAX_BLOCK_BYTES, check_dir_name, check_json, encode_value
 from .save_job import SaveJob, capture, sync_commit, sync_outcome
 from .snapshot import Snapshot, guard_for, release_buffer
 
@@ -70,8 +72,10 @@ class CheckpointOptions:
             raise ValueError(f"CheckpointOptions: direct must be 'auto' or 'off', got {self.direct!r}")
         if not isinstance(self.overlap_snapshot, bool):
             raise TypeError(f"CheckpointOptions: overlap_snapshot must be a bool, got {self.overlap_snapshot!r}")
-        if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) or self.block_bytes < 64:
-            raise ValueError(f"CheckpointOptions: block_bytes must be an int >= 64, got {self.block_bytes!r}")
+        if isinstance(self.block_bytes, bool) or not isinstance(self.block_bytes, int) \
+                or not 64 <= self.block_bytes <= MAX_BLOCK_BYTES:
+            raise ValueError(f"CheckpointOptions: block_bytes must be an int in [64, {MAX_BLOCK_BYTES}] (readers refuse "
+                             f"larger blocks), got {self.block_bytes!r}")
         if self.io not in ("aio", "posix"):
             raise ValueError(f"CheckpointOptions: io must be 'aio' or 'posix', got {self.io!r}")
         if isinstance(self.commit_timeout_s, bool) or not isinstance(self.commit_timeout_s, (int, float)) \
@@ -157,8 +161,10 @@ def release_snapshot_memory() -> int:
 def _split(path) -> tuple[str, str]:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"save_checkpoint: path must be a str or os.PathLike, got {type(path).__name__}")
-    path = os.path.abspath(os.fspath(path))
-    root, name = os.path.split(path.rstrip("/"))
+    # PATH as the user's own link is followed (the checkpoint goes where it points; a link of
+    # another user raises PermissionError): NAME is then the target's last component.
+    path = files.own_link_target(os.path.abspath(os.fspath(path)).rstrip("/"))
+    root, name = os.path.split(os.path.abspath(path).rstrip("/"))
     try:
         check_dir_name(name, "save_checkpoint: path")
     except OSError as e:
@@ -166,12 +172,31 @@ def _split(path) -> tuple[str, str]:
     return root, name
 
 
+def make_directories(path: str) -> None:
+    """`path` and each of its missing parents, created 0700 (os.makedirs gives the parents 0777
+    less the umask: world-writable under umask 000). An existing link to a directory counts as
+    the directory (the user's own layout)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+
+
 def _prepare(root: str, name: str) -> tuple[str, int]:
     """Rank 0: refuse an existing checkpoint, create the private staging directory and lock it
     (returns its name and the locked descriptor, held until the save ends), and remove the
     staging directories of saves that were killed (fsutil.remove_stale_temp_dirs)."""
-    os.makedirs(root, 0o700, exist_ok=True)
-    root_fd = files.open_directory_at(None, root)
+    make_directories(root)
+    root_fd = files.open_directory(root)
     try:
         try:
             existing = files.open_directory_at(root_fd, name)
@@ -186,9 +211,7 @@ def _prepare(root: str, name: str) -> tuple[str, int]:
                                               "refusing to replace it", os.path.join(root, name))
             finally:
                 os.close(existing)
-        staging = fsutil.temp_name(name)
-        lock_fd = files.make_private_directory_at(root_fd, staging)
-        fsutil.lock(lock_fd)
+        staging, lock_fd = fsutil.new_locked_directory(root_fd, name)
         try:
             fsutil.remove_stale_temp_dirs(root_fd, keep=staging)
         except OSError:
@@ -292,7 +315,7 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
             snapshot.done.set()
             snapshot = None
     handle = CheckpointHandle(where, snapshot.bytes if snapshot is not None else 0, snapshot)
-    job = SaveJob(root, name, staging, rank, world, meta, options, where)
+    job = SaveJob(root, name, staging, rank, world, meta, options, where, asynchronous=async_)
 
     if not async_:
         try:

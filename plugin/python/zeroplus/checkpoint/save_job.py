@@ -8,8 +8,11 @@
 The async path runs no collectives (commit.py's files carry everything); the synchronous path
 replaces the polling for index files and for rank 0's commit by collectives, so no rank sleeps
 past the moment the others are done. Errors: write_own raises this rank's failure on rank > 0
-(rank 0 goes on to commit, which fails on the marker and raises rank 0's own error then); in the
-synchronous path every rank's error reaches every rank (sync_outcome).
+(rank 0 goes on to commit, which gives up at once on its own error: it never waits for its own
+marker, which a full disk may have refused); in the synchronous path every rank's error reaches
+every rank (sync_outcome). In the async path a rank > 0 whose marker the disk refused removes the
+staging directory instead (removing needs no space): rank 0 stops waiting as soon as it sees that
+(commit._gather_indexes), and every other rank's wait ends with it.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ class SaveJob:
     (write_own), then rank 0's commit (async: finish_async polls the staging directory; sync:
     sync_commit agrees through collectives first)."""
 
-    def __init__(self, root, name, staging, rank, world, meta, options, where):
+    def __init__(self, root, name, staging, rank, world, meta, options, where, asynchronous=False):
         self.root, self.name, self.staging, self.rank, self.world = root, name, staging, rank, world
         self.meta, self.options, self.where = meta, options, where
+        self.asynchronous = asynchronous  # ranks coordinate through files only (no collectives)
         self.own_error: BaseException | None = None
 
     def _in_staging(self, fn):
-        root_fd = files.open_directory_at(None, self.root)
+        root_fd = files.open_directory(self.root)
         try:
             staging_fd = files.open_directory_at(root_fd, self.staging, owned=True)
             try:
@@ -59,7 +63,7 @@ class SaveJob:
         (rank 0 goes on to commit, which fails on its marker, and raises its own error then)."""
         if self.own_error is not None:
             return  # a failure marker is written already (the deferred snapshot failed)
-        def write(_root_fd, staging_fd):
+        def write(root_fd, staging_fd):
             try:
                 if error is not None:
                     raise error
@@ -67,8 +71,18 @@ class SaveJob:
                                              self.options.io, self.options.block_bytes, self.options.direct)
                 commit.write_index(staging_fd, self.rank, _index(self.rank, record, chunks, scalars))
             except BaseException as e:
-                commit.write_failure(staging_fd, self.rank, e)
+                if os.fstat(staging_fd).st_nlink == 0:  # not this rank's fault: see below
+                    e = CheckpointError(f"checkpoint: another rank failed to write its shard of {self.where} and "
+                                        f"removed the staging directory (its failure marker did not fit on the "
+                                        f"disk); see its error")
                 self.own_error = e
+                if not commit.write_failure(staging_fd, self.rank, e) and self.asynchronous and self.rank != 0:
+                    # Rank 0 would poll for the marker until commit_timeout_s: the staging
+                    # directory's removal needs no free space and ends every rank's wait now
+                    # (retried: a rank still writing may add an entry between listing and rmdir).
+                    for _ in range(10):
+                        if files.remove_tree_at(root_fd, self.staging):
+                            break
         try:
             self._in_staging(write)
         except BaseException as e:
@@ -77,7 +91,11 @@ class SaveJob:
             raise self.own_error
 
     def commit(self) -> None:
-        """Rank 0: merge the indexes into the manifest and publish (commit.py)."""
+        """Rank 0: merge the indexes into the manifest and publish (commit.py). When its own shard
+        failed it gives up at once (its failure marker may never have reached the disk): the
+        staging directory is removed, which ends the other ranks' waits, and its error raised."""
+        if self.own_error is not None:
+            self.abort("")  # raises self.own_error
         def run(root_fd, staging_fd):
             try:
                 commit.commit(root_fd, self.staging, staging_fd, self.name, self.world, self.meta,
@@ -91,7 +109,7 @@ class SaveJob:
     def abort(self, message: str) -> None:
         """Rank 0, sync save: another rank failed; remove the staging directory and raise."""
         try:
-            root_fd = files.open_directory_at(None, self.root)
+            root_fd = files.open_directory(self.root)
             try:
                 files.remove_tree_at(root_fd, self.staging)
             finally:
