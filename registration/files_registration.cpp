@@ -1,4 +1,4 @@
-// Registers zeroplus::create_exclusive / create_temporary / private_directory (by path) and
+// Registers zeroplus::crc32 (checksums of file bytes) and zeroplus::create_exclusive / create_temporary / private_directory (by path) and
 // their descriptor-relative peers open_directory_at / make_private_directory_at /
 // create_exclusive_at / create_temporary_at / open_regular_at: the Python side's door to
 // common/core/exclusive_file.hpp (zeroplus.files wraps them), so checkpoint and offload code
@@ -15,6 +15,7 @@
 #include <string>
 #include <tuple>
 
+#include "common/core/crc32.hpp"
 #include "common/core/exclusive_file.hpp"
 
 namespace zeroplus::registration {
@@ -124,10 +125,20 @@ int64_t openRegularAt(int64_t dirFd, const std::string& name, bool owned) {
   return fd.release();
 }
 
+// The checkpoint format's block checksum (common/core/crc32.hpp): zlib's crc32() of a CPU
+// tensor's bytes, continuing `crc`.
+int64_t crc32Of(const at::Tensor& data, int64_t crc) {
+  TORCH_CHECK(data.device().is_cpu(), "zeroplus crc32: data must be a CPU tensor, got ", data.device());
+  TORCH_CHECK(data.is_contiguous(), "zeroplus crc32: data must be contiguous");
+  TORCH_CHECK(crc >= 0 && crc <= int64_t{UINT32_MAX}, "zeroplus crc32: crc must be in [0, 2^32), got ", crc);
+  return checksum::crc32(static_cast<uint32_t>(crc), data.const_data_ptr(), data.nbytes());
+}
+
 }  // namespace
 }  // namespace zeroplus::registration
 
 TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
+  m.def("crc32(Tensor data, int crc) -> int", &zeroplus::registration::crc32Of);
   m.def("create_exclusive(str directory, str name, int mode) -> int", &zeroplus::registration::createExclusive);
   m.def("create_temporary(str directory, str prefix, int mode) -> (int, str)",
         &zeroplus::registration::createTemporary);

@@ -26,9 +26,11 @@ refused (files.open_directory).
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
 import resource
+import threading
 import zlib
 from collections import OrderedDict, defaultdict
 
@@ -36,6 +38,7 @@ import torch
 
 from .. import files
 from . import fsutil
+from .checksum import crc32
 from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, CheckpointError, check_dir_name,
                      parse_manifest)
 
@@ -203,7 +206,7 @@ class CheckpointReader:
         rec = self.manifest["files"][fi]
         for i, a in enumerate(range(0, len(view), self.block)):
             b = first + i
-            if zlib.crc32(view[a:a + self.block]) != rec["block_crc32"][b]:
+            if crc32(view[a:a + self.block]) != rec["block_crc32"][b]:
                 raise CheckpointCorruptError(errno.EIO, f"checkpoint: checksum mismatch in bytes [{b * self.block}, "
                                                         f"{min((b + 1) * self.block, rec['bytes'])}) (corrupt file)",
                                              self.file_path(fi))
@@ -260,10 +263,15 @@ class CheckpointReader:
         return out
 
     def _serve(self, fi: int, pieces) -> None:
-        """Fill each piece (file bytes [lo, hi) -> raw[at:]): the blocks wholly inside it are read
-        straight into the destination and checked there (no second copy); the partial blocks at
-        its ends go through the bounce buffer."""
+        """Fill each piece (file bytes [lo, hi) -> raw[at:]). Planned first, then run as tasks on
+        a few threads (preadv and the CRC release the GIL, so reads and checks of different
+        blocks overlap): the blocks wholly inside a piece are read straight into the destination
+        and checked there (no second copy); each block a piece covers only in part is read and
+        checked once, into a buffer of its own, however many pieces (small tensors) share it,
+        then copied to each of them."""
         size, bs = self.manifest["files"][fi]["bytes"], self.block
+        fd = self._fd(fi)  # opened here, in the calling thread (the descriptor cache is not shared)
+        tasks, partial = [], defaultdict(list)  # partial: block -> [(from, to, raw, at)]
         for lo, hi, raw, at in pieces:
             b, last = lo // bs, (hi - 1) // bs
             while b <= last:
@@ -273,11 +281,52 @@ class CheckpointReader:
                     while k < last and k + 1 - b < _MAX_RUN_BLOCKS and min((k + 2) * bs, size) <= hi:
                         k += 1
                     stop = min((k + 1) * bs, size)
-                    dst = raw[at + (start - lo):at + (stop - lo)]
-                    self._read_blocks(fi, b, k + 1, into=memoryview(dst.numpy()))
+                    dst = memoryview(raw[at + (start - lo):at + (stop - lo)].numpy())
+                    tasks.append((start, self._read_run, (fd, fi, b, k + 1, dst)))
                     b = k + 1
                 else:
-                    data = self._read_blocks(fi, b, b + 1)
                     a, z = max(lo, start), min(hi, end)
-                    raw[at + (a - lo):at + (z - lo)].copy_(torch.frombuffer(data, dtype=torch.uint8)[a - start:z - start])
+                    partial[b].append((a - start, z - start, raw, at + (a - lo)))
                     b += 1
+        tasks += [(b * bs, self._read_partial, (fd, fi, b, copies)) for b, copies in partial.items()]
+        tasks.sort(key=lambda t: t[0])  # in file order: the disk sees (mostly) sequential reads
+        _run_tasks([(fn, args) for _at, fn, args in tasks])
+
+    def _read_run(self, fd: int, fi: int, first: int, last: int, into) -> None:
+        lo = first * self.block
+        fsutil.read_into(fd, into, lo, self.file_path(fi))
+        self._verify(fi, first, into)
+
+    def _read_partial(self, fd: int, fi: int, b: int, copies) -> None:
+        lo = b * self.block
+        buf = bytearray(min(lo + self.block, self.manifest["files"][fi]["bytes"]) - lo)
+        self._read_run(fd, fi, b, b + 1, memoryview(buf))
+        src = torch.frombuffer(buf, dtype=torch.uint8)
+        for a, z, raw, at in copies:
+            raw[at:at + (z - a)].copy_(src[a:z])
+
+
+_pool = None  # (pid, ThreadPoolExecutor): made on first use, made again in a forked child
+_pool_lock = threading.Lock()
+_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _run_tasks(tasks) -> None:
+    """Run (fn, args) tasks to completion, on the reader threads when there are several; the
+    first failing task's exception (in task order) is raised once every task has ended, so no
+    task still writes into a destination the caller is about to drop."""
+    global _pool
+    if len(tasks) <= 1 or _READ_THREADS == 1:
+        for fn, args in tasks:
+            fn(*args)
+        return
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(_READ_THREADS,
+                                                                         thread_name_prefix="zeroplus-ckpt-read"))
+        executor = _pool[1]
+    futures = [executor.submit(fn, *args) for fn, args in tasks]
+    concurrent.futures.wait(futures)
+    for f in futures:
+        if f.exception() is not None:
+            raise f.exception()

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import errno
 import os
-import zlib
 
 import torch
 
 from .. import files
 from . import fsutil
+from .checksum import crc32
 from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default block size)
 
 _COALESCE_BYTES = 1 << 20   # pieces smaller than this are packed into one write
@@ -73,7 +73,7 @@ class _BlockCrc:
         pos = 0
         while pos < len(data):
             take = min(self.block - self.fill, len(data) - pos)
-            self.cur = zlib.crc32(data[pos:pos + take], self.cur)
+            self.cur = crc32(data[pos:pos + take], self.cur)
             self.fill += take
             pos += take
             if self.fill == self.block:
