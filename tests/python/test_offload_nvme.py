@@ -11,8 +11,12 @@ and bytes flipped in a swap file must be refused.
 
 from __future__ import annotations
 
+import fcntl
 import gc
+import json
 import os
+import shutil
+import sys
 import resource
 import signal
 import stat
@@ -449,10 +453,13 @@ def test_swap_directory_is_private_exclusive_cleaned_and_reclaims_stale(tmp_path
     (victim / "keep.txt").write_text("mine")
     planted = tmp_path / f"zeroplus-swap-{_host()}-{pid}-{'b' * 16}-rank1"
     planted.symlink_to(victim, target_is_directory=True)
-    alive = tmp_path / f"zeroplus-swap-{_host()}-{os.getppid()}-{'c' * 16}-rank0"
+    alive = tmp_path / f"zeroplus-swap-{_host()}-{pid}-{'c' * 16}-rank0"
     alive.mkdir(mode=0o700)
+    alive_fd = os.open(alive, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(alive_fd, fcntl.LOCK_EX)  # a live job's lock: its name's pid says nothing (issue 40)
 
     d = SwapDirectory(str(tmp_path), 0)
+    os.close(alive_fd)
     assert d.reclaimed == [stale.name] and not stale.exists()
     assert (victim / "keep.txt").read_text() == "mine" and planted.is_symlink() and alive.exists()
     st = os.stat(d.path)
@@ -473,6 +480,56 @@ def test_swap_directory_is_private_exclusive_cleaned_and_reclaims_stale(tmp_path
 
     with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
         SwapDirectory(str(tmp_path / "missing"), 0)
+    assert not (tmp_path / "missing").exists()  # nvme_path is never created (nor its parents)
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
         SwapDirectory(str(tmp_path / "file"), 0)
+
+
+_NEIGHBOUR = """
+import json, sys
+from zeroplus.offload.nvme_store import SwapDirectory
+d = SwapDirectory(sys.argv[1], 0)
+print(json.dumps(d.reclaimed))
+d.close()
+"""
+
+_CRASH = """
+import os, signal, sys
+from zeroplus.offload.nvme_store import SwapDirectory
+d = SwapDirectory(sys.argv[1], 0)
+d.create("optimizer-b00000.swp", 4096)
+print(d.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no finalizer runs: the directory stays, its lock goes
+"""
+
+
+def test_swap_directory_liveness_holds_across_pid_namespaces(tmp_path):
+    """A neighbour job in another PID namespace (another container: same host name, same
+    nvme_path) sees this job's pid as dead; it must still leave this job's swap directory alone,
+    and still remove the directory of a job that really died (issue 40)."""
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True) \
+        if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"unshare --pid --fork --mount-proc is unavailable here: "
+                    f"{'no unshare binary' if probe is None else probe.stderr.decode().strip()}")
+    live = SwapDirectory(str(tmp_path), 0)
+    try:
+        live.create("optimizer-b00000.swp", 4096)
+        crashed = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path)], capture_output=True, text=True,
+                                 timeout=120)
+        assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+        dead = crashed.stdout.strip()
+        assert (tmp_path / dead / "optimizer-b00000.swp").exists()
+        neighbour = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", _NEIGHBOUR,
+                                    str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert neighbour.returncode == 0, neighbour.stderr
+        assert json.loads(neighbour.stdout.strip().splitlines()[-1]) == [dead]
+        assert os.path.exists(os.path.join(live.path, "optimizer-b00000.swp")), "a live job's swap files were removed"
+        assert not (tmp_path / dead).exists()
+    finally:
+        live.close()
+    assert os.listdir(tmp_path) == []
