@@ -533,3 +533,47 @@ def test_swap_directory_liveness_holds_across_pid_namespaces(tmp_path):
     finally:
         live.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_swap_directory_swept_before_its_owner_locked_it_is_made_again(tmp_path, monkeypatch):
+    """mkdir, open and flock are three calls: a neighbour's sweep can remove the new directory
+    between them (it finds it unlocked). The owner then makes another instead of failing or
+    using a removed directory (issue 40)."""
+    from zeroplus import files
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    real_make, real_lock, swept = files.make_private_directory_at, files.lock, []
+
+    def make_then_swept(dir_fd, name):  # removed between the mkdir and the open
+        if not swept:
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            os.rmdir(name, dir_fd=dir_fd)
+            swept.append(name)
+            raise FileNotFoundError(2, "No such file or directory", name)
+        return real_make(dir_fd, name)
+
+    def swept_then_lock(fd, wait=True):  # removed between the open and the flock
+        if len(swept) == 1:
+            name = next(n for n in os.listdir(tmp_path) if n not in swept)
+            os.rmdir(tmp_path / name)
+            swept.append(name)
+        return real_lock(fd, wait)
+
+    monkeypatch.setattr(files, "make_private_directory_at", make_then_swept)
+    monkeypatch.setattr(files, "lock", swept_then_lock)
+    d = SwapDirectory(str(tmp_path), 0)
+    monkeypatch.undo()
+    try:
+        assert len(swept) == 2 and d.name not in swept and os.listdir(tmp_path) == [d.name]
+        d.create("optimizer-b00000.swp", 4096)  # a usable, locked directory
+        fd = os.open(d.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert files.lock(fd, wait=False) is False
+        finally:
+            os.close(fd)
+    finally:
+        d.close()
+    assert os.listdir(tmp_path) == []
+    os.rmdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
+        SwapDirectory(str(tmp_path), 0)

@@ -25,8 +25,9 @@ Security and lifetime contract:
     it can take (only real directories owned by us; files.remove_tree_at unlinks their contents
     without following links), holding that lock until the directory is gone. mkdir and flock
     are two calls, so such a sweep can remove a directory created a moment before its owner
-    locked it: the owner, once it holds the lock, checks that its directory is still in place
-    and otherwise makes another (the sweep held the lock until its removal was complete).
+    locked it: the owner, when the directory it just made is gone before it could open it, or
+    once it holds the lock (the sweep held it until its removal was complete) is no longer in
+    place, makes another.
 Errors are OSError subclasses naming the path; nothing outside the rank directory is touched.
 """
 
@@ -113,6 +114,11 @@ class SwapDirectory:
             path = os.path.join(self.nvme_path, name)
             try:
                 dir_fd = files.make_private_directory_at(parent_fd, name)
+            except FileNotFoundError as e:
+                if os.fstat(parent_fd).st_nlink > 0:
+                    continue  # swept between our mkdir and our open of it: make another
+                raise FileNotFoundError(e.errno, f"{self.what}: nvme_path {self.nvme_path!r} was removed",
+                                        self.nvme_path) from None
             except OSError as e:
                 raise type(e)(e.errno, f"{self.what}: cannot create the swap directory {path!r}: "
                                        f"{os.strerror(e.errno)}", path) from None
