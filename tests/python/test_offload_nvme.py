@@ -577,3 +577,24 @@ def test_a_swap_directory_swept_before_its_owner_locked_it_is_made_again(tmp_pat
     os.rmdir(tmp_path)
     with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
         SwapDirectory(str(tmp_path), 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a symbolic link another owner (os.lchown)")
+def test_nvme_path_follows_own_and_roots_links_and_refuses_another_users(tmp_path):
+    """docs/security.md's one rule for a path the user names (issue 40 item 15): nvme_path may be
+    the user's (or root's) link to a directory, never another user's."""
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    target = tmp_path / "nvme0"
+    target.mkdir()
+    mine = tmp_path / "mine"
+    mine.symlink_to(target, target_is_directory=True)
+    d = SwapDirectory(str(mine), 0)
+    assert os.listdir(target) == [d.name]
+    d.close()
+    theirs = tmp_path / "theirs"
+    theirs.symlink_to(target, target_is_directory=True)
+    os.lchown(theirs, 65534, 65534)  # nobody's link, planted in a shared place
+    with pytest.raises(PermissionError, match=r"nvme_path .*theirs.* uid 65534") as info:
+        SwapDirectory(str(theirs), 0)
+    assert info.value.filename == str(theirs) and os.listdir(target) == []

@@ -17,6 +17,11 @@ offload code written in Python creates its files by these rules, never with a pl
 ``directory`` itself is followed only when its last component is not a symbolic link, or is one
 owned by this user or root.
 
+* ``open_directory(path, owned=False)`` opens the existing directory ``path`` by that same rule
+  (what a checkpoint ROOT, a checkpoint NAME being read and an output's directory are opened
+  with: ``~/ckpt -> /scratch/ckpt`` works); a link of another user raises ``PermissionError``,
+  a non-directory ``NotADirectoryError``. ``own_link_target(path)`` is the path it opens.
+
 The descriptor-relative peers (``openat``-style; what checkpoint/ and offload/ use, so that a
 path component renamed after the directory was opened cannot redirect the next call) never
 follow a symbolic link in the name they are given:
@@ -50,15 +55,18 @@ Descriptors belong to the caller (``os.fdopen(fd, "wb")`` or ``os.close``). Erro
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import secrets
+import stat
 from typing import Optional, Tuple, Union
 
 import torch
 
-__all__ = ["create_exclusive", "create_temporary", "private_directory", "open_directory_at",
+__all__ = ["create_exclusive", "create_temporary", "private_directory", "open_directory", "own_link_target",
+           "open_directory_at",
            "make_private_directory_at", "create_exclusive_at", "create_temporary_at", "open_regular_at",
            "remove_tree_at", "temporary_name", "lock"]
 
@@ -135,6 +143,38 @@ def private_directory(parent: PathLike, name: str) -> int:
     """Creates or opens ``parent/name`` as a verified 0700 directory of this user; returns its fd."""
     return _call(torch.ops.zeroplus.private_directory, _path("parent", parent), _name("name", name))
 
+
+_MAX_LINKS = 40  # the kernel's own limit on links followed while resolving one path
+
+
+def own_link_target(path: PathLike) -> str:
+    """``path`` with its last component resolved while it is a symbolic link owned by this user
+    or root (the user's own ``~/ckpt -> /scratch/ckpt``); a link of anyone else raises
+    ``PermissionError`` naming it and is never followed. Components before the last resolve as
+    the kernel resolves them."""
+    path = _path("path", path)
+    for _ in range(_MAX_LINKS):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return path
+        if not stat.S_ISLNK(st.st_mode):
+            return path
+        if st.st_uid not in (os.geteuid(), 0):
+            raise PermissionError(errno.EPERM, f"symbolic link owned by uid {st.st_uid} (neither this user nor root); "
+                                               f"not followed", path)
+        target = os.readlink(path)
+        again = os.lstat(path)  # the link we checked is the one we read (not swapped in between)
+        if (again.st_ino, again.st_dev, again.st_uid) != (st.st_ino, st.st_dev, st.st_uid):
+            raise PermissionError(errno.EPERM, "symbolic link replaced while it was being read; not followed", path)
+        path = os.path.join(os.path.dirname(path.rstrip("/")) or ".", target)
+    raise OSError(errno.ELOOP, f"more than {_MAX_LINKS} symbolic links in a row", path)
+
+
+def open_directory(path: PathLike, owned: bool = False) -> int:
+    """Opens the existing directory ``path``, following its last component only while it is a
+    link of this user or root (own_link_target); returns its descriptor."""
+    return open_directory_at(None, own_link_target(path), owned)
 
 
 # -- descriptor-relative (openat) ------------------------------------------------------------------

@@ -4,9 +4,11 @@
         optimizer-b00003.swp                                      mode 0600, one per bucket
 
 Security and lifetime contract:
-  * nvme_path itself must be a directory (a symlink to one is fine: it is the user's choice);
-    everything below it is created by us through zeroplus.files (the one owner of these rules,
-    docs/security.md), exclusively and never through a symlink: the rank directory with
+  * nvme_path itself must be a directory, opened by files.open_directory: a symlink to one is
+    followed only when it belongs to this user or root (`/local_nvme -> /mnt/nvme0`), another
+    user's raises PermissionError naming nvme_path (docs/security.md: one rule for every path a
+    user names). Everything below it is created by us through zeroplus.files (the one owner of
+    these rules), exclusively and never through a symlink: the rank directory with
     make_private_directory_at (mkdir of a random name, which fails on any existing name, then
     opened O_DIRECTORY|O_NOFOLLOW and verified with fstat: a directory, owned by our uid, mode
     0700); files with create_exclusive_at (openat O_CREAT|O_EXCL|O_NOFOLLOW, 0600).
@@ -83,13 +85,16 @@ class SwapDirectory:
         self.nvme_path = os.path.abspath(os.fspath(nvme_path))
         self.what = what
         try:
-            parent_fd = os.open(self.nvme_path, os.O_RDONLY | os.O_DIRECTORY)
+            parent_fd = files.open_directory(self.nvme_path)  # the one rule for links (module doc)
         except FileNotFoundError as e:
             raise FileNotFoundError(e.errno, f"{what}: nvme_path {self.nvme_path!r} does not exist", self.nvme_path) \
                 from None
         except NotADirectoryError as e:
             raise NotADirectoryError(e.errno, f"{what}: nvme_path {self.nvme_path!r} is not a directory",
                                      self.nvme_path) from None
+        except PermissionError as e:
+            raise PermissionError(e.errno, f"{what}: nvme_path {self.nvme_path!r}: {e.strerror}", self.nvme_path) \
+                from None
         try:
             self.reclaimed = self._reclaim_stale(parent_fd)
             dir_fd, name = self._make_locked(parent_fd, int(rank))
