@@ -598,3 +598,25 @@ def test_nvme_path_follows_own_and_roots_links_and_refuses_another_users(tmp_pat
     with pytest.raises(PermissionError, match=r"nvme_path .*theirs.* uid 65534") as info:
         SwapDirectory(str(theirs), 0)
     assert info.value.filename == str(theirs) and os.listdir(target) == []
+
+
+def test_swap_paths_under_umask_000_create_no_parents_and_stay_private(tmp_path):
+    """Issue 40 item 18 as it applies to swap files: nvme_path and its parents are never created
+    (a missing one raises, leaving nothing behind), and under umask 000 the rank directory is
+    still 0700 and its files 0600. Passes before and after issue 40: a guard, not a fix."""
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    old = os.umask(0)
+    try:
+        with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
+            SwapDirectory(str(tmp_path / "a" / "b"), 0)
+        assert os.listdir(tmp_path) == []
+        d = SwapDirectory(str(tmp_path), 0)
+        try:
+            io_path = d.create("optimizer-b00000.swp", 4096)
+            assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(io_path).st_mode) == 0o600
+        finally:
+            d.close()
+    finally:
+        os.umask(old)
