@@ -24,14 +24,14 @@ BUCKET = 4  # the record lost or failing: one in the middle (buckets before and 
 SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 3000}}
 
 
-def _build(precision, nvme=None):
+def _build(precision, nvme=None, buffer_count=2):
     import zeroplus
     import zero_models as zm
 
     kw = {}
     if nvme is not None:
         os.makedirs(nvme, exist_ok=True)
-        kw["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2}
+        kw["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": buffer_count}
     return zeroplus.initialize(zm.make_model(), torch.optim.AdamW, stage=2, lr=3e-3, mixed_precision=precision,
                                config=SMALL_BUCKETS, **kw)
 
@@ -147,5 +147,43 @@ def test_a_load_that_fails_half_way_changes_nothing(one_rank_group, tmp_path, ho
     assert not [n for n in os.listdir(opt.offload.directory.path) if n.endswith(".new")]
     _train(ref, ref_opt, 2, STEPS + 2)  # the records on disk are the ones from before the load
     _train(model, opt, 2, STEPS + 2)
+    assert _same(_snapshot(model, opt), _snapshot(ref, ref_opt))
+    opt.offload.close()
+
+
+def test_a_commit_that_cannot_rename_is_refused_until_a_load_succeeds(one_rank_group, tmp_path):
+    """The one window left: a rename failing half-way through the commit. Nothing of the
+    optimizer changed, the records already replaced are refused (never read as the old state),
+    the error says to load again, and loading again repairs everything."""
+    ref, ref_opt = _build(None)
+    model, opt = _build(None, str(tmp_path / "nvme"), buffer_count=64)  # records stay cached in the pool
+    _train(ref, ref_opt, STEPS, 0)
+    _train(model, opt, STEPS, 0)
+    saved = opt.state_dict()
+    directory, last = opt.offload.directory, len(opt.bucket_optimizers) - 1
+    real = directory.replace
+
+    def failing(src, dst):
+        if f"b{last:05d}" in dst:  # the last rename: every other record is replaced by then
+            raise OSError(errno.EIO, "Input/output error (injected)", dst)
+        return real(src, dst)
+
+    directory.replace = failing
+    with pytest.raises(OSError, match=f"bucket {last}.*load again") as info:
+        opt.load_state_dict(saved)
+    del directory.replace
+    assert "continue" not in str(info.value)
+    assert not [n for n in os.listdir(directory.path) if n.endswith(".new")]
+    refused = []
+    for b, bo in enumerate(opt.bucket_optimizers):  # cached copies of the old records included
+        try:
+            opt.offload.segment_states(bo)
+        except OSError as e:
+            assert "generation" in str(e), e
+            refused.append(b)
+    assert refused == list(range(last)), refused
+    opt.load_state_dict(saved)
+    _train(ref, ref_opt, STEPS, STEPS)
+    _train(model, opt, STEPS, STEPS)
     assert _same(_snapshot(model, opt), _snapshot(ref, ref_opt))
     opt.offload.close()

@@ -332,7 +332,8 @@ class OptimizerSwapper:
         """Renames every staged side file over its bucket's record (staged: (bucket optimizer,
         StagedRecord) pairs), all before any bucket's state changes: a rename that fails leaves
         the optimizer as it was, and the records already replaced are refused from then on (their
-        generation is not the one the swapper expects) until a load succeeds. Raises OSError."""
+        generation is not the one the swapper expects; a cached copy of the old one is dropped)
+        until a load succeeds. Raises OSError."""
         done = []
         for bo, st in staged:
             if st.side is None:
@@ -347,10 +348,13 @@ class OptimizerSwapper:
                 self.directory.replace(st.side, h.name)
             except OSError as e:
                 err = self._named(e, h, "replacing")
-                err.strerror += (f"; nothing was loaded, and the records of buckets {done} were already replaced "
+                err.strerror += (f"; nothing was loaded, but the records of buckets {done} were already replaced "
                                  "and are refused from now on: load again once this is fixed")
                 raise err from None
             done.append(h.index)
+            if h.buffer is not None and not h.busy():  # a cached copy of the replaced record
+                buf, h.buffer, h.verified = h.buffer, None, False
+                self._free_buffer(buf)
 
     def commit_load(self, bo, st: "StagedRecord", handles: dict) -> None:
         """The bucket's staged record (already renamed into place by commit_records) is current:
