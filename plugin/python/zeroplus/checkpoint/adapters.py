@@ -34,7 +34,6 @@ format.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -379,7 +378,7 @@ class EngineAdapter(_Base):
                          "skipped_steps": int(optimizer_meta.get("skipped_steps", 0))},
         }
         bucket_of = {id(bo): b for b, bo in enumerate(self.opt.bucket_optimizers)}
-        streamed = {bucket_of[id(bo)]: functools.partial(self._streamed, bo, segs, read_streamed)
+        streamed = {bucket_of[id(bo)]: (lambda bo=bo, segs=segs: self._streamed(bo, segs, read_streamed))
                     for bo, segs in self.streamed_buckets()}
         return self.opt.stage_load(sharded, streamed)
 

@@ -348,8 +348,11 @@ class OptimizerSwapper:
                 self.directory.replace(st.side, h.name)
             except OSError as e:
                 err = self._named(e, h, "replacing")
-                err.strerror += (f"; nothing was loaded, but the records of buckets {done} were already replaced "
-                                 "and are refused from now on: load again once this is fixed")
+                err.strerror += "; nothing was loaded"
+                if done:
+                    err.strerror += (f", but the records of buckets {done} were already replaced and are refused "
+                                     "from now on")
+                err.strerror += ": load again once this is fixed"
                 raise err from None
             done.append(h.index)
             if h.buffer is not None and not h.busy():  # a cached copy of the replaced record
