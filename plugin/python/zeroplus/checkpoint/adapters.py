@@ -358,11 +358,20 @@ class EngineAdapter(_Base):
                 i += 1
         return out
 
-    def stage_optimizer(self, states: dict, groups: list, optimizer_meta: dict, read_streamed):
+    def load_optimizer(self, states: dict, groups: list, optimizer_meta: dict) -> None:
+        """stage_optimizer then commit_optimizer, every segment's state in `states` (set_state_dict)."""
+        staged = self.stage_optimizer(states, groups, optimizer_meta)
+        try:
+            self.commit_optimizer(staged)
+        finally:
+            self.discard_optimizer(staged)
+
+    def stage_optimizer(self, states: dict, groups: list, optimizer_meta: dict, read_streamed=None):
         """Validates and stages the optimizer's load, changing nothing (ZeroEngine.stage_load):
-        the buckets of streamed_buckets() are read one at a time through read_streamed(bo, segs)
-        -> (states, masters) and staged as side records of their store. Returns what
-        commit_optimizer applies (discard_optimizer: what an error leaves is removed)."""
+        with read_streamed, the buckets of streamed_buckets() are read one at a time through
+        read_streamed(bo, segs) -> (states, masters) instead of from `states`, and staged as side
+        records of their store. Returns what commit_optimizer applies (discard_optimizer: what an
+        error leaves is removed)."""
         index = {id(p): i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])}
         scaler = optimizer_meta.get("loss_scaler")
         if not isinstance(scaler, dict) or set(scaler) != set(self.opt.scaler.state_dict()):
@@ -379,7 +388,7 @@ class EngineAdapter(_Base):
         }
         bucket_of = {id(bo): b for b, bo in enumerate(self.opt.bucket_optimizers)}
         streamed = {bucket_of[id(bo)]: (lambda bo=bo, segs=segs: self._streamed(bo, segs, read_streamed))
-                    for bo, segs in self.streamed_buckets()}
+                    for bo, segs in (self.streamed_buckets() if read_streamed is not None else ())}
         return self.opt.stage_load(sharded, streamed)
 
     def commit_optimizer(self, staged) -> None:
@@ -465,7 +474,7 @@ class TorchZeroAdapter(_Base):
             out[i] = _fresh_state(templates[key], hi - lo)
         return out
 
-    def stage_optimizer(self, states: dict, groups: list, optimizer_meta: dict, read_streamed):
+    def stage_optimizer(self, states: dict, groups: list, optimizer_meta: dict, read_streamed=None):
         return states, groups, optimizer_meta  # nothing swapped; torch's class loads at the commit
 
     def commit_optimizer(self, staged) -> None:
