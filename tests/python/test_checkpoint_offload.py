@@ -330,10 +330,10 @@ def test_offloaded_parameters_checkpoint_stream_and_load_anywhere(tmp_path):
                 assert extra == {"step": 3} and loaded == 0.0 and stepped == 0.0, (rank, label, ck, m[(label, ck)])
             assert m.get((label, "sync", "side files"), []) == []
         # Into the offloaded engine every parameter shard and optimizer state is read bucket by
-        # bucket (twice: checked before anything changes, then loaded), never all in one call.
+        # bucket (once: staged as side records before anything changes), never all in one call.
         for ck in ("sync", "async"):
             largest, total = m[("offloaded", ck, "reads")]
-            assert largest * 4 <= total, (rank, ck, largest, total)
+            assert largest * 3 <= total, (rank, ck, largest, total)
         assert m["from s2"] == 0.0, (rank, m["from s2"])
         assert m[("load_state_dict", None)] == (0.0, 0.0, 0.0), (rank, m[("load_state_dict", None)])
         # bf16: the loaded parameters are the fp32 values rounded, exactly as in memory

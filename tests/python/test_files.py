@@ -217,7 +217,26 @@ def test_remove_tree_at_removes_ours_and_never_follows_links(tmp_path, dir_fd):
     (lambda d: files.open_directory_at(d, ""), ValueError, "path"),
     (lambda d: files.remove_tree_at(d, "x/y"), ValueError, "name"),
     (lambda d: files.temporary_name(3), ValueError, "prefix"),
+    (lambda d: files.lock("3"), TypeError, "dir_fd"),
+    (lambda d: files.lock(-1), ValueError, "dir_fd"),
 ])
 def test_descriptor_variants_reject_bad_arguments_naming_them(dir_fd, call, exc, text):
     with pytest.raises(exc, match=text):
         call(dir_fd)
+
+
+def test_lock_is_held_per_open_and_dropped_at_close(dir_fd, tmp_path):
+    """files.lock is a directory's liveness mark (issue 40): a second open of the same directory,
+    even in this process, cannot take it while the first holds it; closing drops it."""
+    first = files.open_directory_at(dir_fd, ".")
+    second = files.open_directory_at(dir_fd, ".")
+    try:
+        assert files.lock(first) is True
+        assert files.lock(second, wait=False) is False
+        os.close(first)
+        first = None
+        assert files.lock(second, wait=False) is True
+    finally:
+        for fd in (first, second):
+            if fd is not None:
+                os.close(fd)

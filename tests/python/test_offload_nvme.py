@@ -11,8 +11,12 @@ and bytes flipped in a swap file must be refused.
 
 from __future__ import annotations
 
+import fcntl
 import gc
+import json
 import os
+import shutil
+import sys
 import resource
 import signal
 import stat
@@ -449,10 +453,13 @@ def test_swap_directory_is_private_exclusive_cleaned_and_reclaims_stale(tmp_path
     (victim / "keep.txt").write_text("mine")
     planted = tmp_path / f"zeroplus-swap-{_host()}-{pid}-{'b' * 16}-rank1"
     planted.symlink_to(victim, target_is_directory=True)
-    alive = tmp_path / f"zeroplus-swap-{_host()}-{os.getppid()}-{'c' * 16}-rank0"
+    alive = tmp_path / f"zeroplus-swap-{_host()}-{pid}-{'c' * 16}-rank0"
     alive.mkdir(mode=0o700)
+    alive_fd = os.open(alive, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(alive_fd, fcntl.LOCK_EX)  # a live job's lock: its name's pid says nothing (issue 40)
 
     d = SwapDirectory(str(tmp_path), 0)
+    os.close(alive_fd)
     assert d.reclaimed == [stale.name] and not stale.exists()
     assert (victim / "keep.txt").read_text() == "mine" and planted.is_symlink() and alive.exists()
     st = os.stat(d.path)
@@ -473,6 +480,143 @@ def test_swap_directory_is_private_exclusive_cleaned_and_reclaims_stale(tmp_path
 
     with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
         SwapDirectory(str(tmp_path / "missing"), 0)
+    assert not (tmp_path / "missing").exists()  # nvme_path is never created (nor its parents)
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
         SwapDirectory(str(tmp_path / "file"), 0)
+
+
+_NEIGHBOUR = """
+import json, sys
+from zeroplus.offload.nvme_store import SwapDirectory
+d = SwapDirectory(sys.argv[1], 0)
+print(json.dumps(d.reclaimed))
+d.close()
+"""
+
+_CRASH = """
+import os, signal, sys
+from zeroplus.offload.nvme_store import SwapDirectory
+d = SwapDirectory(sys.argv[1], 0)
+d.create("optimizer-b00000.swp", 4096)
+print(d.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no finalizer runs: the directory stays, its lock goes
+"""
+
+
+def test_swap_directory_liveness_holds_across_pid_namespaces(tmp_path):
+    """A neighbour job in another PID namespace (another container: same host name, same
+    nvme_path) sees this job's pid as dead; it must still leave this job's swap directory alone,
+    and still remove the directory of a job that really died (issue 40)."""
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True) \
+        if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"unshare --pid --fork --mount-proc is unavailable here: "
+                    f"{'no unshare binary' if probe is None else probe.stderr.decode().strip()}")
+    live = SwapDirectory(str(tmp_path), 0)
+    try:
+        live.create("optimizer-b00000.swp", 4096)
+        crashed = subprocess.run([sys.executable, "-c", _CRASH, str(tmp_path)], capture_output=True, text=True,
+                                 timeout=120)
+        assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+        dead = crashed.stdout.strip()
+        assert (tmp_path / dead / "optimizer-b00000.swp").exists()
+        neighbour = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-c", _NEIGHBOUR,
+                                    str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert neighbour.returncode == 0, neighbour.stderr
+        assert json.loads(neighbour.stdout.strip().splitlines()[-1]) == [dead]
+        assert os.path.exists(os.path.join(live.path, "optimizer-b00000.swp")), "a live job's swap files were removed"
+        assert not (tmp_path / dead).exists()
+    finally:
+        live.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_swap_directory_swept_before_its_owner_locked_it_is_made_again(tmp_path, monkeypatch):
+    """mkdir, open and flock are three calls: a neighbour's sweep can remove the new directory
+    between them (it finds it unlocked). The owner then makes another instead of failing or
+    using a removed directory (issue 40)."""
+    from zeroplus import files
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    real_make, real_lock, swept = files.make_private_directory_at, files.lock, []
+
+    def make_then_swept(dir_fd, name):  # removed between the mkdir and the open
+        if not swept:
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            os.rmdir(name, dir_fd=dir_fd)
+            swept.append(name)
+            raise FileNotFoundError(2, "No such file or directory", name)
+        return real_make(dir_fd, name)
+
+    def swept_then_lock(fd, wait=True):  # removed between the open and the flock
+        if len(swept) == 1:
+            name = next(n for n in os.listdir(tmp_path) if n not in swept)
+            os.rmdir(tmp_path / name)
+            swept.append(name)
+        return real_lock(fd, wait)
+
+    monkeypatch.setattr(files, "make_private_directory_at", make_then_swept)
+    monkeypatch.setattr(files, "lock", swept_then_lock)
+    d = SwapDirectory(str(tmp_path), 0)
+    monkeypatch.undo()
+    try:
+        assert len(swept) == 2 and d.name not in swept and os.listdir(tmp_path) == [d.name]
+        d.create("optimizer-b00000.swp", 4096)  # a usable, locked directory
+        fd = os.open(d.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            assert files.lock(fd, wait=False) is False
+        finally:
+            os.close(fd)
+    finally:
+        d.close()
+    assert os.listdir(tmp_path) == []
+    os.rmdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
+        SwapDirectory(str(tmp_path), 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a symbolic link another owner (os.lchown)")
+def test_nvme_path_follows_own_and_roots_links_and_refuses_another_users(tmp_path):
+    """docs/security.md's one rule for a path the user names (issue 40 item 15): nvme_path may be
+    the user's (or root's) link to a directory, never another user's."""
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    target = tmp_path / "nvme0"
+    target.mkdir()
+    mine = tmp_path / "mine"
+    mine.symlink_to(target, target_is_directory=True)
+    d = SwapDirectory(str(mine), 0)
+    assert os.listdir(target) == [d.name]
+    d.close()
+    theirs = tmp_path / "theirs"
+    theirs.symlink_to(target, target_is_directory=True)
+    os.lchown(theirs, 65534, 65534)  # nobody's link, planted in a shared place
+    with pytest.raises(PermissionError, match=r"nvme_path .*theirs.* uid 65534") as info:
+        SwapDirectory(str(theirs), 0)
+    assert info.value.filename == str(theirs) and os.listdir(target) == []
+
+
+def test_swap_paths_under_umask_000_create_no_parents_and_stay_private(tmp_path):
+    """Issue 40 item 18 as it applies to swap files: nvme_path and its parents are never created
+    (a missing one raises, leaving nothing behind), and under umask 000 the rank directory is
+    still 0700 and its files 0600. Passes before and after issue 40: a guard, not a fix."""
+    from zeroplus.offload.nvme_store import SwapDirectory
+
+    old = os.umask(0)
+    try:
+        with pytest.raises(FileNotFoundError, match="nvme_path .* does not exist"):
+            SwapDirectory(str(tmp_path / "a" / "b"), 0)
+        assert os.listdir(tmp_path) == []
+        d = SwapDirectory(str(tmp_path), 0)
+        try:
+            io_path = d.create("optimizer-b00000.swp", 4096)
+            assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(io_path).st_mode) == 0o600
+        finally:
+            d.close()
+    finally:
+        os.umask(old)

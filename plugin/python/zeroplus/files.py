@@ -41,6 +41,11 @@ follow a symbolic link in the name they are given:
   another user is left); best effort, returns whether ``name`` is gone.
 * ``temporary_name(prefix)`` is ``prefix`` + 16 random hex digits, for names chosen before
   the object is created (a staging directory).
+* ``lock(fd, wait=True)`` takes ``flock(LOCK_EX)`` on an open descriptor (a directory's): the
+  liveness mark of a directory a running job owns (a checkpoint's staging directory, a swap
+  directory), held until the descriptor is closed, released by the kernel when the process dies
+  in any way. Unlike a pid it means the same in every PID namespace (containers sharing one
+  disk). ``wait=False`` returns ``False`` instead of waiting when someone holds it.
 
 Descriptors belong to the caller (``os.fdopen(fd, "wb")`` or ``os.close``). Errors are
 ``OSError`` subclasses chosen by errno, naming the path; bad argument types raise
@@ -51,6 +56,7 @@ Descriptors belong to the caller (``os.fdopen(fd, "wb")`` or ``os.close``). Erro
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import secrets
@@ -62,7 +68,7 @@ import torch
 __all__ = ["create_exclusive", "create_temporary", "private_directory", "open_directory", "own_link_target",
            "open_directory_at",
            "make_private_directory_at", "create_exclusive_at", "create_temporary_at", "open_regular_at",
-           "remove_tree_at", "temporary_name"]
+           "remove_tree_at", "temporary_name", "lock"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 _ERRNO = re.compile(r"\(errno (\d+)\)")
@@ -229,3 +235,13 @@ def remove_tree_at(dir_fd: int, name: str) -> bool:
 def temporary_name(prefix: str) -> str:
     """``prefix`` + 16 random hex digits (64 bits from the kernel): nobody can plant it in advance."""
     return _prefix(prefix) + secrets.token_hex(8)
+
+
+def lock(fd: int, wait: bool = True) -> bool:
+    """flock(LOCK_EX) on ``fd``; ``wait=False``: ``False`` at once when another open file holds it.
+    Locks of two opens conflict even inside one process, so every owner must hold its own."""
+    try:
+        fcntl.flock(_fd(fd), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except BlockingIOError:
+        return False

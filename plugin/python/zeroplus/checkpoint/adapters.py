@@ -8,8 +8,9 @@ An adapter turns (model, optimizer) into:
     buffers ("value", rank 0 only), and elementwise optimizer state tensors;
   * `destinations()` at load: (name, lo, hi, destination tensor) for every flat range this rank
     holds now; `optimizer_ranges()`: (name, lo, hi) of the optimizer state it owns;
-  * `load_optimizer(...)` / `finish_load()`: hand the read state to the optimizer through its own
-    load_state_dict (which validates before it replaces anything) and publish masters.
+  * `stage_optimizer(...)` / `commit_optimizer(...)` / `finish_load()`: validate and stage the read
+    state through the optimizer's own load (nothing changes; swapped buckets' records are written
+    to side files), apply it once every rank has read everything, and publish masters.
 
 Swapped state (docs/offload.md): a bucket whose master or optimizer state lives in swap files
 (offload_param nvme in fp32, where the master IS the offloaded parameter shard; offload_optimizer
@@ -24,10 +25,10 @@ error).
 Two adapters: EngineAdapter for the flat-bucket engines (zeroplus.initialize stages 1-3 and
 ZeroRedundancyOptimizer(stage=2)), TorchZeroAdapter for zeroplus.ZeroRedundancyOptimizer stage 1
 (torch's partition: whole parameters per rank). Engine accessors used: buckets, masters,
-bucket_optimizers (segments, segment_state, segment_scalars, master_values, load_segment_states,
-write_master, swapped), frozen_buckets and param_store (stage 3: ParamSwapper pin/unpin and
-stage/commit/discard_replacements), scaler, skipped_steps, publish_masters(); zero.state's public
-sharded format.
+bucket_optimizers (segments, segment_state, segment_scalars, master_values, swapped), frozen_buckets
+and param_store (stage 3: ParamSwapper pin/unpin and stage/commit/discard_replacements), scaler,
+skipped_steps, stage_load/commit_load/discard_load, publish_masters(); zero.state's public sharded
+format.
 """
 
 from __future__ import annotations
@@ -385,6 +386,19 @@ class EngineAdapter(_Base):
         return out
 
     def load_optimizer(self, states: dict, groups: list, optimizer_meta: dict) -> None:
+        """stage_optimizer then commit_optimizer, every segment's state in `states` (set_state_dict)."""
+        staged = self.stage_optimizer(states, groups, optimizer_meta)
+        try:
+            self.commit_optimizer(staged)
+        finally:
+            self.discard_optimizer(staged)
+
+    def stage_optimizer(self, states: dict, groups: list, optimizer_meta: dict, read_streamed=None):
+        """Validates and stages the optimizer's load, changing nothing (ZeroEngine.stage_load):
+        with read_streamed, the buckets of streamed_buckets() are read one at a time through
+        read_streamed(bo, segs) -> (states, masters) instead of from `states`, and staged as side
+        records of their store. Returns what commit_optimizer applies (discard_optimizer: what an
+        error leaves is removed)."""
         index = {id(p): i for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])}
         scaler = optimizer_meta.get("loss_scaler")
         if not isinstance(scaler, dict) or set(scaler) != set(self.opt.scaler.state_dict()):
@@ -399,12 +413,21 @@ class EngineAdapter(_Base):
                          "layout": zero_state.layout_signature(self.opt), "loss_scaler": scaler,
                          "skipped_steps": int(optimizer_meta.get("skipped_steps", 0))},
         }
-        self.opt.load_state_dict(sharded)
+        bucket_of = {id(bo): b for b, bo in enumerate(self.opt.bucket_optimizers)}
+        streamed = {bucket_of[id(bo)]: (lambda bo=bo, segs=segs: self._streamed(bo, segs, read_streamed))
+                    for bo, segs in (self.streamed_buckets() if read_streamed is not None else ())}
+        return self.opt.stage_load(sharded, streamed)
+
+    def commit_optimizer(self, staged) -> None:
+        self.opt.commit_load(staged)
+
+    def discard_optimizer(self, staged) -> None:
+        self.opt.discard_load(staged)
 
     def streamed_buckets(self) -> list:
         """(bucket optimizer, [(segment index, name, lo, hi, segment)]) of the buckets whose
         optimizer state (and, in mixed precision, master) lives in an offload store: a load reads
-        and loads them one bucket at a time (load_streamed), never the whole state at once."""
+        and stages them one bucket at a time (stage_optimizer), never the whole state at once."""
         out, i = [], 0
         for b, bo in zip(self.opt.buckets, self.opt.bucket_optimizers):
             segs = []
@@ -416,15 +439,16 @@ class EngineAdapter(_Base):
                 out.append((bo, segs))
         return out
 
-    def load_streamed(self, bo, states: list, masters: list | None) -> None:
-        """One streamed bucket: its segments' state (through the optimizer's own load_state_dict),
-        then its master where the store holds it (masters: one tensor per segment)."""
-        bo.load_segment_states(states, self.opt.param_groups[bo.bucket.group])
-        if masters is not None:
-            master = torch.zeros(bo.bucket.shard_numel, dtype=torch.float32)
-            for seg, value in zip(bo.segments, masters):
-                master[seg.lo:seg.hi].copy_(value)
-            bo.write_master(0, master.numel(), master)
+    @staticmethod
+    def _streamed(bo, segs, read_streamed) -> tuple[list, torch.Tensor | None]:
+        """One streamed bucket's (segment states, new fp32 master where its store holds it)."""
+        states, masters = read_streamed(bo, segs)
+        if masters is None:
+            return states, None
+        master = torch.zeros(bo.bucket.shard_numel, dtype=torch.float32)
+        for seg, value in zip(bo.segments, masters):
+            master[seg.lo:seg.hi].copy_(value)
+        return states, master
 
     def finish_load(self) -> None:
         self.opt.publish_masters()
@@ -479,6 +503,15 @@ class TorchZeroAdapter(_Base):
                 templates[key] = _first_step_state(type(self.opt.optim), self.opt.optim.param_groups[gi], flat[i])
             out[i] = _fresh_state(templates[key], hi - lo)
         return out
+
+    def stage_optimizer(self, states: dict, groups: list, optimizer_meta: dict, read_streamed=None):
+        return states, groups, optimizer_meta  # nothing swapped; torch's class loads at the commit
+
+    def commit_optimizer(self, staged) -> None:
+        self.load_optimizer(*staged)
+
+    def discard_optimizer(self, staged) -> None:
+        pass
 
     def load_optimizer(self, states: dict, groups: list, optimizer_meta: dict) -> None:
         flat = [p for g in self.opt.param_groups for p in g["params"]]

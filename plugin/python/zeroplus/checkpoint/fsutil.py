@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import re
 import stat
@@ -39,13 +38,7 @@ def temp_name(final: str) -> str:
     return files.temporary_name(temp_prefix(final))
 
 
-def lock(fd: int, wait: bool = True) -> bool:
-    """flock(LOCK_EX) on fd (a staging directory: held by the save that owns it)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        return True
-    except BlockingIOError:
-        return False
+lock = files.lock  # flock(LOCK_EX) on a staging directory: held by the save that owns it
 
 
 STALE_TEMP_FILE_S = 600  # a temporary file (of `latest`) untouched this long belongs to a killed save

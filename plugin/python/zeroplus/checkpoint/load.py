@@ -7,14 +7,18 @@ Collective over the optimizer's process group. Every rank:
   2. checks the model against it as model.load_state_dict(strict=True) would (missing and
      unexpected keys, size mismatches: RuntimeError with torch's wording) and the param groups;
   3. reads the element ranges it owns now (master or parameter, buffers, optimizer state),
-     verifying the checksum of every block it touches; ranges whose home is a parameter swap
-     file (offload_param nvme) are read one bucket at a time and staged as side records of the
-     swapper (adapters.py), so a model larger than memory loads in bounded memory;
+     verifying the checksum of every block it touches; ranges whose home is a swap file
+     (offload_param nvme, offload_optimizer nvme) are read one bucket at a time and staged as
+     side records of their swapper (adapters.py), so a model larger than memory loads in bounded
+     memory; the optimizer's load is validated and staged the same way (its own class's
+     load_state_dict on a scratch copy, the loss scaler's state checked), changing nothing;
 then the ranks agree (one all_gather_object) that all of them succeeded. Only then is anything
-changed: the optimizer's state goes in through its own load_state_dict, masters/parameters and
-buffers are copied, and the engine publishes the masters into the (possibly sharded)
-parameters, and the staged records replace the swapped ones. On any error every rank raises, the
-staged records are removed, and model and optimizer are untouched.
+changed: the staged optimizer records are renamed into place and the optimizer's state and loss
+scaler set, masters/parameters and buffers are copied, the staged parameter records replace the
+swapped ones, and the engine publishes the masters into the (possibly sharded) parameters. On
+any error every rank raises, the staged records are removed, and model and optimizer are
+untouched. A swap record that was lost (deleted, refused) is simply written anew: loading is its
+repair.
 """
 
 from __future__ import annotations
@@ -140,7 +144,7 @@ def _stage_offloaded(reader: CheckpointReader, adapter) -> None:
 def _load(path, model, opt, adapter):
     group = opt.process_group
     wait_for_pending_save()  # an async save of this process finishes first (it may be this path)
-    error, which, reader = None, None, None
+    error, which, reader, staged = None, None, None, None
     streamed = adapter.streamed_buckets()
     try:
         reader = CheckpointReader(path)
@@ -150,20 +154,23 @@ def _load(path, model, opt, adapter):
         groups = _check_groups(manifest, adapter)
         adapter.check_optimizer_meta(manifest["optimizer"], os.path.join(reader.path, MANIFEST))
         dests, values, states = _read_everything(reader, adapter, {s[0] for _bo, segs in streamed for s in segs})
-        for bo, segs in streamed:  # read (every block checked) and dropped: read again below
-            _read_streamed(reader, bo, segs)
         _stage_offloaded(reader, adapter)
+        # Swapped optimizer state: read one bucket at a time and written to side records.
+        staged = adapter.stage_optimizer(states, groups, manifest["optimizer"],
+                                         lambda bo, segs: _read_streamed(reader, bo, segs))
+        del states
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised
         error = e
     try:
-        return _change(adapter, group, path, error, which, reader,
-                       None if error else (manifest, groups, dests, values, states, streamed))
+        return _change(adapter, group, path, error, which, None if error else (manifest, dests, values, staged))
     finally:
+        if staged is not None:
+            adapter.discard_optimizer(staged)  # side records not committed (an error); else a no-op
         if reader is not None:
             reader.close()
 
 
-def _change(adapter, group, path, error, which, reader, loaded):
+def _change(adapter, group, path, error, which, loaded):
     """Agree with the other ranks, then change the model and the optimizer."""
     everyone = [None] * dist.get_world_size(group)
     mine = (None if error is None else f"{type(error).__name__}: {error}", which)
@@ -177,16 +184,11 @@ def _change(adapter, group, path, error, which, reader, loaded):
     if len({w for _e, w in everyone}) > 1:  # `latest` moved or the checkpoint was replaced meanwhile
         raise RuntimeError(f"load_checkpoint: the ranks read different checkpoints at {path} (it was replaced, or "
                            f"`latest` moved, during the load: {sorted({w for _e, w in everyone})}); nothing was changed")
-    manifest, groups, dests, values, states, streamed = loaded
-    adapter.load_optimizer(states, groups, manifest["optimizer"])
+    manifest, dests, values, staged = loaded
+    adapter.commit_optimizer(staged)  # first: renaming its side records is the step that can fail
     with torch.no_grad():
         for (_n, _lo, _hi, dest), value in zip(dests, values):
             dest.copy_(value)
-    # Optimizer state in NVMe swap files, one bucket in memory at a time. Its blocks were all
-    # checked above; a read failing now (the file changed or the disk failed since) leaves the
-    # buckets before it loaded: the one window of this contract (docs/checkpoints.md).
-    for bo, segs in streamed:
-        adapter.load_streamed(bo, *_read_streamed(reader, bo, segs))
     adapter.commit_offloaded()
     adapter.finish_load()
     return manifest.get("extra")

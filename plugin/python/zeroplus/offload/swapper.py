@@ -24,6 +24,16 @@ State tensors and masters keep their identity: the optimizer's state dicts and p
 always hold the same tensor objects (their `.data` is pointed at the record on fetch and emptied
 afterwards), so the fused optimizers' cached plans stay valid and nothing else sees a swap.
 
+Loading (ZeroEngine.load_state_dict, load_checkpoint) never changes a record in place:
+
+    stage_load(bo, state, master)  writes the bucket's record as the load leaves it into a side
+                         file (`optimizer-bNNNNN.new`), synchronously, through one pooled buffer;
+                         the live record, the optimizer and the master are untouched;
+    commit_records(...)  renames every side file over its record (a lost record is simply
+                         created by the rename: loading is its repair), before any state changes;
+    commit_load(bo, ...) points the bucket's bookkeeping at the new record (in memory only);
+    discard_load(...)    removes a side file (an error anywhere: nothing changed).
+
 Faults (docs/offload.md "Faults"): errors never leave the step half done on one rank only
 (the other ranks would hang in the next collective), so they are collected during the step
 and raised by end_step(), after the step's last collective, as OSError naming the file, the
@@ -33,7 +43,7 @@ bucket and the rank:
     store, so no state is lost and training continues from this step once space is freed;
   * a read that fails or a record that fails its checks: that bucket is not stepped (its
     parameters keep their values: a lost master is taken back from the parameters); its state
-    on disk is unusable, and every later step raises again until load_state_dict replaces it.
+    on disk is unusable, and every later step raises again until a load replaces it.
 Not thread-safe: the engine calls it from the training thread only.
 """
 
@@ -52,6 +62,7 @@ from .policy import OffloadPolicy
 _NOT_LOADED = 0  # generation of a bucket with nothing on disk yet
 _KEPT = ("; the step completed and the bucket's state is kept in memory until a later step writes it "
          "(free space, then continue training)")
+_KEPT_LOADED = "; the bucket's new values are kept in memory and written at its next step"
 _LOST = ("; the bucket was not stepped (its parameters and optimizer state keep their values); the state in "
          "this file is unusable: load a checkpoint (load_state_dict) to replace it")
 
@@ -79,6 +90,21 @@ class _Home:
 
 
 _MASTER = (-1, "master")  # the master's slot in a record
+
+
+@dataclass(frozen=True)
+class StagedRecord:
+    """A bucket's record as a load will leave it, written to a side file (stage_load)."""
+    side: str | None              # the side file's name; None: the loaded state needs no record
+    layout: record.Layout | None
+    generation: int
+
+    def handles(self) -> dict:
+        """{(segment, key): a new, empty tensor of the slot's dtype}: the optimizer's state tensors
+        for this record (bound to it at the bucket's next fetch)."""
+        if self.layout is None:
+            return {}
+        return {(s.segment, s.key): torch.empty(0, dtype=s.dtype) for s in self.layout.slots if s.segment >= 0}
 
 
 class OptimizerSwapper:
@@ -243,31 +269,124 @@ class OptimizerSwapper:
                 h.dirty = True  # resident: written with the bucket's next store
         self._raise_errors()
 
-    def after_load(self, bo) -> None:
-        """The optimizer's state was just replaced in memory (load_state_dict): write it out,
-        with the master it has now."""
+    def stage_load(self, bo, state: dict, master: torch.Tensor | None = None) -> "StagedRecord":
+        """Writes the bucket's record as a load will leave it into a side file (`optimizer-bNNNNN.new`),
+        synchronously, through one pooled buffer; changes nothing else: the live record, its cached
+        copy, the optimizer and the master stay as they are until commit_load (discard_load: the
+        side file goes). state: {segment master: {key: value}} as the optimizer class cast it (a
+        scratch optimizer's load_state_dict); master: the bucket's new fp32 master (a checkpoint's),
+        or None to keep the current one (read through the record; a record that is lost or refused,
+        which this load repairs, gives way to the parameters, as loading a model sets it).
+        Raises OSError naming the file; no side file is left then."""
+        h = self._home(bo)
+        self._drain_writes()  # nothing is in flight between steps; settles the generation
+        entries, tensors = [], []
+        if bo.offloads_master:
+            if master is None:
+                master = self._current_master(bo, h)
+            entries.append((*_MASTER, bo.master.dtype, master.numel()))
+            tensors.append(master)
+        for si, seg in enumerate(bo.segments):
+            st = state.get(seg.master) or {}
+            n = seg.hi - seg.lo
+            for key in sorted(st, key=str):
+                v = st[key]
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == n and n > 0:
+                    entries.append((si, key, v.dtype, n))
+                    tensors.append(v)
+        if not entries:
+            return StagedRecord(None, None, h.generation + 1)
+        layout = record.Layout.build(entries)
+        side = h.name[:-len(".swp")] + ".new"
+        self.directory.remove(side)  # an earlier load's that was never committed
+        buf = self._acquire(layout.record_bytes)
+        try:
+            for slot, t in zip(layout.slots, tensors):
+                layout.view(buf, slot).copy_(t.reshape(-1))
+            record.seal(buf, layout, h.index, self.rank, h.generation + 1)
+            try:
+                io_path = self.directory.create(side, layout.record_bytes)
+            except OSError as e:
+                raise self._named(e, h, "creating the replacement for") from None
+            try:
+                self._writer.sync_pwrite(buf[:layout.record_bytes], io_path)  # nothing in flight (drained)
+            except OSError as e:
+                self.directory.remove(side)
+                raise self._named(e, h, "writing the replacement for") from None
+            self.bytes_written += layout.record_bytes
+        finally:
+            self._free_buffer(buf)
+        return StagedRecord(side, layout, h.generation + 1)
+
+    def _current_master(self, bo, h: _Home) -> torch.Tensor:
+        """A copy of the bucket's fp32 master as it is now (stage_load)."""
+        if h.layout is None:
+            return bo.master.detach().to("cpu", torch.float32, copy=True)  # not stored yet: in memory
+        try:
+            with self._record(h) as buf:
+                return h.layout.view(buf, self._master_slot(h)).clone()
+        except OSError:
+            return bo.param_shard().to("cpu", torch.float32, copy=True)
+
+    def commit_records(self, staged: list[tuple]) -> None:
+        """Renames every staged side file over its bucket's record (staged: (bucket optimizer,
+        StagedRecord) pairs), all before any bucket's state changes: a rename that fails leaves
+        the optimizer as it was, and the records already replaced are refused from then on (their
+        generation is not the one the swapper expects; a cached copy of the old one is dropped)
+        until a load succeeds. Raises OSError."""
+        done = []
+        for bo, st in staged:
+            if st.side is None:
+                continue
+            h = self._home(bo)
+            if h.lane is not None:  # a read ahead of the old record: let it finish, then drop it
+                lane, h.lane = h.lane, None
+                self._lanes.wait_quietly(lane)
+                self._free_buffer(h.buffer)
+                h.buffer, h.verified = None, False
+            try:
+                self.directory.replace(st.side, h.name)
+            except OSError as e:
+                err = self._named(e, h, "replacing")
+                err.strerror += "; nothing was loaded"
+                if done:
+                    err.strerror += (f", but the records of buckets {done} were already replaced and are refused "
+                                     "from now on")
+                err.strerror += ": load again once this is fixed"
+                raise err from None
+            done.append(h.index)
+            if h.buffer is not None and not h.busy():  # a cached copy of the replaced record
+                buf, h.buffer, h.verified = h.buffer, None, False
+                self._free_buffer(buf)
+
+    def commit_load(self, bo, st: "StagedRecord", handles: dict) -> None:
+        """The bucket's staged record (already renamed into place by commit_records) is current:
+        in-memory bookkeeping only, cannot fail. handles: {(segment, key): the optimizer's new,
+        empty state tensor} the record's slots belong to."""
         h = self._home(bo)
         self._cache = None
-        master = None
-        if bo.offloads_master and h.layout is not None:
-            try:
-                with self._record(h) as buf:
-                    master = h.layout.view(buf, self._master_slot(h)).clone()
-            except OSError:
-                # A refused record (what this load repairs): the master is taken from the
-                # parameters, as loading a model state dict sets it.
-                master = bo.param_shard().to("cpu", torch.float32, copy=True)
-        self._drain_writes()
         if h.bound:
             self._unbind_state(h)
         self._unbind_master(bo, h)
-        h.dirty = h.verified = False
-        self._release_if_idle(h)
-        h.layout, h.generation, h.handles = None, _NOT_LOADED, {}  # the loaded state replaces it
-        if master is not None:
-            self._point_master(bo, master)
-        self.store(bo)
-        self.end_step()
+        buf, h.buffer = h.buffer, None
+        self._free_buffer(buf)
+        h.dirty = h.verified = h.writing = False
+        self._errors = [e for e in self._errors if e.filename != self.directory.display_path(h.name)]
+        if st.side is None:
+            h.layout, h.generation, h.handles = None, _NOT_LOADED, {}
+            if bo.offloads_master:
+                self._point_master(bo, torch.empty(0, dtype=bo.master.dtype))
+            return
+        if h.io_path is None:
+            h.io_path = self.directory.io_path(h.name)
+            self._by_path[h.io_path] = h.index
+        h.layout, h.generation, h.handles = st.layout, st.generation, handles
+        if bo.offloads_master:
+            self._point_master(bo, torch.empty(0, dtype=bo.master.dtype))  # in the record now
+
+    def discard_load(self, st: "StagedRecord") -> None:
+        if st is not None and st.side is not None:
+            self.directory.remove(st.side)
 
     # -- accounting ---------------------------------------------------------------------------------
 
@@ -399,7 +518,7 @@ class OptimizerSwapper:
             self._writer.sync_pwrite(buf[:h.layout.record_bytes], h.io_path)
         except OSError as e:  # the file may be torn now: the new record stays in memory
             h.buffer, h.dirty = buf, True
-            raise self._named(e, h, "writing", _KEPT) from None
+            raise self._named(e, h, "writing", _KEPT_LOADED) from None
 
     def _raise_errors(self) -> None:
         errors, self._errors = self._errors, []

@@ -35,6 +35,14 @@ from .layout import Bucket
 
 
 @dataclass(frozen=True)
+class StagedBucket:
+    """A bucket's load, prepared (BucketOptimizer.stage_load)."""
+    state_dict: dict              # what the inner optimizer loads at the commit
+    record: object | None         # the offload store's StagedRecord (its side file), or None
+    handles: dict = None          # {(segment, key): the empty state tensor bound to the record}
+
+
+@dataclass(frozen=True)
 class Segment:
     """One parameter's piece of this rank's shard of a bucket: what the inner optimizer steps."""
     entry: int            # index into bucket.entries (its usage flag is usage.flag(bucket, entry))
@@ -68,7 +76,7 @@ class BucketOptimizer:
     @property
     def swapped(self) -> bool:
         """The optimizer state lives in an offload store between steps (read it through
-        segment_state / master_values, replace it through load_segment_states / write_master)."""
+        segment_state / master_values, replace it through stage_load + commit_load / write_master)."""
         return self.store_ is not None
 
     def point_master(self, flat: torch.Tensor) -> None:
@@ -187,17 +195,51 @@ class BucketOptimizer:
         finally:
             self.point_master(torch.empty(0, dtype=copy.dtype))
 
-    def load_segment_states(self, states: list[dict | None], hyperparameters: dict) -> None:
-        """Replace the state of every segment (None or {}: no state) through torch's
-        load_state_dict, which casts loaded tensors the way the optimizer class expects."""
+    # -- loading: stage everything, then commit (nothing changes before every bucket is staged) ----
+
+    def stage_load(self, states: list[dict | None], hyperparameters: dict,
+                   master: torch.Tensor | None = None) -> "StagedBucket | None":
+        """Prepares replacing every segment's state (None or {}: no state) and the group's
+        hyperparameters, as torch's load_state_dict would (it casts loaded tensors the way the
+        optimizer class expects), and changes nothing: the load runs on a scratch optimizer of
+        the same class over the same parameters, and an offload store writes the resulting record
+        to a side file (master: the bucket's new fp32 master where the store holds it; None keeps
+        it). Raises what the optimizer class or the store raises; commit_load applies the result,
+        discard_load drops it."""
         if self.inner is None:
-            return
+            return None
         group = {**{k: v for k, v in hyperparameters.items() if k != "params"},
                  "params": list(range(len(self.segments)))}
-        self.inner.load_state_dict({"state": {i: st for i, st in enumerate(states) if st},
-                                    "param_groups": [group]})
+        loaded = {"state": {i: st for i, st in enumerate(states) if st}, "param_groups": [group]}
+        current = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
+        scratch = type(self.inner)([{**current, "params": [s.master for s in self.segments]}])
+        scratch.load_state_dict(loaded)
+        if self.store_ is None:
+            return StagedBucket(loaded, None)
+        record = self.store_.stage_load(self, scratch.state, master)
+        handles = record.handles()
+        # What commit_load hands the inner optimizer: the scratch's (already cast) state with every
+        # tensor the record holds replaced by its empty handle (torch's load keeps a tensor of the
+        # parameter's dtype and device as it is, so the handles stay the state's objects).
+        state = {}
+        for i, seg in enumerate(self.segments):
+            st = scratch.state.get(seg.master)
+            if st:
+                state[i] = {k: handles.get((i, k), v) for k, v in st.items()}
+        groups = [{**{k: v for k, v in scratch.param_groups[0].items() if k != "params"}, "params": group["params"]}]
+        return StagedBucket({"state": state, "param_groups": groups}, record, handles)
+
+    def commit_load(self, staged: "StagedBucket | None") -> None:
+        """Applies stage_load's result (the store's side file already renamed into place)."""
+        if staged is None:
+            return
+        self.inner.load_state_dict(staged.state_dict)  # validated by stage_load on the same input
         if self.store_ is not None:
-            self.store_.after_load(self)
+            self.store_.commit_load(self, staged.record, staged.handles)
+
+    def discard_load(self, staged: "StagedBucket | None") -> None:
+        if staged is not None and self.store_ is not None:
+            self.store_.discard_load(staged.record)
 
     def state_tensors(self) -> list[torch.Tensor]:
         if self.inner is None:

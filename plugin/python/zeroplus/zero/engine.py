@@ -457,16 +457,33 @@ class ZeroEngine(torch.optim.Optimizer):
         return state.sharded_state_dict(self)
 
     def load_state_dict(self, state_dict) -> None:
-        # torch.optim.Optimizer.load_state_dict's hooks (register_load_state_dict_pre_hook /
-        # _post_hook), which this override would otherwise skip: a pre-hook may return a new dict.
+        """Validates and stages everything (swap records to side files), then changes it; on any
+        error nothing has changed (state.stage_load)."""
+        staged = self.stage_load(state_dict)
+        try:
+            self.commit_load(staged)
+        finally:
+            self.discard_load(staged)
+
+    def stage_load(self, state_dict, streamed=None) -> "state.StagedLoad":
+        """The first half of load_state_dict (also load_checkpoint's, with `streamed` buckets read
+        one at a time): changes nothing. torch.optim.Optimizer.load_state_dict's pre-hooks
+        (register_load_state_dict_pre_hook), which this override would otherwise skip, run here:
+        a pre-hook may return a new dict."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        state.load_state_dict(self, state_dict)
+        return state.stage_load(self, state_dict, streamed)
+
+    def commit_load(self, staged: "state.StagedLoad") -> None:
+        state.commit_load(self, staged)
         self._consolidated = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def discard_load(self, staged: "state.StagedLoad") -> None:
+        state.discard_load(self, staged)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state in plain torch.optim format on group rank `to`; its

@@ -17,6 +17,7 @@ Two formats:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -90,7 +91,34 @@ def _check_groups(opt, state_dict) -> list[dict]:
     return groups
 
 
+@dataclass
+class StagedLoad:
+    """A load of the sharded or plain state, validated and prepared (stage_load): every bucket's
+    new state staged (swap records written to side files), the scaler's state checked."""
+    groups: list[dict]                  # the loaded hyperparameters, per user param group
+    buckets: list = field(default_factory=list)  # per bucket optimizer: its StagedBucket (or None)
+    scaler_state: dict | None = None
+    skipped_steps: int | None = None
+    committed: bool = False
+
+
 def load_state_dict(opt, state_dict) -> None:
+    """Loads `state_dict` into the engine: stage_load, then commit_load; on any error nothing has
+    changed (discard_load removes what was staged)."""
+    staged = stage_load(opt, state_dict)
+    try:
+        commit_load(opt, staged)
+    finally:
+        discard_load(opt, staged)
+
+
+def stage_load(opt, state_dict, streamed=None) -> StagedLoad:
+    """Validates `state_dict` and prepares every change without making one: each bucket's state
+    goes through a scratch optimizer of the user's class (BucketOptimizer.stage_load), swapped
+    buckets' records are written to side files, the loss scaler's state is loaded into a copy.
+    streamed: {bucket index: callable returning (states, master)} for buckets whose state is not in
+    `state_dict` but read one bucket at a time (load_checkpoint: bounded memory). Raises
+    ValueError naming the field (or the store's OSError naming the file), with nothing changed."""
     groups = _check_groups(opt, state_dict)
     meta = state_dict.get("zeroplus")
     if meta is not None:
@@ -121,19 +149,58 @@ def load_state_dict(opt, state_dict) -> None:
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != seg.hi - seg.lo:
                 raise ValueError(f"load_state_dict: state[{i}][{key!r}] has {value.numel()} elements, segment {i} "
                                  f"(bucket {b}) has {seg.hi - seg.lo}")
-    segment_state = copy.deepcopy(segment_state)  # the caller's dict stays theirs
-    for saved, mine in zip(groups, opt.param_groups):  # the loaded hyperparameters
-        for k, v in saved.items():
-            if k != "params":
-                mine[k] = v
-    start = 0
-    for bo in opt.bucket_optimizers:
-        n = len(bo.segments)
-        bo.load_segment_states([segment_state.get(i) for i in range(start, start + n)], opt.param_groups[bo.bucket.group])
-        start += n
+    staged = StagedLoad(groups=[{k: v for k, v in saved.items() if k != "params"} for saved in groups])
     if scaler_state is not None:
-        opt.scaler.load_state_dict(scaler_state)
-        opt.skipped_steps = int(meta.get("skipped_steps", 0))
+        copy.deepcopy(opt.scaler).load_state_dict(scaler_state)  # raises here, not half-way through the commit
+        staged.scaler_state = copy.deepcopy(scaler_state)
+        staged.skipped_steps = int(meta.get("skipped_steps", 0))
+    segment_state = copy.deepcopy(segment_state)  # the caller's dict stays theirs
+    streamed = streamed or {}
+    try:
+        start = 0
+        for b, bo in enumerate(opt.bucket_optimizers):
+            n = len(bo.segments)
+            hyper = {**{k: v for k, v in opt.param_groups[bo.bucket.group].items() if k != "params"},
+                     **staged.groups[bo.bucket.group]}
+            if b in streamed:
+                states, master = streamed[b]()
+            else:
+                states, master = [segment_state.get(i) for i in range(start, start + n)], None
+            staged.buckets.append(bo.stage_load(states, hyper, master))
+            del states, master  # one streamed bucket in memory at a time
+            start += n
+    except BaseException:
+        discard_load(opt, staged)
+        raise
+    return staged
+
+
+def commit_load(opt, staged: StagedLoad) -> None:
+    """Applies a staged load: the swap records' side files are renamed into place first (the one
+    step that can fail, with nothing else changed yet), then hyperparameters, every bucket's
+    state and the loss scaler change in memory."""
+    stores = {}
+    for bo, sb in zip(opt.bucket_optimizers, staged.buckets):
+        if sb is not None and sb.record is not None:
+            stores.setdefault(id(bo.store_), (bo.store_, []))[1].append((bo, sb.record))
+    for store, records in stores.values():
+        store.commit_records(records)
+    staged.committed = True
+    for hyper, mine in zip(staged.groups, opt.param_groups):
+        mine.update(hyper)
+    for bo, sb in zip(opt.bucket_optimizers, staged.buckets):
+        bo.commit_load(sb)
+    if staged.scaler_state is not None:
+        opt.scaler.load_state_dict(staged.scaler_state)
+        opt.skipped_steps = staged.skipped_steps
+
+
+def discard_load(opt, staged: StagedLoad) -> None:
+    """Removes what stage_load wrote and commit_load did not take (a no-op after a commit)."""
+    if staged.committed:
+        return
+    for bo, sb in zip(opt.bucket_optimizers, staged.buckets):
+        bo.discard_load(sb)
 
 
 def _segments_from_v1(opt, flat_state: dict) -> dict:
