@@ -416,7 +416,7 @@ class EngineAdapter(_Base):
         bucket_of = {id(bo): b for b, bo in enumerate(self.opt.bucket_optimizers)}
         streamed = {bucket_of[id(bo)]: (lambda bo=bo, segs=segs: self._streamed(bo, segs, read_streamed))
                     for bo, segs in (self.streamed_buckets() if read_streamed is not None else ())}
-        return self.opt.stage_load(sharded, streamed)
+        return self.opt.stage_load(sharded, streamed, owned=True)  # the reader's tensors: no copy
 
     def commit_optimizer(self, staged) -> None:
         self.opt.commit_load(staged)

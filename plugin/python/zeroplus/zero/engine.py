@@ -465,16 +465,17 @@ class ZeroEngine(torch.optim.Optimizer):
         finally:
             self.discard_load(staged)
 
-    def stage_load(self, state_dict, streamed=None) -> "state.StagedLoad":
+    def stage_load(self, state_dict, streamed=None, owned: bool = False) -> "state.StagedLoad":
         """The first half of load_state_dict (also load_checkpoint's, with `streamed` buckets read
         one at a time): changes nothing. torch.optim.Optimizer.load_state_dict's pre-hooks
         (register_load_state_dict_pre_hook), which this override would otherwise skip, run here:
-        a pre-hook may return a new dict."""
+        a pre-hook may return a new dict. owned=True: the state's tensors were made for this load
+        (load_checkpoint read them) and are taken as they are, not copied."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
-                state_dict = result
-        return state.stage_load(self, state_dict, streamed)
+                state_dict, owned = result, False  # the hook's dict may hold the caller's tensors
+        return state.stage_load(self, state_dict, streamed, owned=owned)
 
     def commit_load(self, staged: "state.StagedLoad") -> None:
         state.commit_load(self, staged)

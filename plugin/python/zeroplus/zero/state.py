@@ -112,12 +112,14 @@ def load_state_dict(opt, state_dict) -> None:
         discard_load(opt, staged)
 
 
-def stage_load(opt, state_dict, streamed=None) -> StagedLoad:
+def stage_load(opt, state_dict, streamed=None, owned: bool = False) -> StagedLoad:
     """Validates `state_dict` and prepares every change without making one: each bucket's state
     goes through a scratch optimizer of the user's class (BucketOptimizer.stage_load), swapped
     buckets' records are written to side files, the loss scaler's state is loaded into a copy.
     streamed: {bucket index: callable returning (states, master)} for buckets whose state is not in
-    `state_dict` but read one bucket at a time (load_checkpoint: bounded memory). Raises
+    `state_dict` but read one bucket at a time (load_checkpoint: bounded memory). owned=True: the
+    tensors of `state_dict` belong to this load (load_checkpoint's reads), so they are not copied
+    (a second pass over every byte of the state). Raises
     ValueError naming the field (or the store's OSError naming the file), with nothing changed."""
     groups = _check_groups(opt, state_dict)
     meta = state_dict.get("zeroplus")
@@ -154,7 +156,8 @@ def stage_load(opt, state_dict, streamed=None) -> StagedLoad:
         copy.deepcopy(opt.scaler).load_state_dict(scaler_state)  # raises here, not half-way through the commit
         staged.scaler_state = copy.deepcopy(scaler_state)
         staged.skipped_steps = int(meta.get("skipped_steps", 0))
-    segment_state = copy.deepcopy(segment_state)  # the caller's dict stays theirs
+    if not owned:
+        segment_state = copy.deepcopy(segment_state)  # the caller's dict stays theirs
     streamed = streamed or {}
     try:
         start = 0
