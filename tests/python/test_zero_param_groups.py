@@ -352,3 +352,54 @@ def test_groups_survive_checkpoint_and_reshard(results, save_stage, load_stage):
     assert all(tuple(g["betas"]) == BETAS for g in res["groups"])
     from checkpoint_helpers import optimizer_state_diffs
     assert optimizer_state_diffs(res["saved_state"], res["loaded_state"]) == []
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=32, n_layer=1, n_head=4, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _gpt2_groups(model):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if p.ndim >= 2 and "wte" not in n], "weight_decay": WD},
+            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+            {"params": [p for n, p in named if "wte" in n], "lr": EMB_LR, "weight_decay": 0.0}]
+
+
+def test_groups_with_tensor_parallel(one_rank_group):
+    """tensor_parallel=mesh replaces the model's Parameters with DTensor ones: the instance's groups
+    (and a scheduler built on it before initialize) must follow them (a (1, 1) mesh: one process).
+    Before: the engine stepped the replaced Parameters and the model never moved."""
+    import copy
+
+    import zeroplus
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    ref = _tiny_gpt2()
+    model = copy.deepcopy(ref)
+    # SGD: Adam would amplify c_attn's key bias's gradient, rounding noise around an exact zero
+    # (softmax ignores it), into full-size steps of either sign.
+    ref_opt = torch.optim.SGD(_gpt2_groups(ref), lr=LR, momentum=0.9)
+    opt = torch.optim.SGD(_gpt2_groups(model), lr=LR, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, _warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)  # on the original, before initialize
+    model, opt = zeroplus.initialize(model, opt, stage=1, tensor_parallel=mesh)
+    assert any(isinstance(p, DTensor) for p in model.parameters())
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        for m, o, s in ((model, opt, sched), (ref, ref_opt, ref_sched)):
+            m(ids, labels=ids).loss.backward()
+            o.step()
+            s.step()
+            o.zero_grad()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    diffs = {n: ((p.full_tensor() if isinstance(p, DTensor) else p) - q).abs().max().item()
+             for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+    moved = {n: (q - p0).abs().max().item() for (n, q), p0 in zip(ref.named_parameters(), _tiny_gpt2().parameters())}
+    assert max(diffs.values()) <= 1e-5, sorted(((d, n, moved[n]) for n, d in diffs.items()), reverse=True)[:4]

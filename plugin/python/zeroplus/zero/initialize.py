@@ -83,10 +83,11 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
                                           _data_parallel_size(process_group, tensor_parallel))
     ds = ds_config.prepare(config, auto)
     settings = config_mod.resolve(src.optimizer_class, stage, mixed_precision, ds.engine, optimizer_defaults)
-    param_groups.check_instance_settings(src, settings.optimizer_defaults, "optimizer" in ds.engine)
+    param_groups.check_instance_settings(src, settings.optimizer_defaults, "optimizer" in ds.engine,
+                                         tensor_parallel is not None)
     _check_model(model)
     if src.params is not None:
-        param_groups.check_membership(model, src.params)
+        src.params = param_groups.check_membership(model, src.params)
     plan = None
     if tensor_parallel is not None:
         if settings.stage == 3:
@@ -104,7 +105,10 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
                            "dist.init_process_group(backend='zeroplus') (or gloo/nccl) first")
 
     if plan is not None:  # every argument is checked: parallelise (parameters become DTensors)
+        names = None if src.params is None else param_groups.parameter_names(model, src.params)
         plan.apply(model, tensor_parallel["tp"])
+        if names is not None:  # the groups name the model's new (DTensor) Parameters
+            param_groups.rebind_to_model(model, src.params, names)
     engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
     opt = engine(model.parameters() if src.params is None else src.params, settings.optimizer_class,
                  options=settings.options, process_group=process_group, module=model,

@@ -90,11 +90,15 @@ def source(optimizer, params) -> Source:
     return Source(optimizer, params)
 
 
-def check_instance_settings(src: Source, leftover: dict, has_config_optimizer: bool) -> None:
+def check_instance_settings(src: Source, leftover: dict, has_config_optimizer: bool, tensor_parallel: bool) -> None:
     """With an instance, hyperparameters come from it alone: keyword hyperparameters or a config
     optimizer block would silently lose to (or override) the instance's groups."""
     if src.instance is None:
         return
+    if tensor_parallel and any(src.instance.state.values()):
+        raise ValueError("zeroplus.initialize: the optimizer already has state (it stepped or loaded a state dict) and "
+                         "tensor_parallel replaces the model's parameters; pass a fresh optimizer and load the state "
+                         "into the returned one (opt.load_state_dict or zeroplus.load_checkpoint)")
     if has_config_optimizer:
         raise ValueError("zeroplus.initialize: config['optimizer'] and an optimizer instance both give the optimizer; "
                          "drop one (the instance's param groups carry its hyperparameters)")
@@ -103,18 +107,44 @@ def check_instance_settings(src: Source, leftover: dict, has_config_optimizer: b
                          f"instance's param groups (or pass the optimizer class with these keywords)")
 
 
-def check_membership(model: torch.nn.Module, groups) -> None:
+def check_membership(model: torch.nn.Module, groups) -> list:
     """Every parameter in the groups belongs to `model` (the engine flattens and hooks the
-    model's parameters; a stranger would be stepped but never reduced or gathered)."""
+    model's parameters; a stranger would be stepped but never reduced or gathered). Returns the
+    groups with every dict group's params a list (a generator is read once, here)."""
     in_model = {id(p) for p in model.parameters()}
+    out = []
     for gi, g in enumerate(groups):
-        members = g["params"] if isinstance(g, dict) else [g]
-        if isinstance(members, torch.Tensor):
-            members = [members]
+        if isinstance(g, dict):
+            members = g["params"]
+            members = [members] if isinstance(members, torch.Tensor) else list(members)
+            g["params"] = members
+        else:
+            members = [g]
+        out.append(g)
         for p in members:
             if isinstance(p, torch.Tensor) and id(p) not in in_model:
                 raise ValueError(f"zeroplus.initialize: param group {gi} has a parameter of shape {tuple(p.shape)} "
                                  f"that is not a parameter of model")
+    return out
+
+
+def parameter_names(model: torch.nn.Module, groups) -> list:
+    """The groups as parameter names (per dict group, or per bare parameter), so that
+    rebind_to_model can find them again after tensor parallelism replaced the Parameters."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [[name_of[id(p)] for p in g["params"]] if isinstance(g, dict) else name_of[id(g)] for g in groups]
+
+
+def rebind_to_model(model: torch.nn.Module, groups: list, names: list) -> None:
+    """After torch's parallelize_module replaced the model's Parameters with DTensor ones: every
+    group names the model's new Parameters again (dict groups in place: with an optimizer
+    instance they are its groups, so LR schedulers built on it keep working)."""
+    named = dict(model.named_parameters())
+    for i, (g, n) in enumerate(zip(groups, names)):
+        if isinstance(g, dict):
+            g["params"] = [named[x] for x in n]
+        else:
+            groups[i] = named[n]
 
 
 class _Retired:
