@@ -79,6 +79,14 @@ def _warmup(s):
     return min(1.0, (s + 1) / WARMUP)
 
 
+def _backward(opt, loss):
+    """loss.backward(); fp16 at zeroplus: opt.backward(loss) (it carries the dynamic loss scale)."""
+    if getattr(opt, "mixed_precision", None) == "fp16":
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
 # -- the two lines the lead switches to torch's calls once branch torchlines is merged ----------
 
 def _clip(model, opt):
@@ -130,7 +138,7 @@ def _script(rank, wrap, *, optimizer="instance", scheduler_first=False, pre_step
         for step in range(STEPS):
             x, y = _batch(step, rank)
             loss = nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
-            loss.backward()
+            _backward(opt, loss)
             norms.append(_clip(model, opt))
             opt.step()
             sched.step()
@@ -157,9 +165,14 @@ def _ddp(group):
     return wrap
 
 
-def _zero(group, stage, precision, **extra):
+def _zero(group, stage, precision, offload_dir=None):
     import zeroplus
-    kwargs = dict(stage=stage, mixed_precision=precision, process_group=group, **extra)
+    kwargs = dict(stage=stage, mixed_precision=precision, process_group=group)
+    if offload_dir is not None:  # optimizer state (and at stage 3 the parameters) on NVMe files
+        nvme = {"device": "nvme", "nvme_path": offload_dir, "buffer_count": 4}
+        kwargs["offload_optimizer"] = dict(nvme)
+        if stage == 3:
+            kwargs["offload_param"] = dict(nvme)
     if stage == 3:
         kwargs["param_persistence_threshold"] = 0
 
@@ -179,8 +192,11 @@ def _case_reference(rank, group, **script):
     return _summary(_script(rank, _ddp(group), **script))
 
 
-def _case_swap(rank, group, stage, precision, **script):
-    return _summary(_script(rank, _zero(group, stage, precision), **script))
+def _case_swap(rank, group, stage, precision, offload_dir=None, **script):
+    if offload_dir is not None:
+        offload_dir = os.path.join(offload_dir, f"nvme{stage}_{rank}")
+        os.makedirs(offload_dir, exist_ok=True)
+    return _summary(_script(rank, _zero(group, stage, precision, offload_dir), **script))
 
 
 def _case_original_retired(rank, group, stage):
@@ -253,6 +269,9 @@ def _cases(directory):
                                                               scheduler_first=True)
         cases[("pre_step", stage)] = functools.partial(_case_swap, stage=stage, precision=None, pre_step=True)
         cases[("retired", stage)] = functools.partial(_case_original_retired, stage=stage)
+    for stage, precision in ((2, "fp16"), (3, "fp16"), (2, None), (3, "bf16")):
+        cases[("offload", stage, precision)] = functools.partial(_case_swap, stage=stage, precision=precision,
+                                                                 offload_dir=directory)
     cases[("zero_redundancy", 2)] = _case_zero_redundancy_groups
     for save_stage, load_stage in ((3, 1), (1, 3), (2, 2)):
         cases[("checkpoint", save_stage, load_stage)] = functools.partial(
@@ -313,6 +332,19 @@ def test_one_line_swap_trains_like_ddp(results, case):
         assert res["sharded"] == (sorted(_FULL) if case[1] == 3 else []), res["sharded"]
     # the groups really differ: decay vs no decay vs the embedding's lr
     assert refs[0]["lrs"][-1] == [LR, LR, EMB_LR]
+
+
+OFFLOADS = [("offload", 2, "fp16"), ("offload", 3, "fp16"), ("offload", 2, None), ("offload", 3, "bf16")]
+
+
+@pytest.mark.parametrize("case", OFFLOADS, ids=lambda c: f"stage{c[1]}-{c[2] or 'fp32'}-nvme")
+def test_groups_with_fp16_and_offload(results, case):
+    """fp16 (dynamic loss scaling, opt.backward) and NVMe offload of optimizer state (and
+    parameters at stage 3) with the script's groups: like DDP, to the precision's tolerance."""
+    refs = _ok(results, ("reference",))
+    for rank, res in enumerate(_ok(results, case)):
+        _assert_like_reference(res, refs[rank], case[2], case)
+        assert res["sharded"] == (sorted(_FULL) if case[1] == 3 else []), res["sharded"]
 
 
 @pytest.mark.parametrize("kind,ref_key", [("shorthand", ("reference",)), ("left_out", ("reference", "left_out")),
