@@ -7,6 +7,7 @@
   * Lightning: configure_optimizers returning torch AdamW with two groups and a torch LambdaLR
     (before: refused) through Trainer(strategy="zeroplus_stage_2") (a registered name): the same
     losses, weights and per-group lrs as DDPStrategy.
+  * accelerate: prepare(accelerator, model, opt) with the user's optimizer instance and its groups.
   * A ds_config's train_batch_size is checked against micro x accumulation x data-parallel size
     at zeroplus.initialize (before: never, the world size was unknown there).
   * The integrations' backend warning: once, and only when the default group is not zeroplus.
@@ -134,6 +135,27 @@ def _lightning_cases(tmp, out):
         out[f"zeroplus_stage_{stage}"] = fit(f"zeroplus_stage_{stage}")
 
 
+def _accelerate_cases(out):
+    """prepare(accelerator, model, opt_instance, stage=2): the instance's groups are the engine's."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    import integration_common as ic
+    import zeroplus
+    from zeroplus.integrations import accelerate as zp_accelerate
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=True)
+    model = ic.tiny_gpt2(0)
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": WD},
+                             {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": LR / 2}], lr=LR)
+    expected = _group_names(model, opt)
+    model, wrapped = zp_accelerate.prepare(accelerator, model, opt, stage=2)
+    engine = zeroplus.integrations.unwrap_optimizer(wrapped)
+    out["accelerate_groups"] = (_group_names(model, engine), expected, [g["lr"] for g in engine.param_groups])
+
+
 def _batch_size_cases(out):
     import zeroplus
 
@@ -157,7 +179,8 @@ def _all_cases(rank, world_size, tmp):
     # Each section's error is recorded (its tests fail with it), so one section's failure does not
     # hide the others' results (every rank raises the same way here: nothing is left half-run).
     for section, run in (("batch", lambda: _batch_size_cases(out)), ("transformers", lambda: _transformers_cases(tmp, out)),
-                         ("lightning", lambda: _lightning_cases(tmp, out))):
+                         ("lightning", lambda: _lightning_cases(tmp, out)),
+                         ("accelerate", lambda: _accelerate_cases(out))):
         try:
             run()
         except Exception:  # noqa: BLE001 - reported by the section's tests
@@ -226,3 +249,9 @@ def test_backend_warning_once_off_zeroplus():
     messages = run_pooled(_gloo_warning, 2, backend="gloo", timeout=120)
     for got in messages:
         assert len(got) == 1 and "'gloo'" in got[0] and "init_process_group(backend='zeroplus')" in got[0]
+
+
+def test_accelerate_prepare_takes_the_optimizer_instance(results):
+    for out in _section(results, "accelerate"):
+        got, expected, lrs = out["accelerate_groups"]
+        assert got == expected and lrs == [LR, LR / 2]
