@@ -435,3 +435,37 @@ def test_groups_with_tensor_parallel(one_rank_group):
              for (n, p), q in zip(model.named_parameters(), ref.parameters())}
     moved = {n: (q - p0).abs().max().item() for (n, q), p0 in zip(ref.named_parameters(), _tiny_gpt2().parameters())}
     assert max(diffs.values()) <= 1e-5, sorted(((d, n, moved[n]) for n, d in diffs.items()), reverse=True)[:4]
+
+
+def test_refusals_name_the_argument_and_change_nothing(one_rank_group):
+    """Every refused combination raises ValueError/TypeError naming what to do; the model and the
+    user's optimizer are untouched (the optimizer still steps as plain torch)."""
+    import zeroplus
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(_groups(model), lr=LR)
+    stranger = nn.Parameter(torch.zeros(3))
+    cases = [
+        (lambda: zeroplus.initialize(model, opt, stage=2, lr=0.5), ValueError, r"\['lr'\] given beside an optimizer instance"),
+        (lambda: zeroplus.initialize(model, opt, stage=2, params=_groups(model)), ValueError, "params= is for an optimizer class"),
+        (lambda: zeroplus.initialize(model, opt, stage=2, config={"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}),
+         ValueError, r"config\['optimizer'\] and an optimizer instance"),
+        (lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=1, lr=LR, params=[{"params": [stranger]}]),
+         ValueError, "param group 0 has a parameter of shape \\(3,\\) that is not a parameter of model"),
+        (lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=1, lr=LR, params={"params": []}),
+         TypeError, "params must be an iterable"),
+        (lambda: zeroplus.initialize(model, torch.optim.AdamW, stage=1, lr=LR, params=[]), ValueError, "params is empty"),
+        (lambda: zeroplus.ZeroRedundancyOptimizer(_groups(model), torch.optim.AdamW, stage=3, lr=LR), ValueError,
+         r"stage=3 needs the model .* zeroplus.initialize\(model, opt, stage=3\)"),
+    ]
+    for call, kind, match in cases:
+        with pytest.raises(kind, match=match):
+            call()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert not any(getattr(p, "_zeroplus_managed", False) for p in model.parameters())
+    x, y = _batch(0, 0)
+    nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    opt.step()  # not retired: still the user's torch optimizer
+    assert not torch.equal(model.state_dict()["head.weight"], before["head.weight"])
