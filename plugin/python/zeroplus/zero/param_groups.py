@@ -122,6 +122,7 @@ def check_membership(model: torch.nn.Module, groups) -> list:
             members = [g]
         out.append(g)
         for p in members:
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # (name, parameter), as torch.optim takes
             if isinstance(p, torch.Tensor) and id(p) not in in_model:
                 raise ValueError(f"zeroplus.initialize: param group {gi} has a parameter of shape {tuple(p.shape)} "
                                  f"that is not a parameter of model")
@@ -132,7 +133,10 @@ def parameter_names(model: torch.nn.Module, groups) -> list:
     """The groups as parameter names (per dict group, or per bare parameter), so that
     rebind_to_model can find them again after tensor parallelism replaced the Parameters."""
     name_of = {id(p): n for n, p in model.named_parameters()}
-    return [[name_of[id(p)] for p in g["params"]] if isinstance(g, dict) else name_of[id(g)] for g in groups]
+
+    def name(item):  # a parameter, or a (name, parameter) pair as torch.optim also takes
+        return name_of[id(item[1] if isinstance(item, tuple) else item)]
+    return [[name(p) for p in g["params"]] if isinstance(g, dict) else name(g) for g in groups]
 
 
 def rebind_to_model(model: torch.nn.Module, groups: list, names: list) -> None:
