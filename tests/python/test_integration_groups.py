@@ -178,7 +178,8 @@ def _all_cases(rank, world_size, tmp):
     out = {}
     # Each section's error is recorded (its tests fail with it), so one section's failure does not
     # hide the others' results (every rank raises the same way here: nothing is left half-run).
-    for section, run in (("batch", lambda: _batch_size_cases(out)), ("transformers", lambda: _transformers_cases(tmp, out)),
+    for section, run in (("batch", lambda: _batch_size_cases(out)),
+                         ("transformers", lambda: _transformers_cases(tmp, out)),
                          ("lightning", lambda: _lightning_cases(tmp, out)),
                          ("accelerate", lambda: _accelerate_cases(out))):
         try:

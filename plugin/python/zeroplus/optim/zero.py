@@ -68,9 +68,9 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         engine's Stage1Optimizer (process_group: the data-parallel group; docs/tensor_parallel.md)."""
         if stage == 3 and not isinstance(stage, bool):
             # Stage 3 shards the parameters, so it needs the model's forward hooks.
-            raise ValueError("ZeroRedundancyOptimizer: stage=3 needs the model (parameters are gathered in its forward): "
-                             "use model, opt = zeroplus.initialize(model, opt, stage=3) with your optimizer (its param "
-                             "groups are taken over)")
+            raise ValueError("ZeroRedundancyOptimizer: stage=3 needs the model (parameters are gathered in its "
+                             "forward): use model, opt = zeroplus.initialize(model, opt, stage=3) with your optimizer "
+                             "(its param groups are taken over)")
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
         params, tensor_parallel = _with_dtensor(params)

@@ -7,9 +7,10 @@ Every stage is the flat-bucket engine: Stage1Optimizer (gradients all-reduced an
 Stage2Optimizer (gradients reduce-scattered) and Stage3Optimizer (parameters sharded too), so every
 stage and precision follows the same rules (DDP + the torch optimizer: a parameter no rank gave a
 gradient is not stepped). torch's ZeroRedundancyOptimizer interface for a user's own DDP model is
-zeroplus.ZeroRedundancyOptimizer. Which optimizer, which param groups and which hyperparameters
-(a torch optimizer instance taken over, or a class with params= groups): param_groups.py. Arguments and the DeepSpeed-style config are merged by
-ds_config.prepare and config.resolve; every check runs before anything is changed.
+zeroplus.ZeroRedundancyOptimizer. Which optimizer, param groups and hyperparameters (a torch
+optimizer instance taken over, or a class with params= groups): param_groups.py. Arguments and the
+DeepSpeed-style config are merged by ds_config.prepare and config.resolve; every check runs before
+anything is changed.
 """
 
 from __future__ import annotations
