@@ -116,13 +116,15 @@ def _lightning_cases(tmp, out):
     import integration_common as ic
     import zeroplus.integrations.lightning  # noqa: F401  (registers the strategy names)
 
-    def fit(strategy):
-        model = _lightning_module(0)
+    def fit(strategy, epochs=2, save=None, ckpt=None, seed=0):
+        model = _lightning_module(seed)
         loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ic.TokenDataset(), range(8)), batch_size=2)
-        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2, logger=False,
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=tmp)
-        trainer.fit(model, loader)
+        trainer.fit(model, loader, ckpt_path=ckpt)
+        if save:
+            trainer.save_checkpoint(save)
         full = trainer.strategy.optimizers[0]
         weights = ({k: v.float() for k, v in zeroplus.full_state_dict(model, rank0_only=False).items()}
                    if getattr(full, "stage", None) == 3 else
@@ -133,6 +135,10 @@ def _lightning_cases(tmp, out):
     out["ddp"] = fit(DDPStrategy(process_group_backend="zeroplus"))
     for stage in (2, 3):
         out[f"zeroplus_stage_{stage}"] = fit(f"zeroplus_stage_{stage}")
+    # Stage 3 saved after epoch 1 and resumed from other weights: the groups' lrs and the
+    # scheduler continue where they were (the scheduler's state travels in Lightning's file).
+    fit("zeroplus_stage_3", epochs=1, save=f"{tmp}/groups.ckpt")
+    out["resumed"] = fit("zeroplus_stage_3", ckpt=f"{tmp}/groups.ckpt", seed=5)
 
 
 def _accelerate_cases(out):
@@ -256,3 +262,14 @@ def test_accelerate_prepare_takes_the_optimizer_instance(results):
     for out in _section(results, "accelerate"):
         got, expected, lrs = out["accelerate_groups"]
         assert got == expected and lrs == [LR, LR / 2]
+
+
+def test_lightning_groups_and_scheduler_resume(results):
+    for out in _section(results, "lightning"):
+        losses, lrs, weights, _, _ = out["zeroplus_stage_3"]
+        r_losses, r_lrs, r_weights, _, _ = out["resumed"]
+        steps = len(r_losses)
+        assert 0 < steps < len(losses)
+        assert r_lrs == lrs[-steps:]
+        assert r_losses == pytest.approx(losses[-steps:], rel=1e-5)
+        assert max((r_weights[k] - v).abs().max().item() for k, v in weights.items()) <= 1e-5
