@@ -146,7 +146,11 @@ def _script(rank, wrap, *, optimizer="instance", scheduler_first=False, pre_step
             losses.append(loss.item())
             lrs.append([g["lr"] for g in opt.param_groups])
     sched_warnings = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
-    return {"losses": losses, "norms": norms, "lrs": lrs, "weights": _saved_weights(model), "sharded": sharded,
+    # The left-out parameter's .grad: DDP averages it over ranks (opt.zero_grad leaves it: it
+    # accumulates over the steps under both).
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    left_grad = module.up.weight.grad.detach().float().clone() if left_out else None
+    return {"left_out_grad": left_grad, "losses": losses, "norms": norms, "lrs": lrs, "weights": _saved_weights(model), "sharded": sharded,
             "sched_warnings": sched_warnings, "original": original, "opt": opt, "model": model}
 
 
@@ -184,7 +188,7 @@ def _zero(group, stage, precision, offload_dir=None):
 
 
 def _summary(run):
-    return {k: run[k] for k in ("losses", "norms", "lrs", "weights", "sharded", "sched_warnings")}
+    return {k: run[k] for k in ("losses", "norms", "lrs", "weights", "sharded", "sched_warnings", "left_out_grad")}
 
 
 def _case_reference(rank, group, **script):
@@ -363,6 +367,9 @@ def test_groups_variants_train_like_ddp(results, kind, ref_key, stage):
         assert res["sched_warnings"] == [], res["sched_warnings"]
     if kind == "left_out":  # not in any group: not stepped (under DDP as under zeroplus)
         assert torch.equal(refs[0]["weights"]["up.weight"], _INITIAL["up.weight"])
+        for rank, res in enumerate(_ok(results, (kind, stage))):  # its .grad: DDP's average
+            want = refs[rank]["left_out_grad"]
+            assert (res["left_out_grad"] - want).abs().max().item() <= 1e-6 * max(1.0, want.abs().max().item())
 
 
 @pytest.mark.parametrize("stage", STAGES)
