@@ -25,6 +25,7 @@ Every case runs in ONE 2-rank launch (module fixture), each in its own process g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -112,7 +113,7 @@ def _saved_weights(model):
 
 # -- the script ---------------------------------------------------------------------------------
 
-def _script(rank, wrap, *, optimizer="instance", scheduler_first=False, pre_step=False, left_out=False):
+def _script(rank, wrap, *, optimizer="instance", scheduler_first=False, pre_step=False, left_out=False, accumulate=1):
     """The fine-tuning script; `wrap(model, opt)` is its one changed line. Returns what it saw."""
     torch.manual_seed(0)
     model = TinyLM()
@@ -136,9 +137,11 @@ def _script(rank, wrap, *, optimizer="instance", scheduler_first=False, pre_step
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
-            x, y = _batch(step, rank)
-            loss = nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
-            _backward(opt, loss)
+            for micro in range(accumulate):  # the first accumulate-1 micro-batches under model.no_sync()
+                x, y = _batch(step + 50 * micro, rank)
+                with model.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+                    _backward(opt, loss / accumulate)
             norms.append(_clip(model, opt))
             opt.step()
             sched.step()
@@ -262,12 +265,15 @@ def _case_checkpoint(rank, group, save_stage, load_stage, directory):
 def _cases(directory):
     cases = {("reference",): functools.partial(_case_reference),
              ("reference", "pre_step"): functools.partial(_case_reference, pre_step=True),
-             ("reference", "left_out"): functools.partial(_case_reference, left_out=True)}
+             ("reference", "left_out"): functools.partial(_case_reference, left_out=True),
+             ("reference", "left_out_accumulate"): functools.partial(_case_reference, left_out=True, accumulate=2)}
     for stage in STAGES:
         for precision in PRECISIONS:
             cases[("swap", stage, precision)] = functools.partial(_case_swap, stage=stage, precision=precision)
         cases[("shorthand", stage)] = functools.partial(_case_swap, stage=stage, precision=None, optimizer="groups")
         cases[("left_out", stage)] = functools.partial(_case_swap, stage=stage, precision=None, left_out=True)
+        cases[("left_out_accumulate", stage)] = functools.partial(_case_swap, stage=stage, precision=None,
+                                                                  left_out=True, accumulate=2)
         cases[("scheduler_first", stage)] = functools.partial(_case_swap, stage=stage, precision=None,
                                                               scheduler_first=True)
         cases[("pre_step", stage)] = functools.partial(_case_swap, stage=stage, precision=None, pre_step=True)
@@ -358,14 +364,15 @@ def test_groups_with_fp16_and_offload(results, case):
 
 @pytest.mark.parametrize("kind,ref_key", [("shorthand", ("reference",)), ("left_out", ("reference", "left_out")),
                                           ("scheduler_first", ("reference",)),
-                                          ("pre_step", ("reference", "pre_step"))])
+                                          ("pre_step", ("reference", "pre_step")),
+                                          ("left_out_accumulate", ("reference", "left_out_accumulate"))])
 @pytest.mark.parametrize("stage", STAGES)
 def test_groups_variants_train_like_ddp(results, kind, ref_key, stage):
     refs = _ok(results, ref_key)
     for rank, res in enumerate(_ok(results, (kind, stage))):
         _assert_like_reference(res, refs[rank], None, (kind, stage))
         assert res["sched_warnings"] == [], res["sched_warnings"]
-    if kind == "left_out":  # not in any group: not stepped (under DDP as under zeroplus)
+    if kind.startswith("left_out"):  # not in any group: not stepped (under DDP as under zeroplus)
         assert torch.equal(refs[0]["weights"]["up.weight"], _INITIAL["up.weight"])
         for rank, res in enumerate(_ok(results, (kind, stage))):  # its .grad: DDP's average
             want = refs[rank]["left_out_grad"]
