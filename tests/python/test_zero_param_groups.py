@@ -225,13 +225,16 @@ def _case_original_retired(rank, group, stage):
     return raised
 
 
-def _case_zero_redundancy_groups(rank, group):
-    """ZeroRedundancyOptimizer(groups, stage=2) over the same script's groups (no DDP wrap)."""
+def _case_zero_redundancy_groups(rank, group, stage):
+    """ZeroRedundancyOptimizer(groups, stage=1|2) over the same script's groups: stage 1 is torch's
+    class beside the DDP wrap, stage 2 the engine without one."""
     import zeroplus
 
     def wrap(model, opt):
+        if stage == 1:
+            model = nn.parallel.DistributedDataParallel(model, process_group=group)
         return model, zeroplus.ZeroRedundancyOptimizer(opt.param_groups, torch.optim.AdamW, process_group=group,
-                                                       stage=2, lr=LR, betas=BETAS, weight_decay=WD)
+                                                       stage=stage, lr=LR, betas=BETAS, weight_decay=WD)
     return _summary(_script(rank, wrap))
 
 
@@ -281,7 +284,8 @@ def _cases(directory):
     for stage, precision in ((2, "fp16"), (3, "fp16"), (2, None), (3, "bf16")):
         cases[("offload", stage, precision)] = functools.partial(_case_swap, stage=stage, precision=precision,
                                                                  offload_dir=directory)
-    cases[("zero_redundancy", 2)] = _case_zero_redundancy_groups
+    for stage in (1, 2):
+        cases[("zero_redundancy", stage)] = functools.partial(_case_zero_redundancy_groups, stage=stage)
     for save_stage, load_stage in ((3, 1), (1, 3), (2, 2)):
         cases[("checkpoint", save_stage, load_stage)] = functools.partial(
             _case_checkpoint, save_stage=save_stage, load_stage=load_stage, directory=directory)
@@ -388,10 +392,11 @@ def test_original_optimizer_is_retired(results, stage):
         assert engine_says is not None and "pass every group up front" in engine_says
 
 
-def test_zero_redundancy_optimizer_groups_stage2(results):
+@pytest.mark.parametrize("stage", (1, 2))
+def test_zero_redundancy_optimizer_groups(results, stage):
     refs = _ok(results, ("reference",))
-    for rank, res in enumerate(_ok(results, ("zero_redundancy", 2))):
-        _assert_like_reference(res, refs[rank], None, "zero_redundancy")
+    for rank, res in enumerate(_ok(results, ("zero_redundancy", stage))):
+        _assert_like_reference(res, refs[rank], None, ("zero_redundancy", stage))
 
 
 @pytest.mark.parametrize("save_stage,load_stage", [(3, 1), (1, 3), (2, 2)])
