@@ -168,8 +168,9 @@ class _Retired:
 
 
 def retire(instance: torch.optim.Optimizer, engine) -> None:
-    """After the engine is built over instance.param_groups: move its state in, then make the
-X
+    """After the engine is built over instance.param_groups: move its state in (the plain
+    torch.optim format: each rank keeps its own slices, no communication), then make the
+    instance's methods raise (see the module doc)."""
     if any(instance.state.values()):
         engine.load_state_dict(instance.state_dict())
         instance.state.clear()  # now the engine's (sharded); a full copy here would undo ZeRO's saving
