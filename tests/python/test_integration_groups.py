@@ -4,6 +4,8 @@
     decay on get_decay_parameter_names, none on biases and norms): the same groups as
     Trainer.create_optimizer, and with weight_decay=0.1 the same losses and weights as the stock
     Trainer under DDP (before: one group, weight decay on every parameter).
+  * ZeroPlusTrainer(optimizers=(opt, sched)) with the user's own grouped AdamW and LambdaLR at stage
+    3: the stock Trainer's losses, weights and lrs (before: refused).
   * Lightning: configure_optimizers returning torch AdamW with two groups and a torch LambdaLR
     (before: refused) through Trainer(strategy="zeroplus_stage_2") (a registered name): the same
     losses, weights and per-group lrs as DDPStrategy.
@@ -75,6 +77,41 @@ def _transformers_cases(tmp, out):
     out["stock_losses"], out["zp_losses"] = losses(stock), losses(zp)
     out["weight_diff"] = max((a.detach() - b.detach()).abs().max().item()
                              for a, b in zip(stock_model.parameters(), model.parameters()))
+
+
+def _transformers_own_optimizer_cases(tmp, out):
+    """The user's own optimizer and scheduler: optimizers=(opt, sched), stock Trainer (DDP) against
+    ZeroPlusTrainer stage 3 (before: refused)."""
+    from transformers import Trainer
+
+    import integration_common as ic
+    import zeroplus
+    from zeroplus.integrations.transformers import ZeroPlusTrainer
+
+    data = ic.TokenDataset(16)
+    losses = lambda tr: [h["loss"] for h in tr.state.log_history if "loss" in h]  # noqa: E731
+
+    def user_optimizers(m):
+        named = list(m.named_parameters())
+        opt = torch.optim.AdamW([{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": WD},
+                                 {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": LR / 2}],
+                                lr=LR, betas=(0.9, 0.95))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+
+    stock_model = ic.tiny_gpt2(0)
+    stock = Trainer(model=stock_model, args=_trainer_args(f"{tmp}/stock_own"), train_dataset=data,
+                    optimizers=user_optimizers(stock_model))
+    stock.train()
+    model = ic.tiny_gpt2(0)
+    zp = ZeroPlusTrainer(model=model, args=_trainer_args(f"{tmp}/zp_own"), train_dataset=data, stage=3,
+                         optimizers=user_optimizers(model))
+    zp.train()
+    full = zeroplus.full_state_dict(model, rank0_only=False)
+    out["own_losses"] = (losses(stock), losses(zp))
+    out["own_lrs"] = ([g["lr"] for g in stock.optimizer.param_groups],
+                      [g["lr"] for g in zeroplus.integrations.unwrap_optimizer(zp.optimizer).param_groups])
+    out["own_weight_diff"] = max((v.detach().float() - full[k].float()).abs().max().item()
+                                 for k, v in stock_model.state_dict().items() if k in full)
 
 
 def _lightning_module(seed):
@@ -186,6 +223,7 @@ def _all_cases(rank, world_size, tmp):
     # hide the others' results (every rank raises the same way here: nothing is left half-run).
     for section, run in (("batch", lambda: _batch_size_cases(out)),
                          ("transformers", lambda: _transformers_cases(tmp, out)),
+                         ("transformers_own", lambda: _transformers_own_optimizer_cases(tmp, out)),
                          ("lightning", lambda: _lightning_cases(tmp, out)),
                          ("accelerate", lambda: _accelerate_cases(out))):
         try:
@@ -273,3 +311,11 @@ def test_lightning_groups_and_scheduler_resume(results):
         assert r_lrs == lrs[-steps:]
         assert r_losses == pytest.approx(losses[-steps:], rel=1e-5)
         assert max((r_weights[k] - v).abs().max().item() for k, v in weights.items()) <= 1e-5
+
+
+def test_trainer_takes_the_users_optimizer_and_scheduler(results):
+    for out in _section(results, "transformers_own"):
+        stock, mine = out["own_losses"]
+        assert len(mine) == len(stock) > 0 and mine == pytest.approx(stock, rel=1e-5)
+        assert out["own_lrs"][0] == out["own_lrs"][1] and out["own_lrs"][0] == [LR, LR / 2]
+        assert out["own_weight_diff"] <= 1e-5

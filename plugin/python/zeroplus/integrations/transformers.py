@@ -10,7 +10,9 @@ ZeroPlusTrainer is transformers.Trainer with the optimizer built by zeroplus.ini
   * the optimizer class, hyperparameters and param groups are the stock Trainer's own (`optim`,
     `learning_rate`, `adam_*`; `weight_decay` on the parameters get_decay_parameter_names names,
     none on biases and norms) unless the config has an `optimizer` block (then its hyperparameters
-    apply to every parameter, as HF's DeepSpeed path does);
+    apply to every parameter, as HF's DeepSpeed path does); `optimizers=(opt, scheduler)` gives
+    your own torch optimizer instead (taken over by zeroplus.initialize: class, groups,
+    hyperparameters; the scheduler built on it keeps working);
   * `bf16=True` -> mixed_precision="bf16"; `fp16=True` -> mixed_precision="fp16" with the engine's
     dynamic loss scaling (DeepSpeed's policy; the Trainer's loss.backward() carries the scale,
     a step skipped on overflow does not step the LR scheduler); `max_grad_norm` -> the engine's global-norm
@@ -104,9 +106,18 @@ class ZeroPlusTrainer(Trainer):
     or config's zero_optimization.stage) and `config` (a DeepSpeed-style dict or JSON path)."""
 
     def __init__(self, *args, stage: int | None = None, config=None, **kwargs):
-        if kwargs.get("optimizers", (None, None))[0] is not None:
-            raise ValueError("ZeroPlusTrainer: optimizers= is not taken (zeroplus.initialize builds the optimizer); "
-                             "use the stock Trainer with zeroplus.ZeroRedundancyOptimizer for your own optimizer")
+        user_optimizer, user_scheduler = kwargs.pop("optimizers", (None, None))
+        if user_optimizer is not None and not isinstance(user_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ZeroPlusTrainer: optimizers[0] must be a torch.optim.Optimizer, got "
+                            f"{type(user_optimizer).__name__}")
+        if user_scheduler is not None and user_optimizer is None:
+            raise ValueError("ZeroPlusTrainer: optimizers=(None, scheduler): a scheduler needs the optimizer it was built "
+                             "on; pass optimizers=(optimizer, scheduler)")
+        # The user's optimizer is taken over by zeroplus.initialize in create_optimizer (its class,
+        # groups and hyperparameters); the scheduler stays the Trainer's, built on it (it writes
+        # the groups the engine steps with).
+        self._zp_user_optimizer = user_optimizer
+        kwargs["optimizers"] = (None, user_scheduler)
         if isinstance(stage, bool) or stage not in (None, 1, 2, 3):
             raise ValueError(f"ZeroPlusTrainer: stage must be 1, 2 or 3, got {stage!r}")
         raw = copy.deepcopy(load_config(config))
@@ -131,8 +142,8 @@ class ZeroPlusTrainer(Trainer):
         ds = ds_config.prepare(self._zp_config, auto_values(self.args, model))
         warn_if_not_zeroplus("ZeroPlusTrainer")
         kwargs = {}
-        opt_class, groups = None, None
-        if "optimizer" not in ds.engine:
+        opt_class, groups = self._zp_user_optimizer, None
+        if opt_class is None and "optimizer" not in ds.engine:
             opt_class, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
             kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_HYPERPARAMETERS}
             groups = self._zp_param_groups(model)
