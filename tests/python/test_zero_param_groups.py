@@ -524,3 +524,28 @@ def test_named_parameter_groups(one_rank_group):
         mine = _saved_weights(model)
         worst = max((mine[k] - v).abs().max().item() for k, v in ref.state_dict().items())
         assert worst <= 1e-6, (stage, form, worst)
+
+
+@pytest.mark.parametrize("flag", ["foreach", "fused"])
+def test_foreach_and_fused_flags_are_taken(one_rank_group, flag):
+    """An instance built with foreach=True or fused=True: its groups carry the flag; the engine
+    runs (zeroplus's fused kernel for AdamW) and steps as torch's AdamW does (one rank, two steps)."""
+    import copy
+
+    import zeroplus
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=LR, betas=BETAS)
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW(_groups(model), lr=LR, betas=BETAS, **{flag: True}),
+                                     stage=2)
+    assert all(g[flag] is True for g in opt.param_groups)
+    for step in range(2):
+        x, y = _batch(step, 0)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            nn.functional.cross_entropy(m(x).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+    worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    assert worst <= 1e-6, worst
