@@ -13,6 +13,10 @@ save/load (public API).
 
 from __future__ import annotations
 
+import warnings
+
+_warned_backend = False
+
 
 def unwrap_optimizer(opt):
     """The zeroplus optimizer inside a framework's wrapper (accelerate's AcceleratedOptimizer,
@@ -33,3 +37,21 @@ def consolidate_for_save(opt) -> None:
         inner.consolidate_state_dict(to=None)
     elif hasattr(inner, "consolidate_state_dict"):
         inner.consolidate_state_dict(to=0)
+
+
+def warn_if_not_zeroplus(where: str) -> None:
+    """One UserWarning per process when the default process group is not on backend "zeroplus"
+    (a script that forgot dist.init_process_group("zeroplus") before the framework made its own
+    group trains on gloo or nccl without a word otherwise)."""
+    global _warned_backend
+    import torch.distributed as dist
+
+    if _warned_backend or not dist.is_initialized():
+        return
+    backend = str(dist.get_backend())
+    if "zeroplus" in backend:
+        return
+    _warned_backend = True
+    warnings.warn(f"{where}: the default process group runs on backend {backend!r}, not 'zeroplus'; call "
+                  f"dist.init_process_group(backend='zeroplus') before the framework creates its group "
+                  f"(TrainingArguments, Accelerator, Lightning's Trainer)", UserWarning, stacklevel=3)

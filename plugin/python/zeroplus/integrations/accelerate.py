@@ -36,7 +36,7 @@ import weakref
 from accelerate.optimizer import AcceleratedOptimizer
 
 from .. import zero as _zero
-from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer
+from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer, warn_if_not_zeroplus
 
 _REFERENCE_KEY = "zeroplus_checkpoint"
 
@@ -137,10 +137,12 @@ def consolidate_on_save(optimizer):
 
 
 def prepare(accelerator, model, optimizer_class=None, *, stage=None, config=None, **kwargs):
-    """(model, optimizer) for `accelerator`: zeroplus.initialize's arguments, no DDP wrap; see
+    """(model, optimizer) for `accelerator`: zeroplus.initialize's arguments (optimizer_class may be
+    the user's own torch optimizer instance, its groups taken over), no DDP wrap; see
     the module docstring. `mixed_precision` defaults to the accelerator's bf16; fp16 goes through
     zeroplus's own loss scaler (Accelerator(mixed_precision="no"), mixed_precision="fp16" here and
     opt.backward(loss)), since accelerator.backward would scale with accelerate's GradScaler."""
+    warn_if_not_zeroplus("zeroplus.integrations.accelerate.prepare")
     if accelerator.mixed_precision == "fp16":
         raise ValueError("zeroplus.integrations.accelerate.prepare: Accelerator(mixed_precision='fp16') scales the "
                          "loss with accelerate's GradScaler, which the ZeRO engine does not see; use "

@@ -4,9 +4,9 @@
     trainer = L.Trainer(strategy=ZeroPlusStrategy(stage=3), accelerator="cpu", devices=2, precision="bf16-mixed")
 
 A DDPStrategy whose process group backend is "zeroplus" and whose model is not wrapped in DDP:
-the optimizer `configure_optimizers` returns (one optimizer, one param group over the module's
-trainable parameters) is rebuilt by zeroplus.initialize with the same class and hyperparameters,
-at the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16,
+the optimizer `configure_optimizers` returns (one optimizer; any param groups, which may leave
+parameters out) is taken over by zeroplus.initialize (its class, groups and hyperparameters) at
+the chosen stage, with Lightning's precision mapped ("bf16-mixed"/"bf16-true" -> bf16,
 "16-mixed"/"16-true" -> fp16 with the engine's dynamic loss scaling through its backward; on CPU
 Lightning itself turns "16-mixed" into "bf16-mixed") and
 `gradient_clip_val` mapped to the engine's global-norm clipping (Lightning's own clip sees no
@@ -14,8 +14,10 @@ local gradients and does nothing). Gradient accumulation uses the module's no_sy
 zeroplus installs. A DeepSpeed-style `config` may give the optimizer instead (then
 configure_optimizers may return None) and a `scheduler` block, stepped by opt.step().
 
-LR schedulers returned by configure_optimizers are bound to the optimizer they were built on, so
-they cannot follow it to the rebuilt one: that case raises (use the config's scheduler block).
+LR schedulers returned by configure_optimizers (torch's, built on that optimizer) work: the
+engine's param_groups are the optimizer's own group dicts, which the scheduler writes.
+Strategy names "zeroplus_stage_1", "zeroplus_stage_2", "zeroplus_stage_3" are registered when
+this module is imported (`Trainer(strategy="zeroplus_stage_3")`).
 Checkpoints (every stage), as Lightning's DeepSpeedStrategy does them: a checkpoint path is a
 directory holding `zeroplus/` (zeroplus.save_checkpoint: each rank's shards of the weights and
 optimizer state) and `lightning_state.pt` (Lightning's checkpoint dict without "state_dict" and
@@ -28,7 +30,6 @@ Loading outside fit (validate/test/predict with ckpt_path) raises: no optimizer 
 
 from __future__ import annotations
 
-import inspect
 import os
 from contextlib import contextmanager
 
@@ -37,9 +38,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from .. import zero as _zero
-from . import checkpoint_dir
+from . import checkpoint_dir, warn_if_not_zeroplus
 
-_NOT_HYPERPARAMETERS = ("params", "initial_lr", "fused", "foreach", "capturable", "differentiable")
 _STATE_FILE = "lightning_state.pt"
 _PRECISIONS = {"32-true": None, "32": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
                "16-true": "fp16"}
@@ -86,25 +86,14 @@ class ZeroPlusStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer) -> None:
         super().setup_optimizers(trainer)
-        if self.lr_scheduler_configs:
-            raise ValueError("ZeroPlusStrategy: configure_optimizers returned an LR scheduler, which stays bound to "
-                             "the optimizer it was built on; give it as config['scheduler'] (WarmupLR, WarmupDecayLR, "
-                             "WarmupCosineLR), stepped by opt.step()")
+        warn_if_not_zeroplus("ZeroPlusStrategy")
         if len(self.optimizers) > 1:
             raise ValueError(f"ZeroPlusStrategy: one optimizer is supported, configure_optimizers returned "
                              f"{len(self.optimizers)}")
-        optimizer_class, kwargs = None, {}
-        if self.optimizers:
-            user = self.optimizers[0]
-            if len(user.param_groups) != 1:
-                raise ValueError(f"ZeroPlusStrategy: the optimizer must have one param group over the module's "
-                                 f"parameters, got {len(user.param_groups)}")
-            optimizer_class = type(user)
-            # The group's hyperparameters that the constructor takes (a group also carries
-            # derived keys, e.g. AdamW's decoupled_weight_decay).
-            accepted = inspect.signature(optimizer_class.__init__).parameters
-            kwargs = {k: v for k, v in user.param_groups[0].items()
-                      if k in accepted and k not in _NOT_HYPERPARAMETERS}
+        # The user's optimizer itself: zeroplus.initialize takes over its class, param groups and
+        # hyperparameters; the engine's param_groups are its group dicts, so the LR schedulers
+        # configure_optimizers built on it keep stepping the groups the engine uses.
+        user = self.optimizers[0] if self.optimizers else None
         precision = str(self.precision_plugin.precision)
         if precision not in _PRECISIONS:
             raise ValueError(f"ZeroPlusStrategy: precision={precision!r} is not supported (one of "
@@ -121,8 +110,8 @@ class ZeroPlusStrategy(DDPStrategy):
             # "16-mixed" on CUDA comes with torch's GradScaler, which would scale the loss a second
             # time and check p.grad (freed at stages 2-3); the engine's loss scaler replaces it.
             self.precision_plugin.scaler = None
-        _, engine = _zero.initialize(self.lightning_module, optimizer_class, stage=self.stage, mixed_precision=mixed,
-                                     config=config, **kwargs)
+        _, engine = _zero.initialize(self.lightning_module, user, stage=self.stage, mixed_precision=mixed,
+                                     config=config)
         self.optimizers = [engine]
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
@@ -193,3 +182,15 @@ class ZeroPlusStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint) -> None:
         pass  # likewise
 
+
+
+def _register_strategy_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for stage in (1, 2, 3):
+        name = f"zeroplus_stage_{stage}"
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, ZeroPlusStrategy, description=f"zeroplus ZeRO stage {stage}", stage=stage)
+
+
+_register_strategy_names()

@@ -7,9 +7,12 @@ ZeroPlusTrainer is transformers.Trainer with the optimizer built by zeroplus.ini
   * no DistributedDataParallel wrap at any stage (the engine reduces gradients itself; the model
     is marked prepared for accelerate through its public `prepare_model(evaluation_mode=True)`,
     which still applies accelerate's autocast);
-  * the optimizer class and hyperparameters are the Trainer's own (`optim`, `learning_rate`,
-    `adam_*`, `weight_decay`, applied to every parameter as HF's DeepSpeed path does for a config
-    optimizer) unless the config has an `optimizer` block;
+  * the optimizer class, hyperparameters and param groups are the stock Trainer's own (`optim`,
+    `learning_rate`, `adam_*`; `weight_decay` on the parameters get_decay_parameter_names names,
+    none on biases and norms) unless the config has an `optimizer` block (then its hyperparameters
+    apply to every parameter, as HF's DeepSpeed path does); `optimizers=(opt, scheduler)` gives
+    your own torch optimizer instead (taken over by zeroplus.initialize: class, groups,
+    hyperparameters; the scheduler built on it keeps working);
   * `bf16=True` -> mixed_precision="bf16"; `fp16=True` -> mixed_precision="fp16" with the engine's
     dynamic loss scaling (DeepSpeed's policy; the Trainer's loss.backward() carries the scale,
     a step skipped on overflow does not step the LR scheduler); `max_grad_norm` -> the engine's global-norm
@@ -43,7 +46,7 @@ from transformers import Trainer, TrainerCallback
 from .. import zero as _zero
 from ..zero import ds_config
 from ..zero.config import load_config
-from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer
+from . import checkpoint_dir, consolidate_for_save, unwrap_optimizer, warn_if_not_zeroplus
 from .accelerate import ZeroPlusOptimizer
 
 _NOT_HYPERPARAMETERS = ("fused", "foreach", "capturable", "differentiable")
@@ -103,9 +106,18 @@ class ZeroPlusTrainer(Trainer):
     or config's zero_optimization.stage) and `config` (a DeepSpeed-style dict or JSON path)."""
 
     def __init__(self, *args, stage: int | None = None, config=None, **kwargs):
-        if kwargs.get("optimizers", (None, None))[0] is not None:
-            raise ValueError("ZeroPlusTrainer: optimizers= is not taken (zeroplus.initialize builds the optimizer); "
-                             "use the stock Trainer with zeroplus.ZeroRedundancyOptimizer for your own optimizer")
+        user_optimizer, user_scheduler = kwargs.pop("optimizers", (None, None))
+        if user_optimizer is not None and not isinstance(user_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ZeroPlusTrainer: optimizers[0] must be a torch.optim.Optimizer, got "
+                            f"{type(user_optimizer).__name__}")
+        if user_scheduler is not None and user_optimizer is None:
+            raise ValueError("ZeroPlusTrainer: optimizers=(None, scheduler): a scheduler needs the optimizer it was built "
+                             "on; pass optimizers=(optimizer, scheduler)")
+        # The user's optimizer is taken over by zeroplus.initialize in create_optimizer (its class,
+        # groups and hyperparameters); the scheduler stays the Trainer's, built on it (it writes
+        # the groups the engine steps with).
+        self._zp_user_optimizer = user_optimizer
+        kwargs["optimizers"] = (None, user_scheduler)
         if isinstance(stage, bool) or stage not in (None, 1, 2, 3):
             raise ValueError(f"ZeroPlusTrainer: stage must be 1, 2 or 3, got {stage!r}")
         raw = copy.deepcopy(load_config(config))
@@ -128,17 +140,18 @@ class ZeroPlusTrainer(Trainer):
             return self.optimizer
         model = self.model if model is None else model
         ds = ds_config.prepare(self._zp_config, auto_values(self.args, model))
+        warn_if_not_zeroplus("ZeroPlusTrainer")
         kwargs = {}
-        opt_class = None
-        if "optimizer" not in ds.engine:
+        opt_class, groups = self._zp_user_optimizer, None
+        if opt_class is None and "optimizer" not in ds.engine:
             opt_class, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
             kwargs = {k: v for k, v in kwargs.items() if k not in _NOT_HYPERPARAMETERS}
-            kwargs["weight_decay"] = self.args.weight_decay
+            groups = self._zp_param_groups(model)
         precision = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else None
         if ds.engine.get("bf16", {}).get("enabled") or ds.engine.get("fp16", {}).get("enabled"):
             precision = None  # the config says it (and was checked against TrainingArguments)
         _, engine = _zero.initialize(model, opt_class, stage=self._zp_stage, mixed_precision=precision,
-                                     config=ds.engine, **kwargs)
+                                     config=ds.engine, params=groups, **kwargs)
         self.zeroplus_stage = engine.stage
         # accelerate's wrapper that reports an fp16 step the engine skipped (overflow), so that the
         # Trainer does not step its LR scheduler for it (DeepSpeed's engine does not either).
@@ -154,6 +167,15 @@ class ZeroPlusTrainer(Trainer):
         self.model = self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
         self.model_wrapped = self.model
         return self.optimizer
+
+    def _zp_param_groups(self, model) -> list[dict]:
+        """The stock Trainer's groups (Trainer.create_optimizer): weight decay on the parameters
+        get_decay_parameter_names names, none on biases and norms; empty groups left out."""
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in trainable if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is not None or self._zp_scheduler_block is None:

@@ -66,6 +66,11 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
         offload_optimizer (ENGINE_KEYWORDS; refused by name at stage 1, where torch's class runs).
         Tensor-parallel params (DTensors, torch.distributed.tensor.parallel) at stage 1 give the
         engine's Stage1Optimizer (process_group: the data-parallel group; docs/tensor_parallel.md)."""
+        if stage == 3 and not isinstance(stage, bool):
+            # Stage 3 shards the parameters, so it needs the model's forward hooks.
+            raise ValueError("ZeroRedundancyOptimizer: stage=3 needs the model (parameters are gathered in its "
+                             "forward): use model, opt = zeroplus.initialize(model, opt, stage=3) with your optimizer "
+                             "(its param groups are taken over)")
         if isinstance(stage, bool) or stage not in (1, 2):
             raise ValueError(f"ZeroRedundancyOptimizer: stage must be 1 or 2, got {stage!r}")
         params, tensor_parallel = _with_dtensor(params)

@@ -298,6 +298,21 @@ def _fill_auto(cfg: dict, a: AutoValues) -> None:
                          + " (set them to \"auto\")")
 
 
+def _check_batch(micro, accum, total, world) -> None:
+    """train_batch_size = micro batch x accumulation x data-parallel size, DeepSpeed's rule; a
+    missing one of micro/accumulation is derived as DeepSpeed derives it, so it must divide."""
+    if total is None or world is None or (micro is None and accum is None):
+        return
+    if micro is not None and accum is not None:
+        ok = total == micro * accum * world
+    else:
+        ok = total % ((micro or accum) * world) == 0
+    if not ok:
+        shown = lambda v: "(derived)" if v is None else v  # noqa: E731
+        raise ValueError(f"zeroplus: config['train_batch_size']={total} != train_micro_batch_size_per_gpu "
+                         f"{shown(micro)} x gradient_accumulation_steps {shown(accum)} x data-parallel size {world}")
+
+
 def prepare(config, auto: AutoValues | None = None) -> DsConfig:
     """Check, warn about and resolve a DeepSpeed-style config (dict, JSON path or None)."""
     raw = load_config(config)
@@ -322,10 +337,7 @@ def prepare(config, auto: AutoValues | None = None) -> DsConfig:
             loop[key] = int(value)
     micro, accum, total = (loop.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                                    "train_batch_size"))
-    world = (auto or AutoValues()).world_size
-    if None not in (micro, accum, total, world) and total != micro * accum * world:
-        raise ValueError(f"zeroplus.initialize: config['train_batch_size']={total} != train_micro_batch_size_per_gpu "
-                         f"{micro} x gradient_accumulation_steps {accum} x world size {world}")
+    _check_batch(micro, accum, total, (auto or AutoValues()).world_size)
     scheduler = cfg.pop("scheduler", None)
     if scheduler is not None:
         scheduler = {"type": scheduler["type"],
@@ -338,14 +350,15 @@ def prepare(config, auto: AutoValues | None = None) -> DsConfig:
                     train_micro_batch_size_per_gpu=micro, train_batch_size=total, ignored=tuple(ignored))
 
 
-def auto_from_initialize(model, mixed_precision, optimizer_defaults: dict) -> AutoValues:
-    """zeroplus.initialize's own arguments as the source of "auto" values."""
+def auto_from_initialize(model, mixed_precision, optimizer_defaults: dict, world_size: int | None = None) -> AutoValues:
+    """zeroplus.initialize's own arguments as the source of "auto" values; world_size: the
+    data-parallel size (None when not known yet), against which train_batch_size is checked."""
     config = getattr(model, "config", None)
     hidden = getattr(config, "hidden_size", None)
     return AutoValues(lr=optimizer_defaults.get("lr"), betas=optimizer_defaults.get("betas"),
                       eps=optimizer_defaults.get("eps"), weight_decay=optimizer_defaults.get("weight_decay"),
                       fp16=mixed_precision == "fp16", bf16=mixed_precision == "bf16",
-                      hidden_size=hidden if isinstance(hidden, int) else None)
+                      hidden_size=hidden if isinstance(hidden, int) else None, world_size=world_size)
 
 
 def attach(opt, ds: DsConfig) -> None:

@@ -10,6 +10,7 @@ ZeroEngine is composed of one owner per concern; the stage classes (stages.py) o
     loss_scaler.py       fp16 dynamic loss scaling (DeepSpeed rules)
     clipping.py          global norm across shards
     usage.py             which parameters had a gradient (agreed at step)
+    unoptimized_grads.py trainable parameters in no param group: gradients averaged as under DDP
     bucket_optimizer.py  one bucket's step over its segments (fetch -> step -> store)
     state.py             sharded and consolidated (plain torch.optim) state dicts
     this file            construction order, the step (unscale, clip, the bucket loop), zero_grad
@@ -43,6 +44,7 @@ from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
 from .loss_scaler import DynamicLossScaler, LossScalerOptions, StaticLossScaler
 from .memory import optimizer_bytes
+from .unoptimized_grads import UnoptimizedGrads
 from .policies import EngineOptions
 
 _UNSUPPORTED_OPTIONS = ("differentiable",)  # masters are not part of an autograd graph
@@ -182,6 +184,13 @@ class ZeroEngine(torch.optim.Optimizer):
         """Set-up after the reducer exists: the placement's part (stage 3: the parameter
         gatherer), then the model's load hooks."""
         self.placement.attach()
+        # Trainable parameters in no group: never stepped, their gradients averaged as DDP does
+        # (attached last: it only reads .grad at the end of the backward).
+        left_out = UnoptimizedGrads.left_out(self.module, self.param_groups)
+        if left_out:
+            shapes = {id(e.param): e.shape for b in self.placement.frozen_buckets for e in b.entries}
+            self.backward_pass.attach(UnoptimizedGrads(left_out, shapes, self.reducer, self.process_group,
+                                                       self.world_size), left_out)
         if self.module is not None:
             full_state.install_load_hooks(self)
             # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.

@@ -1,13 +1,16 @@
 """zeroplus.initialize: the one entry point for ZeRO stages 1, 2 and 3.
 
-    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=3e-4, mixed_precision="bf16")
+    model, opt = zeroplus.initialize(model, opt, stage=2, mixed_precision="bf16")   # opt: the user's torch optimizer
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=2, lr=3e-4)     # or a class (params= groups)
 
 Every stage is the flat-bucket engine: Stage1Optimizer (gradients all-reduced and kept whole),
 Stage2Optimizer (gradients reduce-scattered) and Stage3Optimizer (parameters sharded too), so every
 stage and precision follows the same rules (DDP + the torch optimizer: a parameter no rank gave a
 gradient is not stepped). torch's ZeroRedundancyOptimizer interface for a user's own DDP model is
-zeroplus.ZeroRedundancyOptimizer. Arguments and the DeepSpeed-style config are merged by
-ds_config.prepare and config.resolve; every check runs before anything is changed.
+zeroplus.ZeroRedundancyOptimizer. Which optimizer, param groups and hyperparameters (a torch
+optimizer instance taken over, or a class with params= groups): param_groups.py. Arguments and the
+DeepSpeed-style config are merged by ds_config.prepare and config.resolve; every check runs before
+anything is changed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..tensor_parallel import auto_plan
 
 from . import config as config_mod
 from . import deferred, dtensor_params
-from . import ds_config
+from . import ds_config, param_groups
 from .stages import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 
 
@@ -58,12 +61,34 @@ def _tensor_parallel(tensor_parallel, process_group, model):
     return auto_plan(model, tensor_parallel["tp"].size()), tensor_parallel["dp"].get_group()
 
 
+def _data_parallel_size(process_group, tensor_parallel) -> int | None:
+    """The data-parallel world size when it is known already (train_batch_size is checked against it)."""
+    if not dist.is_initialized():
+        return None
+    if isinstance(tensor_parallel, DeviceMesh) and "dp" in (tensor_parallel.mesh_dim_names or ()):
+        return tensor_parallel["dp"].size()
+    try:
+        return dist.get_world_size(process_group)
+    except (TypeError, ValueError, RuntimeError):
+        return None  # a bad process_group: the engine names it
+
+
 def initialize(model, optimizer_class=None, *, stage=None, process_group=None, mixed_precision=None, config=None,
-               tensor_parallel=None, **optimizer_defaults):
-    """Returns (model, optimizer). See docs/zero.md; tensor_parallel: docs/tensor_parallel.md."""
-    ds = ds_config.prepare(config, ds_config.auto_from_initialize(model, mixed_precision, optimizer_defaults))
-    settings = config_mod.resolve(optimizer_class, stage, mixed_precision, ds.engine, optimizer_defaults)
+               tensor_parallel=None, params=None, **optimizer_defaults):
+    """Returns (model, optimizer). optimizer_class: the user's torch optimizer instance (its class,
+    param groups, hyperparameters and state are taken over), a torch.optim.Optimizer subclass (with
+    params= groups, default model.parameters(), and keyword hyperparameters) or None (the config's).
+    See docs/zero.md; tensor_parallel: docs/tensor_parallel.md."""
+    src = param_groups.source(optimizer_class, params)
+    auto = ds_config.auto_from_initialize(model, mixed_precision, src.defaults or optimizer_defaults,
+                                          _data_parallel_size(process_group, tensor_parallel))
+    ds = ds_config.prepare(config, auto)
+    settings = config_mod.resolve(src.optimizer_class, stage, mixed_precision, ds.engine, optimizer_defaults)
+    param_groups.check_instance_settings(src, settings.optimizer_defaults, "optimizer" in ds.engine,
+                                         tensor_parallel is not None)
     _check_model(model)
+    if src.params is not None:
+        src.params = param_groups.check_membership(model, src.params)
     plan = None
     if tensor_parallel is not None:
         if settings.stage == 3:
@@ -81,10 +106,16 @@ def initialize(model, optimizer_class=None, *, stage=None, process_group=None, m
                            "dist.init_process_group(backend='zeroplus') (or gloo/nccl) first")
 
     if plan is not None:  # every argument is checked: parallelise (parameters become DTensors)
+        names = None if src.params is None else param_groups.parameter_names(model, src.params)
         plan.apply(model, tensor_parallel["tp"])
+        if names is not None:  # the groups name the model's new (DTensor) Parameters
+            param_groups.rebind_to_model(model, src.params, names)
     engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[settings.stage]
-    opt = engine(model.parameters(), settings.optimizer_class, options=settings.options, process_group=process_group,
-                 module=model, **settings.optimizer_defaults)
+    opt = engine(model.parameters() if src.params is None else src.params, settings.optimizer_class,
+                 options=settings.options, process_group=process_group, module=model,
+                 **(src.defaults if src.instance is not None else settings.optimizer_defaults))
+    if src.instance is not None:
+        param_groups.retire(src.instance, opt)
     ds_config.attach(opt, ds)  # the config's scheduler as opt.lr_scheduler, stepped by opt.step()
     return model, opt
 
