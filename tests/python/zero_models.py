@@ -141,3 +141,39 @@ class InitGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class TensorCensus:
+    """Bytes of the CPU tensor storages created since this census began, counted over every tensor
+    Python's collector can reach: a measurement of what a rank holds that does not go through the
+    engine's own accounting (memory_report). The tensors alive at the start are held until the
+    census is dropped, so no new storage can reuse one of their addresses."""
+
+    def __init__(self):
+        self._before = self._live()
+
+    @staticmethod
+    def _live() -> dict[int, torch.Tensor]:
+        import gc
+
+        gc.collect()
+        out = {}
+        tensor = torch.Tensor
+        for o in gc.get_objects():
+            # type(), not isinstance(): the latter reads __class__, which some lazy modules compute
+            if issubclass(type(o), tensor) and o.device.type == "cpu" and not o.is_meta:
+                s = o.untyped_storage()
+                if s.nbytes():
+                    out[s.data_ptr()] = o
+        return out
+
+    def new_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for ptr, t in self._live().items() if ptr not in self._before)
+
+
+def held_bytes(model, report) -> int:
+    """What memory_report says this rank holds in tensors: model state, pooled and in-flight
+    buffers, parameters gathered right now, and the model's buffers (not model state)."""
+    buffers = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
+    return (report["model_state"] + report["pooled_buffers"] + report["communication_buffers"]
+            + report.get("gathered_parameters", 0) + sum(buffers.values()))
