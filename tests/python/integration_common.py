@@ -53,6 +53,10 @@ SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 SHARD_SOME = {"zero_optimization": {"stage3_param_persistence_threshold": 100}}
 
 
+# Parameter parity (distance relative to how far the reference moved) lives in zero_models.py:
+# params_of, full_masters, parity, assert_parity.
+
+
 def sharded_counts(model, engine) -> tuple[int, int]:
     """(parameters in the stage-3 engine's non-persistent buckets, parameters of model): see
     SHARD_ALL. The kind of bucket a checkpoint loads into, also at world size 1; whether a rank
@@ -60,51 +64,6 @@ def sharded_counts(model, engine) -> tuple[int, int]:
     from checkpoint_models import sharded_names
 
     return len(sharded_names(model, engine)), len(list(model.parameters()))
-
-
-def params_of(model) -> dict[str, torch.Tensor]:
-    """A plain (or DDP-wrapped) model's parameters by name, fp32 copies."""
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
-
-
-def full_masters(model, opt) -> dict[str, torch.Tensor]:
-    """The engine's fp32 master parameters, full, by `model`'s parameter names (on every rank: a
-    collective). With mixed precision the model's own parameters are rounded to bf16/fp16, which
-    alone differs from an fp32 reference by about as much as a few steps move it; the masters are
-    what the optimizer computed."""
-    import torch.distributed as dist
-
-    from sharding import engine_of
-
-    engine = engine_of(opt)
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    out = {}
-    for b, master in zip(engine.buckets, engine.masters):
-        full = torch.empty(b.numel, dtype=torch.float32, device=master.device)
-        dist.all_gather_into_tensor(full, master.detach().float().contiguous(), group=engine.process_group)
-        for e in b.entries:
-            out[name_of[id(e.param)]] = full[e.offset:e.offset + e.numel].view(e.shape).cpu().clone()
-    return out
-
-
-def parity(ours: dict, ref: dict, start: dict) -> tuple[float, float]:
-    """(how far `ours` is from `ref`, how far `ref` moved from `start`): L2 norms over every
-    parameter of `ref` (fp32). A parity test asserts distance <= rel * moved with rel < 1, so that
-    an engine that did not step (distance == moved) or stepped the wrong way fails."""
-    dist2 = moved2 = 0.0
-    for k, v in ref.items():
-        dist2 += (ours[k].float() - v.float()).pow(2).sum().item()
-        moved2 += (v.float() - start[k].float()).pow(2).sum().item()
-    return dist2 ** 0.5, moved2 ** 0.5
-
-
-def assert_parity(ours: dict, ref: dict, start: dict, rel: float, what="") -> float:
-    """distance(ours, ref) <= rel * (how far ref moved), and ref moved (more than that tolerance,
-    and measurably in fp32); returns distance / moved."""
-    distance, moved = parity(ours, ref, start)
-    assert moved > 1e-4, f"{what}: the reference moved {moved:.3g}: the comparison cannot fail"
-    assert distance <= rel * moved, f"{what}: {distance:.4g} from the reference, which moved {moved:.4g} (rel {rel})"
-    return distance / moved
 
 
 def parameter_store_bytes(opt) -> tuple[int, int, int]:

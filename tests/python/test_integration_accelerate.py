@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import integration_common as ic
+import zero_models as zm
 from harness import run_pooled
 from sharding import assert_sharded
 
@@ -74,7 +75,7 @@ def _all_cases(rank, world_size, tmp):
     ref_model, ref_opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
     out["ddp"] = _loop(accelerator, ref_model, ref_opt, _loader(accelerator), STEPS)
     # Parity is checked on the parameters (fp32 masters) relative to how far DDP moved them.
-    out["start"], out["ddp_params"] = ic.params_of(ic.tiny_gpt2()), ic.params_of(ref_model.module)
+    out["start"], out["ddp_params"] = zm.params_of(ic.tiny_gpt2()), zm.params_of(ref_model.module)
 
     # Stock: accelerator.prepare (DDP) with zeroplus.ZeroRedundancyOptimizer; save after 2 steps.
     accelerator = Accelerator(cpu=True)
@@ -110,7 +111,7 @@ def _all_cases(rank, world_size, tmp):
         out[f"zp{stage}_files"] = sorted(os.listdir(f"{tmp}/zp{stage}"))
         out[f"zp{stage}_optimizer_file"] = torch.load(f"{tmp}/zp{stage}/optimizer.bin", weights_only=True)
         out[f"zp{stage}"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
-        out[f"zp{stage}_params"] = ic.full_masters(model, opt)
+        out[f"zp{stage}_params"] = zm.full_masters(model, opt)
         if stage == 3:  # sharded while training, not only in its checkpoint
             out["zp3_run_sharded"] = len(assert_sharded(model, opt))
         accelerator = Accelerator(cpu=True)
@@ -178,7 +179,7 @@ def _all_cases(rank, world_size, tmp):
                                        weight_decay=0.0, mixed_precision="fp16")
     out["fp16"] = _loop(accelerator, model, opt, _loader(accelerator), STEPS, backward=opt.backward)
     out["fp16_engine"] = (opt.optimizer.mixed_precision, opt.optimizer.loss_scale, opt.optimizer.skipped_steps)
-    out["fp16_params"] = ic.full_masters(model, opt)
+    out["fp16_params"] = zm.full_masters(model, opt)
     try:  # accelerate's optimizer file of a zeroplus save, loaded without load_state's hook
         opt.load_state_dict(torch.load(f"{tmp}/zp2/optimizer.bin", weights_only=True))
     except ValueError as e:
@@ -237,7 +238,7 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
         for stage in (1, 2, 3):
             assert not r[f"zp{stage}_ddp"]
             assert r[f"zp{stage}"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-5), (rank, stage)
-            ic.assert_parity(r[f"zp{stage}_params"], r["ddp_params"], r["start"], 1e-3, f"rank {rank} stage {stage}")
+            zm.assert_parity(r[f"zp{stage}_params"], r["ddp_params"], r["start"], 1e-3, f"rank {rank} stage {stage}")
         for stage in (1, 2, 3):
             # accelerate's own files beside zeroplus/; no model weights file (zeroplus holds
             # them), the optimizer file only a reference.
@@ -255,7 +256,7 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
             files, on_disk, shards = r[key]
             assert files > 0 and shards > 0 and on_disk >= shards, (rank, key, r[key])
         assert r["fp16_engine"] == ("fp16", 2.0 ** 16, 0) and len(r["fp16"]) == STEPS, rank
-        ic.assert_parity(r["fp16_params"], r["ddp_params"], r["start"], FP16_REL, f"rank {rank} fp16")
+        zm.assert_parity(r["fp16_params"], r["ddp_params"], r["start"], FP16_REL, f"rank {rank} fp16")
         assert "accelerator.load_state" in r["reference_error"]
         assert "mixed_precision='fp16'" in r["fp16_refused"] and "opt.backward" in r["fp16_refused"]
         assert "load_state" in r["wrong_state_error"] and "zeroplus" in r["wrong_state_error"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import integration_common as ic
+import zero_models as zm
 from harness import run_pooled
 from sharding import assert_sharded
 
@@ -94,9 +95,9 @@ def _all_cases(rank, world_size, tmp):
     # Every stage-3 run shards every parameter (tiny_gpt2's are below the default persistence
     # threshold) and asserts it on this rank; parity is checked on the parameters (fp32 masters),
     # relative to how far DDP moved them.
-    out["start"] = {f"net.{k}": v for k, v in ic.params_of(ic.tiny_gpt2(0)).items()}
+    out["start"] = {f"net.{k}": v for k, v in zm.params_of(ic.tiny_gpt2(0)).items()}
     ref, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp, record_norms=True)
-    out["ddp"], out["ddp_norms"], out["ddp_params"] = ref.losses, ref.grad_norms, ic.params_of(ref)
+    out["ddp"], out["ddp_norms"], out["ddp_params"] = ref.losses, ref.grad_norms, zm.params_of(ref)
     ref_clip, _ = _fit(DDPStrategy(process_group_backend="zeroplus"), tmp, clip=0.5)
     out["ddp_clip"] = ref_clip.losses
     for stage in (1, 2, 3):
@@ -104,7 +105,7 @@ def _all_cases(rank, world_size, tmp):
         m, trainer = _fit(ZeroPlusStrategy(stage=stage, config=shard), tmp)
         out[f"zp{stage}"] = m.losses
         out[f"zp{stage}_type"] = type(trainer.strategy.model).__name__
-        out[f"zp{stage}_params"] = ic.full_masters(m, trainer.strategy.optimizers[0])
+        out[f"zp{stage}_params"] = zm.full_masters(m, trainer.strategy.optimizers[0])
         if stage == 3:
             out["zp3_run_sharded"] = len(assert_sharded(m, trainer.strategy.optimizers[0]))
         m, trainer = _fit(ZeroPlusStrategy(stage=stage, config=shard), tmp, clip=0.5)
@@ -117,7 +118,7 @@ def _all_cases(rank, world_size, tmp):
     out["zp_accum"] = [p.detach().clone() for p in m.parameters()]
     m, trainer = _fit(ZeroPlusStrategy(stage=3, config=ic.SHARD_ALL), tmp, precision="bf16-mixed")
     out["bf16"], out["bf16_precision"] = m.losses, trainer.strategy.optimizers[0].mixed_precision
-    out["bf16_params"] = ic.full_masters(m, trainer.strategy.optimizers[0])
+    out["bf16_params"] = zm.full_masters(m, trainer.strategy.optimizers[0])
     assert_sharded(m, trainer.strategy.optimizers[0])
     # fp16 ("16-true": on CPU Lightning turns "16-mixed" into "bf16-mixed") at stages 1-3: the
     # engine's fp16 with dynamic loss scaling through the strategy's backward.
@@ -127,7 +128,7 @@ def _all_cases(rank, world_size, tmp):
         engine = trainer.strategy.optimizers[0]
         out[f"fp16_{stage}"] = (m.losses, m.grad_norms, engine.mixed_precision, engine.loss_scale,
                                 engine.skipped_steps)
-        out[f"fp16_{stage}_params"] = ic.full_masters(m, engine)
+        out[f"fp16_{stage}_params"] = zm.full_masters(m, engine)
         if stage == 3:
             assert_sharded(m, engine)
     # A DeepSpeed-style config with a scheduler block, stepped by opt.step(); saved after epoch 1
@@ -241,7 +242,7 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
         for stage in (1, 2, 3):
             assert r[f"zp{stage}_type"] == "TinyLM"  # not wrapped in DDP
             assert r[f"zp{stage}"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-5), (rank, stage)
-            ic.assert_parity(r[f"zp{stage}_params"], r["ddp_params"], r["start"], 1e-3, f"rank {rank} stage {stage}")
+            zm.assert_parity(r[f"zp{stage}_params"], r["ddp_params"], r["start"], 1e-3, f"rank {rank} stage {stage}")
             assert r[f"zp{stage}_clip"] == pytest.approx(r["ddp_clip"], rel=1e-4, abs=1e-5), (rank, stage)
         for a, b in zip(r["zp_accum"], r["ddp_accum"]):  # accumulate_grad_batches=2: same weights
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -267,10 +268,10 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
             assert precision == "fp16" and scale == 2.0 ** 16 and skipped == 0, (rank, stage)
             assert len(losses) == len(r["ddp"]), (rank, stage)
             assert norms == pytest.approx(r["ddp_norms"], rel=0.02), (rank, stage)
-            ic.assert_parity(r[f"fp16_{stage}_params"], r["ddp_params"], r["start"], FP16_REL,
+            zm.assert_parity(r[f"fp16_{stage}_params"], r["ddp_params"], r["start"], FP16_REL,
                              f"rank {rank} fp16 stage {stage}")
         assert r["bf16_precision"] == "bf16" and len(r["bf16"]) == len(r["ddp"])
-        ic.assert_parity(r["bf16_params"], r["ddp_params"], r["start"], BF16_REL, f"rank {rank} bf16")
+        zm.assert_parity(r["bf16_params"], r["ddp_params"], r["start"], BF16_REL, f"rank {rank} bf16")
         # 4 steps of DeepSpeed's linear WarmupLR over 3 steps: iteration 3 -> the full lr.
         assert r["cfg_lr"] == pytest.approx([LR])
     print(f"test_integration_lightning wall time: {time.monotonic() - t0:.1f}s")

@@ -17,6 +17,7 @@ import torch
 import transformers  # noqa: F401  (a hard requirement: scripts/setup.sh installs it)
 
 import integration_common as ic
+import zero_models as zm
 from harness import run_pooled
 from sharding import assert_sharded
 
@@ -72,7 +73,7 @@ def _all_cases(rank, world_size, tmp):
     out["ddp_params"] = _params(ref.model)
     # Mixed precision is checked on the parameters (fp32 masters) relative to how far DDP moved
     # them (the first step runs at lr 0: warmup_steps=1).
-    out["start"], out["ddp_named"] = ic.params_of(ic.tiny_gpt2()), ic.params_of(ref.model)
+    out["start"], out["ddp_named"] = zm.params_of(ic.tiny_gpt2()), zm.params_of(ref.model)
     ref_log = ref.state.log_history
 
     # 1. Stock Trainer + zeroplus.ZeroRedundancyOptimizer (DDP-wrapped by accelerate), with a
@@ -187,7 +188,7 @@ def _all_cases(rank, world_size, tmp):
     t.train()
     out["bf16"] = _losses(t)
     out["bf16_precision"] = t.optimizer.optimizer.mixed_precision
-    out["bf16_params"] = ic.full_masters(t.model, t.optimizer)
+    out["bf16_params"] = zm.full_masters(t.model, t.optimizer)
 
     # 4b. fp16 from TrainingArguments at stages 1-3: the engine's fp16 with dynamic loss scaling.
     # The logged grad_norm (the engine's unscaled global norm) matches DDP's only if the Trainer's
@@ -201,7 +202,7 @@ def _all_cases(rank, world_size, tmp):
         out[f"fp16_{stage}"] = (_losses(t), [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h],
                                 engine.mixed_precision, engine.loss_scale, engine.skipped_steps,
                                 next(t.model.parameters()).dtype)
-        out[f"fp16_{stage}_params"] = ic.full_masters(t.model, engine)
+        out[f"fp16_{stage}_params"] = zm.full_masters(t.model, engine)
         if stage == 3:
             out["fp16_3_sharded"] = len(assert_sharded(t.model, engine))
     out["ddp_grad_norm"] = [h["grad_norm"] for h in ref_log if "grad_norm" in h]
@@ -318,12 +319,12 @@ def test_trainer_stage1_stock_and_zeroplus_trainer_stages_1_to_3(tmp_path):
         assert len(losses) == STEPS, stage
         assert norms == pytest.approx(r["ddp_grad_norm"], rel=0.02), stage
         for rr in results:
-            ic.assert_parity(rr[f"fp16_{stage}_params"], rr["ddp_named"], rr["start"], FP16_REL, f"fp16 stage {stage}")
+            zm.assert_parity(rr[f"fp16_{stage}_params"], rr["ddp_named"], rr["start"], FP16_REL, f"fp16 stage {stage}")
     assert all(rr["fp16_3_sharded"] == len(rr["ddp_named"]) for rr in results)
     skipped, scheduler_steps, steps = r["fp16_skip"]
     assert steps == STEPS and skipped > 0 and scheduler_steps == STEPS - skipped, r["fp16_skip"]
     assert r["bf16_precision"] == "bf16"
     assert len(r["bf16"]) == STEPS
     for rr in results:
-        ic.assert_parity(rr["bf16_params"], rr["ddp_named"], rr["start"], BF16_REL, "bf16")
+        zm.assert_parity(rr["bf16_params"], rr["ddp_named"], rr["start"], BF16_REL, "bf16")
     print(f"test_integration_transformers wall time: {time.monotonic() - t0:.1f}s")

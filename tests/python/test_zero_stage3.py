@@ -2,9 +2,10 @@
 
 As in the stage-2 tests each rank trains the DDP reference and the zeroplus model side by side
 on the same rank-specific batches and compares: parameters (fp32, within 1e-5 after 30 steps,
-read through zeroplus.full_state_dict because a stage-3 parameter is a shard between steps) or
-losses (bf16/fp16: within 2 % of DDP + autocast at step 30). A persistence threshold of 100
-elements keeps the LayerNorm weights whole (the persistent path) and shards everything else.
+read through zeroplus.full_state_dict because a stage-3 parameter is a shard between steps; bf16/
+fp16: the engine's fp32 masters against DDP + autocast, within MIXED_REL of how far DDP moved
+them). A persistence threshold of 100 elements keeps the LayerNorm weights whole (the persistent
+path) and shards everything else (asserted where the comparison is loose).
 """
 
 import copy
@@ -16,6 +17,10 @@ from harness import run_distributed, run_pooled
 from sharding import assert_sharded
 
 STEPS = 30
+# Mixed precision (engine masters against DDP + autocast's fp32 parameters): distance as a fraction
+# of how far DDP moved them in STEPS steps (measured 0.16 with bf16, 0.11 with fp16 at stages 2
+# and 3; an engine that does not step is at 1.0)
+MIXED_REL = {"bf16": 0.3, "fp16": 0.25}
 LR = 3e-3
 STAGE3 = {"param_persistence_threshold": 100}
 
@@ -98,6 +103,7 @@ def _mixed(rank, world, precision, use_opt_backward):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     model = zm.make_model()
+    start = zm.params_of(model)
     ref = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
@@ -119,13 +125,16 @@ def _mixed(rank, world, precision, use_opt_backward):
             loss.backward()
         opt.step()
         opt.zero_grad()
+    if opt.stage == 3:
+        assert_sharded(model, opt, [n for n, p in start.items() if p.numel() > STAGE3["param_persistence_threshold"]])
+    zm.assert_parity(zm.full_masters(model, opt), zm.params_of(ref.module), start, MIXED_REL[precision],
+                     f"rank {rank} {precision}")
     return loss.item(), ref_loss.item(), opt.loss_scale
 
 
 @pytest.mark.parametrize("precision,use_opt_backward", [("bf16", False), ("fp16", True)])
 def test_mixed_precision_loss_tracks_ddp_autocast(precision, use_opt_backward):
     for loss, ref_loss, scale in run_pooled(_mixed, 2, precision, use_opt_backward, timeout=420):
-        assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scale == (65536.0 if precision == "fp16" else 1.0)
 
 

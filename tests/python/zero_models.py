@@ -177,3 +177,50 @@ def held_bytes(model, report) -> int:
     buffers = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
     return (report["model_state"] + report["pooled_buffers"] + report["communication_buffers"]
             + report.get("gathered_parameters", 0) + sum(buffers.values()))
+
+
+# -- parity: parameters against a reference, relative to how far the reference moved -------------
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    """A model's parameters by name (a DDP wrapper's: model.module), fp32 copies."""
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def full_masters(model, opt) -> dict[str, torch.Tensor]:
+    """The engine's fp32 master parameters, full, by `model`'s parameter names (on every rank: a
+    collective). With mixed precision the model's own parameters are rounded to bf16/fp16, which
+    alone differs from an fp32 reference by about as much as a few steps move it; the masters are
+    what the optimizer computed."""
+    import torch.distributed as dist
+
+    from sharding import engine_of
+
+    engine = engine_of(opt)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for b, master in zip(engine.buckets, engine.masters):
+        full = torch.empty(b.numel, dtype=torch.float32, device=master.device)
+        dist.all_gather_into_tensor(full, master.detach().float().contiguous(), group=engine.process_group)
+        for e in b.entries:
+            out[name_of[id(e.param)]] = full[e.offset:e.offset + e.numel].view(e.shape).cpu().clone()
+    return out
+
+
+def parity(ours: dict, ref: dict, start: dict) -> tuple[float, float]:
+    """(how far `ours` is from `ref`, how far `ref` moved from `start`): L2 norms over every
+    parameter of `ref` (fp32). A parity test asserts distance <= rel * moved with rel < 1, so that
+    an engine that did not step (distance == moved) or stepped the wrong way fails."""
+    dist2 = moved2 = 0.0
+    for k, v in ref.items():
+        dist2 += (ours[k].float() - v.float()).pow(2).sum().item()
+        moved2 += (v.float() - start[k].float()).pow(2).sum().item()
+    return dist2 ** 0.5, moved2 ** 0.5
+
+
+def assert_parity(ours: dict, ref: dict, start: dict, rel: float, what="") -> float:
+    """distance(ours, ref) <= rel * (how far ref moved), and ref moved (more than that tolerance,
+    and measurably in fp32); returns distance / moved."""
+    distance, moved = parity(ours, ref, start)
+    assert moved > 1e-4, f"{what}: the reference moved {moved:.3g}: the comparison cannot fail"
+    assert distance <= rel * moved, f"{what}: {distance:.4g} from the reference, which moved {moved:.4g} (rel {rel})"
+    return distance / moved
