@@ -143,12 +143,16 @@ def _all_cases(rank, world_size, tmp):
         out["wrong_checkpoint_error"] = str(e)
 
     # 3. HF's two seed configs as files, as they are (offload_optimizer/offload_param to cpu,
-    # "auto" values from TrainingArguments).
+    # "auto" values from TrainingArguments). The zero3 file's "auto" persistence threshold (10 x
+    # hidden size) shards the matrices and embeddings (asserted), keeps LayerNorms and biases whole.
+    large = [n for n, p in ic.tiny_gpt2().named_parameters() if p.numel() > 10 * 32]
     for name in ("ds_config_zero2.json", "ds_config_zero3.json"):
         t = ZeroPlusTrainer(model=ic.tiny_gpt2(), args=_args(f"{tmp}/{name}", max_grad_norm=1.0, warmup_steps=2),
                             train_dataset=data, config=str(FIXTURES / name))
         t.train()
         engine = t.optimizer.optimizer
+        if engine.stage == 3:
+            assert_sharded(t.model, engine, large, at_least=8)
         out[name] = (_losses(t), [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h],
                      engine.stage, engine.options.offload_optimizer.device, engine.options.gradient_clipping)
 
@@ -168,9 +172,7 @@ def _all_cases(rank, world_size, tmp):
     engine = t.optimizer.optimizer
     out["nvme"] = (_losses(t), _params_full(t.model), engine.options.offload_optimizer.device,
                    engine.options.offload_param.device, sorted(os.listdir(nvme_path)))
-    # The seed file's "auto" persistence threshold (10 x hidden size) shards the matrices and
-    # embeddings: those are what the parameter store holds on disk.
-    large = [n for n, p in ic.tiny_gpt2().named_parameters() if p.numel() > 10 * 32]
+    # The sharded matrices and embeddings are what the parameter store holds on disk.
     out["nvme_sharded"] = len(assert_sharded(t.model, engine, large, at_least=8))
     out["nvme_param_files"] = ic.parameter_store_bytes(engine)
     t = ZeroPlusTrainer(model=ic.tiny_gpt2(seed=5), args=_args(f"{tmp}/nvme_run", **nvme_args), train_dataset=data,
