@@ -44,6 +44,18 @@ def _local_numel(p) -> int:
     return local(p).numel()
 
 
+def nonpersistent_names(model, opt) -> list[str]:
+    """The parameters of `model` in the stage-3 engine's non-persistent buckets (trainable and
+    frozen), sorted; [] for any other optimizer. The kind of bucket a checkpoint saves and loads as
+    shards, also at world size 1 (checkpoint_models.sharded_names): not yet a proof that this rank
+    holds less than the whole parameter (sharded_names)."""
+    engine = engine_of(opt)
+    if engine is None or engine.stage != 3:
+        return []
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return sorted(name_of[id(e.param)] for b in _buckets(engine) if not b.persistent for e in b.entries)
+
+
 def sharded_names(model, opt) -> list[str]:
     """The parameters of `model` (trainable and frozen, a tied one under its first name) that the
     stage-3 engine behind `opt` holds sharded on this rank (module docstring), sorted; [] for any
