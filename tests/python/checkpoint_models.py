@@ -73,14 +73,12 @@ PERSIST_SOME = 8
 
 
 def sharded_names(model, opt) -> list[str]:
-    """The parameters a stage-3 engine holds sharded (their bucket is not persistent: this rank
-    keeps a slice between steps), trainable and frozen, sorted; [] for other optimizers."""
-    buckets = list(getattr(opt, "buckets", []))
-    placement = getattr(opt, "placement", None)
-    buckets += list(getattr(placement, "frozen_buckets", []))
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return sorted(name_of[id(e.param)] for b in buckets if getattr(opt, "stage", None) == 3 and not b.persistent
-                  for e in b.entries)
+    """The parameters in a stage-3 engine's non-persistent buckets (what a checkpoint saves and
+    loads as shards, also at world size 1), sorted; [] for other optimizers. Whether a rank really
+    holds only a piece is sharding.assert_sharded's question."""
+    from sharding import nonpersistent_names
+
+    return nonpersistent_names(model, opt)
 
 
 def train(call, opt, steps, rank, first_step=0):

@@ -53,8 +53,34 @@ SHARD_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 SHARD_SOME = {"zero_optimization": {"stage3_param_persistence_threshold": 100}}
 
 
+# Parameter parity (distance relative to how far the reference moved) lives in zero_models.py:
+# params_of, full_masters, parity, assert_parity.
+
+
 def sharded_counts(model, engine) -> tuple[int, int]:
-    """(parameters the stage-3 engine holds sharded, parameters of model): see SHARD_ALL."""
+    """(parameters in the stage-3 engine's non-persistent buckets, parameters of model): see
+    SHARD_ALL. The kind of bucket a checkpoint loads into, also at world size 1; whether a rank
+    really holds only a shard is sharding.assert_sharded's question."""
     from checkpoint_models import sharded_names
 
     return len(sharded_names(model, engine)), len(list(model.parameters()))
+
+
+def parameter_store_bytes(opt) -> tuple[int, int, int]:
+    """(param-b*.swp files in the stage-3 parameter store's swap directory, their bytes, this
+    rank's shard bytes of the buckets the store offloads): what "parameters on NVMe" puts on disk.
+    (0, 0, 0) without a parameter store: a config that names offload_param "nvme" while every
+    parameter is kept whole (persistent) offloads nothing."""
+    import os
+
+    from sharding import engine_of
+
+    engine = engine_of(opt)
+    store = getattr(engine.placement, "param_store", None)
+    if store is None:
+        return 0, 0, 0
+    shards = sum(b.shard_numel * b.dtype.itemsize for b in list(engine.buckets) + engine.placement.frozen_buckets
+                 if store.offloads(b))
+    path = store.directory.path
+    files = [f for f in os.listdir(path) if f.startswith("param-b") and f.endswith(".swp")]
+    return len(files), sum(os.stat(os.path.join(path, f)).st_size for f in files), shards

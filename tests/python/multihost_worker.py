@@ -98,8 +98,11 @@ def case_collectives(rank: int, world: int) -> dict:
 
 
 def case_zero(rank: int, world: int, stage: int) -> float:
-    """zeroplus.initialize(stage=2|3) against one process that sees the whole global batch."""
+    """zeroplus.initialize(stage=2|3) against one process that sees the whole global batch. Stage 3
+    shards every parameter (asserted on every rank: the default persistence threshold would keep
+    this model whole), and the reference must move by far more than the 1e-5 the test allows."""
     import zeroplus
+    from sharding import SHARD_ALL, assert_sharded
 
     torch.manual_seed(0)
 
@@ -108,7 +111,11 @@ def case_zero(rank: int, world: int, stage: int) -> float:
 
     ours, ref = model(), model()
     ref.load_state_dict(ours.state_dict())
-    ours, opt = zeroplus.initialize(ours, torch.optim.AdamW, stage=stage, lr=1e-2)
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
+    ours, opt = zeroplus.initialize(ours, torch.optim.AdamW, stage=stage, lr=1e-2,
+                                    config=SHARD_ALL if stage == 3 else None)
+    if stage == 3:
+        assert_sharded(ours, opt)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
@@ -119,6 +126,11 @@ def case_zero(rank: int, world: int, stage: int) -> float:
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         ref_opt.step()
+    if stage == 3:
+        assert_sharded(ours, opt)
+    moved = max((v - start[k]).abs().max().item() for k, v in ref.state_dict().items())
+    if moved < 1e-2:
+        raise AssertionError(f"the reference moved {moved}: a 1e-5 comparison barely tests anything")
     got = zeroplus.full_state_dict(ours, rank0_only=False)
     return max((got[k].float() - v).abs().max().item() for k, v in ref.state_dict().items())
 

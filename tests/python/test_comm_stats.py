@@ -4,15 +4,11 @@ ops), rejected ops are not counted, groups count separately, and bad groups are 
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from harness import run_pooled
-
-_T0 = time.monotonic()
 
 
 def _known_sequence(rank, world_size):
@@ -183,7 +179,3 @@ def test_uninitialized_is_refused():
 
     with pytest.raises(RuntimeError, match="zeroplus.comm_stats: torch.distributed is not initialized"):
         zeroplus.comm_stats()
-
-
-def test_wall_time():
-    print(f"test_comm_stats wall time: {time.monotonic() - _T0:.1f} s")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from harness import run_pooled
+from sharding import assert_sharded
 from zeroplus.zero import ds_config, schedulers
 from zeroplus.zero.config import resolve
 
@@ -340,7 +341,11 @@ def _stepped_by_opt_step(rank, world_size):
                "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
                                                                  "warmup_max_lr": "auto"}},
                "zero_optimization": {"stage": stage}}
+        if stage == 3:
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         model, opt = zeroplus.initialize(model, config=cfg, lr=0.01)
+        if stage == 3:
+            assert_sharded(model, opt)
         lrs = []
         for _ in range(6):
             lrs.append(opt.param_groups[0]["lr"])
@@ -390,7 +395,12 @@ def _seed_files_through_initialize(rank, world_size):
             model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # steps_per_print & co.: tested above
-                model, opt = zeroplus.initialize(model, config=config, lr=0.01)
+                # The zero3 file's persistence threshold is "auto" (10 * hidden size; dropped for a
+                # model without a config): 0 shards every parameter of so small a model.
+                shard = {"param_persistence_threshold": 0} if name == "ds_config_zero3.json" else {}
+                model, opt = zeroplus.initialize(model, config=config, lr=0.01, **shard)
+            if shard:
+                assert_sharded(model, opt)
             g = torch.Generator().manual_seed(rank)
             for _ in range(3):
                 model(torch.randn(4, 8, generator=g)).square().mean().backward()

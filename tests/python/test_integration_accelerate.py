@@ -1,8 +1,10 @@
 """accelerate: the stock accelerator.prepare with zeroplus.ZeroRedundancyOptimizer (stage 1,
 save_state/load_state) and zeroplus.integrations.accelerate.prepare at stages 1-3 with save_state/
 load_state (zeroplus checkpoints, resumed at 2 ranks and at 1; stage 3 with sharded parameters,
-asserted; stage 3 with optimizer and parameters on NVMe), 2 ranks over backend="zeroplus", losses
-against the plain DDP run. One pooled launch per world size."""
+asserted; stage 3 with optimizer and parameters on NVMe, the parameter store's shards on disk
+asserted), 2 ranks over backend="zeroplus", losses and parameters (relative to how far DDP moved
+them) against the plain DDP run; every stage-3 run shards every parameter, asserted on each rank.
+One pooled launch per world size."""
 
 from __future__ import annotations
 
@@ -13,9 +15,15 @@ import accelerate  # noqa: F401  (a hard requirement: scripts/setup.sh installs 
 import pytest
 import torch
 
+import integration_common as ic
+import zero_models as zm
 from harness import run_pooled
+from sharding import assert_sharded
 
 STEPS, LR = 4, 1e-3
+# fp16 (stage 2) against fp32 DDP: the fp32 masters' distance from DDP's parameters as a fraction
+# of how far DDP moved them in STEPS steps (measured 0.023; an engine that does not step is at 1.0)
+FP16_REL = 0.07
 
 
 def _loop(accelerator, model, opt, loader, steps, backward=None):
@@ -66,6 +74,8 @@ def _all_cases(rank, world_size, tmp):
     model = ic.tiny_gpt2()
     ref_model, ref_opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0))
     out["ddp"] = _loop(accelerator, ref_model, ref_opt, _loader(accelerator), STEPS)
+    # Parity is checked on the parameters (fp32 masters) relative to how far DDP moved them.
+    out["start"], out["ddp_params"] = zm.params_of(ic.tiny_gpt2()), zm.params_of(ref_model.module)
 
     # Stock: accelerator.prepare (DDP) with zeroplus.ZeroRedundancyOptimizer; save after 2 steps.
     accelerator = Accelerator(cpu=True)
@@ -101,6 +111,9 @@ def _all_cases(rank, world_size, tmp):
         out[f"zp{stage}_files"] = sorted(os.listdir(f"{tmp}/zp{stage}"))
         out[f"zp{stage}_optimizer_file"] = torch.load(f"{tmp}/zp{stage}/optimizer.bin", weights_only=True)
         out[f"zp{stage}"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+        out[f"zp{stage}_params"] = zm.full_masters(model, opt)
+        if stage == 3:  # sharded while training, not only in its checkpoint
+            out["zp3_run_sharded"] = len(assert_sharded(model, opt))
         accelerator = Accelerator(cpu=True)
         model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=stage, lr=LR,
                                            weight_decay=0.0, config=ic.SHARD_SOME if stage == 3 else None)
@@ -108,18 +121,21 @@ def _all_cases(rank, world_size, tmp):
         accelerator.load_state(f"{tmp}/zp{stage}")
         out[f"zp{stage}_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
     # A config scheduler (opt.lr_scheduler, stepped by opt.step()) travels in the checkpoint.
-    cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}}}
+    cfg = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_type": "linear"}},
+           **ic.SHARD_ALL}
     accelerator = Accelerator(cpu=True)
     model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=3, lr=LR, config=cfg)
     out["cfg"] = _loop(accelerator, model, opt, _loader(accelerator), 2)
     accelerator.save_state(f"{tmp}/cfg")
     out["cfg"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    assert_sharded(model, opt)
     accelerator = Accelerator(cpu=True)
     model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=3, lr=LR,
                                        config=cfg)
     accelerator.load_state(f"{tmp}/cfg")
     out["cfg_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
     out["cfg_resumed_lr"] = opt.optimizer.lr_scheduler.get_last_lr()
+    assert_sharded(model, opt)
     # The stock run's state (no zeroplus/ in it) is refused by name; nothing changes.
     try:
         accelerator.load_state(f"{tmp}/stock")
@@ -128,22 +144,28 @@ def _all_cases(rank, world_size, tmp):
     # Stage 3 with optimizer and parameters on NVMe, given as prepare's keyword arguments (as to
     # zeroplus.initialize): bit for bit the in-memory stage-3 run (CPU training), save_state after
     # 2 steps and load_state into other weights continue it exactly; the swap directories go with
-    # the engines.
+    # the engines. Every parameter sharded (as in the in-memory run), so the parameter store holds
+    # them all on disk (kept whole, none would be).
     nvme_path = f"{tmp}/nvme"
     os.makedirs(nvme_path, exist_ok=True)
     nvme = {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4}
     accelerator = Accelerator(cpu=True)
     model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(), torch.optim.AdamW, stage=3, lr=LR,
-                                       weight_decay=0.0, offload_optimizer=dict(nvme), offload_param=dict(nvme))
+                                       weight_decay=0.0, offload_optimizer=dict(nvme), offload_param=dict(nvme),
+                                       config=ic.SHARD_ALL)
     out["nvme"] = _loop(accelerator, model, opt, _loader(accelerator), 2)
+    out["nvme_sharded"] = len(assert_sharded(model, opt))
+    out["nvme_param_files"] = ic.parameter_store_bytes(opt)
     accelerator.save_state(f"{tmp}/nvme_state")
     out["nvme_swapping"] = any(n.startswith("zeroplus-swap-") for n in os.listdir(nvme_path))
     out["nvme"] += _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
     accelerator = Accelerator(cpu=True)
     model, opt = zp_accelerate.prepare(accelerator, ic.tiny_gpt2(seed=5), torch.optim.AdamW, stage=3, lr=LR,
-                                       weight_decay=0.0, offload_optimizer=dict(nvme), offload_param=dict(nvme))
+                                       weight_decay=0.0, offload_optimizer=dict(nvme), offload_param=dict(nvme),
+                                       config=ic.SHARD_ALL)
     accelerator.load_state(f"{tmp}/nvme_state")
     out["nvme_resumed"] = _loop(accelerator, model, opt, _loader(accelerator, skip=2), 2)
+    out["nvme_resumed_param_files"] = ic.parameter_store_bytes(opt)
     accelerator.free_memory()  # accelerate's way to drop what it holds (its models, optimizers, hooks)
     del model, opt
     import gc
@@ -157,6 +179,7 @@ def _all_cases(rank, world_size, tmp):
                                        weight_decay=0.0, mixed_precision="fp16")
     out["fp16"] = _loop(accelerator, model, opt, _loader(accelerator), STEPS, backward=opt.backward)
     out["fp16_engine"] = (opt.optimizer.mixed_precision, opt.optimizer.loss_scale, opt.optimizer.skipped_steps)
+    out["fp16_params"] = zm.full_masters(model, opt)
     try:  # accelerate's optimizer file of a zeroplus save, loaded without load_state's hook
         opt.load_state_dict(torch.load(f"{tmp}/zp2/optimizer.bin", weights_only=True))
     except ValueError as e:
@@ -211,9 +234,11 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
         assert len(r["ddp"]) == STEPS
         assert r["stock"] == pytest.approx(r["ddp"], rel=1e-5, abs=1e-6), rank
         assert r["stock_resumed"] == pytest.approx(r["ddp"][2:], rel=1e-5, abs=1e-6), rank
+        assert r["zp3_run_sharded"] == len(r["ddp_params"])
         for stage in (1, 2, 3):
             assert not r[f"zp{stage}_ddp"]
             assert r[f"zp{stage}"] == pytest.approx(r["ddp"], rel=1e-4, abs=1e-5), (rank, stage)
+            zm.assert_parity(r[f"zp{stage}_params"], r["ddp_params"], r["start"], 1e-3, f"rank {rank} stage {stage}")
         for stage in (1, 2, 3):
             # accelerate's own files beside zeroplus/; no model weights file (zeroplus holds
             # them), the optimizer file only a reference.
@@ -226,7 +251,12 @@ def test_accelerate_stage1_stock_and_prepare_stages_1_to_3(tmp_path):
         assert r["nvme_swapping"] and r["nvme"] == r["zp3"], (rank, r["nvme"], r["zp3"])  # bit for bit
         assert r["nvme_resumed"] == r["nvme"][2:], (rank, r["nvme_resumed"], r["nvme"])
         assert r["nvme_left"] == [], r["nvme_left"]
-        assert r["fp16_engine"] == ("fp16", 2.0 ** 16, 0) and r["fp16"] == pytest.approx(r["ddp"], abs=0.02), rank
+        assert r["nvme_sharded"] == len(r["ddp_params"])
+        for key in ("nvme_param_files", "nvme_resumed_param_files"):  # one record per sharded bucket
+            files, on_disk, shards = r[key]
+            assert files > 0 and shards > 0 and on_disk >= shards, (rank, key, r[key])
+        assert r["fp16_engine"] == ("fp16", 2.0 ** 16, 0) and len(r["fp16"]) == STEPS, rank
+        zm.assert_parity(r["fp16_params"], r["ddp_params"], r["start"], FP16_REL, f"rank {rank} fp16")
         assert "accelerator.load_state" in r["reference_error"]
         assert "mixed_precision='fp16'" in r["fp16_refused"] and "opt.backward" in r["fp16_refused"]
         assert "load_state" in r["wrong_state_error"] and "zeroplus" in r["wrong_state_error"]

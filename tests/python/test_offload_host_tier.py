@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import shutil
 import tempfile
-import time
 
 import pytest
 import torch
@@ -41,7 +40,6 @@ STEPS = 3
 CONFIG = {1: {"zero_optimization": {"reduce_bucket_size": 400}},
           2: {"zero_optimization": {"reduce_bucket_size": 400}},
           3: {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}  # a bucket per unit
-_T0 = time.perf_counter()
 
 
 class Net(nn.Module):
@@ -766,7 +764,3 @@ def test_estimate_memory_gpu_and_host_columns():
         zeroplus.estimate_memory(psi, n, 2, device="tpu")
     with pytest.raises(ValueError, match="needs a ZeRO stage"):
         zeroplus.estimate_memory(psi, n, 0, offload_optimizer="cpu", device="cuda")
-
-
-def test_wall_time():
-    print(f"\ntest_offload_host_tier.py: {time.perf_counter() - _T0:.1f} s")

@@ -28,10 +28,13 @@ import pytest
 import torch
 
 from harness import run_cases_in_own_groups, run_pooled
+from sharding import assert_sharded
 
 STEPS = 20
 LR = 3e-3
 SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 3000}}
+# Stage 3 (the offloaded engine and its in-memory reference alike): every parameter sharded
+SHARDED_SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 0}}
 _T0 = time.perf_counter()
 
 
@@ -60,8 +63,12 @@ def _build(stage, precision, group, offload=None, optimizer=torch.optim.AdamW):
     kw = {} if offload is None else {"offload_optimizer": offload}
     if optimizer is torch.optim.SGD:
         kw["momentum"] = 0.9
-    return zeroplus.initialize(zm.make_model(), optimizer, stage=stage, lr=LR, mixed_precision=precision,
-                               process_group=group, config=SMALL_BUCKETS, **kw)
+    model, opt = zeroplus.initialize(zm.make_model(), optimizer, stage=stage, lr=LR, mixed_precision=precision,
+                                     process_group=group, config=SHARDED_SMALL_BUCKETS if stage == 3 else SMALL_BUCKETS,
+                                     **kw)
+    if stage == 3:
+        assert_sharded(model, opt)
+    return model, opt
 
 
 def _same_params(a, b) -> bool:

@@ -50,7 +50,6 @@ from offload_fakes import MemorySwapper
 
 STEPS = 3
 CONFIG = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}  # every unit offloaded
-_T0 = time.perf_counter()
 
 
 class Net(nn.Module):
@@ -879,7 +878,3 @@ def test_estimate_memory_cuda_param_columns():
                                       param_buffer_size=1)
     assert nv_gpu["nvme"] == 2 * psi / n + 4096 * records
     assert nv_gpu["gpu"] == alone["gpu"] and nv_gpu["host"] == pool
-
-
-def test_wall_time():
-    print(f"\ntest_offload_param_host.py: {time.perf_counter() - _T0:.1f} s")

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from harness import run_pooled
+from sharding import SHARD_ALL, assert_sharded
 
 LR = 3e-3
 THRESHOLD = 100  # LayerNorm weights stay whole (the persistent path), everything else is sharded
@@ -25,6 +26,12 @@ def _full_diff(model, ref):
 
 def _sharded_numel(module):
     return sum(p.numel() for p in module.parameters() if p.numel() > THRESHOLD)
+
+
+def _assert_above_threshold_sharded(model, opt):
+    """Every parameter above THRESHOLD sharded on this rank (the others are kept whole)."""
+    return assert_sharded(model, opt, [n for n, p in model.named_parameters() if p.numel() > THRESHOLD],
+                          at_least=4)
 
 
 def _checkpoint_policy_limit(rank, world):
@@ -43,6 +50,7 @@ def _checkpoint_policy_limit(rank, world):
     max_live = root + 2 * block + block // 2  # + room for the padding of each flat buffer
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, param_persistence_threshold=THRESHOLD,
                                      unit_classes=[nn.TransformerEncoderLayer], max_live_parameters=max_live)
+    _assert_above_threshold_sharded(model, opt)
     unit_names = [u.name for u in opt.units]
     for step in range(12):
         x, y = zm.batch(step, rank)
@@ -77,6 +85,7 @@ def _default_prefetch_depth(rank, world):
         root = _sharded_numel(model) - 4 * block
         model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, param_persistence_threshold=THRESHOLD,
                                          unit_classes=[nn.TransformerEncoderLayer], **knobs)
+        _assert_above_threshold_sharded(model, opt)
         for step in range(3):  # step 0 records the order, the next ones prefetch by it
             x, y = zm.batch(step, rank)
             zm.loss_fn(model, x, y).backward()
@@ -108,6 +117,8 @@ def _between_steps(rank, world, stage):
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     knobs = {"param_persistence_threshold": THRESHOLD, "reshard_after_forward": False} if stage == 3 else {}
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=LR, **knobs)
+    if stage == 3:
+        _assert_above_threshold_sharded(model, opt)
     x, y = zm.batch(0, rank)
     for m, o in ((ref, ref_opt), (model, opt)):
         zm.loss_fn(m, x, y).backward()
@@ -148,13 +159,16 @@ def _buffers(rank, world):
 
     model = zm.make_model()
     model.register_buffer("calibration", torch.full((5,), float(rank + 1)))  # differs per rank
-    model, _ = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR)
-    return model.calibration.tolist(), zeroplus.full_state_dict(model, rank0_only=False)["calibration"].tolist()
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, config=SHARD_ALL)
+    sharded = assert_sharded(model, opt)  # buffers beside sharded parameters, not a stage-2 model
+    return (model.calibration.tolist(), zeroplus.full_state_dict(model, rank0_only=False)["calibration"].tolist(),
+            len(sharded))
 
 
 def test_buffers_take_rank0_values_at_initialize():
-    for live, saved in run_pooled(_buffers, 2, timeout=300):
+    for live, saved, sharded in run_pooled(_buffers, 2, timeout=300):
         assert live == saved == [1.0] * 5
+        assert sharded > 10
 
 
 def _after_failed_backward(rank, world, stage):
@@ -171,6 +185,8 @@ def _after_failed_backward(rank, world, stage):
     if stage == 3:
         zero_cfg["stage3_param_persistence_threshold"] = THRESHOLD
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, lr=LR, config={"zero_optimization": zero_cfg})
+    if stage == 3:
+        _assert_above_threshold_sharded(model, opt)
 
     def fail(_grad):
         raise RuntimeError("injected failure in backward")

@@ -1,8 +1,9 @@
 """ZeRO stage 2 (zeroplus.initialize(..., stage=2)) against DDP + torch.optim.AdamW as the oracle.
 
 Each rank trains both the DDP reference and the zeroplus model on the same rank-specific
-batches, in one process, and compares parameters (fp32: within 1e-5 after 30 steps) or losses
-(bf16/fp16: within 2 % of DDP + autocast at step 30). Small buckets force many reduce-scatters
+batches, in one process, and compares parameters (fp32: within 1e-5 after 30 steps; bf16/fp16:
+the engine's fp32 masters against DDP + autocast, within MIXED_REL of how far DDP moved them).
+Small buckets force many reduce-scatters
 per backward, so ordering and overlap are exercised; the model ties its embedding to its LM head.
 """
 
@@ -14,6 +15,10 @@ import torch
 from harness import run_pooled
 
 STEPS = 30
+# Mixed precision (engine masters against DDP + autocast's fp32 parameters): distance as a fraction
+# of how far DDP moved them in STEPS steps (measured 0.16 with bf16, 0.11 with fp16 at stages 2
+# and 3; an engine that does not step is at 1.0)
+MIXED_REL = {"bf16": 0.3, "fp16": 0.25}
 LR = 3e-3  # at 1e-2 this small model is chaotic enough that ulp-level differences reach 1e-4 by step 30
 SMALL_BUCKETS = {"zero_optimization": {"reduce_bucket_size": 3000}}
 
@@ -82,6 +87,7 @@ def _mixed(rank, world, precision, use_opt_backward):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     model = zm.make_model()
+    start = zm.params_of(model)
     ref = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
@@ -104,13 +110,14 @@ def _mixed(rank, world, precision, use_opt_backward):
             loss.backward()
         opt.step()
         opt.zero_grad()
+    zm.assert_parity(zm.full_masters(model, opt), zm.params_of(ref.module), start, MIXED_REL[precision],
+                     f"rank {rank} {precision}")
     return loss.item(), ref_loss.item(), opt.loss_scale
 
 
 @pytest.mark.parametrize("precision,use_opt_backward", [("bf16", False), ("fp16", True)])
 def test_mixed_precision_loss_tracks_ddp_autocast(precision, use_opt_backward):
     for loss, ref_loss, scale in run_pooled(_mixed, 2, precision, use_opt_backward, timeout=420):
-        assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scale == (65536.0 if precision == "fp16" else 1.0)
 
 
@@ -156,6 +163,7 @@ def _grad_scaler(rank, world):
     import zero_models as zm
 
     model = zm.make_model()
+    start = zm.params_of(model)
     ref = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     ref_scaler = torch.amp.GradScaler("cpu")
@@ -189,12 +197,13 @@ def _grad_scaler(rank, world):
         if handle is not None:
             handle.remove()
         scales.append(scaler.get_scale())
+    zm.assert_parity(zm.full_masters(model, opt), zm.params_of(ref.module), start, MIXED_REL["fp16"],
+                     f"rank {rank} fp16 with zeroplus.GradScaler")
     return loss.item(), ref_loss.item(), scales, opt.skipped_steps, norms
 
 
 def test_zeroplus_grad_scaler_agrees_on_overflow_and_tracks_ddp():
     for loss, ref_loss, scales, skipped, norms in run_pooled(_grad_scaler, 2, timeout=420):
-        assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scales[4] == 65536.0 and scales[5] == 32768.0  # rank 0's inf halved the scale on every rank
         assert skipped == 1
         assert all(n == n for n in norms[:5])  # finite norms before the overflow (NaN != NaN)

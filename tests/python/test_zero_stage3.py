@@ -2,9 +2,10 @@
 
 As in the stage-2 tests each rank trains the DDP reference and the zeroplus model side by side
 on the same rank-specific batches and compares: parameters (fp32, within 1e-5 after 30 steps,
-read through zeroplus.full_state_dict because a stage-3 parameter is a shard between steps) or
-losses (bf16/fp16: within 2 % of DDP + autocast at step 30). A persistence threshold of 100
-elements keeps the LayerNorm weights whole (the persistent path) and shards everything else.
+read through zeroplus.full_state_dict because a stage-3 parameter is a shard between steps; bf16/
+fp16: the engine's fp32 masters against DDP + autocast, within MIXED_REL of how far DDP moved
+them). A persistence threshold of 100 elements keeps the LayerNorm weights whole (the persistent
+path) and shards everything else (asserted where the comparison is loose).
 """
 
 import copy
@@ -13,8 +14,13 @@ import pytest
 import torch
 
 from harness import run_distributed, run_pooled
+from sharding import assert_sharded
 
 STEPS = 30
+# Mixed precision (engine masters against DDP + autocast's fp32 parameters): distance as a fraction
+# of how far DDP moved them in STEPS steps (measured 0.16 with bf16, 0.11 with fp16 at stages 2
+# and 3; an engine that does not step is at 1.0)
+MIXED_REL = {"bf16": 0.3, "fp16": 0.25}
 LR = 3e-3
 STAGE3 = {"param_persistence_threshold": 100}
 
@@ -97,6 +103,7 @@ def _mixed(rank, world, precision, use_opt_backward):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     model = zm.make_model()
+    start = zm.params_of(model)
     ref = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
@@ -118,13 +125,15 @@ def _mixed(rank, world, precision, use_opt_backward):
             loss.backward()
         opt.step()
         opt.zero_grad()
+    assert_sharded(model, opt, [n for n, p in start.items() if p.numel() > STAGE3["param_persistence_threshold"]])
+    zm.assert_parity(zm.full_masters(model, opt), zm.params_of(ref.module), start, MIXED_REL[precision],
+                     f"rank {rank} {precision}")
     return loss.item(), ref_loss.item(), opt.loss_scale
 
 
 @pytest.mark.parametrize("precision,use_opt_backward", [("bf16", False), ("fp16", True)])
 def test_mixed_precision_loss_tracks_ddp_autocast(precision, use_opt_backward):
     for loss, ref_loss, scale in run_pooled(_mixed, 2, precision, use_opt_backward, timeout=420):
-        assert abs(loss - ref_loss) <= 0.02 * abs(ref_loss), (loss, ref_loss)
         assert scale == (65536.0 if precision == "fp16" else 1.0)
 
 
@@ -302,22 +311,28 @@ def _memory(rank, world, precision):
     import zeroplus
     import zero_models as zm
 
+    census = zm.TensorCensus() if world == 2 else None  # a census walks every object: 2 ranks show it
     model = zm.make_model(dim=128, layers=4, vocab=256)
     psi = sum(p.numel() for p in model.parameters())
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, mixed_precision=precision,
                                      param_persistence_threshold=0)
+    assert_sharded(model, opt)
     x, y = zm.batch(0, rank, vocab=256)
     opt.backward(zm.loss_fn(model, x, y))
     opt.step()
+    del x, y
     report = zeroplus.memory_report(model, opt)
     expected = zeroplus.estimate_memory(psi, world, 3, precision)
-    return report, expected, psi
+    return report, expected, psi, census and census.new_bytes(), zm.held_bytes(model, report)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_model_state_bytes_match_the_stage3_formula(world, precision):
-    for report, expected, psi in run_pooled(_memory, world, precision, timeout=300):
+    for report, expected, psi, measured, held in run_pooled(_memory, world, precision, timeout=300):
+        # What the rank's tensors take, counted outside the engine, is what the report says
+        # (the estimator is ours too: agreeing with it alone proves nothing).
+        assert world != 2 or measured == pytest.approx(held, rel=0.01), (measured, held, report)
         assert report["model_state"] == pytest.approx(16 * psi / world, rel=0.05)
         assert report["model_state"] == pytest.approx(expected["model_state"], rel=0.05)
         for key in ("parameters", "gradients", "optimizer_state"):

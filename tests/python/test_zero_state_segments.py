@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from harness import run_cases_in_own_groups, run_distributed
+from sharding import assert_sharded
 from test_zero_unused_params import BranchModel, _batch
 
 LR, WD = 1e-3, 0.1
@@ -32,13 +33,20 @@ def _train(model, opt, steps, rank, branch_on=lambda step: step % 2 == 1):
 
 
 def _engine(group, stage, bucket=None):
+    """Stage 3 shards every parameter (asserted on this rank): BranchModel's are far below the
+    default persistence threshold, which would keep them all whole."""
     import zeroplus
 
     torch.manual_seed(0)
     model = BranchModel()
-    config = {"zero_optimization": {"reduce_bucket_size": bucket}} if bucket else None
-    return zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=LR, weight_decay=WD, process_group=group,
-                               config=config)
+    zero = {"reduce_bucket_size": bucket} if bucket else {}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=LR, weight_decay=WD,
+                                     process_group=group, config={"zero_optimization": zero} if zero else None)
+    if stage == 3:
+        assert_sharded(model, opt)
+    return model, opt
 
 
 def _inner_states(opt):

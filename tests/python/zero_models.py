@@ -141,3 +141,86 @@ class InitGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class TensorCensus:
+    """Bytes of the CPU tensor storages created since this census began, counted over every tensor
+    Python's collector can reach: a measurement of what a rank holds that does not go through the
+    engine's own accounting (memory_report). The tensors alive at the start are held until the
+    census is dropped, so no new storage can reuse one of their addresses."""
+
+    def __init__(self):
+        self._before = self._live()
+
+    @staticmethod
+    def _live() -> dict[int, torch.Tensor]:
+        import gc
+
+        gc.collect()
+        out = {}
+        tensor = torch.Tensor
+        for o in gc.get_objects():
+            # type(), not isinstance(): the latter reads __class__, which some lazy modules compute
+            if issubclass(type(o), tensor) and o.device.type == "cpu" and not o.is_meta:
+                s = o.untyped_storage()
+                if s.nbytes():
+                    out[s.data_ptr()] = o
+        return out
+
+    def new_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for ptr, t in self._live().items() if ptr not in self._before)
+
+
+def held_bytes(model, report) -> int:
+    """What memory_report says this rank holds in tensors: model state, pooled and in-flight
+    buffers, parameters gathered right now, and the model's buffers (not model state)."""
+    buffers = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
+    return (report["model_state"] + report["pooled_buffers"] + report["communication_buffers"]
+            + report.get("gathered_parameters", 0) + sum(buffers.values()))
+
+
+# -- parity: parameters against a reference, relative to how far the reference moved -------------
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    """A model's parameters by name (a DDP wrapper's: model.module), fp32 copies."""
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def full_masters(model, opt) -> dict[str, torch.Tensor]:
+    """The engine's fp32 master parameters, full, by `model`'s parameter names (on every rank: a
+    collective). With mixed precision the model's own parameters are rounded to bf16/fp16, which
+    alone differs from an fp32 reference by about as much as a few steps move it; the masters are
+    what the optimizer computed."""
+    import torch.distributed as dist
+
+    from sharding import engine_of
+
+    engine = engine_of(opt)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for b, master in zip(engine.buckets, engine.masters):
+        full = torch.empty(b.numel, dtype=torch.float32, device=master.device)
+        dist.all_gather_into_tensor(full, master.detach().float().contiguous(), group=engine.process_group)
+        for e in b.entries:
+            out[name_of[id(e.param)]] = full[e.offset:e.offset + e.numel].view(e.shape).cpu().clone()
+    return out
+
+
+def parity(ours: dict, ref: dict, start: dict) -> tuple[float, float]:
+    """(how far `ours` is from `ref`, how far `ref` moved from `start`): L2 norms over every
+    parameter of `ref` (fp32). A parity test asserts distance <= rel * moved with rel < 1, so that
+    an engine that did not step (distance == moved) or stepped the wrong way fails."""
+    dist2 = moved2 = 0.0
+    for k, v in ref.items():
+        dist2 += (ours[k].float() - v.float()).pow(2).sum().item()
+        moved2 += (v.float() - start[k].float()).pow(2).sum().item()
+    return dist2 ** 0.5, moved2 ** 0.5
+
+
+def assert_parity(ours: dict, ref: dict, start: dict, rel: float, what="") -> float:
+    """distance(ours, ref) <= rel * (how far ref moved), and ref moved (more than that tolerance,
+    and measurably in fp32); returns distance / moved."""
+    distance, moved = parity(ours, ref, start)
+    assert moved > 1e-4, f"{what}: the reference moved {moved:.3g}: the comparison cannot fail"
+    assert distance <= rel * moved, f"{what}: {distance:.4g} from the reference, which moved {moved:.4g} (rel {rel})"
+    return distance / moved
