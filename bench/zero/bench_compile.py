@@ -1,16 +1,18 @@
 """torch.compile under zeroplus ZeRO stage 3 beside DDP + compile and FSDP2 + compile.
 
-    python bench/zero/bench_compile.py [--variants ddp,fsdp2,zeroplus_stage3] [--orders after,blocks]
+    python bench/zero/bench_compile.py [--variants plain,ddp,fsdp2,zeroplus_stage3] [--orders after,blocks]
         [--world 2] [--backend zeroplus] [--dim 128] [--layers 4] [--steps 6] [--rounds 2]
         [--compile-backend inductor] [--out PATH]
 
 A TinyGPT (examples/tiny_gpt.py) trained with AdamW on every rank's own synthetic batch, one
 thread per rank. Each (variant, order) is one launch of `world` ranks:
+  plain             the bare model + torch.optim.AdamW, no communication (what compiling gains
+                    on this machine without any data-parallel wrapper)
   ddp               DDP(model) + torch.optim.AdamW
   fsdp2             fully_shard on every block and the root + torch.optim.AdamW
   zeroplus_stage3   zeroplus.initialize(stage=3, param_persistence_threshold=0): every parameter sharded
 and the compile order
-  after   torch.compile of the whole wrapped model (torch.compile(DDP(model)), fully_shard then
+  after   torch.compile of the whole (wrapped) model (torch.compile(DDP(model)), fully_shard then
           torch.compile(model), zeroplus.initialize then torch.compile(model))
   blocks  torchtitan's: every block torch.compile'd in its list first, then wrapped / sharded.
 Inside a launch the same model runs eager and compiled steps in alternating rounds: eager under
@@ -40,7 +42,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-VARIANTS = ["ddp", "fsdp2", "zeroplus_stage3"]
+VARIANTS = ["plain", "ddp", "fsdp2", "zeroplus_stage3"]
 ORDERS = ["after", "blocks"]
 VOCAB = 256
 WARMUP = 2  # compiled steps that compile (and eager steps that warm the allocator), not timed
@@ -60,7 +62,9 @@ def _build(variant, order, args):
         for i, block in enumerate(layers):
             layers[i] = torch.compile(block, **compile_kw)
     kw = dict(lr=3e-4, weight_decay=0.01)
-    if variant == "ddp":
+    if variant == "plain":
+        fwd, opt = model, torch.optim.AdamW(model.parameters(), **kw)
+    elif variant == "ddp":
         fwd = DDP(model)
         opt = torch.optim.AdamW(fwd.parameters(), **kw)
     elif variant == "fsdp2":

@@ -21,7 +21,6 @@ All cases of a test run on one pooled 2-rank launch.
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 import tempfile
 
