@@ -5,6 +5,8 @@ Each case trains a model compiled in one of the three orders a user writes
   before  model, opt = zeroplus.initialize(torch.compile(model), ...)
   blocks  torchtitan's: every block torch.compile'd (fullgraph=True) in place in its list, then
           zeroplus.initialize(model, ...)
+  module_compile  every block's nn.Module.compile() (its hooks, added later, run inside its
+          compiled call: graph breaks there), then zeroplus.initialize(model, ...)
 for a few steps, with every parameter sharded at stage 3 (param_persistence_threshold=0, checked
 between steps), and compares against the same model under compiled DDP (fp32, parameters within
 1e-5) or under the same engine run eagerly (bf16/fp16: losses and parameters within the
@@ -113,6 +115,9 @@ def _zero(spec, offload_dir):
         blocks = _blocks(model)
         for i, block in enumerate(blocks):
             blocks[i] = torch.compile(block, backend=backend, fullgraph=True)
+    if spec.get("compile", True) and spec["order"] == "module_compile":
+        for block in _blocks(model):
+            block.compile(backend=backend)
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=spec["stage"], lr=LR,
                                      mixed_precision=spec.get("precision"), **kw)
     fwd = model
@@ -198,7 +203,7 @@ def _check(results, specs):
                 assert r["prefetched"] > 0, label  # the recorded order drove prefetch under compile
 
 
-ORDERS = [{"stage": 3, "order": order} for order in ("after", "before", "blocks")] + [
+ORDERS = [{"stage": 3, "order": order} for order in ("after", "before", "blocks", "module_compile")] + [
     # unit_classes names the block class: the compiled wrapper around each block is the unit.
     {"stage": 3, "order": "blocks", "knobs": {"unit_classes": [nn.TransformerEncoderLayer]}}]
 
