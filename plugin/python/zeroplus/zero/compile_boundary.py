@@ -5,9 +5,8 @@ shard <-> the full tensor, layout.Bucket.show_full/show_shard), wait for collect
 the pass's state in Python. Dynamo tracing into them bakes one side of the swap into a graph:
 the full shape is compiled in and the next call meets the shard (issue 44: inductor raised
 "wrong number of dimensions1"; with aot_eager the gradient reducer saw a tied parameter's
-gradient twice in one backward). So every
-hook the engine puts on a module or on a module's output is wrapped with
-torch.compiler.disable(recursive=True), as FSDP2 wraps its own
+gradient twice in one backward). So every hook the engine puts on a module or on a module's
+output is wrapped with torch.compiler.disable(recursive=True), as FSDP2 wraps its own
 (torch/distributed/fsdp/_fully_shard/_fsdp_common.py _dynamo_disable): when a compiled region
 calls one, dynamo ends the graph there, runs the hook eagerly and resumes tracing after it, with
 guards on the parameters' shapes as the hook left them (full while a unit runs).
