@@ -246,3 +246,30 @@ INDUCTOR = [{"stage": 3, "order": "after", "model": "mlp", "backend": "inductor"
 
 def test_inductor_stage3_matches_compiled_ddp():
     _check(run_pooled(_cases, 2, INDUCTOR, timeout=600), INDUCTOR)
+
+
+def _checkpoint_through_compiled(rank, world, path):
+    """save_checkpoint / load_checkpoint given the compiled module (torch.compile after initialize):
+    the checkpoint names parameters as the plain model does and loads into an uncompiled run."""
+    import zeroplus
+
+    spec = {"stage": 3, "order": "after"}
+    torch._dynamo.reset()
+    fwd, model, opt = _zero(spec, None)
+    _train(fwd, model, opt, spec, rank)
+    saved = _full(model)
+    zeroplus.save_checkpoint(path, fwd, opt)
+    _train(fwd, model, opt, spec, rank)  # moves away from the saved values
+    zeroplus.load_checkpoint(path, fwd, opt)
+    back = _full(model)
+    plain_fwd, plain, plain_opt = _zero({**spec, "compile": False}, None)
+    zeroplus.load_checkpoint(path, plain, plain_opt)
+    other = _full(plain)
+    torch._dynamo.reset()
+    return (all(torch.equal(saved[k], back[k]) for k in saved), all(torch.equal(saved[k], other[k]) for k in saved))
+
+
+def test_checkpoint_through_the_compiled_module():
+    with tempfile.TemporaryDirectory() as d:
+        for reloaded, plain in run_pooled(_checkpoint_through_compiled, 2, f"{d}/ckpt", timeout=300):
+            assert reloaded and plain
