@@ -7,6 +7,9 @@ on a machine with one GPU; nothing here runs in CI):
   stage3   one training step (forward, backward, optimizer step) of a GPT on the GPU, world size 1:
            zeroplus.initialize(stage=3) against FSDP2 (fully_shard per block + AdamW) and plain
            AdamW; median step time and peak GPU memory (torch.cuda.max_memory_allocated).
+  compile  the stage3 rows' plain AdamW, FSDP2 and zeroplus stage 3 in bf16 again, each
+           torch.compile'd (inductor) after it is wrapped, with dynamo's graph-break count: compare
+           with the eager stage3 rows (the warm-up steps compile and are not timed).
   offload  GPTs (stage 3, bf16) with the optimizer state in host memory or NVMe
            (offload_optimizer cpu / nvme), with the parameter shards there too (cpu_param,
            nvme_param: offload_param as well) and, where it fits, the same model in GPU memory
@@ -165,7 +168,9 @@ def _isolated(job: dict) -> dict:
             "error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]}"}
 
 
-def _stage3_row(variant: str, precision: str, size: dict, batch: int, reps: int, timeout_s: int = 600) -> dict:
+def _stage3_row(variant: str, precision: str, size: dict, batch: int, reps: int, timeout_s: int = 600,
+                compiled: bool = False) -> dict:
+    name = variant + ("+compile" if compiled else "")
     try:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
@@ -173,12 +178,19 @@ def _stage3_row(variant: str, precision: str, size: dict, batch: int, reps: int,
         torch.cuda.reset_peak_memory_stats()
         model, opt = _build(variant, size, precision)
         params = sum(p.numel() for p in _gpt(**size).parameters())
+        breaks = None
+        if compiled:
+            from torch._dynamo.utils import counters
+
+            model = torch.compile(model)
         ms = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps)
+        if compiled:
+            breaks = sum(counters["graph_break"].values())
         peak = torch.cuda.max_memory_allocated() / 2**30
-        return {"part": "stage3", "variant": variant, "precision": precision, "step_ms": ms, "peak_gib": peak,
-                "params": params}
+        return {"part": "stage3", "variant": name, "precision": precision, "step_ms": ms, "peak_gib": peak,
+                "params": params, "graph_breaks": breaks}
     except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
-        return {"part": "stage3", "variant": variant, "precision": precision, "error": repr(e)[:300]}
+        return {"part": "stage3", "variant": name, "precision": precision, "error": repr(e)[:300]}
 
 
 def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
@@ -195,6 +207,16 @@ def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
         if z and f:
             print(f"stage3 {precision}: zeroplus stage 3 / FSDP2 step = {z['step_ms'] / f['step_ms']:.2f}, "
                   f"peak {z['peak_gib']:.2f} vs {f['peak_gib']:.2f} GiB", flush=True)
+    return rows
+
+
+def bench_compile(reps: int, size: dict, batch: int) -> list[dict]:
+    rows = []
+    for variant in ("adamw", "fsdp2", "zeroplus_stage3"):
+        row = _isolated({"part": "stage3", "variant": variant, "precision": "bf16", "size": size, "batch": batch,
+                         "reps": reps, "compiled": True, "timeout_s": 900})
+        print("compile", json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -288,9 +310,11 @@ def _write(rows: list[dict], out: pathlib.Path, header: dict) -> None:
         lines.append("")
     stage3 = [r for r in rows if r["part"] == "stage3"]
     if stage3:
-        lines += ["| variant | precision | step ms | peak GiB |", "|---|---|---:|---:|"]
-        lines += [f"| {r['variant']} | {r['precision']} | " + (f"{r['step_ms']:.1f} | {r['peak_gib']:.2f} |" if "step_ms" in r
-                                                                else f"error: {r['error'][:80]} | |") for r in stage3]
+        lines += ["| variant | precision | step ms | peak GiB | graph breaks |", "|---|---|---:|---:|---:|"]
+        lines += [f"| {r['variant']} | {r['precision']} | " + (f"{r['step_ms']:.1f} | {r['peak_gib']:.2f} | "
+                                                                f"{'' if r.get('graph_breaks') is None else r['graph_breaks']} |"
+                                                                if "step_ms" in r else f"error: {r['error'][:80]} | | |")
+                  for r in stage3]
         lines.append("")
     off = [r for r in rows if r["part"] == "offload"]
     if off:
@@ -366,6 +390,9 @@ def main() -> None:
     if "stage3" in parts:
         rows += bench_stage3(max(5, args.reps // 2), dict(dim=args.dim, layers=args.layers, vocab=32000,
                                                          context=args.context), args.batch)
+    if "compile" in parts:
+        rows += bench_compile(max(5, args.reps // 2), dict(dim=args.dim, layers=args.layers, vocab=32000,
+                                                           context=args.context), args.batch)
     if "offload" in parts:
         rows += bench_offload(3, runs, args.offload_dim, 2, 512, args.nvme_path)
     _write(rows, pathlib.Path(args.out), header)

@@ -63,3 +63,25 @@ def test_frozen_and_shared_modules():
     assert _names(units) == ["a.0", "b", ""]
     assert [id(p) for p in units[0].owned] == [id(shared.weight), id(shared.bias)]
     assert [id(p) for p in units[1].owned] == [id(model.b.weight), id(model.b.bias)]
+
+
+def test_torch_compile_wrappers_are_seen_through():
+    import torch
+
+    # initialize(torch.compile(model)): the compiled root's children are the root's own, so the
+    # units are the uncompiled model's (names under `_orig_mod.`, as the wrapper's state_dict).
+    model = zm.make_model(layers=2)
+    plain = build_units(model)
+    compiled = build_units(torch.compile(model, backend="eager"))
+    assert _names(compiled) == ["_orig_mod." + n if n else n for n in _names(plain)]
+    assert [[id(p) for p in u.owned] for u in compiled] == [[id(p) for p in u.owned] for u in plain]
+    # torchtitan's order (each block compiled in its list, then sharded): the wrapper is the unit,
+    # also when unit_classes names the block class, so the gather hooks run outside its graph.
+    model = zm.make_model(layers=2)
+    for i, layer in enumerate(model.blocks.layers):
+        model.blocks.layers[i] = torch.compile(layer, backend="eager")
+    for classes in (None, [nn.TransformerEncoderLayer]):
+        units = build_units(model, classes)
+        blocks = [u for u in units if u.name.startswith("blocks.")]
+        assert [u.name for u in blocks] == ["blocks.layers.0", "blocks.layers.1"]
+        assert all(u.module is model.blocks.layers[i] for i, u in enumerate(blocks))

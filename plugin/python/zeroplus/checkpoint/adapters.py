@@ -42,6 +42,7 @@ import torch
 from ..optim.zero import ZeroRedundancyOptimizer
 from ..zero import state as zero_state
 from ..zero.engine import ZeroEngine
+from ..zero.units import compiled_inner
 from .format import CheckpointError, encode_value
 
 
@@ -540,6 +541,12 @@ class TorchZeroAdapter(_Base):
 
 
 def adapter_for(model, opt):
+    # torch.compile(model) after zeroplus.initialize (or around a DDP model): the module it runs,
+    # so parameters are named as the uncompiled model names them (no "_orig_mod." prefix) and
+    # the checkpoint loads with or without compile. A compiled module the engine was built on
+    # (zeroplus.initialize(torch.compile(model))) is the engine's module itself and stays.
+    while compiled_inner(model) is not None and model is not getattr(opt, "module", None):
+        model = compiled_inner(model)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module  # names as the user's own module has them (no "module." prefix)
     if not isinstance(model, torch.nn.Module):

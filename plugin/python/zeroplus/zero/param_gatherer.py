@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 from . import comm
 from .backward_pass import BackwardPass
 from .buffer_pool import BufferPool
+from .compile_boundary import opaque
 from .layout import Bucket
 from .units import Unit
 
@@ -141,19 +142,26 @@ class ParameterGatherer:
     # -- hooks on modules ----------------------------------------------------------------------
 
     def _install_module_hooks(self) -> None:
+        # Every hook is opaque to torch.compile (compile_boundary.py): it swaps .data between
+        # shard and full tensor, which a traced graph would bake in.
         root = self.units[-1].module
         for u in self.units:
             needs = [i for i in u.needs if self.states[i].buckets]
             if u.module is root:
                 continue
             if needs:
-                self._handles.append(u.module.register_forward_pre_hook(self._make_pre_forward(needs)))
-                self._handles.append(u.module.register_forward_hook(self._make_post_forward(needs)))
+                self._handles.append(u.module.register_forward_pre_hook(
+                    opaque(self._make_pre_forward(needs), "stage-3 gather (forward pre-hook)")))
+                self._handles.append(u.module.register_forward_hook(
+                    opaque(self._make_post_forward(needs), "stage-3 release (forward hook)")))
         root_needs = [i for i in self.units[-1].needs if self.states[i].buckets]
-        self._handles.append(root.register_forward_pre_hook(self._make_root_pre(root_needs)))
-        self._handles.append(root.register_forward_hook(self._make_root_post(root_needs)))
+        self._handles.append(root.register_forward_pre_hook(
+            opaque(self._make_root_pre(root_needs), "stage-3 pass start (root forward pre-hook)")))
+        self._handles.append(root.register_forward_hook(
+            opaque(self._make_root_post(root_needs), "stage-3 pass end (root forward hook)")))
         # Leaves the saved-tensor hook context even when forward raises.
-        self._handles.append(root.register_forward_hook(self._exit_saved_hooks, always_call=True))
+        self._handles.append(root.register_forward_hook(
+            opaque(self._exit_saved_hooks, "stage-3 saved-tensor hooks exit"), always_call=True))
 
     def _make_pre_forward(self, needs):
         def hook(_module, _args):
@@ -225,8 +233,9 @@ class ParameterGatherer:
         if not torch.is_grad_enabled():
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        hook = opaque(lambda _grad: self._pre_backward(needs), "stage-3 gather (pre-backward hook)")
         for t in tensors:
-            t.register_hook(lambda _grad, needs=needs: self._pre_backward(needs))
+            t.register_hook(hook)
 
     # -- backward ------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ gradients, the step loop and state; a placement owns where parameters live). Its
 
     units.py           which submodules are gather units; who owns a tied parameter
     param_gatherer.py  forward/backward hooks, all-gather + release, prefetch by recorded order
+    compile_boundary.py  the gatherer's hooks opaque to torch.compile (graph breaks at units)
     materialize.py     a model on the meta device becomes real one unit at a time
     sharded_init.py    (with deferred.py) a model built under zeroplus.init_context(): shards
                        from the start, gathered back one unit at a time by materialize.py

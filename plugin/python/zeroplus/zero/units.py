@@ -16,10 +16,17 @@ without calling it (nn.MultiheadAttention reads out_proj.weight directly) stay i
     embedding).
 unit_classes=[Block, ...] replaces the first two rules: every instance of those classes (again
 outermost first) is a unit, like FSDP's ModuleWrapPolicy; the root takes the rest.
+
+torch.compile wrappers (OptimizedModule, which holds the compiled module as `_orig_mod`) are
+seen through, so a model gets the same units compiled or not: a compiled root's `_orig_mod`
+children count as the root's own, and a wrapper around a unit (torchtitan's order: each block
+compiled, then sharded) is the unit itself, so the gather hooks go on the wrapper and run
+outside its compiled graph (compile_boundary.py).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -34,9 +41,27 @@ class Unit:
     needs: list[int] = field(default_factory=list)            # units whose parameters forward reads
 
 
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module a torch.compile wrapper runs (OptimizedModule._orig_mod), or None. No model
+    is compiled before torch._dynamo is imported, so it is not imported here."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule):
+        return module._orig_mod
+    return None
+
+
 def _unit_modules(root: nn.Module, unit_classes) -> list[tuple[str, nn.Module]]:
     chosen: list[tuple[str, nn.Module]] = []
     covered: set[int] = set()
+    roots = [root]  # the root and the modules it runs compiled (their children are the root's)
+    while compiled_inner(roots[-1]) is not None:
+        roots.append(compiled_inner(roots[-1]))
+    root_ids = {id(m) for m in roots}
+
+    def unwrapped(m: nn.Module) -> nn.Module:
+        while compiled_inner(m) is not None:
+            m = compiled_inner(m)
+        return m
 
     def has_params(m: nn.Module) -> bool:
         return any(True for _ in m.parameters())
@@ -48,12 +73,12 @@ def _unit_modules(root: nn.Module, unit_classes) -> list[tuple[str, nn.Module]]:
     def visit(name: str, module: nn.Module, parent: nn.Module | None) -> None:
         if id(module) in covered:
             return
-        if parent is not None and has_params(module):
+        if parent is not None and id(module) not in root_ids and has_params(module):
             if unit_classes is not None:
-                pick = isinstance(module, tuple(unit_classes))
+                pick = isinstance(unwrapped(module), tuple(unit_classes))
             else:
                 pick = (isinstance(parent, (nn.ModuleList, nn.Sequential))
-                        or (parent is root and not has_list_elements(module)))
+                        or (id(parent) in root_ids and not has_list_elements(module)))
             if pick:
                 chosen.append((name, module))
                 for sub in module.modules():
