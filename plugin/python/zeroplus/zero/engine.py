@@ -9,6 +9,7 @@ ZeroEngine is composed of one owner per concern; the stage classes (stages.py) o
     backward_pass.py     the one owner of backward hooks and of the end-of-backward callback
     loss_scaler.py       fp16 dynamic loss scaling (DeepSpeed rules)
     clipping.py          global norm across shards
+    grad_views.py        p.grad after backward (views of the reduced gradient for torch's clip functions)
     usage.py             which parameters had a gradient (agreed at step)
     bucket_optimizer.py  one bucket's step over its segments (fetch -> step -> store)
     state.py             sharded and consolidated (plain torch.optim) state dicts
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from ..offload import attach_optimizer_store, make_host_tier, prepare_optimizer_store, prepare_param_store
 from ..optim.fused import fused_class_for
 from . import clipping, dtensor_params, full_state, module_methods, precision, state
+from .grad_views import GradViews
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
@@ -182,6 +184,10 @@ class ZeroEngine(torch.optim.Optimizer):
         """Set-up after the reducer exists: the placement's part (stage 3: the parameter
         gatherer), then the model's load hooks."""
         self.placement.attach()
+        # p.grad after each backward, for torch's clip_grad_norm_ and gradient reads (grad_views.py);
+        # attached last: it ends a pass after the reducer reduced and the gatherer released.
+        self.grad_views = GradViews(self)
+        self.backward_pass.attach(self.grad_views, [])
         if self.module is not None:
             full_state.install_load_hooks(self)
             # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.
@@ -441,6 +447,8 @@ class ZeroEngine(torch.optim.Optimizer):
         self.reducer.usage.clear(set_to_none)
         self._clipped_this_step = False
         self._externally_unscaled = False
+        if set_to_none:
+            self.grad_views.forget()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
@@ -448,6 +456,8 @@ class ZeroEngine(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.zero_()
+        if not set_to_none:
+            self.grad_views.expose()  # zeros, as torch's zero_grad(set_to_none=False) leaves them
 
     # -- state ---------------------------------------------------------------------------------
 

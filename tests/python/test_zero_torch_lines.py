@@ -1,0 +1,166 @@
+"""The lines of a DDP script that touch gradients and model state, unchanged, at ZeRO stages 1-3
+(issue 38 item 2): each behaves as under DDP or raises naming the zeroplus call to use.
+
+Reference: DistributedDataParallel + torch.optim.AdamW on the same data. Before the fix every
+`p.grad` was None after backward at stages 1-3, so torch.nn.utils.clip_grad_norm_ returned 0 and
+clipped nothing, clip_grad_value_ did nothing, and get_total_norm was 0; a stage-3 model's
+state_dict() returned flat shards ('0.weight': (256,) for a 16 x 32 weight at 2 ranks) without a
+word, and a rank-0-only `torch.save(model.state_dict())` saved them.
+
+Model: a 3-layer MLP (1.2k parameters) with param_persistence_threshold=0 at stage 3, so every
+parameter is really sharded (asserted). One 2-rank launch runs every case, each in its own group.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_cases_in_own_groups, run_pooled
+
+LR, STEPS = 1e-2, 5
+STAGES = (1, 2, 3)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 24), nn.Tanh(), nn.Linear(24, 4))
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g) * 5
+
+
+def _initialize(model, stage, group, precision=None):
+    import zeroplus
+    extra = {"param_persistence_threshold": 0} if stage == 3 else {}
+    return zeroplus.initialize(model, torch.optim.AdamW, stage=stage, lr=LR, process_group=group,
+                               mixed_precision=precision, **extra)
+
+
+def _clip(kind: str, params, step: int):
+    """What a DDP script does between backward and step; the same call on both sides."""
+    params = list(params)
+    if kind == "norm":  # step-dependent norm type and foreach, so every path of clip_grad.py runs
+        norm_type, foreach = [(2.0, None), (float("inf"), None), (2.0, True), (3.0, False), (1.0, None)][step]
+        return float(torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type=norm_type, foreach=foreach))
+    if kind == "value":
+        torch.nn.utils.clip_grad_value_(params, 0.05, foreach=(None, True, False)[step % 3])
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(params, 0.5, total)
+    return float(total)
+
+
+def _clip_case(rank, group, stage, kind, precision):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zeroplus
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    model, opt = _initialize(model, stage, group, precision)
+    sharded = [tuple(p.shape) for p in model.parameters()]
+    norms, ref_norms = [], []
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_norms.append(_clip(kind, ref.parameters(), step))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        norms.append(_clip(kind, model.parameters(), step))
+        opt.step()
+        opt.zero_grad()
+    mine = zeroplus.full_state_dict(model, rank0_only=False)
+    diff = max((mine[k].float() - v).abs().max().item() for k, v in ref_model.state_dict().items())
+    return {"norms": norms, "ref_norms": ref_norms, "diff": diff, "shapes": sharded,
+            "full_shapes": [tuple(p.shape) for p in ref_model.parameters()]}
+
+
+CLIP_CASES = [(stage, kind, None) for stage in STAGES for kind in ("norm", "value", "total")] + \
+             [(stage, "norm", "bf16") for stage in STAGES]
+
+
+def _grad_reads_case(rank, group, stage):
+    """p.grad after backward: DDP's values at stage 1 (plain views); at stages 2-3 the full shape
+    and dtype, and a clear error naming the zeroplus call for an op it cannot answer locally."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, process_group=group)
+    model, opt = _initialize(model, stage, group)
+    x, y = _batch(0, rank)
+    nn.functional.mse_loss(ref(x), y).backward()
+    nn.functional.mse_loss(model(x), y).backward()
+    out = {"none": [p.grad is None for p in model.parameters()],
+           "shapes_ok": all(tuple(p.grad.shape) == tuple(r.shape) and p.grad.dtype == r.dtype
+                            for p, r in zip(model.parameters(), ref_model.parameters()))}
+    if stage == 1:
+        out["diff"] = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref_model.parameters()))
+    else:
+        try:
+            next(iter(model.parameters())).grad.sum()
+            out["error"] = None
+        except RuntimeError as e:
+            out["error"] = str(e)
+    opt.zero_grad(set_to_none=False)  # as torch's: gradients stay, as zeros
+    out["zeros_after_keep"] = [p.grad is not None for p in model.parameters()]
+    out["zero_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    model.zero_grad()
+    out["none_after_zero_grad"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+CASES = {("clip",) + c: functools.partial(_clip_case, stage=c[0], kind=c[1], precision=c[2]) for c in CLIP_CASES}
+CASES.update({("grad_reads", s): functools.partial(_grad_reads_case, stage=s) for s in STAGES})
+
+
+def _all_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, CASES)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_pooled(_all_cases, 2, timeout=600)
+
+
+def _ok(results, key):
+    for r, res in enumerate(results):
+        status, value = res[key]
+        assert status == "ok", f"rank {r}:\n{value}"
+    return [res[key][1] for res in results]
+
+
+@pytest.mark.parametrize("case", CLIP_CASES, ids=lambda c: f"stage{c[0]}-{c[1]}-{c[2] or 'fp32'}")
+def test_torch_clip_functions_match_ddp(results, case):
+    stage, kind, precision = case
+    tolerance = 1e-5 if precision is None else 3e-2
+    for r, res in enumerate(_ok(results, ("clip",) + case)):
+        if stage == 3:  # every parameter really sharded: a rank holds half of each
+            assert all(len(s) == 1 for s in res["shapes"]) and res["shapes"] != res["full_shapes"], res["shapes"]
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=tolerance), f"rank {r}"
+        if kind != "value":
+            assert all(n > 0.5 for n in res["norms"]), res["norms"]  # clipping is active every step
+        assert res["diff"] <= tolerance, f"rank {r}: weights differ from DDP by {res['diff']:.3g}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_grad_reads(results, stage):
+    for r, res in enumerate(_ok(results, ("grad_reads", stage))):
+        assert not any(res["none"]) and res["shapes_ok"], res
+        if stage == 1:
+            assert res["diff"] <= 1e-6, res["diff"]
+        else:
+            assert res["error"] is not None and "opt.clip_grad_norm_" in res["error"], res["error"]
+        assert all(res["zeros_after_keep"]) and res["zero_norm"] == 0.0, res
+        assert res["none_after_zero_grad"], res
