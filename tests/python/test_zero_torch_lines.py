@@ -121,17 +121,129 @@ def _grad_reads_case(rank, group, stage):
     return out
 
 
+def _train_step(model, opt, step, rank, zero_grad=None):
+    x, y = _batch(step, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    (zero_grad or opt.zero_grad)()
+
+
+def _state_case(rank, group, stage, directory):
+    """model.state_dict() / load_state_dict(), the rank-0-only save, torch's DCP calls."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zeroplus
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    model, opt = _initialize(model, stage, group)
+    out = {"sharded": [tuple(p.shape) for p in model.parameters()] != [tuple(p.shape) for p in ref_model.parameters()]}
+    for step in range(2):
+        _train_step(ref, ref_opt, step, rank)
+        _train_step(model, opt, step, rank)
+
+    def diff_to_ref(sd):
+        return max((sd[k].float() - v).abs().max().item() for k, v in ref_model.state_dict().items())
+
+    try:
+        out["state_dict_diff"] = diff_to_ref(model.state_dict())
+        out["state_dict_error"] = None
+    except RuntimeError as e:
+        out["state_dict_error"] = str(e)
+    # A DDP script's checkpoint line: on rank 0 only. Works or raises at once, never hangs, and
+    # leaves the group in step (the next training step matches DDP on every rank).
+    path = os.path.join(directory, f"stage{stage}.pt")
+    start = time.monotonic()
+    out["rank0_error"] = None
+    if rank == 0:
+        try:
+            torch.save(model.state_dict(), path)
+        except RuntimeError as e:
+            out["rank0_error"] = str(e)
+    out["rank0_s"] = time.monotonic() - start
+    _train_step(ref, ref_opt, 2, rank)
+    _train_step(model, opt, 2, rank)
+    out["after_save_diff"] = diff_to_ref(zeroplus.full_state_dict(model, rank0_only=False))
+    # What the error names: full_state_dict on every rank, rank 0 saves; a plain module loads it.
+    sd = zeroplus.full_state_dict(model)
+    if rank == 0:
+        torch.save(sd, path + ".full")
+    torch.distributed.barrier(group)
+    plain = _model()
+    plain.load_state_dict(torch.load(path + ".full"))
+    out["saved_diff"] = diff_to_ref(plain.state_dict())
+    # model.load_state_dict(full dict) on every rank, then train: as DDP after the same load.
+    torch.manual_seed(5)
+    new = {k: torch.randn_like(v) for k, v in ref_model.state_dict().items()}
+    ref_model.load_state_dict(new)
+    model.load_state_dict(new)
+    out["loaded_diff"] = diff_to_ref(zeroplus.full_state_dict(model, rank0_only=False))
+    _train_step(ref, ref_opt, 3, rank)
+    _train_step(model, opt, 3, rank)
+    out["after_load_diff"] = diff_to_ref(zeroplus.full_state_dict(model, rank0_only=False))
+    # torch's DCP: get_model_state_dict as DDP at stages 1-2; the optimizer's part raises.
+    if stage < 3:
+        out["dcp_model_diff"] = diff_to_ref(get_model_state_dict(model))
+    errors = {}
+    for name, call in (("get_state_dict", lambda: get_state_dict(model, opt)),
+                       ("set_state_dict", lambda: set_state_dict(model, opt, model_state_dict=new,
+                                                                 optim_state_dict=ref_opt.state_dict()))):
+        try:
+            call()
+            errors[name] = None
+        except RuntimeError as e:
+            errors[name] = str(e)
+    out["dcp_errors"] = errors
+    # Still in step after the refusals (nothing half-done): one more step as DDP.
+    _train_step(ref, ref_opt, 4, rank)
+    _train_step(model, opt, 4, rank)
+    out["final_diff"] = diff_to_ref(zeroplus.full_state_dict(model, rank0_only=False))
+    return out
+
+
+def _accumulation_case(rank, group, stage):
+    """model.no_sync() for accumulation, torch's clip, model.zero_grad(): as DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zeroplus
+    model = _model()
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    model, opt = _initialize(model, stage, group)
+    norms, ref_norms = [], []
+    for step in range(3):
+        for m, o, sink in ((ref, ref_opt, ref_norms), (model, opt, norms)):
+            x, y = _batch(step, rank)
+            with m.no_sync():
+                nn.functional.mse_loss(m(x[:3]), y[:3]).backward()
+            nn.functional.mse_loss(m(x[3:]), y[3:]).backward()
+            sink.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+            o.step()
+            m.zero_grad()
+    mine = zeroplus.full_state_dict(model, rank0_only=False)
+    diff = max((mine[k] - v).abs().max().item() for k, v in ref_model.state_dict().items())
+    return {"norms": norms, "ref_norms": ref_norms, "diff": diff,
+            "count": len(list(model.parameters())), "ref_count": len(list(ref_model.parameters()))}
+
+
 CASES = {("clip",) + c: functools.partial(_clip_case, stage=c[0], kind=c[1], precision=c[2]) for c in CLIP_CASES}
 CASES.update({("grad_reads", s): functools.partial(_grad_reads_case, stage=s) for s in STAGES})
+CASES.update({("accumulation", s): functools.partial(_accumulation_case, stage=s) for s in STAGES})
 
 
-def _all_cases(rank, world):
-    return run_cases_in_own_groups(rank, world, CASES)
+def _all_cases(rank, world, directory):
+    cases = dict(CASES)
+    cases.update({("state", s): functools.partial(_state_case, stage=s, directory=directory) for s in STAGES})
+    return run_cases_in_own_groups(rank, world, cases)
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_pooled(_all_cases, 2, timeout=600)
+    with tempfile.TemporaryDirectory() as directory:
+        return run_pooled(_all_cases, 2, directory, timeout=600)
 
 
 def _ok(results, key):
@@ -164,3 +276,27 @@ def test_grad_reads(results, stage):
             assert res["error"] is not None and "opt.clip_grad_norm_" in res["error"], res["error"]
         assert all(res["zeros_after_keep"]) and res["zero_norm"] == 0.0, res
         assert res["none_after_zero_grad"], res
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_model_state_dict_and_torch_dcp(results, stage):
+    for r, res in enumerate(_ok(results, ("state", stage))):
+        assert res["sharded"] == (stage == 3)
+        if stage < 3:  # as DDP: the full parameters, and the rank-0-only save works
+            assert res["state_dict_error"] is None and res["state_dict_diff"] <= 1e-6, res
+            assert res["rank0_error"] is None and res["dcp_model_diff"] <= 1e-6, res
+        else:  # raises at once on the calling rank, naming the calls to use; nothing hangs
+            for message in (res["state_dict_error"], res["rank0_error"] if r == 0 else res["state_dict_error"]):
+                assert message and "zeroplus.full_state_dict(model)" in message and "shard" in message, message
+        assert res["rank0_s"] < 5.0, res["rank0_s"]
+        for key in ("after_save_diff", "saved_diff", "loaded_diff", "after_load_diff", "final_diff"):
+            assert res[key] <= 1e-5, (key, res[key])
+        for name, message in res["dcp_errors"].items():  # torch's DCP never labels shards silently
+            assert message and "zeroplus.checkpoint.get_state_dict(model, opt)" in message, (name, message)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_sync_clip_and_module_zero_grad(results, stage):
+    for r, res in enumerate(_ok(results, ("accumulation", stage))):
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5), f"rank {r}"
+        assert res["diff"] <= 1e-5 and res["count"] == res["ref_count"], res

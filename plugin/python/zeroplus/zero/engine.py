@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..offload import attach_optimizer_store, make_host_tier, prepare_optimizer_store, prepare_param_store
 from ..optim.fused import fused_class_for
-from . import clipping, dtensor_params, full_state, module_methods, precision, state
+from . import clipping, dtensor_params, full_state, module_methods, precision, state, state_dict_guard
 from .grad_views import GradViews
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
@@ -190,6 +190,8 @@ class ZeroEngine(torch.optim.Optimizer):
         self.backward_pass.attach(self.grad_views, [])
         if self.module is not None:
             full_state.install_load_hooks(self)
+            if self.placement.gatherer is not None:  # stage 3: state_dict() of shards raises
+                state_dict_guard.install(self)
             # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.
             object.__setattr__(self.module, "_zeroplus_engine", weakref.ref(self))
 
@@ -319,6 +321,8 @@ class ZeroEngine(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if state_dict_guard.called_by_torch_dcp():
+            return None  # DCP's state initialisation (zero grads, lr 0): its state_dict() call raises next
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -462,11 +466,13 @@ class ZeroEngine(torch.optim.Optimizer):
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self):
+        state_dict_guard.refuse_torch_dcp("state_dict()")
         if self._consolidated is not None:
             return self._consolidated
         return state.sharded_state_dict(self)
 
     def load_state_dict(self, state_dict) -> None:
+        state_dict_guard.refuse_torch_dcp("load_state_dict()")
         # torch.optim.Optimizer.load_state_dict's hooks (register_load_state_dict_pre_hook /
         # _post_hook), which this override would otherwise skip: a pre-hook may return a new dict.
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
