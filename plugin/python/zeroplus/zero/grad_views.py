@@ -28,7 +28,9 @@ gatherer ended it) every managed trainable parameter gets a `p.grad`:
     offload_optimizer on CUDA) is not in memory: every op raises naming opt.clip_grad_norm_.
 
 The next backward clears these views before autograd accumulates into them (a tensor pre-hook on
-every parameter, which runs before AccumulateGrad); zero_grad frees them with the accumulators.
+every parameter, which runs before AccumulateGrad, for the first; the pass's begin_backward, from
+that first gradient's hook, for the rest, which the reducer would otherwise read as local
+gradients); zero_grad frees them with the accumulators.
 Tensor-parallel (DTensor) parameters get no view (their gradient stays None, as before).
 """
 
@@ -266,7 +268,12 @@ class GradViews:
         pass
 
     def begin_backward(self) -> None:
-        pass
+        # The reducer reads the p.grad of a parameter that got no gradient in this pass as a local
+        # gradient to send (no_sync accumulation): none of these views may be left for it.
+        for _b, _e, p in self._entries:
+            if p.grad is not None and self.owns(p):
+                p.grad = None
+        self._set.clear()
 
     def abandon_backward(self) -> None:
         pass

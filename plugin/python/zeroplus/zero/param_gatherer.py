@@ -117,6 +117,9 @@ class ParameterGatherer:
         self.rank = rank
         self.world_size = dist.get_world_size(group)
         self.broadcast_gather = comm.owner_broadcast_gather(group)
+        # gather_agreement.GatherAgreement, set by the placement: every rank agrees on each unit
+        # gather before its collectives are issued (rank-divergent execution fails fast); None: no check.
+        self.agreement = None
         self.stats = {"on_demand": 0, "prefetched": 0}  # all-gathers issued, by reason
         self._order = {"forward": [], "backward": []}   # prediction from the previous pass
         self._seen = {"forward": [], "backward": []}    # this pass
@@ -323,18 +326,18 @@ class ParameterGatherer:
         if self._on_track[kind] and (position >= len(order) or order[position] != i):
             self._on_track[kind] = False
         if st.state == RELEASED:
-            self._issue(st)
+            self._issue(st, kind)
             self.stats["on_demand"] += 1
         st.prefetched = False  # in use now: no longer "ahead"
         if self._on_track[kind]:
-            self._prefetch(order, position + 1)
+            self._prefetch(order, position + 1, kind)
             if self.store is not None:
                 # Offloaded shards: read the records of the units predicted next (beyond the
                 # all-gathers just issued) while this one computes, as far as free buffers go.
                 self.store.read_ahead([b for j in order[position + 1:] for b in self.states[j].buckets])
         self._complete(st)
 
-    def _prefetch(self, order: list[int], start: int) -> None:
+    def _prefetch(self, order: list[int], start: int, kind: str) -> None:
         ahead = [s for s in self.states if s.prefetched]  # gathered ahead, not used yet
         ahead_elems = sum(s.numel for s in ahead)
         for j in order[start:]:
@@ -348,7 +351,7 @@ class ParameterGatherer:
                 break
             if self.live_elems + st.numel > self.max_live_elems:
                 break
-            self._issue(st)
+            self._issue(st, kind)
             self.stats["prefetched"] += 1
             st.prefetched = True
             ahead.append(st)
@@ -367,7 +370,9 @@ class ParameterGatherer:
         for b in pinned:
             self.store.unpin(b)
 
-    def _issue(self, st: _UnitState) -> None:
+    def _issue(self, st: _UnitState, kind: str) -> None:
+        if self.agreement is not None:  # before anything is in flight: a mismatch leaves nothing pending
+            self.agreement.agree(st.unit.index, kind)
         st.works = []
         try:
             for b in st.buckets:
@@ -442,7 +447,7 @@ class ParameterGatherer:
         for i in indices:
             st = self.states[i]
             if st.state == RELEASED:
-                self._issue(st)
+                self._issue(st, "outside")
         for i in indices:
             self._complete(self.states[i])
             self.states[i].refs += 1

@@ -1,0 +1,170 @@
+"""Rank-divergent execution at ZeRO stage 3 fails fast on every rank (issue 38 item 5).
+
+A sharded module that rank 0 runs and rank 1 skips (param_persistence_threshold=0, so its
+parameters really are sharded and gathered by collectives), and a no-grad generation loop that
+runs 5 steps on rank 0 and 3 on rank 1 before both train: before the fix the ranks paired one
+unit's all-gather with another's (equal sizes: the wrong parameters, silently) and then waited
+until the group timeout, naming nothing. Now every rank raises RankDivergenceError within
+seconds, naming the modules each rank was gathering, and the group stays usable. The remedy the
+error names (param_persistence_threshold of the size it states) then trains as DDP with
+find_unused_parameters=True.
+
+Model: 3 small Linear layers (~150 parameters). One 2-rank launch runs every case, each in its
+own group.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_cases_in_own_groups, run_pooled
+
+LR = 1e-2
+
+
+class LocalHead(nn.Module):
+    """`aux` runs on rank 0 only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.aux = nn.Linear(16, 4)
+        self.rank = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        out = self.head(h)
+        return out + self.aux(h) if self.rank == 0 else out
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _initialize(model, group, threshold):
+    import zeroplus
+    return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, process_group=group,
+                               param_persistence_threshold=threshold)
+
+
+def _after_error(group) -> bool:
+    """The group still works after the error (every rank raised at the same collective)."""
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t, group=group)
+    return t.item() == 2.0
+
+
+def _local_head_case(rank, group):
+    model = LocalHead()
+    model.rank = rank
+    model, opt = _initialize(model, group, 0)
+    sharded = all(p.dim() == 1 for p in model.parameters())
+    start = time.monotonic()
+    error = None
+    try:
+        for step in range(3):
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"sharded": sharded, "error": error, "seconds": time.monotonic() - start, "usable": _after_error(group)}
+
+
+def _generation_case(rank, group):
+    model = LocalHead()
+    model.rank = 1  # every rank runs the same modules; the number of steps differs
+    model, opt = _initialize(model, group, 0)
+    start = time.monotonic()
+    error = None
+    try:
+        with torch.no_grad():
+            x, _ = _batch(0, rank)
+            for _ in range(5 if rank == 0 else 3):  # a decode loop that stops early on rank 1
+                x = torch.cat([x[:, 4:], model(x)], dim=1)
+        x, y = _batch(1, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    except RuntimeError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - start, "usable": _after_error(group)}
+
+
+def _remedy_case(rank, group, threshold):
+    """The remedy the error names: the divergent head's parameters kept whole trains as DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zeroplus
+    model = LocalHead()
+    model.rank = rank
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, find_unused_parameters=True, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    model, opt = _initialize(model, group, threshold)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    mine = zeroplus.full_state_dict(model, rank0_only=False)
+    return max((mine[k] - v).abs().max().item() for k, v in ref_model.state_dict().items())
+
+
+def _all_cases(rank, world):
+    out = run_cases_in_own_groups(rank, world, {"local_head": _local_head_case, "generation": _generation_case})
+    # The remedy, with the size the error named (the same on every rank).
+    named = re.search(r"param_persistence_threshold >= (\d+)", out["local_head"][1]["error"] or "")
+    threshold = int(named.group(1)) if named else 0
+    if threshold:
+        out.update(run_cases_in_own_groups(rank, world, {"remedy": functools.partial(_remedy_case, threshold=threshold)}))
+    out["threshold"] = ("ok", threshold)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_pooled(_all_cases, 2, timeout=240)
+
+
+def _ok(results, key):
+    for r, res in enumerate(results):
+        status, value = res[key]
+        assert status == "ok", f"rank {r}:\n{value}"
+    return [res[key][1] for res in results]
+
+
+def test_rank_only_module_raises_fast_on_every_rank(results):
+    for r, res in enumerate(_ok(results, "local_head")):
+        assert res["sharded"], "the case needs the parameters sharded"
+        assert res["error"] is not None, f"rank {r} did not raise"
+        assert res["error"].startswith("RankDivergenceError"), res["error"]
+        for needle in ("module 'aux'", "rank 0", "rank 1", "param_persistence_threshold >= 64", "synced"):
+            assert needle in res["error"], (needle, res["error"])
+        assert res["seconds"] < 10, res["seconds"]
+        assert res["usable"], f"rank {r}: the group no longer works after the error"
+
+
+def test_generation_loop_of_different_lengths_raises_fast(results):
+    for r, res in enumerate(_ok(results, "generation")):
+        assert res["error"] is not None and res["error"].startswith("RankDivergenceError"), res["error"]
+        assert "no grad" in res["error"] and "synced_gpus=True" in res["error"], res["error"]
+        assert res["seconds"] < 10, res["seconds"]
+        assert res["usable"], f"rank {r}: the group no longer works after the error"
+
+
+def test_named_remedy_trains_as_ddp(results):
+    assert _ok(results, "threshold")[0] == 64
+    for r, diff in enumerate(_ok(results, "remedy")):
+        assert diff <= 1e-5, f"rank {r}: differs from DDP by {diff:.3g}"
