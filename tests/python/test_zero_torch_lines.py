@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import tempfile
 import time
@@ -229,8 +230,25 @@ def _accumulation_case(rank, group, stage):
             "count": len(list(model.parameters())), "ref_count": len(list(ref_model.parameters()))}
 
 
+def _fp16_case(rank, group, stage):
+    """fp16 (loss-scaled accumulators): torch's norm over p.grad is the true gradient's norm, the
+    one opt.clip_grad_norm_ returns."""
+    model, opt = _initialize(_model(), stage, group, "fp16")
+    x, y = _batch(0, rank)
+    for _ in range(20):  # the first scales overflow: the engine's step skips them and halves the scale
+        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        ours = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+        if math.isfinite(ours):
+            break
+        opt.step()
+        opt.zero_grad()
+    engine = float(opt.clip_grad_norm_(1e9))
+    return {"torch": ours, "engine": engine, "scale": opt.loss_scale}
+
+
 CASES = {("clip",) + c: functools.partial(_clip_case, stage=c[0], kind=c[1], precision=c[2]) for c in CLIP_CASES}
 CASES.update({("grad_reads", s): functools.partial(_grad_reads_case, stage=s) for s in STAGES})
+CASES.update({("fp16", s): functools.partial(_fp16_case, stage=s) for s in (2, 3)})
 CASES.update({("accumulation", s): functools.partial(_accumulation_case, stage=s) for s in STAGES})
 
 
@@ -300,3 +318,10 @@ def test_no_sync_clip_and_module_zero_grad(results, stage):
     for r, res in enumerate(_ok(results, ("accumulation", stage))):
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-5), f"rank {r}"
         assert res["diff"] <= 1e-5 and res["count"] == res["ref_count"], res
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_fp16_norm_is_the_unscaled_one(results, stage):
+    for r, res in enumerate(_ok(results, ("fp16", stage))):
+        assert res["scale"] > 1.0 and res["engine"] > 0, res
+        assert res["torch"] == pytest.approx(res["engine"], rel=1e-4), res

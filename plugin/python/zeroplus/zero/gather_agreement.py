@@ -73,7 +73,7 @@ class GatherAgreement:
         mine = torch.tensor([unit, code, grad, ready], dtype=torch.int64, device=self.device)
         everyone = torch.empty(self.world_size * 4, dtype=torch.int64, device=self.device)
         try:
-            comm.all_gather(everyone, mine, self.group, async_op=False)
+            comm.agreement_all_gather(everyone, mine, self.group)
         except dist.DistBackendError as e:
             raise RankDivergenceError(
                 f"ZeRO stage 3: rank {self.rank} was about to gather {self._describe(unit, kind, mine[2].item())} "
