@@ -114,6 +114,13 @@ def _grad_reads_case(rank, group, stage):
             out["error"] = None
         except RuntimeError as e:
             out["error"] = str(e)
+        try:  # torch's GradScaler reads p.grad too: refused, naming zeroplus's
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(torch.ones(()))  # as after scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            out["scaler_error"] = None
+        except RuntimeError as e:
+            out["scaler_error"] = str(e)
     opt.zero_grad(set_to_none=False)  # as torch's: gradients stay, as zeros
     out["zeros_after_keep"] = [p.grad is not None for p in model.parameters()]
     out["zero_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
@@ -292,6 +299,7 @@ def test_grad_reads(results, stage):
             assert res["diff"] <= 1e-6, res["diff"]
         else:
             assert res["error"] is not None and "opt.clip_grad_norm_" in res["error"], res["error"]
+            assert res["scaler_error"] is not None and "zeroplus.GradScaler" in res["scaler_error"], res["scaler_error"]
         assert all(res["zeros_after_keep"]) and res["zero_norm"] == 0.0, res
         assert res["none_after_zero_grad"], res
 

@@ -13,6 +13,7 @@ ZeroEngine is composed of one owner per concern; the stage classes (stages.py) o
     usage.py             which parameters had a gradient (agreed at step)
     bucket_optimizer.py  one bucket's step over its segments (fetch -> step -> store)
     state.py             sharded and consolidated (plain torch.optim) state dicts
+    state_dict_guard.py  stage 3: model.state_dict() of shards raises; torch's DCP calls on the engine raise
     this file            construction order, the step (unscale, clip, the bucket loop), zero_grad
 
 The user's param_groups stay the user's (LR schedulers and hyperparameter edits work). Each

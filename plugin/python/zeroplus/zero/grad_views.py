@@ -200,6 +200,12 @@ def _foreach_clamp_(grads, min=None, max=None) -> None:  # noqa: A002
         _clamp_(g, min=min, max=max)
 
 
+def _amp_unscale(*_args, **_kwargs):
+    raise RuntimeError("zeroplus: torch.amp.GradScaler.unscale_ reads p.grad, which at ZeRO stages 2-3 holds only this "
+                       "rank's piece of the gradient (its inf check would not be agreed across ranks); use "
+                       "zeroplus.GradScaler (same interface), or mixed_precision='fp16' with opt.backward(loss)")
+
+
 def _zero_(g):
     piece = g.piece()
     if piece is not None:
@@ -222,6 +228,7 @@ _HANDLERS = {
     aten._foreach_clamp_min_.Scalar: lambda gs, v: _foreach_clamp_(gs, min=v),
     aten._foreach_clamp_max_.Scalar: lambda gs, v: _foreach_clamp_(gs, max=v),
     aten.zero_.default: _zero_,
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
 }
 
 

@@ -33,7 +33,9 @@ as prefetch_elems (elements gathered ahead and not yet used; None: one unit ahea
 depth) and max_live_elems (all gathered elements) allow. A pass that departs from the prediction (a conditional branch) stops
 prefetching for the rest of that pass and gathers on demand, which is always correct; its own
 sequence becomes the next prediction. Every rank must run the same modules in the same order
-(as with DDP), so every rank issues the same collectives in the same order.
+(as with DDP), so every rank issues the same collectives in the same order: each unit's gather is
+first agreed across ranks (`agreement`, gather_agreement.py), so a rank that runs another module
+raises RankDivergenceError on every rank instead of pairing its gather with another one.
 """
 
 from __future__ import annotations
