@@ -125,11 +125,40 @@ def _remedy_case(rank, group, threshold):
     return max((mine[k] - v).abs().max().item() for k, v in ref_model.state_dict().items())
 
 
+def _hf_generate_case(rank, group, synced):
+    """model.generate on a Hugging Face GPT-2 at stage 3, 5 new tokens on rank 0 and 3 on rank 1,
+    then a training step on both. Without synced_gpus: RankDivergenceError on every rank; with
+    synced_gpus=True (the remedy the error names): the tokens of the unsharded model."""
+    import integration_common as ic
+
+    plain = ic.tiny_gpt2()
+    model, opt = _initialize(ic.tiny_gpt2(), group, 0)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    new = 5 if rank == 0 else 3
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    start = time.monotonic()
+    error, tokens = None, None
+    try:
+        with torch.no_grad():
+            tokens = model.generate(prompt, synced_gpus=synced, **kwargs)[0].tolist()
+        ids = torch.randint(0, ic.VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+    except RuntimeError as e:
+        error = f"{type(e).__name__}: {e}"
+    with torch.no_grad():
+        expected = plain.generate(prompt, **kwargs)[0].tolist()
+    return {"error": error, "seconds": time.monotonic() - start, "tokens": tokens, "expected": expected}
+
+
 REMEDY_THRESHOLD = 64  # aux's largest parameter (16 x 4): what the error must name
 
 
 def _all_cases(rank, world):
-    out = run_cases_in_own_groups(rank, world, {"local_head": _local_head_case, "generation": _generation_case})
+    out = run_cases_in_own_groups(rank, world, {
+        "local_head": _local_head_case, "generation": _generation_case,
+        "hf_generate": functools.partial(_hf_generate_case, synced=False),
+        "hf_generate_synced": functools.partial(_hf_generate_case, synced=True)})
     # The remedy the error names. Without the agreement on gradient launches this setting hung
     # (trunk still sharded: rank 0 launched aux's reduce-scatter where rank 1 gathered trunk).
     out.update(run_cases_in_own_groups(rank, world, {"remedy": functools.partial(_remedy_case,
@@ -172,3 +201,12 @@ def test_generation_loop_of_different_lengths_raises_fast(results):
 def test_named_remedy_trains_as_ddp(results):
     for r, diff in enumerate(_ok(results, "remedy")):
         assert diff <= 1e-5, f"rank {r}: differs from DDP by {diff:.3g}"
+
+
+def test_hf_generate_of_different_lengths_raises_or_runs_synced(results):
+    for r, res in enumerate(_ok(results, "hf_generate")):
+        assert res["error"] is not None and res["error"].startswith("RankDivergenceError"), res["error"]
+        assert "synced_gpus=True" in res["error"] and res["seconds"] < 20, res
+    for r, res in enumerate(_ok(results, "hf_generate_synced")):
+        assert res["error"] is None, f"rank {r}: {res['error']}"
+        assert res["tokens"] == res["expected"] and len(res["tokens"]) == 4 + (5 if r == 0 else 3), res
