@@ -114,6 +114,11 @@ def _grad_reads_case(rank, group, stage):
             out["error"] = None
         except RuntimeError as e:
             out["error"] = str(e)
+        try:  # a foreach op the clip functions do not use
+            torch._foreach_add_([p.grad for p in model.parameters()], 1.0)
+            out["foreach_error"] = None
+        except RuntimeError as e:
+            out["foreach_error"] = str(e)
         try:  # torch's GradScaler reads p.grad too: refused, naming zeroplus's
             scaler = torch.amp.GradScaler("cpu")
             scaler.scale(torch.ones(()))  # as after scaler.scale(loss).backward()
@@ -299,6 +304,7 @@ def test_grad_reads(results, stage):
             assert res["diff"] <= 1e-6, res["diff"]
         else:
             assert res["error"] is not None and "opt.clip_grad_norm_" in res["error"], res["error"]
+            assert res["foreach_error"] is not None and "opt.clip_grad_norm_" in res["foreach_error"], res
             assert res["scaler_error"] is not None and "zeroplus.GradScaler" in res["scaler_error"], res["scaler_error"]
         assert all(res["zeros_after_keep"]) and res["zero_norm"] == 0.0, res
         assert res["none_after_zero_grad"], res

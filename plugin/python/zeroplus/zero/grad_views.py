@@ -132,8 +132,11 @@ class ShardedGrad(torch.Tensor):
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is None:
+            first = args[0] if args else None
+            first = first[0] if isinstance(first, (list, tuple)) and first else first  # a foreach op's list
+            shape = tuple(first.shape) if isinstance(first, torch.Tensor) else "?"
             raise RuntimeError(f"zeroplus: {func} on p.grad of a ZeRO parameter, which holds only this rank's piece of "
-                               f"the averaged gradient (shape {tuple(args[0].shape) if args else '?'}); {_USE}")
+                               f"the averaged gradient (shape {shape}); {_USE}")
         return handler(*args, **kwargs)
 
 
