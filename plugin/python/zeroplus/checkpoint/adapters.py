@@ -41,6 +41,7 @@ import torch
 
 from ..optim.zero import ZeroRedundancyOptimizer
 from ..zero import state as zero_state
+from ..zero import state_dict_guard
 from ..zero.engine import ZeroEngine
 from ..zero.units import compiled_inner
 from .format import CheckpointError, encode_value
@@ -102,7 +103,9 @@ class _Base:
         self.params = {name: p for name, p in model.named_parameters()}
         self.aliases = {}
         self.buffers = {}
-        for key, value in model.state_dict(keep_vars=True).items():
+        with state_dict_guard.allowed():  # identities of the live (possibly sharded) parameters
+            live = model.state_dict(keep_vars=True)
+        for key, value in live.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"checkpoint: model state_dict entry {key!r} is a {type(value).__name__} (extra "
                                 f"state), which checkpoints do not support")

@@ -56,6 +56,7 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
+from ..zero import state_dict_guard
 from .adapters import adapter_for
 from .load import check_model_shapes
 
@@ -245,7 +246,9 @@ def get_state_dict(model, optimizers, *, options=None) -> tuple[dict, dict]:
     shapes = adapter.model_shapes()
     tensors = _dcp_tensors(model_entries, shapes, [e[0] for e in everyone], ranks, group)
     model_sd = {}
-    for key, value in adapter.model.state_dict(keep_vars=True).items():
+    with state_dict_guard.allowed():  # keys and identities; the values are the pieces above
+        live = adapter.model.state_dict(keep_vars=True)
+    for key, value in live.items():
         canonical = adapter.aliases.get(key, key)
         if canonical in tensors:
             model_sd[key] = tensors[canonical]

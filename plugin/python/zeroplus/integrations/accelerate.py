@@ -19,7 +19,11 @@ shards) and takes this model's weights out of what accelerate saves (the pattern
 hook documentation); the optimizer file accelerate writes holds only a reference to PATH/zeroplus.
 load_state's pre-hook loads PATH/zeroplus (at any world size and stage) and takes the model out
 of what accelerate loads; the optimizer's load of the reference checks that the hook ran.
-Schedulers, RNG states and dataloaders go through accelerate's own files. The hooks hold the model
+At stage 3 `accelerator.get_state_dict(model)` returns zeroplus.full_state_dict(model)
+(collective, as accelerate's own DeepSpeed ZeRO-3 path: the full weights on rank 0, {} elsewhere),
+since the model's own state_dict() refuses to return shards (zeroplus.zero.state_dict_guard);
+save_state's own call gets {} (its hook saves the weights). Schedulers, RNG states and dataloaders
+go through accelerate's own files. The hooks hold the model
 and optimizer weakly: after accelerator.free_memory() (or once the user dropped them) the engine,
 its memory and its swap files go, as they would without the accelerator.
 
@@ -31,6 +35,7 @@ zeroplus.ZeroRedundancyOptimizer), prepare() is not needed; register the consoli
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 from accelerate.optimizer import AcceleratedOptimizer
@@ -154,4 +159,23 @@ def prepare(accelerator, model, optimizer_class=None, *, stage=None, config=None
     opt = accelerator.prepare_optimizer(ZeroPlusOptimizer(engine, scaler=accelerator.scaler))
     accelerator.register_save_state_pre_hook(_save_hook(model, opt))
     accelerator.register_load_state_pre_hook(_load_hook(model, opt))
+    if engine.placement.gatherer is not None:
+        _route_get_state_dict(accelerator, model)
     return model, opt
+
+
+def _route_get_state_dict(accelerator, model) -> None:
+    """accelerator.get_state_dict of this stage-3 model (see the module doc); other models as before."""
+    original = accelerator.get_state_dict
+    model_ref = weakref.ref(model)
+
+    def get_state_dict(m, unwrap=True):
+        ours = model_ref()
+        if ours is None or (m is not ours and accelerator.unwrap_model(m) is not ours):
+            return original(m, unwrap=unwrap)
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "save_state" and caller.f_globals.get("__name__", "").startswith("accelerate"):
+            return {}  # save_state: its pre-hook writes the weights with zeroplus.save_checkpoint
+        return _zero.full_state_dict(ours)
+
+    accelerator.get_state_dict = get_state_dict

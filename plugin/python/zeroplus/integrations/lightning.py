@@ -176,6 +176,15 @@ class ZeroPlusStrategy(DDPStrategy):
         state = checkpoint_dir.read_state_file(checkpoint_path, _STATE_FILE, weights_only=weights_only)
         return state
 
+    def lightning_module_state_dict(self):
+        # Lightning puts this into the checkpoint dict, which save_checkpoint does not write (the
+        # weights go with zeroplus.save_checkpoint). At stage 3 the module's own state_dict()
+        # refuses to return shards, so none is asked for, as DeepSpeedStrategy does at stage 3.
+        engine = self.optimizers[0] if self.optimizers else None
+        if engine is not None and getattr(engine.placement, "gatherer", None) is not None:
+            return {}
+        return super().lightning_module_state_dict()
+
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # loaded by load_checkpoint (zeroplus.load_checkpoint)
 

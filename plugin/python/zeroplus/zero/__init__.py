@@ -3,6 +3,8 @@
 import functools
 
 from .full_state import full_state_dict
+from .gather_agreement import RankDivergenceError
+from .grad_views import ShardedGrad
 from .grad_scaler import GradScaler
 from .sharded_init import init_context
 from .initialize import initialize
@@ -36,4 +38,5 @@ _zero_redundancy.STAGE_ENGINES[1] = functools.partial(_engine_from_params, Stage
 _zero_redundancy.STAGE_ENGINES[2] = functools.partial(_engine_from_params, Stage2Optimizer)
 
 __all__ = ["EngineOptions", "PrecisionPolicy", "Stage3Policy", "full_state_dict", "GradScaler", "init_context", "initialize", "estimate_memory", "memory_report", "Stage1Optimizer",
-           "Stage2Optimizer", "Stage3Optimizer", "DynamicLossScaler", "LossScalerOptions"]
+           "Stage2Optimizer", "Stage3Optimizer", "DynamicLossScaler", "LossScalerOptions", "RankDivergenceError",
+           "ShardedGrad"]

@@ -34,6 +34,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
+def agreement_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """A small synchronous all-gather of control integers (gather_agreement.py), apart from
+    all_gather so that what moves parameters is one function (tests count and wrap it)."""
+    _all_gather(output, input, group=group, async_op=False)
+
+
 def owner_collectives(group) -> bool:
     """True where per-owner reduce/broadcast replace the tensor collectives (gloo, 2 ranks; see above)."""
     return dist.get_backend(group) == "gloo" and dist.get_world_size(group) == 2

@@ -9,10 +9,12 @@ ZeroEngine is composed of one owner per concern; the stage classes (stages.py) o
     backward_pass.py     the one owner of backward hooks and of the end-of-backward callback
     loss_scaler.py       fp16 dynamic loss scaling (DeepSpeed rules)
     clipping.py          global norm across shards
+    grad_views.py        p.grad after backward (views of the reduced gradient for torch's clip functions)
     usage.py             which parameters had a gradient (agreed at step)
     unoptimized_grads.py trainable parameters in no param group: gradients averaged as under DDP
     bucket_optimizer.py  one bucket's step over its segments (fetch -> step -> store)
     state.py             sharded and consolidated (plain torch.optim) state dicts
+    state_dict_guard.py  stage 3: model.state_dict() of shards raises; torch's DCP calls on the engine raise
     this file            construction order, the step (unscale, clip, the bucket loop), zero_grad
 
 The user's param_groups stay the user's (LR schedulers and hyperparameter edits work). Each
@@ -38,7 +40,8 @@ import torch.distributed as dist
 
 from ..offload import attach_optimizer_store, make_host_tier, prepare_optimizer_store, prepare_param_store
 from ..optim.fused import fused_class_for
-from . import clipping, dtensor_params, full_state, module_methods, precision, state
+from . import clipping, dtensor_params, full_state, module_methods, precision, state, state_dict_guard
+from .grad_views import GradViews
 from .backward_pass import BackwardPass
 from .bucket_optimizer import BucketOptimizer
 from .grad_reducer import GradientReducer
@@ -185,14 +188,20 @@ class ZeroEngine(torch.optim.Optimizer):
         gatherer), then the model's load hooks."""
         self.placement.attach()
         # Trainable parameters in no group: never stepped, their gradients averaged as DDP does
-        # (attached last: it only reads .grad at the end of the backward).
+        # (it only reads .grad at the end of the backward).
         left_out = UnoptimizedGrads.left_out(self.module, self.param_groups)
         if left_out:
             shapes = {id(e.param): e.shape for b in self.placement.frozen_buckets for e in b.entries}
             self.backward_pass.attach(UnoptimizedGrads(left_out, shapes, self.reducer, self.process_group,
                                                        self.world_size), left_out)
+        # p.grad after each backward, for torch's clip_grad_norm_ and gradient reads (grad_views.py);
+        # attached last: it ends a pass after the reducer reduced and the gatherer released.
+        self.grad_views = GradViews(self)
+        self.backward_pass.attach(self.grad_views, [])
         if self.module is not None:
             full_state.install_load_hooks(self)
+            if self.placement.gatherer is not None:  # stage 3: state_dict() of shards raises
+                state_dict_guard.install(self)
             # A weak reference: a deepcopy of the model (an EMA copy) must not copy the optimizer.
             object.__setattr__(self.module, "_zeroplus_engine", weakref.ref(self))
 
@@ -322,6 +331,8 @@ class ZeroEngine(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if state_dict_guard.called_by_torch_dcp():
+            return None  # DCP's state initialisation (zero grads, lr 0): its state_dict() call raises next
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -450,6 +461,8 @@ class ZeroEngine(torch.optim.Optimizer):
         self.reducer.usage.clear(set_to_none)
         self._clipped_this_step = False
         self._externally_unscaled = False
+        if set_to_none:
+            self.grad_views.forget()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
@@ -457,17 +470,22 @@ class ZeroEngine(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.zero_()
+        if not set_to_none:
+            self.grad_views.expose()  # zeros, as torch's zero_grad(set_to_none=False) leaves them
 
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self):
+        state_dict_guard.refuse_torch_dcp("state_dict()")
         if self._consolidated is not None:
             return self._consolidated
         return state.sharded_state_dict(self)
 
     def load_state_dict(self, state_dict) -> None:
         """Validates and stages everything (swap records to side files), then changes it; on any
-        error nothing has changed (state.stage_load)."""
+        error nothing has changed (state.stage_load). Refused when torch's DCP calls it
+        (state_dict_guard: use zeroplus.checkpoint.set_state_dict)."""
+        state_dict_guard.refuse_torch_dcp("load_state_dict()")
         staged = self.stage_load(state_dict)
         try:
             self.commit_load(staged)

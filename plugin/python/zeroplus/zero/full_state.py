@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dtensor_params
+from . import dtensor_params, state_dict_guard
 
 _LOAD_HOOK_ATTR = "_zeroplus_load_hook"
 
@@ -63,7 +63,9 @@ def full_state_dict(model: torch.nn.Module, rank0_only: bool = True, cpu: bool =
     if not keep:
         return {}
     out = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    with state_dict_guard.allowed():  # keys and identities only: values come from the gathers above
+        live = model.state_dict(keep_vars=True)
+    for key, value in live.items():
         if id(value) in by_tensor:
             out[key] = by_tensor[id(value)]
         else:

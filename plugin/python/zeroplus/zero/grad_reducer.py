@@ -25,6 +25,13 @@ engine's BackwardPass, backward_pass.py; this class is its first participant):
     fp16 buckets are divided before the sum, as DDP and DeepSpeed do, so the sum cannot overflow.
     For N a power of two both orders give the same bits.
   * On gloo with 2 ranks the reduce-scatter is one `reduce` per owner (comm.owner_collectives).
+  * Stage 3 (`gated`, set by the placement): a complete bucket is not launched from on_grad. The
+    gatherer's collectives share the group, and when a parameter gets a gradient on some ranks
+    only (a module some ranks skip) its bucket completes at different times on different ranks,
+    so launches would interleave differently with the gathers and the ranks' collective
+    sequences would no longer pair up. Instead each unit gather's agreement
+    (gather_agreement.py) carries `ready_prefix()` and launches, via `launch_agreed(n)`, the
+    buckets every rank has ready; end_backward launches the rest, in order, on every rank.
   * Stage 1 (gradients kept whole) with zero accumulators in the bucket dtype: gradients are
     written straight into the accumulator, already multiplied by 1/N (DDP's copy into its bucket
     is the same mul_out), and all-reduced in place: no bucket buffer, no pass after the sum, and
@@ -139,6 +146,7 @@ class GradientReducer:
         self._gaps = [self._gaps_of(b) for b in buckets]
         self.usage = ParamUsage([len(b.entries) for b in buckets], buckets[0].device)
         self.no_sync = False
+        self.gated = False          # stage 3: launches wait for launch_agreed (see the module doc)
         self.has_grads = False      # something was reduced since the last zero()
         self.local_pending = False  # gradients accumulated under no_sync, not reduced yet
         self._buffers: list[torch.Tensor | None] = []
@@ -393,7 +401,24 @@ class GradientReducer:
                 f"bucket was reduced in this backward pass (reentrant checkpointing or several backward calls "
                 f"through one graph); use non-reentrant torch.utils.checkpoint or one backward per micro-step")
         self._take_grad(b, e_index)
-        self._launch_ready()
+        if not self.gated:
+            self._launch_ready()
+
+    def ready_prefix(self) -> int:
+        """The number of leading buckets this rank could launch now (launched or complete; 0
+        outside a pass with collectives)."""
+        if not self._in_pass or self.no_sync:
+            return 0
+        k = self._next
+        while k < len(self.buckets) and self._remaining[k] == 0:
+            k += 1
+        return k
+
+    def launch_agreed(self, n: int) -> None:
+        """Launch the buckets before n, which every rank has complete (n is the minimum of every
+        rank's ready_prefix, so all ranks launch the same buckets at the same point)."""
+        while self._in_pass and not self.no_sync and self._next < n:
+            self._launch(self._next)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._remaining[self._next] == 0:

@@ -64,7 +64,9 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"memory_report: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     params = list(model.parameters())
-    report = {"parameters": _storage_bytes(params), "gradients": _storage_bytes([p.grad for p in params]),
+    views = getattr(optimizer, "grad_views", None)  # the engine's p.grad views: counted by the engine
+    grads = [p.grad for p in params if views is None or not views.owns(p)]
+    report = {"parameters": _storage_bytes(params), "gradients": _storage_bytes(grads),
               "master_parameters": 0, "optimizer_state": 0, "communication_buffers": 0, "pooled_buffers": 0}
     if hasattr(optimizer, "memory_bytes"):  # a zeroplus ZeRO engine (stages 1-3)
         ours = optimizer.memory_bytes()

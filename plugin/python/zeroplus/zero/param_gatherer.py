@@ -33,7 +33,9 @@ as prefetch_elems (elements gathered ahead and not yet used; None: one unit ahea
 depth) and max_live_elems (all gathered elements) allow. A pass that departs from the prediction (a conditional branch) stops
 prefetching for the rest of that pass and gathers on demand, which is always correct; its own
 sequence becomes the next prediction. Every rank must run the same modules in the same order
-(as with DDP), so every rank issues the same collectives in the same order.
+(as with DDP), so every rank issues the same collectives in the same order: each unit's gather is
+first agreed across ranks (`agreement`, gather_agreement.py), so a rank that runs another module
+raises RankDivergenceError on every rank instead of pairing its gather with another one.
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ class ParameterGatherer:
         self.rank = rank
         self.world_size = dist.get_world_size(group)
         self.broadcast_gather = comm.owner_broadcast_gather(group)
+        # gather_agreement.GatherAgreement, set by the placement: every rank agrees on each unit
+        # gather before its collectives are issued (rank-divergent execution fails fast); None: no check.
+        self.agreement = None
         self.stats = {"on_demand": 0, "prefetched": 0}  # all-gathers issued, by reason
         self._order = {"forward": [], "backward": []}   # prediction from the previous pass
         self._seen = {"forward": [], "backward": []}    # this pass
@@ -332,18 +337,18 @@ class ParameterGatherer:
         if self._on_track[kind] and (position >= len(order) or order[position] != i):
             self._on_track[kind] = False
         if st.state == RELEASED:
-            self._issue(st)
+            self._issue(st, kind)
             self.stats["on_demand"] += 1
         st.prefetched = False  # in use now: no longer "ahead"
         if self._on_track[kind]:
-            self._prefetch(order, position + 1)
+            self._prefetch(order, position + 1, kind)
             if self.store is not None:
                 # Offloaded shards: read the records of the units predicted next (beyond the
                 # all-gathers just issued) while this one computes, as far as free buffers go.
                 self.store.read_ahead([b for j in order[position + 1:] for b in self.states[j].buckets])
         self._complete(st)
 
-    def _prefetch(self, order: list[int], start: int) -> None:
+    def _prefetch(self, order: list[int], start: int, kind: str) -> None:
         ahead = [s for s in self.states if s.prefetched]  # gathered ahead, not used yet
         ahead_elems = sum(s.numel for s in ahead)
         for j in order[start:]:
@@ -357,7 +362,7 @@ class ParameterGatherer:
                 break
             if self.live_elems + st.numel > self.max_live_elems:
                 break
-            self._issue(st)
+            self._issue(st, kind)
             self.stats["prefetched"] += 1
             st.prefetched = True
             ahead.append(st)
@@ -376,7 +381,9 @@ class ParameterGatherer:
         for b in pinned:
             self.store.unpin(b)
 
-    def _issue(self, st: _UnitState) -> None:
+    def _issue(self, st: _UnitState, kind: str) -> None:
+        if self.agreement is not None:  # before anything is in flight: a mismatch leaves nothing pending
+            self.agreement.agree(st.unit.index, kind)
         st.works = []
         try:
             for b in st.buckets:
@@ -451,7 +458,7 @@ class ParameterGatherer:
         for i in indices:
             st = self.states[i]
             if st.state == RELEASED:
-                self._issue(st)
+                self._issue(st, "outside")
         for i in indices:
             self._complete(self.states[i])
             self.states[i].refs += 1

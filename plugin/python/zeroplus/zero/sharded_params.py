@@ -49,6 +49,7 @@ from . import comm, materialize, sharded_init
 from ..offload import make_grad_spill, make_param_store
 from .heap import return_freed_memory
 from .layout import plan_segments
+from .gather_agreement import GatherAgreement
 from .param_gatherer import ParameterGatherer
 from .policies import Stage3Policy
 from .units import build_units
@@ -195,6 +196,16 @@ class ShardedParams:
                                           max_live_elems=policy.max_live_parameters,
                                           reshard_after_forward=policy.reshard_after_forward,
                                           shard_store=self.param_store)
+        # Every unit gather is agreed across ranks first: rank-divergent execution fails fast.
+        largest = [0] * len(self.units)
+        for b in list(engine.buckets) + self.frozen_buckets:
+            if not b.persistent:
+                largest[b.unit] = max([largest[b.unit]] + [e.numel for e in b.entries])
+        self.gatherer.agreement = GatherAgreement(self.units, largest, engine.process_group, engine.rank,
+                                                  engine.world_size, self.target_device,
+                                                  policy.param_persistence_threshold, reducer=engine.reducer)
+        # The reducer's launches wait for those agreements (grad_reducer.py, `gated`).
+        engine.reducer.gated = engine.world_size > 1
 
     def before_publish(self) -> None:
         # The shards change now. A unit still gathered (held by a forward whose backward never
