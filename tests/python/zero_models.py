@@ -160,9 +160,15 @@ class TensorCensus:
         out = {}
         tensor = torch.Tensor
         for o in gc.get_objects():
-            # type(), not isinstance(): the latter reads __class__, which some lazy modules compute
+            # type(), not isinstance(): the latter reads __class__, which some lazy modules compute.
+            # Wrapper subclasses (ShardedGrad: p.grad at stages 2-3) own no storage; the tensor they
+            # wrap is a view of an engine buffer, counted through that buffer.
             if issubclass(type(o), tensor) and o.device.type == "cpu" and not o.is_meta:
-                s = o.untyped_storage()
+                try:
+                    s = o.untyped_storage()
+                    s.data_ptr()
+                except RuntimeError:  # a storage-less wrapper (torch raises on its data pointer)
+                    continue
                 if s.nbytes():
                     out[s.data_ptr()] = o
         return out
