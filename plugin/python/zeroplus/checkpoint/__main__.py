@@ -1,4 +1,4 @@
-"""python -m zeroplus.checkpoint {consolidate PATH OUT [--format torch|safetensors] | inspect PATH [--json]}
+"""python -m zeroplus.checkpoint {consolidate PATH OUT [--format torch|safetensors] | inspect PATH [--json] | convert --from deepspeed DS_DIR OUT}
 
 Exit status: 0 on success (inspect: every checksum matched), 1 when inspect found a bad file,
 2 on an error (the message names the file).
@@ -21,11 +21,23 @@ def main(argv=None) -> int:
     i = sub.add_parser("inspect", help="source, tensors, bytes; verifies every checksum")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    v = sub.add_parser("convert", help="another framework's checkpoint -> a zeroplus checkpoint (streaming)")
+    v.add_argument("--from", dest="source", choices=("deepspeed",), required=True,
+                   help="deepspeed: a ZeRO 1/2/3 checkpoint of DeepSpeed 0.19.8 (root with `latest`, or global_stepN)")
+    v.add_argument("path", help="the checkpoint to convert")
+    v.add_argument("out", help="the zeroplus checkpoint directory to create (must not exist)")
     args = parser.parse_args(argv)
 
     from .consolidate import consolidate, inspect  # noqa: PLC0415 - after argument errors, which need no torch
 
     try:
+        if args.command == "convert":
+            from .deepspeed_convert import convert_from_deepspeed  # noqa: PLC0415
+
+            res = convert_from_deepspeed(args.path, args.out)
+            print(f"wrote {args.out}: {res['tensors']} tensors, {res['bytes']} bytes in {res['files']} files "
+                  f"(DeepSpeed ZeRO stage {res['stage']}, {res['world_size']} ranks)")
+            return 0
         if args.command == "consolidate":
             res = consolidate(args.path, args.out, args.format)
             print(f"wrote {args.out}: {res['tensors']} tensors, {res['bytes']} bytes ({args.format})")

@@ -104,7 +104,6 @@ class DeepSpeedLayout:
                                                      "of them)", os.fspath(path))
         self.path = tag
         self.dir_fd = files.open_directory_at(None, tag)
-        self._fds: list[int] = []
         self._optim: dict[int, dict] = {}
         try:
             self._discover()
@@ -119,14 +118,13 @@ class DeepSpeedLayout:
 
     def _load(self, name: str):
         fd = files.open_regular_at(self.dir_fd, name)
-        self._fds.append(fd)  # kept open: the mapped storages stay valid while the layout lives
-        return safe_load(fd, self.where(name))
+        try:  # torch maps the file through its own descriptor: this one can go right after
+            return safe_load(fd, self.where(name))
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         self._optim.clear()
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
         if getattr(self, "dir_fd", None) is not None:
             os.close(self.dir_fd)
             self.dir_fd = None
@@ -166,7 +164,12 @@ class DeepSpeedLayout:
               f"zero_stage {stage!r}: not a ZeRO stage 1-3 checkpoint")
         self.stage = int(stage)
         count = first.get("partition_count")
-        count = max(count) if isinstance(count, (list, tuple)) else count
+        if isinstance(count, (list, tuple)):
+            _need(len(set(count)) <= 1, self.where(self.optim_files[0]), f"partition_count {list(count)} differs "
+                  f"between param groups (MoE expert groups): not supported")
+            count = count[0] if count else None
+        _need(not any(n.startswith("expp_rank_") for n in names), self.path, "MoE expert files (expp_rank_*): not "
+                                                                             "supported")
         _need(count == self.world, self.path, f"partition_count {count} but {self.world} optim files")
         model_name = _MODEL12 if self.stage < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
         _need(model_name in names, self.path, f"{model_name} is missing")
@@ -180,13 +183,16 @@ class DeepSpeedLayout:
         zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
         _need(not zero.get("round_robin_gradients"), where, "round_robin_gradients reorders the flat partitions; "
                                                             "zeroplus does not read such checkpoints")
+        _need(int(zero.get("zero_hpz_partition_size", 1) or 1) == 1, where, "zero_hpz_partition_size > 1 (ZeRO++ "
+                                                                           "hierarchical partitions): not supported")
         _need(int(ms.get("mp_world_size", 1) or 1) == 1, where, "tensor/pipeline-parallel (mp_world_size > 1) "
                                                                 "checkpoints are not supported")
         self.mixed_precision = ("bf16" if (config.get("bf16") or {}).get("enabled") else
                                 "fp16" if (config.get("fp16") or {}).get("enabled") else None)
         self._describe(ms, where)
-        self.pieces = self._map(first)
-        self._optim[0] = first
+        paddings = first.get("param_alignment_paddings")
+        del first  # _map holds one rank's file at a time
+        self.pieces = self._map(paddings)
 
     def open_rank_unchecked(self, rank: int) -> dict:
         name = self.optim_files[rank]
@@ -235,11 +241,11 @@ class DeepSpeedLayout:
         _need(isinstance(v, torch.Tensor), self.where(file), f"frozen parameter {name!r} has no fragment")
         return v.reshape(-1)
 
-    def _map(self, first: dict) -> dict:
-        """name -> [(lo, hi, rank, group, offset)] for every trainable parameter."""
+    def _map(self, paddings) -> dict:
+        """name -> [(lo, hi, rank, group, offset)] for every trainable parameter (stages 1-2:
+        `paddings` is rank 0's param_alignment_paddings)."""
         pieces = {n: [] for n in self.shapes}
         if self.stage < 3:
-            paddings = first.get("param_alignment_paddings")
             paddings = paddings if isinstance(paddings, list) else [[0] * len(g) for g in self.groups]
             where = self.where(self.optim_files[0])
             _need(len(paddings) == len(self.groups) and all(isinstance(p, list) and len(p) == len(g)
@@ -247,11 +253,11 @@ class DeepSpeedLayout:
                   where, "param_alignment_paddings do not match param_shapes")
             self.partition_numel = [[None] * len(self.groups) for _ in range(self.world)]
             for r in range(self.world):
-                parts = self._fp32_groups(self.open_rank(r) if r else first, r)
+                parts = self._fp32_groups(self.open_rank(r), r)
                 for g, t in enumerate(parts):
                     self.partition_numel[r][g] = t.numel()
-                if r:
-                    self.drop_rank(r)
+                del parts
+                self.drop_rank(r)
             for g, names in enumerate(self.groups):
                 starts = [0]
                 for r in range(self.world):
@@ -268,8 +274,7 @@ class DeepSpeedLayout:
                       f"param group {g}: its parameters need {offset} elements, the partitions hold {starts[-1]}")
         else:
             for r in range(self.world):
-                osd = self.open_rank(r) if r else first
-                parts = self._fp32_groups(osd, r)
+                parts = self._fp32_groups(self.open_rank(r), r)
                 for g, names in enumerate(self.groups):
                     offset = 0
                     for name, shape in names:
@@ -282,8 +287,8 @@ class DeepSpeedLayout:
                     _need(offset == parts[g].numel(), self.where(self.optim_files[r]),
                           f"sub group {g}: its parameters' partitions need {offset} elements, the file holds "
                           f"{parts[g].numel()}")
-                if r:
-                    self.drop_rank(r)
+                del parts
+                self.drop_rank(r)
         return pieces
 
     def _fp32_groups(self, osd: dict, rank: int) -> list:

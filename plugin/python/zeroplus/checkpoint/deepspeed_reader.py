@@ -10,7 +10,7 @@ now, the ranks agree, and only then the model and optimizer change. The manifest
 the DeepSpeed files (deepspeed_layout.py) and, when the loading optimizer is known (`adapter`,
 checkpoint/adapters.py), fitted to it before anything is read:
   * param groups: DeepSpeed's torch param group i must hold the same trainable parameters as the
-    optimizer's group i (ValueError naming the differing ones); the hyperparameters the loading
+    optimizer's group i (load.py's group check names the differing ones); the hyperparameters the loading
     optimizer's group has are taken from the checkpoint where it has them (lr, betas, eps,
     weight_decay, ...), the others (DeepSpeed's own keys: bias_correction, adam_w_mode, ...) are
     left out, and the loading group keeps its own (initial_lr of its scheduler, ...);
@@ -79,6 +79,11 @@ class DeepSpeedReader:
             st = os.stat(name, dir_fd=self.layout.dir_fd, follow_symlinks=False)
             crc = zlib.crc32(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode(), crc)
         return crc
+
+    def drop_rank(self, rank: int) -> None:
+        """Forget rank `rank`'s optim file (its mapping goes once nothing else holds its tensors)."""
+        self._states.pop(rank, None)
+        self.layout.drop_rank(rank)
 
     def _rank_states(self, rank: int) -> list:
         if rank not in self._states:
@@ -151,15 +156,13 @@ class DeepSpeedReader:
             raise ValueError(f"load_checkpoint: the DeepSpeed checkpoint has {len(torch_groups)} param groups, the "
                              f"optimizer has {len(mine)}")
         out = []
-        for i, (tg, names, g) in enumerate(zip(torch_groups, names_of, mine)):
-            held = [adapter.name_of[id(p)] for p in g["params"]]
-            trainable = {adapter.name_of[id(p)] for p in g["params"] if p.requires_grad}
-            if set(names) != trainable:
-                diff = sorted(set(names) ^ trainable)
-                raise ValueError(f"load_checkpoint: param group {i} holds other trainable parameters in the DeepSpeed "
-                                 f"checkpoint than in the optimizer (differing: {diff[:5]})")
+        for tg, names, g in zip(torch_groups, names_of, mine):
+            # DeepSpeed's groups hold only trainable parameters; the frozen ones the optimizer's group
+            # holds count as saved there. Any other difference is named by load.py's group check,
+            # after its model check (missing, unexpected, mis-shaped keys first, as for zeroplus's format).
+            frozen = [adapter.name_of[id(p)] for p in g["params"] if not p.requires_grad]
             hyper = {k: (tg["hyper"][k] if k in tg["hyper"] else v) for k, v in g.items() if k != "params"}
-            out.append({**{k: encode_value(v) for k, v in hyper.items()}, "params": held})
+            out.append({**{k: encode_value(v) for k, v in hyper.items()}, "params": names + frozen})
         return out
 
     def _scaler(self, adapter) -> dict:
@@ -185,12 +188,15 @@ class DeepSpeedReader:
             return key == "value"
         return key == "param" or key in t.get("state", {})
 
-    def _sources(self, name: str, key: str) -> list:
-        """[(lo, hi, flat tensor, offset)] covering every element of value `key` of `name`."""
+    def _sources(self, name: str, key: str, want_lo: int, want_hi: int) -> list:
+        """[(lo, hi, flat tensor, offset)] covering elements [want_lo, want_hi) of value `key` of
+        `name`; only the ranks' files holding some of them are opened."""
         lay = self.layout
         if name in lay.pieces:
             out = []
             for lo, hi, rank, g, off in lay.pieces[name]:
+                if max(lo, want_lo) >= min(hi, want_hi):
+                    continue
                 if key == "param":
                     src = lay.open_rank(rank)["single_partition_of_fp32_groups" if lay.stage < 3
                                               else "fp32_flat_groups"][g]
@@ -208,7 +214,7 @@ class DeepSpeedReader:
                 return [(0, n, lay.frozen_fragments[name].reshape(-1), 0)]
             part = -(-n // lay.world)
             return [(r * part, min((r + 1) * part, n), lay.frozen_fragment(name, r), 0)
-                    for r in range(lay.world) if r * part < n]
+                    for r in range(lay.world) if max(r * part, want_lo) < min((r + 1) * part, n, want_hi)]
         if name in lay.buffers and key == "value":
             b = lay.buffers[name].reshape(-1)
             return [(0, b.numel(), b, 0)]
@@ -218,7 +224,7 @@ class DeepSpeedReader:
         """For each (name, key, lo, hi): a CPU tensor of its flat elements [lo, hi)."""
         out = []
         for name, key, lo, hi in requests:
-            sources = self._sources(name, key)
+            sources = self._sources(name, key, lo, hi)
             dtype = sources[0][2].dtype if sources else torch.float32
             t = torch.empty(hi - lo, dtype=dtype)
             covered = 0

@@ -1,0 +1,132 @@
+"""The zeroplus side of test_checkpoint_deepspeed.py, run inside pooled zeroplus ranks: load a DeepSpeed
+checkpoint (or its conversion), continue as DeepSpeed did, and the refused loads. Kept apart from
+the test module, which imports deepspeed at the top: unpickling these functions in a rank must not
+import it (the first load of a launch checks that the loader itself never does)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import torch
+
+import deepspeed_runs as dr
+from checkpoint_models import sharded_names
+from harness import run_cases_in_own_groups
+
+STEPS, MORE = 3, 3
+PARAMS = ["lin1.weight", "lin1.bias", "norm.weight", "norm.bias", "lin2.weight", "lin2.bias"]
+
+
+def build(stage, precision, group, optimizer=torch.optim.AdamW, model=None):
+    import zeroplus
+
+    model = dr.make(11) if model is None else model  # another init: every value must come from the load
+    config = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
+    kwargs = {"weight_decay": 0.0} if optimizer is torch.optim.AdamW else {"momentum": 0.9}
+    model, opt = zeroplus.initialize(model, optimizer, stage=stage, lr=1e-3, mixed_precision=precision,
+                                     process_group=group, config=config, **kwargs)
+    return model, opt
+
+
+def full(model):
+    import zeroplus
+
+    return {k: v.float().clone() for k, v in zeroplus.full_state_dict(model, rank0_only=False).items()}
+
+
+def masters(scratch, model, opt):
+    """The fp32 masters of a mixed-precision engine, through a zeroplus checkpoint (its "param" values)."""
+    import zeroplus
+    from zeroplus.checkpoint.consolidate import iter_tensors
+    from zeroplus.checkpoint.reader import CheckpointReader
+
+    zeroplus.save_checkpoint(os.path.join(scratch, "masters"), model, opt)
+    with CheckpointReader(os.path.join(scratch, "masters")) as reader:
+        return {k: v.float().clone() for k, v in iter_tensors(reader)}
+
+
+def resume(path, stage, precision, check_no_deepspeed, scratch, rank, group):
+    """Load `path` at (stage, precision), continue MORE steps as DeepSpeed did; returns what the
+    parent checks. The trained values are the fp32 masters (bf16: read back from a zeroplus
+    checkpoint saved under `scratch`, since the bf16 parameters are rounded)."""
+    import torch.distributed as dist
+
+    import zeroplus
+
+    world = dist.get_world_size(group)
+    model, opt = build(stage, precision, group)
+    sharded = sharded_names(model, opt)
+    if stage == 3 and world > 1 and sharded != sorted(PARAMS):
+        raise AssertionError(f"stage 3 holds only {sharded} sharded")
+    sched = None
+    if not check_no_deepspeed:  # the DeepSpeed user's scheduler, built before the load as before engine.initialize
+        from deepspeed.runtime.lr_schedules import WarmupLR
+
+        sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=10)
+    extra = zeroplus.load_checkpoint(path, model, opt)
+    out = {"deepspeed_imported": "deepspeed" in sys.modules, "extra": extra, "loaded": full(model),
+           "lr": [g["lr"] for g in opt.param_groups]}
+    steps = [st.get("step") for st in opt.state_dict()["state"].values()]
+    out["steps"] = sorted({float(s) for s in steps if s is not None})
+    if sched is None:
+        return out
+    sched.load_state_dict(extra["lr_scheduler"])
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for step in range(STEPS, STEPS + MORE):
+        x, y = dr.local_batch(step, rank, world)
+        opt.backward(dr.loss_of(model, x, y, dtype))
+        opt.clip_grad_norm_(dr.GRADIENT_CLIPPING)  # DeepSpeed clips at 1.0 unless its config says otherwise
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    out["trained"] = full(model) if precision is None else masters(scratch, model, opt)
+    return out
+
+
+def zeroplus_cases(rank, world, cases):
+    return run_cases_in_own_groups(rank, world, {key: functools.partial(resume, *args) for key, args in cases.items()})
+
+
+def refused_load(path, marker, rank, group):
+    import zeroplus
+
+    model, opt = build(2, None, group)
+    before = full(model)
+    try:
+        zeroplus.load_checkpoint(path, model, opt)
+    except Exception as e:  # noqa: BLE001 - returned to the parent
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    after = full(model)
+    return {"error": error, "untouched": all(torch.equal(before[k], after[k]) for k in before),
+            "no_state": not opt.state_dict()["state"] or all(not s for s in opt.state_dict()["state"].values()),
+            "ran": os.path.exists(marker)}
+
+
+def mismatch(path, rank, group):
+    from torch import nn
+
+    import zeroplus
+
+    out = {}
+    model = dr.make(3)
+    model.lin2 = nn.Linear(dr.HIDDEN, dr.OUT + 1)
+    model.extra = nn.Linear(2, 2)
+    model, opt = build(2, None, group, model=model)
+    before = full(model)
+    try:
+        zeroplus.load_checkpoint(path, model, opt)
+        out["shapes"] = None
+    except RuntimeError as e:
+        out["shapes"] = str(e)
+    out["shapes_untouched"] = all(torch.equal(before[k], v) for k, v in full(model).items())
+    model, opt = build(2, None, group, optimizer=torch.optim.SGD)
+    try:
+        zeroplus.load_checkpoint(path, model, opt)
+        out["optimizer"] = None
+    except ValueError as e:
+        out["optimizer"] = str(e)
+    return out

@@ -1,0 +1,101 @@
+"""DeepSpeed's side of the DeepSpeed-checkpoint tests: a tiny model trained by DeepSpeed's own engine
+on CPU (gloo), saved with engine.save_checkpoint, then continued (the reference a zeroplus resume
+must match). Runs inside a pooled rank whose group is gloo (harness.run_pooled(backend="gloo")).
+
+The data is one global batch of GLOBAL_ROWS rows per step, split evenly over the ranks of whichever
+run uses it (DeepSpeed at 2 ranks, zeroplus at 1, 2 or 3): with a mean loss, every split gives the
+same averaged gradient, so the runs are comparable step by step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+GLOBAL_ROWS = 12  # divisible by 1, 2, 3 and 4 ranks
+IN, HIDDEN, OUT = 5, 7, 3  # odd sizes: DeepSpeed pads its flat partitions and per-parameter alignment
+GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19.8's default (runtime/constants.py), written out in the config
+
+
+class DsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(IN, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.lin2 = nn.Linear(HIDDEN, OUT)
+        self.register_buffer("shift", torch.tensor([0.25, -0.5, 1.0]))
+
+    def forward(self, x):
+        return self.lin2(torch.tanh(self.norm(self.lin1(x)))) + self.shift
+
+
+def make(seed: int = 0) -> DsNet:
+    torch.manual_seed(seed)
+    return DsNet()
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7000 + step)
+    return torch.randn(GLOBAL_ROWS, IN, generator=g), torch.randn(GLOBAL_ROWS, OUT, generator=g)
+
+
+def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = global_batch(step)
+    rows = GLOBAL_ROWS // world
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def loss_of(model, x, y, dtype=torch.float32):
+    return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def ds_config(stage: int, precision: str | None, ds_optimizer: bool, scheduler: bool) -> dict:
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_ROWS // 2, "gradient_accumulation_steps": 1,
+              "gradient_clipping": GRADIENT_CLIPPING,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if ds_optimizer:  # DeepSpeed builds the optimizer from its config (torch's AdamW: no compiled ops on CPU)
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}
+    if scheduler:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                               "warmup_num_steps": 10}}
+    return config
+
+
+def _env(rank: int, world: int) -> None:
+    # DeepSpeed's engine reads what a launcher exports; the group itself is already up (gloo).
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29571", DS_ACCELERATOR="cpu")
+
+
+def train_save_continue(rank: int, world: int, root: str, name: str, stage: int, precision: str | None,
+                        ds_optimizer: bool, scheduler: bool, steps: int, more: int) -> dict:
+    """DeepSpeed trains `steps` steps, saves ROOT/NAME (tag global_step{steps}), trains `more`
+    steps and saves again (tag global_step{steps+more}, the continuation's reference). Returns
+    the loss scale and scheduler state at the first save (rank 0's view)."""
+    _env(rank, world)
+    import deepspeed
+
+    model = make(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    config = ds_config(stage, precision, ds_optimizer, scheduler)
+    kwargs = {} if ds_optimizer else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)}
+    engine, _opt, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                                  **kwargs)
+    out = {}
+    for step in range(steps + more):
+        x, y = local_batch(step, rank, world)
+        loss = loss_of(engine, x, y, dtype)
+        engine.backward(loss)
+        engine.step()
+        if step + 1 == steps:
+            engine.save_checkpoint(os.path.join(root, name))
+            out["lr"] = engine.get_lr()[0]
+            out["scheduler"] = sched.state_dict() if sched is not None else None
+    engine.save_checkpoint(os.path.join(root, name), tag=f"global_step{steps + more}", save_latest=False)
+    engine.destroy()
+    return out

@@ -1,0 +1,244 @@
+"""zeroplus.load_checkpoint of DeepSpeed checkpoints, against the real DeepSpeed (0.19.8, CPU, gloo).
+
+One 2-rank gloo launch runs DeepSpeed's own engine (deepspeed_runs.py) at ZeRO stages 1, 2 and 3 in
+fp32 and bf16 with a torch AdamW client optimizer and DeepSpeed's WarmupLR, plus stage 2 with the
+optimizer built from DeepSpeed's config: 3 steps, engine.save_checkpoint (global_step3, `latest`),
+3 more steps, a second save (global_step6: the continuation's reference). DeepSpeed's own
+zero_to_fp32 consolidates both (the oracle for the mapping of flat partitions to parameters).
+
+zeroplus then loads global_step3 (through `latest`) into a fresh model of another seed at world
+sizes 2, 1 and 3 and stages 2 and 3 (stage 3 with every parameter sharded, asserted), recreates
+DeepSpeed's scheduler from the returned extra, and trains the same 3 steps on the same global
+batches. Checked: right after the load the parameters equal DeepSpeed's fp32 masters exactly, the
+lr and step count are DeepSpeed's; after the 3 steps fp32 matches DeepSpeed's continuation within
+1e-5 (DeepSpeed moved the parameters by far more than that), bf16 within bf16 rounding. The first
+load of a launch asserts DeepSpeed was not imported by it. `convert --from deepspeed` writes a
+native checkpoint (streaming: one DeepSpeed rank's file mapped at a time, asserted) that loads to
+the same values as the DeepSpeed checkpoint itself.
+
+Errors: a checkpoint carrying a code-running pickle (in an optim file, in the model states'
+client_state) is refused naming the callable and nothing runs (marker file never created), also
+by load_checkpoint, which leaves model and optimizer untouched; a model of other shapes is named
+key by key (torch's strict wording); another optimizer class is named by its state keys.
+
+Not run here (reported with their reason): fp16 (DeepSpeed's CPU accelerator reports fp16
+unsupported, so DeepSpeed refuses an fp16 config on this machine) and DeepSpeed's compiled
+Adam (FusedAdam / DeepSpeedCPUAdam need ops compiled at first use, DS_BUILD_OPS=0).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+try:
+    import deepspeed  # noqa: F401
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+except ImportError as e:  # decided before anything runs
+    pytest.skip(f"deepspeed==0.19.8 is not installed in this venv ({e}); scripts/setup.sh installs it",
+                allow_module_level=True)
+
+import deepspeed_runs as dr
+from deepspeed_resume import MORE, PARAMS, STEPS, mismatch, refused_load, zeroplus_cases
+from harness import run_cases_in_own_groups, run_pooled
+
+DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config)
+    "s1_fp32": (1, None, False), "s2_fp32": (2, None, False), "s3_fp32": (3, None, False),
+    "s1_bf16": (1, "bf16", False), "s2_bf16": (2, "bf16", False), "s3_bf16": (3, "bf16", False),
+    "s2_cfgopt": (2, None, True),
+}
+FP32_TOL = 1e-5
+
+
+def _ds_all(rank, world, root):
+    out = {}
+    for name, (stage, precision, cfgopt) in DS_CASES.items():
+        out[name] = dr.train_save_continue(rank, world, root, name, stage, precision, cfgopt, True, STEPS, MORE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ds_runs(tmp_path_factory):
+    """Every DeepSpeed run, their consolidated fp32 weights at steps 3 and 6, and the run info."""
+    root = str(tmp_path_factory.mktemp("ds"))
+    t0 = time.monotonic()
+    info = run_pooled(_ds_all, 2, root, backend="gloo", timeout=900)[0]
+    print(f"\nDeepSpeed: {len(DS_CASES)} runs on 2 ranks (gloo): {time.monotonic() - t0:.1f} s")
+    refs = {}
+    for name in DS_CASES:
+        refs[name] = {tag: {k: v.float().clone() for k, v in get_fp32_state_dict_from_zero_checkpoint(
+            os.path.join(root, name), tag=f"global_step{tag}").items()} for tag in (STEPS, STEPS + MORE)}
+    return root, info, refs
+
+
+def _run_zeroplus(world, cases):
+    t0 = time.monotonic()
+    results = run_pooled(zeroplus_cases, world, cases, timeout=600)
+    print(f"zeroplus: {len(cases)} loads + {MORE} steps each on {world} ranks: {time.monotonic() - t0:.1f} s")
+    out = {}
+    for key in cases:
+        for rank in range(world):
+            status, value = results[rank][key]
+            assert status == "ok", f"{key}, rank {rank}:\n{value}"
+        out[key] = results[0][key][1]
+    return out
+
+
+def _max_diff(a, b) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in PARAMS)
+
+
+def _check(key, got, ds_name, info, refs, precision):
+    ref3, ref6 = refs[ds_name][STEPS], refs[ds_name][STEPS + MORE]
+    for k in PARAMS:  # the fp32 masters, bit for bit (bf16: the master, not the rounded parameter)
+        if precision is None:
+            assert torch.equal(got["loaded"][k], ref3[k]), f"{key}: {k} differs from DeepSpeed's master after the load"
+    assert got["lr"] == [pytest.approx(info[ds_name]["lr"], rel=1e-12)], f"{key}: lr {got['lr']}"
+    assert got["steps"] == [float(STEPS)], f"{key}: optimizer step counts {got['steps']}"
+    assert got["extra"]["lr_scheduler"] == info[ds_name]["scheduler"], key
+    assert got["extra"]["global_steps"] == STEPS, key
+    moved, diff = _max_diff(ref6, ref3), _max_diff(got["trained"], ref6)
+    tol = FP32_TOL if precision is None else 0.02 * moved  # bf16: forward and gradients rounded to 8 bits
+    assert moved > 100 * FP32_TOL, f"{ds_name}: DeepSpeed's continuation moved only {moved}"
+    assert diff <= tol, f"{key}: after {MORE} steps {diff} from DeepSpeed's continuation (tolerance {tol}, moved {moved})"
+    return diff, moved
+
+
+def test_resume_matches_deepspeed(ds_runs, tmp_path):
+    root, info, refs = ds_runs
+    # world 1 first: its first case loads before anything imports deepspeed in these ranks
+    cases1 = {"first_load": (os.path.join(root, "s2_fp32"), 2, None, True, None)}
+    for name, (_stage, precision, _c) in DS_CASES.items():
+        for stage in (2, 3):
+            cases1[f"{name}->w1s{stage}"] = (os.path.join(root, name), stage, precision, False,
+                                              str(tmp_path / f"{name}-w1s{stage}"))
+    got1 = _run_zeroplus(1, cases1)
+    assert got1["first_load"]["deepspeed_imported"] is False, "loading a DeepSpeed checkpoint imported deepspeed"
+    assert torch.equal(got1["first_load"]["loaded"]["lin1.weight"], refs["s2_fp32"][STEPS]["lin1.weight"])
+
+    # convert, streaming: at most one DeepSpeed rank's optim file mapped while the shards are written
+    from zeroplus.checkpoint import deepspeed_convert, deepspeed_layout
+
+    peak = []
+    opened = deepspeed_layout.DeepSpeedLayout.open_rank
+
+    def counting(self, rank):
+        value = opened(self, rank)
+        peak.append(len(self._optim))
+        return value
+
+    converted = {}
+    deepspeed_layout.DeepSpeedLayout.open_rank = counting
+    try:
+        for name in ("s2_fp32", "s3_bf16"):
+            converted[name] = str(tmp_path / f"native_{name}")
+            peak.clear()
+            deepspeed_convert.convert_from_deepspeed(os.path.join(root, name), converted[name])
+            assert max(peak) == 1, f"convert {name} held {max(peak)} DeepSpeed ranks' files at once"
+    finally:
+        deepspeed_layout.DeepSpeedLayout.open_rank = opened
+
+    cases2 = {}
+    for name, (_stage, precision, _c) in DS_CASES.items():
+        for stage in (2, 3):
+            cases2[f"{name}->w2s{stage}"] = (os.path.join(root, name), stage, precision, False,
+                                              str(tmp_path / f"{name}-w2s{stage}"))
+    for name, path in converted.items():
+        cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], False, str(tmp_path / f"native_{name}-w2s3"))
+    got2 = _run_zeroplus(2, cases2)
+    got3 = _run_zeroplus(3, {f"{name}->w3s{stage}": (os.path.join(root, name), stage, precision, False,
+                                                      str(tmp_path / f"{name}-w3s{stage}"))
+                             for name, stage, precision in (("s3_fp32", 3, None), ("s1_fp32", 2, None),
+                                                            ("s2_bf16", 3, "bf16"))})
+    report = []
+    for got in (got1, got2, got3):
+        for key, value in got.items():
+            if key == "first_load":
+                continue
+            ds_name = key.split("->")[0].replace("native_", "")
+            diff, moved = _check(key, value, ds_name, info, refs, DS_CASES[ds_name][1])
+            report.append(f"{key}: {diff:.2e} (moved {moved:.2e})")
+    for name in converted:  # the native checkpoint loads to what the DeepSpeed one loads to
+        a, b = got2[f"native_{name}->w2s3"], got2[f"{name}->w2s3"]
+        assert all(torch.equal(a["loaded"][k], b["loaded"][k]) for k in a["loaded"]), name
+        assert all(torch.equal(a["trained"][k], b["trained"][k]) for k in PARAMS), name
+    print("max |zeroplus - DeepSpeed| after the continuation:\n  " + "\n  ".join(report))
+
+
+def test_deepspeed_fp16_and_compiled_adam_are_not_run_here():
+    """States why two rows of the matrix cannot run on this machine (decided before running them)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if accel.device_name() == "cpu" and not accel.is_fp16_supported():
+        pytest.skip(f"DeepSpeed's CPU accelerator reports fp16 unsupported (is_fp16_supported() -> "
+                    f"{accel.is_fp16_supported()!r}): DeepSpeed refuses an fp16 config here; fp16 checkpoints are not "
+                    f"generated, and DeepSpeed's FusedAdam/DeepSpeedCPUAdam need compiled ops (DS_BUILD_OPS=0)")
+    pytest.fail("this machine has an fp16-capable DeepSpeed accelerator: add the fp16 cases to DS_CASES")
+
+
+# -- errors --------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    """Pickles as a call of os.system: what a malicious checkpoint carries."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _poison(src_tag: str, dst: str, marker: str, where: str) -> str:
+    """A copy of DeepSpeed tag directory src_tag with a code-running object in one of its files."""
+    shutil.copytree(src_tag, dst)
+    name = ("zero_pp_rank_1_mp_rank_00_optim_states.pt" if where == "optim" else "mp_rank_00_model_states.pt")
+    sd = torch.load(os.path.join(src_tag, name), weights_only=False)
+    sd["payload"] = _RunsCode(marker)
+    os.unlink(os.path.join(dst, name))
+    torch.save(sd, os.path.join(dst, name))
+    return dst
+
+
+def test_unsafe_pickles_and_mismatches_are_refused(ds_runs, tmp_path):
+    from zeroplus.checkpoint import deepspeed_layout
+    from zeroplus.checkpoint.deepspeed_pickle import UnsafeCheckpointError
+
+    root, _info, _refs = ds_runs
+    tag = os.path.join(root, "s2_fp32", f"global_step{STEPS}")
+    marker = str(tmp_path / "payload_ran")
+    assert os.system(f"true {marker}") == 0  # the payload would work if it were run
+    poisoned = {where: _poison(tag, str(tmp_path / f"poisoned_{where}"), marker, where) for where in ("optim", "model")}
+    for where, path in poisoned.items():
+        with pytest.raises(UnsafeCheckpointError, match=r"posix\.system") as e:
+            deepspeed_layout.DeepSpeedLayout(path).close()
+        assert "nothing in it was run" in str(e.value)
+        assert not os.path.exists(marker), f"the {where} payload ran"
+    cli = subprocess.run([sys.executable, "-m", "zeroplus.checkpoint", "convert", "--from", "deepspeed",
+                          poisoned["optim"], str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "posix.system" in cli.stderr, cli.stderr
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(marker)
+
+    cases = {"poisoned": functools.partial(refused_load, poisoned["optim"], marker),
+             "mismatch": functools.partial(mismatch, os.path.join(root, "s2_fp32"))}
+    results = run_pooled(run_cases_in_own_groups, 1, cases, timeout=300)[0]
+    for key, (status, value) in results.items():
+        assert status == "ok", f"{key}:\n{value}"
+    refused = results["poisoned"][1]
+    assert refused["error"] and "posix.system" in refused["error"], refused
+    assert refused["untouched"] and refused["no_state"] and not refused["ran"], refused
+    named = results["mismatch"][1]
+    assert named["shapes"] and "size mismatch for lin2.weight" in named["shapes"], named
+    assert "size mismatch for lin2.bias" in named["shapes"] and 'Missing key(s) in state_dict: "extra.weight"' in \
+        named["shapes"], named
+    assert named["shapes_untouched"], named
+    assert named["optimizer"] and "['exp_avg', 'exp_avg_sq']" in named["optimizer"] and "momentum_buffer" in \
+        named["optimizer"], named
