@@ -19,15 +19,19 @@ STEPS, MORE = 3, 3
 PARAMS = ["lin1.weight", "lin1.bias", "norm.weight", "norm.bias", "lin2.weight", "lin2.bias"]
 
 
-def build(stage, precision, group, optimizer=torch.optim.AdamW, model=None):
-    import zeroplus
+def build(stage, precision, group, optimizer=torch.optim.AdamW, model=None, grouped=False):
+    """zeroplus's side: another init (every value must come from the load) and DeepSpeed's param
+    groups, with hyperparameters other than the checkpoint's (lr 1e-3, weight decay 0.5). The
+    engine classes take param groups (zeroplus.initialize takes model.parameters() as one group)."""
+    from zeroplus.zero import EngineOptions, PrecisionPolicy, Stage2Optimizer, Stage3Optimizer, Stage3Policy
 
-    model = dr.make(11) if model is None else model  # another init: every value must come from the load
-    config = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
-    kwargs = {"weight_decay": 0.0} if optimizer is torch.optim.AdamW else {"momentum": 0.9}
-    model, opt = zeroplus.initialize(model, optimizer, stage=stage, lr=1e-3, mixed_precision=precision,
-                                     process_group=group, config=config, **kwargs)
-    return model, opt
+    model = dr.make(11, frozen=grouped) if model is None else model
+    options = EngineOptions(precision=PrecisionPolicy(mixed_precision=precision),
+                            stage3=Stage3Policy(param_persistence_threshold=0))
+    groups = [{**g, "weight_decay": 0.5} for g in dr.param_groups(model, grouped)]
+    defaults = {"lr": 1e-3} if optimizer is torch.optim.AdamW else {"lr": 1e-3, "momentum": 0.9}
+    engine = {2: Stage2Optimizer, 3: Stage3Optimizer}[stage]
+    return model, engine(groups, optimizer, options=options, process_group=group, module=model, **defaults)
 
 
 def full(model):
@@ -47,7 +51,7 @@ def masters(scratch, model, opt):
         return {k: v.float().clone() for k, v in iter_tensors(reader)}
 
 
-def resume(path, stage, precision, check_no_deepspeed, scratch, rank, group):
+def resume(path, stage, precision, grouped, check_no_deepspeed, scratch, rank, group):
     """Load `path` at (stage, precision), continue MORE steps as DeepSpeed did; returns what the
     parent checks. The trained values are the fp32 masters (bf16: read back from a zeroplus
     checkpoint saved under `scratch`, since the bf16 parameters are rounded)."""
@@ -56,9 +60,9 @@ def resume(path, stage, precision, check_no_deepspeed, scratch, rank, group):
     import zeroplus
 
     world = dist.get_world_size(group)
-    model, opt = build(stage, precision, group)
+    model, opt = build(stage, precision, group, grouped=grouped)
     sharded = sharded_names(model, opt)
-    if stage == 3 and world > 1 and sharded != sorted(PARAMS):
+    if stage == 3 and world > 1 and sharded != sorted(PARAMS + (["gate"] if grouped else [])):
         raise AssertionError(f"stage 3 holds only {sharded} sharded")
     sched = None
     if not check_no_deepspeed:  # the DeepSpeed user's scheduler, built before the load as before engine.initialize
@@ -67,7 +71,7 @@ def resume(path, stage, precision, check_no_deepspeed, scratch, rank, group):
         sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=10)
     extra = zeroplus.load_checkpoint(path, model, opt)
     out = {"deepspeed_imported": "deepspeed" in sys.modules, "extra": extra, "loaded": full(model),
-           "lr": [g["lr"] for g in opt.param_groups]}
+           "lr": [g["lr"] for g in opt.param_groups], "weight_decay": [g["weight_decay"] for g in opt.param_groups]}
     steps = [st.get("step") for st in opt.state_dict()["state"].values()]
     out["steps"] = sorted({float(s) for s in steps if s is not None})
     if sched is None:

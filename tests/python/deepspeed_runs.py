@@ -20,20 +20,35 @@ GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19.8's default (runtime/constants.py), wr
 
 
 class DsNet(nn.Module):
-    def __init__(self):
+    """frozen=True adds a frozen parameter (`gate`): DeepSpeed saves it apart from the optimizer's
+    partitions (frozen_param_fragments; at stage 3 one fragment per rank)."""
+
+    def __init__(self, frozen: bool = False):
         super().__init__()
         self.lin1 = nn.Linear(IN, HIDDEN)
         self.norm = nn.LayerNorm(HIDDEN)
         self.lin2 = nn.Linear(HIDDEN, OUT)
         self.register_buffer("shift", torch.tensor([0.25, -0.5, 1.0]))
+        self.gate = nn.Parameter(torch.rand(OUT) + 0.5, requires_grad=False) if frozen else None
 
     def forward(self, x):
-        return self.lin2(torch.tanh(self.norm(self.lin1(x)))) + self.shift
+        out = self.lin2(torch.tanh(self.norm(self.lin1(x)))) + self.shift
+        return out * self.gate if self.gate is not None else out
 
 
-def make(seed: int = 0) -> DsNet:
+def make(seed: int = 0, frozen: bool = False) -> DsNet:
     torch.manual_seed(seed)
-    return DsNet()
+    return DsNet(frozen)
+
+
+def param_groups(model: DsNet, grouped: bool) -> list[dict]:
+    """One group, or the usual two (weights decayed; biases and the norm not), trainable parameters only."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not grouped:
+        return [{"params": [p for _n, p in trainable], "weight_decay": 0.1}]
+    return [{"params": [p for n, p in trainable if n.endswith("weight") and "norm" not in n], "weight_decay": 0.1},
+            {"params": [p for n, p in trainable if not (n.endswith("weight") and "norm" not in n)],
+             "weight_decay": 0.0}]
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,19 +88,20 @@ def _env(rank: int, world: int) -> None:
 
 
 def train_save_continue(rank: int, world: int, root: str, name: str, stage: int, precision: str | None,
-                        ds_optimizer: bool, scheduler: bool, steps: int, more: int) -> dict:
+                        ds_optimizer: bool, grouped: bool, steps: int, more: int) -> dict:
     """DeepSpeed trains `steps` steps, saves ROOT/NAME (tag global_step{steps}), trains `more`
     steps and saves again (tag global_step{steps+more}, the continuation's reference). Returns
-    the loss scale and scheduler state at the first save (rank 0's view)."""
+    the lr and the scheduler state at the first save (rank 0's view). grouped: two param groups
+    and a frozen parameter (DsNet(frozen=True))."""
     _env(rank, world)
     import deepspeed
 
-    model = make(0)
+    model = make(0, frozen=grouped)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    config = ds_config(stage, precision, ds_optimizer, scheduler)
-    kwargs = {} if ds_optimizer else {"optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)}
-    engine, _opt, _, sched = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                                  **kwargs)
+    config = ds_config(stage, precision, ds_optimizer, True)
+    groups = param_groups(model, grouped)
+    kwargs = {} if ds_optimizer else {"optimizer": torch.optim.AdamW(groups, lr=1e-2)}
+    engine, _opt, _, sched = deepspeed.initialize(model=model, model_parameters=groups, config=config, **kwargs)
     out = {}
     for step in range(steps + more):
         x, y = local_batch(step, rank, world)

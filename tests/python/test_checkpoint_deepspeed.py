@@ -49,18 +49,18 @@ import deepspeed_runs as dr
 from deepspeed_resume import MORE, PARAMS, STEPS, mismatch, refused_load, zeroplus_cases
 from harness import run_cases_in_own_groups, run_pooled
 
-DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config)
-    "s1_fp32": (1, None, False), "s2_fp32": (2, None, False), "s3_fp32": (3, None, False),
-    "s1_bf16": (1, "bf16", False), "s2_bf16": (2, "bf16", False), "s3_bf16": (3, "bf16", False),
-    "s2_cfgopt": (2, None, True),
+DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config, two param groups + a frozen parameter)
+    "s1_fp32": (1, None, False, False), "s2_fp32": (2, None, False, False), "s3_fp32": (3, None, False, False),
+    "s1_bf16": (1, "bf16", False, False), "s2_bf16": (2, "bf16", False, False), "s3_bf16": (3, "bf16", False, False),
+    "s2_cfgopt": (2, None, True, False), "s1_groups": (1, None, False, True), "s3_groups": (3, None, False, True),
 }
 FP32_TOL = 1e-5
 
 
 def _ds_all(rank, world, root):
     out = {}
-    for name, (stage, precision, cfgopt) in DS_CASES.items():
-        out[name] = dr.train_save_continue(rank, world, root, name, stage, precision, cfgopt, True, STEPS, MORE)
+    for name, (stage, precision, cfgopt, grouped) in DS_CASES.items():
+        out[name] = dr.train_save_continue(rank, world, root, name, stage, precision, cfgopt, grouped, STEPS, MORE)
     return out
 
 
@@ -95,12 +95,17 @@ def _max_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in PARAMS)
 
 
-def _check(key, got, ds_name, info, refs, precision):
+def _check(key, got, ds_name, info, refs, precision, grouped):
     ref3, ref6 = refs[ds_name][STEPS], refs[ds_name][STEPS + MORE]
     for k in PARAMS:  # the fp32 masters, bit for bit (bf16: the master, not the rounded parameter)
         if precision is None:
             assert torch.equal(got["loaded"][k], ref3[k]), f"{key}: {k} differs from DeepSpeed's master after the load"
-    assert got["lr"] == [pytest.approx(info[ds_name]["lr"], rel=1e-12)], f"{key}: lr {got['lr']}"
+    if grouped:  # the frozen parameter (DeepSpeed's run started from make(0)), unchanged by training
+        gate = dr.make(0, frozen=True).gate.detach()
+        assert torch.equal(got["loaded"]["gate"], gate) and torch.equal(got["trained"]["gate"], gate), key
+    # hyperparameters from the checkpoint (zeroplus's optimizer was built with lr 1e-3, weight decay 0.5)
+    assert got["lr"] == [pytest.approx(info[ds_name]["lr"], rel=1e-12)] * len(got["lr"]), f"{key}: lr {got['lr']}"
+    assert got["weight_decay"] == ([0.1, 0.0] if grouped else [0.1]), f"{key}: {got['weight_decay']}"
     assert got["steps"] == [float(STEPS)], f"{key}: optimizer step counts {got['steps']}"
     assert got["extra"]["lr_scheduler"] == info[ds_name]["scheduler"], key
     assert got["extra"]["global_steps"] == STEPS, key
@@ -114,10 +119,10 @@ def _check(key, got, ds_name, info, refs, precision):
 def test_resume_matches_deepspeed(ds_runs, tmp_path):
     root, info, refs = ds_runs
     # world 1 first: its first case loads before anything imports deepspeed in these ranks
-    cases1 = {"first_load": (os.path.join(root, "s2_fp32"), 2, None, True, None)}
-    for name, (_stage, precision, _c) in DS_CASES.items():
+    cases1 = {"first_load": (os.path.join(root, "s2_fp32"), 2, None, False, True, None)}
+    for name, (_stage, precision, _c, grouped) in DS_CASES.items():
         for stage in (2, 3):
-            cases1[f"{name}->w1s{stage}"] = (os.path.join(root, name), stage, precision, False,
+            cases1[f"{name}->w1s{stage}"] = (os.path.join(root, name), stage, precision, grouped, False,
                                               str(tmp_path / f"{name}-w1s{stage}"))
     got1 = _run_zeroplus(1, cases1)
     assert got1["first_load"]["deepspeed_imported"] is False, "loading a DeepSpeed checkpoint imported deepspeed"
@@ -146,24 +151,24 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
         deepspeed_layout.DeepSpeedLayout.open_rank = opened
 
     cases2 = {}
-    for name, (_stage, precision, _c) in DS_CASES.items():
+    for name, (_stage, precision, _c, grouped) in DS_CASES.items():
         for stage in (2, 3):
-            cases2[f"{name}->w2s{stage}"] = (os.path.join(root, name), stage, precision, False,
+            cases2[f"{name}->w2s{stage}"] = (os.path.join(root, name), stage, precision, grouped, False,
                                               str(tmp_path / f"{name}-w2s{stage}"))
     for name, path in converted.items():
-        cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], False, str(tmp_path / f"native_{name}-w2s3"))
+        cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], DS_CASES[name][3], False,
+                                          str(tmp_path / f"native_{name}-w2s3"))
     got2 = _run_zeroplus(2, cases2)
-    got3 = _run_zeroplus(3, {f"{name}->w3s{stage}": (os.path.join(root, name), stage, precision, False,
-                                                      str(tmp_path / f"{name}-w3s{stage}"))
-                             for name, stage, precision in (("s3_fp32", 3, None), ("s1_fp32", 2, None),
-                                                            ("s2_bf16", 3, "bf16"))})
+    got3 = _run_zeroplus(3, {f"{name}->w3s{stage}": (os.path.join(root, name), stage, DS_CASES[name][1],
+                                                      DS_CASES[name][3], False, str(tmp_path / f"{name}-w3s{stage}"))
+                             for name, stage in (("s3_fp32", 3), ("s1_fp32", 2), ("s2_bf16", 3), ("s3_groups", 2))})
     report = []
     for got in (got1, got2, got3):
         for key, value in got.items():
             if key == "first_load":
                 continue
             ds_name = key.split("->")[0].replace("native_", "")
-            diff, moved = _check(key, value, ds_name, info, refs, DS_CASES[ds_name][1])
+            diff, moved = _check(key, value, ds_name, info, refs, DS_CASES[ds_name][1], DS_CASES[ds_name][3])
             report.append(f"{key}: {diff:.2e} (moved {moved:.2e})")
     for name in converted:  # the native checkpoint loads to what the DeepSpeed one loads to
         a, b = got2[f"native_{name}->w2s3"], got2[f"{name}->w2s3"]

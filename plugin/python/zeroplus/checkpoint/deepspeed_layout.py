@@ -3,8 +3,9 @@
     layout = DeepSpeedLayout(path)   # ROOT (its `latest` names the tag) or ROOT/global_stepN itself
 
 Files of a tag directory (deepspeed/runtime/engine.py save_checkpoint):
-  stages 1-2: mp_rank_00_model_states.pt (module state dict, param_shapes, buffers, shared and
-              frozen parameters, lr_scheduler, step counters), and per data-parallel rank r
+  stages 1-2: mp_rank_00_model_states.pt (module state dict, param_shapes, buffers, shared
+              parameters, lr_scheduler, step counters; frozen parameters only in the module state
+              dict), and per data-parallel rank r
               [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt: this rank's flat fp32 partition
               of each param group (padding removed), the base optimizer's state of that partition,
               the per-parameter alignment paddings, the loss scaler;
@@ -210,20 +211,24 @@ class DeepSpeedLayout:
         self.shapes = {n: s for g in self.groups for n, s in g}
         _need(len(self.shapes) == sum(len(g) for g in self.groups), where, "a parameter is in two groups")
         module = ms["module"]
-        self.buffers = {}
-        for n in ms["buffer_names"]:
-            _need(isinstance(module.get(n), torch.Tensor), where, f"buffer {n!r} is not in module")
-            self.buffers[n] = module[n]
-        frozen_shapes = ms.get("frozen_param_shapes") or {}
-        self.frozen = {str(n): tuple(int(d) for d in s) for n, s in frozen_shapes.items()}
+        # buffer_names lists non-persistent buffers too; the module state dict holds the others
+        self.buffers = {n: module[n] for n in ms["buffer_names"] if isinstance(module.get(n), torch.Tensor)}
         self.aliases = {str(a): str(t) for a, t in (ms.get("shared_params") or {}).items()}
+        frozen_shapes = ms.get("frozen_param_shapes") or {}
+        self.frozen_fragments = ms.get("frozen_param_fragments") or {}
+        if self.stage < 3 and not frozen_shapes:
+            # Stages 1-2 record frozen parameters only in the module state dict (whole, model dtype):
+            # what it holds beyond the optimizer's parameters, the buffers and the tied names.
+            frozen_shapes = {n: v.shape for n, v in module.items() if isinstance(v, torch.Tensor) and n not in
+                             self.shapes and n not in self.buffers and n not in self.aliases}
+            self.frozen_fragments = {n: module[n] for n in frozen_shapes}
+        self.frozen = {str(n): tuple(int(d) for d in s) for n, s in frozen_shapes.items()}
         for a, t in self.aliases.items():
             _need(t in self.shapes or t in self.frozen, where, f"shared parameter {a!r} names unknown {t!r}")
         self.dtypes = {}
         for n in list(self.shapes) + list(self.frozen):
             v = module.get(n)
             self.dtypes[n] = v.dtype if isinstance(v, torch.Tensor) else torch.float32
-        self.frozen_fragments = ms.get("frozen_param_fragments") or {}
         for n, shape in self.frozen.items():
             v = self.frozen_fragments.get(n)
             _need(isinstance(v, torch.Tensor), where, f"frozen parameter {n!r} has no fragment")

@@ -131,11 +131,12 @@ class DeepSpeedReader:
 
     @staticmethod
     def _template(adapter):
-        """The state the loading optimizer creates for a parameter (None: no loading optimizer)."""
+        """The state the loading optimizer creates for a parameter; None without a loading
+        optimizer, or where this rank owns no optimizer state (nothing to fit here: the ranks
+        that own some check it, and every rank raises if one of them fails)."""
         if adapter is None:
             return None
-        fresh = adapter.fresh_optimizer_states()
-        return next((st for st in fresh.values() if st), {})
+        return next((st for st in adapter.fresh_optimizer_states().values() if st), None)
 
     @staticmethod
     def _like(value, like):
