@@ -134,3 +134,12 @@ def mismatch(path, rank, group):
     except ValueError as e:
         out["optimizer"] = str(e)
     return out
+
+
+def scaler_after_load(path, precision, rank, group):
+    """The loss scaler state of a stage-2 engine at `precision` after loading `path`."""
+    import zeroplus
+
+    model, opt = build(2, precision, group)
+    zeroplus.load_checkpoint(path, model, opt)
+    return opt.scaler.state_dict()

@@ -21,9 +21,14 @@ client_state) is refused naming the callable and nothing runs (marker file never
 by load_checkpoint, which leaves model and optimizer untouched; a model of other shapes is named
 key by key (torch's strict wording); another optimizer class is named by its state keys.
 
-Not run here (reported with their reason): fp16 (DeepSpeed's CPU accelerator reports fp16
-unsupported, so DeepSpeed refuses an fp16 config on this machine) and DeepSpeed's compiled
-Adam (FusedAdam / DeepSpeedCPUAdam need ops compiled at first use, DS_BUILD_OPS=0).
+Also stage 1 and 3 runs with two param groups and a frozen parameter (hyperparameters come from
+the checkpoint: zeroplus's optimizer is built with others), and an fp16 checkpoint made by hand
+from a stage-2 one (DeepSpeed's own DynamicLossScaler pickled into it): its scale, iteration, last
+overflow and hysteresis reach a zeroplus fp16 engine, an fp32 engine keeps its own scaler.
+
+Not run here (reported with their reason): DeepSpeed training in fp16 (DeepSpeed's CPU accelerator
+reports fp16 unsupported, so DeepSpeed refuses an fp16 config on this machine) and DeepSpeed's
+compiled Adam (FusedAdam / DeepSpeedCPUAdam need ops compiled at first use, DS_BUILD_OPS=0).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ except ImportError as e:  # decided before anything runs
                 allow_module_level=True)
 
 import deepspeed_runs as dr
-from deepspeed_resume import MORE, PARAMS, STEPS, mismatch, refused_load, zeroplus_cases
+from deepspeed_resume import MORE, PARAMS, STEPS, mismatch, refused_load, scaler_after_load, zeroplus_cases
 from harness import run_cases_in_own_groups, run_pooled
 
 DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config, two param groups + a frozen parameter)
@@ -247,3 +252,39 @@ def test_unsafe_pickles_and_mismatches_are_refused(ds_runs, tmp_path):
     assert named["shapes_untouched"], named
     assert named["optimizer"] and "['exp_avg', 'exp_avg_sq']" in named["optimizer"] and "momentum_buffer" in \
         named["optimizer"], named
+
+
+def _as_fp16(src_tag: str, dst: str) -> str:
+    """DeepSpeed's fp16 layout, written by hand (DeepSpeed refuses fp16 on this CPU machine): a copy
+    of a stage-2 fp32 checkpoint whose optim files carry DeepSpeed's own DynamicLossScaler (in the
+    state a run 40 steps after an overflow has) and whose config says fp16; ZeRO keeps the same fp32
+    partitions and optimizer state at every precision."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    shutil.copytree(src_tag, dst)
+    for name in os.listdir(src_tag):
+        sd = torch.load(os.path.join(src_tag, name), weights_only=False)
+        if "optim_states" in name:
+            scaler = DynamicLossScaler(init_scale=2.0 ** 12, scale_window=100, min_scale=1.0, delayed_shift=2,
+                                       consecutive_hysteresis=False)
+            scaler.cur_iter, scaler.last_overflow_iter, scaler.cur_hysteresis = 57, 17, 1
+            sd["optimizer_state_dict"]["loss_scaler"] = scaler
+            sd["optimizer_state_dict"]["dynamic_loss_scale"] = True
+        sd["ds_config"] = {**sd["ds_config"], "fp16": {"enabled": True}}
+        os.unlink(os.path.join(dst, name))
+        torch.save(sd, os.path.join(dst, name))
+    return dst
+
+
+def test_fp16_loss_scaler_travels(ds_runs, tmp_path):
+    root, _info, _refs = ds_runs
+    path = _as_fp16(os.path.join(root, "s2_fp32", f"global_step{STEPS}"), str(tmp_path / "fp16"))
+    cases = {"fp16": functools.partial(scaler_after_load, path, "fp16"),
+             "fp32": functools.partial(scaler_after_load, path, None)}
+    results = run_pooled(run_cases_in_own_groups, 1, cases, timeout=300)[0]
+    for key, (status, value) in results.items():
+        assert status == "ok", f"{key}:\n{value}"
+    fp16 = results["fp16"][1]
+    assert (fp16["scale"], fp16["iteration"], fp16["last_overflow_iteration"], fp16["hysteresis_left"]) == \
+        (4096.0, 57, 17, 1), fp16
+    assert results["fp32"][1] == {"scale": 1.0}, results["fp32"][1]  # another precision: the run keeps its own
