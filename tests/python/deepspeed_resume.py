@@ -23,14 +23,15 @@ def build(stage, precision, group, optimizer=torch.optim.AdamW, model=None, grou
     """zeroplus's side: another init (every value must come from the load) and DeepSpeed's param
     groups, with hyperparameters other than the checkpoint's (lr 1e-3, weight decay 0.5). The
     engine classes take param groups (zeroplus.initialize takes model.parameters() as one group)."""
-    from zeroplus.zero import EngineOptions, PrecisionPolicy, Stage2Optimizer, Stage3Optimizer, Stage3Policy
+    from zeroplus.zero import (EngineOptions, PrecisionPolicy, Stage1Optimizer, Stage2Optimizer, Stage3Optimizer,
+                               Stage3Policy)
 
     model = dr.make(11, frozen=grouped) if model is None else model
     options = EngineOptions(precision=PrecisionPolicy(mixed_precision=precision),
                             stage3=Stage3Policy(param_persistence_threshold=0))
     groups = [{**g, "weight_decay": 0.5} for g in dr.param_groups(model, grouped)]
     defaults = {"lr": 1e-3} if optimizer is torch.optim.AdamW else {"lr": 1e-3, "momentum": 0.9}
-    engine = {2: Stage2Optimizer, 3: Stage3Optimizer}[stage]
+    engine = {1: Stage1Optimizer, 2: Stage2Optimizer, 3: Stage3Optimizer}[stage]
     return model, engine(groups, optimizer, options=options, process_group=group, module=model, **defaults)
 
 

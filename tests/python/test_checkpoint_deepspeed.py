@@ -7,7 +7,8 @@ optimizer built from DeepSpeed's config: 3 steps, engine.save_checkpoint (global
 zero_to_fp32 consolidates both (the oracle for the mapping of flat partitions to parameters).
 
 zeroplus then loads global_step3 (through `latest`) into a fresh model of another seed at world
-sizes 2, 1 and 3 and stages 2 and 3 (stage 3 with every parameter sharded, asserted), recreates
+sizes 2, 1 and 3 and stages 2 and 3 (stage 3 with every parameter sharded, asserted; two cases at
+stage 1), recreates
 DeepSpeed's scheduler from the returned extra, and trains the same 3 steps on the same global
 batches. Checked: right after the load the parameters equal DeepSpeed's fp32 masters exactly, the
 lr and step count are DeepSpeed's; after the 3 steps fp32 matches DeepSpeed's continuation within
@@ -160,6 +161,9 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
         for stage in (2, 3):
             cases2[f"{name}->w2s{stage}"] = (os.path.join(root, name), stage, precision, grouped, False,
                                               str(tmp_path / f"{name}-w2s{stage}"))
+    for name in ("s3_fp32", "s2_bf16"):  # and into zeroplus's stage 1
+        cases2[f"{name}->w2s1"] = (os.path.join(root, name), 1, DS_CASES[name][1], False, False,
+                                   str(tmp_path / f"{name}-w2s1"))
     for name, path in converted.items():
         cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], DS_CASES[name][3], False,
                                           str(tmp_path / f"native_{name}-w2s3"))

@@ -8,6 +8,10 @@ load.py), what each optimizer owns (adapters.py), torch.distributed.checkpoint s
 (dcp_storage.py), zeroplus's state as DCP state dicts (get_state_dict / set_state_dict,
 dcp_state.py), offline consolidation and inspection (consolidate.py) and their command line
 (`python -m zeroplus.checkpoint`, __main__.py). Guarantees and the format: docs/checkpoints.md.
+DeepSpeed ZeRO checkpoints (docs/from_deepspeed.md): which reader a path needs (sources.py),
+DeepSpeed's pickles without running them (deepspeed_pickle.py), its files and flat partitions
+(deepspeed_layout.py), the bridge into load.py (deepspeed_reader.py), `convert --from deepspeed`
+(deepspeed_convert.py).
 """
 
 from .format import CheckpointCorruptError, CheckpointError, CheckpointVersionError
