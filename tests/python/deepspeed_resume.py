@@ -26,7 +26,7 @@ def build(stage, precision, group, optimizer=torch.optim.AdamW, model=None, grou
     from zeroplus.zero import (EngineOptions, PrecisionPolicy, Stage1Optimizer, Stage2Optimizer, Stage3Optimizer,
                                Stage3Policy)
 
-    model = dr.make(11, frozen=grouped) if model is None else model
+    model = dr.make(11, frozen=bool(grouped)) if model is None else model
     options = EngineOptions(precision=PrecisionPolicy(mixed_precision=precision),
                             stage3=Stage3Policy(param_persistence_threshold=0))
     groups = [{**g, "weight_decay": 0.5} for g in dr.param_groups(model, grouped)]

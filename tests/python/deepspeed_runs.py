@@ -41,12 +41,15 @@ def make(seed: int = 0, frozen: bool = False) -> DsNet:
     return DsNet(frozen)
 
 
-def param_groups(model: DsNet, grouped: bool) -> list[dict]:
-    """One group, or the usual two (weights decayed; biases and the norm not), trainable parameters only."""
+def param_groups(model: DsNet, grouped) -> list[dict]:
+    """One group, or the usual two (weights decayed; biases and the norm not) of the trainable
+    parameters; grouped="with_frozen": the frozen ones in group 0 too (as zeroplus.initialize holds them)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not grouped:
         return [{"params": [p for _n, p in trainable], "weight_decay": 0.1}]
-    return [{"params": [p for n, p in trainable if n.endswith("weight") and "norm" not in n], "weight_decay": 0.1},
+    frozen = [p for p in model.parameters() if not p.requires_grad] if grouped == "with_frozen" else []
+    return [{"params": [p for n, p in trainable if n.endswith("weight") and "norm" not in n] + frozen,
+             "weight_decay": 0.1},
             {"params": [p for n, p in trainable if not (n.endswith("weight") and "norm" not in n)],
              "weight_decay": 0.0}]
 

@@ -148,7 +148,7 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
     converted = {}
     deepspeed_layout.DeepSpeedLayout.open_rank = counting
     try:
-        for name in ("s2_fp32", "s3_bf16"):
+        for name in ("s2_fp32", "s3_bf16", "s1_groups"):
             converted[name] = str(tmp_path / f"native_{name}")
             peak.clear()
             deepspeed_convert.convert_from_deepspeed(os.path.join(root, name), converted[name])
@@ -164,9 +164,12 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
     for name in ("s3_fp32", "s2_bf16"):  # and into zeroplus's stage 1
         cases2[f"{name}->w2s1"] = (os.path.join(root, name), 1, DS_CASES[name][1], False, False,
                                    str(tmp_path / f"{name}-w2s1"))
-    for name, path in converted.items():
-        cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], DS_CASES[name][3], False,
+    for name, path in converted.items():  # frozen parameters in group 0 (convert puts them there)
+        grouped = "with_frozen" if DS_CASES[name][3] else False
+        cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], grouped, False,
                                           str(tmp_path / f"native_{name}-w2s3"))
+        cases2[f"{name}->w2s3"] = (os.path.join(root, name), 3, DS_CASES[name][1], grouped, False,
+                                   str(tmp_path / f"{name}-w2s3"))
     got2 = _run_zeroplus(2, cases2)
     got3 = _run_zeroplus(3, {f"{name}->w3s{stage}": (os.path.join(root, name), stage, DS_CASES[name][1],
                                                       DS_CASES[name][3], False, str(tmp_path / f"{name}-w3s{stage}"))

@@ -149,9 +149,11 @@ class DeepSpeedReader:
     def _groups(self, torch_groups: list, adapter) -> list:
         lay = self.layout
         names_of = [[n for g in tg["groups"] for n, _s in lay.groups[g]] for tg in torch_groups]
-        if adapter is None:
+        if adapter is None:  # convert: frozen parameters in group 0, where zeroplus.initialize(model, ...) holds them
+            frozen = list(lay.frozen)
             return [{**{k: encode_value(v) for k, v in tg["hyper"].items() if k not in _DEEPSPEED_ONLY_KEYS},
-                     "params": names} for tg, names in zip(torch_groups, names_of)]
+                     "params": names + (frozen if i == 0 else [])}
+                    for i, (tg, names) in enumerate(zip(torch_groups, names_of))]
         mine = adapter.opt.param_groups
         if len(mine) != len(torch_groups):
             raise ValueError(f"load_checkpoint: the DeepSpeed checkpoint has {len(torch_groups)} param groups, the "
