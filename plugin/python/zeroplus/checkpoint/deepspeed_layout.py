@@ -133,12 +133,8 @@ class DeepSpeedLayout:
     def open_rank(self, rank: int) -> dict:
         """Rank `rank`'s optimizer_state_dict (memory-mapped; cached until drop_rank)."""
         if rank not in self._optim:
-            name = self.optim_files[rank]
-            sd = self._load(name)
-            _need(isinstance(sd, dict) and isinstance(sd.get("optimizer_state_dict"), dict), self.where(name),
-                  "no optimizer_state_dict in this optim file")
-            osd = sd["optimizer_state_dict"]
-            self._check_rank(rank, osd, self.where(name))
+            osd = self.open_rank_unchecked(rank)
+            self._check_rank(rank, osd, self.where(self.optim_files[rank]))
             self._optim[rank] = osd
         return self._optim[rank]
 
@@ -184,10 +180,10 @@ class DeepSpeedLayout:
         zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
         _need(not zero.get("round_robin_gradients"), where, "round_robin_gradients reorders the flat partitions; "
                                                             "zeroplus does not read such checkpoints")
-        _need(int(zero.get("zero_hpz_partition_size", 1) or 1) == 1, where, "zero_hpz_partition_size > 1 (ZeRO++ "
-                                                                           "hierarchical partitions): not supported")
-        _need(int(ms.get("mp_world_size", 1) or 1) == 1, where, "tensor/pipeline-parallel (mp_world_size > 1) "
-                                                                "checkpoints are not supported")
+        _need(zero.get("zero_hpz_partition_size", 1) in (None, 0, 1), where, "zero_hpz_partition_size > 1 (ZeRO++ "
+                                                                             "hierarchical partitions): not supported")
+        _need(ms.get("mp_world_size", 1) in (None, 1), where, "tensor/pipeline-parallel (mp_world_size > 1) "
+                                                              "checkpoints are not supported")
         self.mixed_precision = ("bf16" if (config.get("bf16") or {}).get("enabled") else
                                 "fp16" if (config.get("fp16") or {}).get("enabled") else None)
         self._describe(ms, where)
@@ -206,16 +202,23 @@ class DeepSpeedLayout:
         """Names, shapes, groups, buffers, frozen and tied parameters from the model states file."""
         self.groups = []  # per flat group (stage 1-2: param group; stage 3: sub group): [(name, shape)]
         for g in ms["param_shapes"]:
-            _need(isinstance(g, dict), where, "param_shapes entries must be dicts")
-            self.groups.append([(str(n), tuple(int(d) for d in s)) for n, s in g.items()])
+            _need(isinstance(g, dict) and all(isinstance(n, str) and isinstance(s, (tuple, list, torch.Size))
+                                              and all(isinstance(d, int) and d >= 0 for d in s) for n, s in g.items()),
+                  where, "param_shapes must map parameter names to shapes")
+            self.groups.append([(n, tuple(s)) for n, s in g.items()])
         self.shapes = {n: s for g in self.groups for n, s in g}
         _need(len(self.shapes) == sum(len(g) for g in self.groups), where, "a parameter is in two groups")
         module = ms["module"]
         # buffer_names lists non-persistent buffers too; the module state dict holds the others
         self.buffers = {n: module[n] for n in ms["buffer_names"] if isinstance(module.get(n), torch.Tensor)}
-        self.aliases = {str(a): str(t) for a, t in (ms.get("shared_params") or {}).items()}
+        shared = ms.get("shared_params") or {}
+        _need(isinstance(shared, dict), where, "shared_params is malformed")
+        self.aliases = {str(a): str(t) for a, t in shared.items()}
         frozen_shapes = ms.get("frozen_param_shapes") or {}
         self.frozen_fragments = ms.get("frozen_param_fragments") or {}
+        _need(isinstance(frozen_shapes, dict) and isinstance(self.frozen_fragments, dict)
+              and all(isinstance(s, (tuple, list, torch.Size)) and all(isinstance(d, int) and d >= 0 for d in s)
+                      for s in frozen_shapes.values()), where, "frozen_param_shapes/fragments are malformed")
         if self.stage < 3 and not frozen_shapes:
             # Stages 1-2 record frozen parameters only in the module state dict (whole, model dtype):
             # what it holds beyond the optimizer's parameters, the buffers and the tied names.
@@ -232,9 +235,9 @@ class DeepSpeedLayout:
         for n, shape in self.frozen.items():
             v = self.frozen_fragments.get(n)
             _need(isinstance(v, torch.Tensor), where, f"frozen parameter {n!r} has no fragment")
-            if self.stage < 3:
-                _need(v.numel() == _numel(shape), where, f"frozen parameter {n!r} has {v.numel()} elements, its shape "
-                                                         f"{list(shape)} needs {_numel(shape)}")
+            want = _numel(shape) if self.stage < 3 else -(-_numel(shape) // self.world)  # stage 3: rank 0's fragment
+            _need(v.numel() == want, where, f"frozen parameter {n!r} has {v.numel()} elements here, its shape "
+                                            f"{list(shape)} needs {want}")
 
     def frozen_fragment(self, name: str, rank: int) -> torch.Tensor:
         """Stage 3: rank `rank`'s fragment of frozen parameter `name` (ceil(numel / world) elements)."""
