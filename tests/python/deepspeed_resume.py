@@ -26,7 +26,7 @@ def build(stage, precision, group, optimizer=torch.optim.AdamW, model=None, grou
     from zeroplus.zero import (EngineOptions, PrecisionPolicy, Stage1Optimizer, Stage2Optimizer, Stage3Optimizer,
                                Stage3Policy)
 
-    model = dr.make(11, frozen=bool(grouped)) if model is None else model
+    model = dr.make(11, grouped) if model is None else model
     options = EngineOptions(precision=PrecisionPolicy(mixed_precision=precision),
                             stage3=Stage3Policy(param_persistence_threshold=0))
     groups = [{**g, "weight_decay": 0.5} for g in dr.param_groups(model, grouped)]
@@ -63,7 +63,7 @@ def resume(path, stage, precision, grouped, check_no_deepspeed, scratch, rank, g
     world = dist.get_world_size(group)
     model, opt = build(stage, precision, group, grouped=grouped)
     sharded = sharded_names(model, opt)
-    if stage == 3 and world > 1 and sharded != sorted(PARAMS + (["gate"] if grouped else [])):
+    if stage == 3 and world > 1 and sharded != sorted(n for n, _p in model.named_parameters()):
         raise AssertionError(f"stage 3 holds only {sharded} sharded")
     sched = None
     if not check_no_deepspeed:  # the DeepSpeed user's scheduler, built before the load as before engine.initialize

@@ -21,31 +21,40 @@ GRADIENT_CLIPPING = 1.0  # DeepSpeed 0.19.8's default (runtime/constants.py), wr
 
 class DsNet(nn.Module):
     """frozen=True adds a frozen parameter (`gate`): DeepSpeed saves it apart from the optimizer's
-    partitions (frozen_param_fragments; at stage 3 one fragment per rank)."""
+    partitions (frozen_param_fragments; at stage 3 one fragment per rank). tied=True adds a layer
+    sharing lin2's weight (`lin_back.weight`: DeepSpeed's shared_params)."""
 
-    def __init__(self, frozen: bool = False):
+    def __init__(self, frozen: bool = False, tied: bool = False):
         super().__init__()
         self.lin1 = nn.Linear(IN, HIDDEN)
         self.norm = nn.LayerNorm(HIDDEN)
         self.lin2 = nn.Linear(HIDDEN, OUT)
         self.register_buffer("shift", torch.tensor([0.25, -0.5, 1.0]))
         self.gate = nn.Parameter(torch.rand(OUT) + 0.5, requires_grad=False) if frozen else None
+        self.lin_back = None
+        if tied:
+            self.lin_back = nn.Linear(HIDDEN, OUT)
+            self.lin_back.weight = self.lin2.weight
 
     def forward(self, x):
-        out = self.lin2(torch.tanh(self.norm(self.lin1(x)))) + self.shift
+        h = torch.tanh(self.norm(self.lin1(x)))
+        out = self.lin2(h) + self.shift
+        if self.lin_back is not None:
+            out = out + 0.5 * self.lin_back(h)
         return out * self.gate if self.gate is not None else out
 
 
-def make(seed: int = 0, frozen: bool = False) -> DsNet:
+def make(seed: int = 0, variant=False) -> DsNet:
+    """variant: False (plain), True / "with_frozen" (a frozen parameter), "tied" (tied weights)."""
     torch.manual_seed(seed)
-    return DsNet(frozen)
+    return DsNet(frozen=variant in (True, "with_frozen"), tied=variant == "tied")
 
 
 def param_groups(model: DsNet, grouped) -> list[dict]:
     """One group, or the usual two (weights decayed; biases and the norm not) of the trainable
     parameters; grouped="with_frozen": the frozen ones in group 0 too (as zeroplus.initialize holds them)."""
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not grouped:
+    if grouped in (False, "tied"):
         return [{"params": [p for _n, p in trainable], "weight_decay": 0.1}]
     frozen = [p for p in model.parameters() if not p.requires_grad] if grouped == "with_frozen" else []
     return [{"params": [p for n, p in trainable if n.endswith("weight") and "norm" not in n] + frozen,
@@ -94,12 +103,12 @@ def train_save_continue(rank: int, world: int, root: str, name: str, stage: int,
                         ds_optimizer: bool, grouped: bool, steps: int, more: int) -> dict:
     """DeepSpeed trains `steps` steps, saves ROOT/NAME (tag global_step{steps}), trains `more`
     steps and saves again (tag global_step{steps+more}, the continuation's reference). Returns
-    the lr and the scheduler state at the first save (rank 0's view). grouped: two param groups
-    and a frozen parameter (DsNet(frozen=True))."""
+    the lr and the scheduler state at the first save (rank 0's view). grouped: True, two param
+    groups and a frozen parameter (DsNet(frozen=True)); "tied": tied weights (DsNet(tied=True))."""
     _env(rank, world)
     import deepspeed
 
-    model = make(0, frozen=grouped)
+    model = make(0, grouped)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     config = ds_config(stage, precision, ds_optimizer, True)
     groups = param_groups(model, grouped)

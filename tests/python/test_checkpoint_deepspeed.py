@@ -23,7 +23,8 @@ by load_checkpoint, which leaves model and optimizer untouched; a model of other
 key by key (torch's strict wording); another optimizer class is named by its state keys.
 
 Also stage 1 and 3 runs with two param groups and a frozen parameter (hyperparameters come from
-the checkpoint: zeroplus's optimizer is built with others), and an fp16 checkpoint made by hand
+the checkpoint: zeroplus's optimizer is built with others), stage 2 and 3 runs with tied weights,
+and an fp16 checkpoint made by hand
 from a stage-2 one (DeepSpeed's own DynamicLossScaler pickled into it): its scale, iteration, last
 overflow and hysteresis reach a zeroplus fp16 engine, an fp32 engine keeps its own scaler.
 
@@ -55,10 +56,12 @@ import deepspeed_runs as dr
 from deepspeed_resume import MORE, PARAMS, STEPS, mismatch, refused_load, scaler_after_load, zeroplus_cases
 from harness import run_cases_in_own_groups, run_pooled
 
-DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config, two param groups + a frozen parameter)
+DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config, variant: True = two param groups and a
+    #           frozen parameter, "tied" = tied weights)
     "s1_fp32": (1, None, False, False), "s2_fp32": (2, None, False, False), "s3_fp32": (3, None, False, False),
     "s1_bf16": (1, "bf16", False, False), "s2_bf16": (2, "bf16", False, False), "s3_bf16": (3, "bf16", False, False),
     "s2_cfgopt": (2, None, True, False), "s1_groups": (1, None, False, True), "s3_groups": (3, None, False, True),
+    "s2_tied": (2, None, False, "tied"), "s3_tied": (3, None, False, "tied"),
 }
 FP32_TOL = 1e-5
 
@@ -98,7 +101,8 @@ def _run_zeroplus(world, cases):
 
 
 def _max_diff(a, b) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in PARAMS)
+    """Over the trained parameters of reference b (zero_to_fp32's; tied ones under both names)."""
+    return max((a[k] - b[k]).abs().max().item() for k in b if k not in ("shift", "gate"))
 
 
 def _check(key, got, ds_name, info, refs, precision, grouped):
@@ -106,12 +110,15 @@ def _check(key, got, ds_name, info, refs, precision, grouped):
     for k in PARAMS:  # the fp32 masters, bit for bit (bf16: the master, not the rounded parameter)
         if precision is None:
             assert torch.equal(got["loaded"][k], ref3[k]), f"{key}: {k} differs from DeepSpeed's master after the load"
-    if grouped:  # the frozen parameter (DeepSpeed's run started from make(0)), unchanged by training
-        gate = dr.make(0, frozen=True).gate.detach()
+    if grouped == "tied":  # one tensor under both names, DeepSpeed's master
+        assert torch.equal(got["loaded"]["lin_back.weight"], ref3["lin2.weight"]), key
+        assert torch.equal(got["trained"]["lin_back.weight"], got["trained"]["lin2.weight"]), key
+    if grouped is True:  # the frozen parameter (DeepSpeed's run started from make(0)), unchanged by training
+        gate = dr.make(0, True).gate.detach()
         assert torch.equal(got["loaded"]["gate"], gate) and torch.equal(got["trained"]["gate"], gate), key
     # hyperparameters from the checkpoint (zeroplus's optimizer was built with lr 1e-3, weight decay 0.5)
     assert got["lr"] == [pytest.approx(info[ds_name]["lr"], rel=1e-12)] * len(got["lr"]), f"{key}: lr {got['lr']}"
-    assert got["weight_decay"] == ([0.1, 0.0] if grouped else [0.1]), f"{key}: {got['weight_decay']}"
+    assert got["weight_decay"] == ([0.1, 0.0] if grouped is True else [0.1]), f"{key}: {got['weight_decay']}"
     assert got["steps"] == [float(STEPS)], f"{key}: optimizer step counts {got['steps']}"
     assert got["extra"]["lr_scheduler"] == info[ds_name]["scheduler"], key
     assert got["extra"]["global_steps"] == STEPS, key
@@ -165,7 +172,7 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
         cases2[f"{name}->w2s1"] = (os.path.join(root, name), 1, DS_CASES[name][1], False, False,
                                    str(tmp_path / f"{name}-w2s1"))
     for name, path in converted.items():  # frozen parameters in group 0 (convert puts them there)
-        grouped = "with_frozen" if DS_CASES[name][3] else False
+        grouped = "with_frozen" if DS_CASES[name][3] is True else DS_CASES[name][3]
         cases2[f"native_{name}->w2s3"] = (path, 3, DS_CASES[name][1], grouped, False,
                                           str(tmp_path / f"native_{name}-w2s3"))
         cases2[f"{name}->w2s3"] = (os.path.join(root, name), 3, DS_CASES[name][1], grouped, False,
