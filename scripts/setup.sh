@@ -46,8 +46,8 @@ fi
 # Pinned, installed with torch held at its version (a framework must never pull another torch).
 # The integration tests fail, not skip, when these are missing under CI.
 # deepspeed: the reference of tests/python/test_checkpoint_deepspeed.py (DeepSpeed's own engine writes
-# the checkpoints zeroplus loads); DS_BUILD_OPS=0: no compiled ops at install (its CPU shared-memory
-# allreduce op is JIT-built once, at first use, into ~/.cache/torch_extensions). zeroplus itself
+# the checkpoints zeroplus loads); DS_BUILD_OPS=0: no compiled ops at install, and the test compiles
+# none (it turns off the JIT build of DeepSpeed's CPU shared-memory allreduce). zeroplus itself
 # never imports it. `import deepspeed` costs ~0.5 s over torch's import (measured: 0.51-0.57 s).
 integration_packages=(transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 peft==0.21.2 deepspeed==0.19.8)
 integration_stamp="$venv/.zeroplus-setup-integrations-$(IFS=-; echo "${integration_packages[*]}")"

@@ -106,7 +106,14 @@ def train_save_continue(rank: int, world: int, root: str, name: str, stage: int,
     the lr and the scheduler state at the first save (rank 0's view). grouped: True, two param
     groups and a frozen parameter (DsNet(frozen=True)); "tied": tied weights (DsNet(tied=True))."""
     _env(rank, world)
+    import importlib
+
     import deepspeed
+
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op (C++, once per machine) that
+    # only its inference all-reduce uses; training collectives go through the gloo group. (By its
+    # module path: the attribute deepspeed.comm.torch is the torch package.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     model = make(0, grouped)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
