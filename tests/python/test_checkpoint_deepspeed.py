@@ -127,7 +127,8 @@ def _check(key, got, ds_name, info, refs, precision, grouped):
     moved, diff = _max_diff(ref6, ref3), _max_diff(got["trained"], ref6)
     tol = FP32_TOL if precision is None else 0.02 * moved  # bf16: forward and gradients rounded to 8 bits
     assert moved > 100 * FP32_TOL, f"{ds_name}: DeepSpeed's continuation moved only {moved}"
-    assert diff <= tol, f"{key}: after {MORE} steps {diff} from DeepSpeed's continuation (tolerance {tol}, moved {moved})"
+    assert diff <= tol, f"{key}: after {MORE} steps {diff} from DeepSpeed's continuation (tolerance {tol}, " \
+                        f"moved {moved})"
     return diff, moved
 
 

@@ -153,7 +153,8 @@ class DeepSpeedLayout:
                 optim[int(m.group(2))] = n
         self.world = len(optim)
         _need(sorted(optim) == list(range(self.world)), self.path,
-              f"optim files of ranks {sorted(optim)}: expected ranks 0..{self.world - 1} (a save that did not complete)")
+              f"optim files of ranks {sorted(optim)}: expected ranks 0..{self.world - 1} (a save that did not "
+              f"complete)")
         self.optim_files = [optim[r] for r in range(self.world)]
         first = self.open_rank_unchecked(0)
         stage = first.get("zero_stage")

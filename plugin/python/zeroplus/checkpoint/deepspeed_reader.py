@@ -106,7 +106,8 @@ class DeepSpeedReader:
                 want = sorted(k for k, v in template.items() if _elementwise(v))
                 if keys != want:
                     raise ValueError(f"load_checkpoint: the DeepSpeed checkpoint's optimizer state holds {keys} per "
-                                     f"parameter, this optimizer keeps {want} (a checkpoint of another optimizer class)")
+                                     f"parameter, this optimizer keeps {want} (a checkpoint of another optimizer "
+                                     f"class)")
                 scalars = {k: self._like(v, template.get(k)) for k, v in scalars.items() if k in template}
             for name, shape in names:
                 tensors[name] = {"shape": list(shape), "dtype": dtype_name(lay.dtypes[name]), "kind": "param",
@@ -243,7 +244,7 @@ class DeepSpeedReader:
                 t[a - lo:z - lo].copy_(src[start:start + (z - a)])
                 covered += z - a
             if covered != hi - lo:
-                raise DeepSpeedLayoutError(errno.EIO, f"deepspeed checkpoint: elements [{lo}, {hi}) of {name!r} ({key}) "
-                                                      f"are not all in the files", self.path)
+                raise DeepSpeedLayoutError(errno.EIO, f"deepspeed checkpoint: elements [{lo}, {hi}) of {name!r} "
+                                                      f"({key}) are not all in the files", self.path)
             out.append(t)
         return out
