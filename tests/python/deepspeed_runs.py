@@ -78,15 +78,18 @@ def loss_of(model, x, y, dtype=torch.float32):
     return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
-def ds_config(stage: int, precision: str | None, ds_optimizer: bool, scheduler: bool) -> dict:
+def ds_config(stage: int, precision: str | None, ds_optimizer, scheduler: bool) -> dict:
+    """ds_optimizer: False (a client torch AdamW), True (AdamW from the config, torch_adam) or "fused"
+    (DeepSpeed's FusedAdam, JIT-compiled on first use)."""
     config = {"train_micro_batch_size_per_gpu": GLOBAL_ROWS // 2, "gradient_accumulation_steps": 1,
               "gradient_clipping": GRADIENT_CLIPPING,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
-    if ds_optimizer:  # DeepSpeed builds the optimizer from its config (torch's AdamW: no compiled ops on CPU)
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "torch_adam": True}}
+    if ds_optimizer:  # DeepSpeed builds the optimizer from its config: torch's AdamW, or "fused" its own
+        params = {"lr": 1e-2, "weight_decay": 0.1} | ({} if ds_optimizer == "fused" else {"torch_adam": True})
+        config["optimizer"] = {"type": "AdamW", "params": params}
     if scheduler:
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                                "warmup_num_steps": 10}}
@@ -100,7 +103,7 @@ def _env(rank: int, world: int) -> None:
 
 
 def train_save_continue(rank: int, world: int, root: str, name: str, stage: int, precision: str | None,
-                        ds_optimizer: bool, grouped: bool, steps: int, more: int) -> dict:
+                        ds_optimizer, grouped, steps: int, more: int) -> dict:
     """DeepSpeed trains `steps` steps, saves ROOT/NAME (tag global_step{steps}), trains `more`
     steps and saves again (tag global_step{steps+more}, the continuation's reference). Returns
     the lr and the scheduler state at the first save (rank 0's view). grouped: True, two param
