@@ -78,10 +78,10 @@ def loss_of(model, x, y, dtype=torch.float32):
     return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
-def ds_config(stage: int, precision: str | None, ds_optimizer, scheduler: bool) -> dict:
+def ds_config(stage: int, precision: str | None, ds_optimizer, scheduler: bool, world: int = 2) -> dict:
     """ds_optimizer: False (a client torch AdamW), True (AdamW from the config, torch_adam) or "fused"
     (DeepSpeed's FusedAdam, JIT-compiled on first use)."""
-    config = {"train_micro_batch_size_per_gpu": GLOBAL_ROWS // 2, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": GLOBAL_ROWS // world, "gradient_accumulation_steps": 1,
               "gradient_clipping": GRADIENT_CLIPPING,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
@@ -120,7 +120,7 @@ def train_save_continue(rank: int, world: int, root: str, name: str, stage: int,
 
     model = make(0, grouped)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    config = ds_config(stage, precision, ds_optimizer, True)
+    config = ds_config(stage, precision, ds_optimizer, True, world)
     groups = param_groups(model, grouped)
     kwargs = {} if ds_optimizer else {"optimizer": torch.optim.AdamW(groups, lr=1e-2)}
     engine, _opt, _, sched = deepspeed.initialize(model=model, model_parameters=groups, config=config, **kwargs)

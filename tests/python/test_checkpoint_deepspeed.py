@@ -2,7 +2,8 @@
 
 One 2-rank gloo launch runs DeepSpeed's own engine (deepspeed_runs.py) at ZeRO stages 1, 2 and 3 in
 fp32 and bf16 with a torch AdamW client optimizer and DeepSpeed's WarmupLR, plus stage 2 with the
-optimizer built from DeepSpeed's config: 3 steps, engine.save_checkpoint (global_step3, `latest`),
+optimizer built from DeepSpeed's config; a 3-rank launch runs stages 2 and 3 (uneven partitions,
+the last rank's padded): 3 steps, engine.save_checkpoint (global_step3, `latest`),
 3 more steps, a second save (global_step6: the continuation's reference). DeepSpeed's own
 zero_to_fp32 consolidates both (the oracle for the mapping of flat partitions to parameters).
 
@@ -65,12 +66,16 @@ DS_CASES = {  # name -> (stage, precision, optimizer from DeepSpeed's config, va
     "s2_cfgopt": (2, None, True, False), "s1_groups": (1, None, False, True), "s3_groups": (3, None, False, True),
     "s2_tied": (2, None, False, "tied"), "s3_tied": (3, None, False, "tied"),
 }
+# saved by 3 DeepSpeed ranks: uneven partitions (stages 1-2: the tail padding removed from the last
+# rank's; stage 3: every parameter padded to a multiple of 3)
+DS_CASES_W3 = {"s2_w3": (2, None, False, False), "s3_w3": (3, None, False, False)}
+ALL_CASES = {**DS_CASES, **DS_CASES_W3}
 FP32_TOL = 1e-5
 
 
 def _ds_all(rank, world, root):
     out = {}
-    for name, (stage, precision, cfgopt, grouped) in DS_CASES.items():
+    for name, (stage, precision, cfgopt, grouped) in (DS_CASES if world == 2 else DS_CASES_W3).items():
         out[name] = dr.train_save_continue(rank, world, root, name, stage, precision, cfgopt, grouped, STEPS, MORE)
     return out
 
@@ -82,8 +87,11 @@ def ds_runs(tmp_path_factory):
     t0 = time.monotonic()
     info = run_pooled(_ds_all, 2, root, backend="gloo", timeout=900)[0]
     print(f"\nDeepSpeed: {len(DS_CASES)} runs on 2 ranks (gloo): {time.monotonic() - t0:.1f} s")
+    t0 = time.monotonic()
+    info.update(run_pooled(_ds_all, 3, root, backend="gloo", timeout=900)[0])
+    print(f"DeepSpeed: {len(DS_CASES_W3)} runs on 3 ranks (gloo): {time.monotonic() - t0:.1f} s")
     refs = {}
-    for name in DS_CASES:
+    for name in ALL_CASES:
         refs[name] = {tag: {k: v.float().clone() for k, v in get_fp32_state_dict_from_zero_checkpoint(
             os.path.join(root, name), tag=f"global_step{tag}").items()} for tag in (STEPS, STEPS + MORE)}
     return root, info, refs
@@ -136,7 +144,7 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
     root, info, refs = ds_runs
     # world 1 first: its first case loads before anything imports deepspeed in these ranks
     cases1 = {"first_load": (os.path.join(root, "s2_fp32"), 2, None, False, True, None)}
-    for name, (_stage, precision, _c, grouped) in DS_CASES.items():
+    for name, (_stage, precision, _c, grouped) in ALL_CASES.items():
         for stage in (2, 3):
             cases1[f"{name}->w1s{stage}"] = (os.path.join(root, name), stage, precision, grouped, False,
                                               str(tmp_path / f"{name}-w1s{stage}"))
@@ -167,7 +175,7 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
         deepspeed_layout.DeepSpeedLayout.open_rank = opened
 
     cases2 = {}
-    for name, (_stage, precision, _c, grouped) in DS_CASES.items():
+    for name, (_stage, precision, _c, grouped) in ALL_CASES.items():
         for stage in (2, 3):
             cases2[f"{name}->w2s{stage}"] = (os.path.join(root, name), stage, precision, grouped, False,
                                               str(tmp_path / f"{name}-w2s{stage}"))
@@ -190,7 +198,7 @@ def test_resume_matches_deepspeed(ds_runs, tmp_path):
             if key == "first_load":
                 continue
             ds_name = key.split("->")[0].replace("native_", "")
-            diff, moved = _check(key, value, ds_name, info, refs, DS_CASES[ds_name][1], DS_CASES[ds_name][3])
+            diff, moved = _check(key, value, ds_name, info, refs, ALL_CASES[ds_name][1], ALL_CASES[ds_name][3])
             report.append(f"{key}: {diff:.2e} (moved {moved:.2e})")
     for name in converted:  # the native checkpoint loads to what the DeepSpeed one loads to
         a, b = got2[f"native_{name}->w2s3"], got2[f"{name}->w2s3"]
