@@ -237,10 +237,15 @@ def test_deepspeed_fused_adam(tmp_path):
     path = os.path.join(root, "s2_fused")
     refs = {"s2_fused": {tag: {k: v.float().clone() for k, v in get_fp32_state_dict_from_zero_checkpoint(
         path, tag=f"global_step{tag}").items()} for tag in (STEPS, STEPS + MORE)}}
-    got = _run_zeroplus(1, {f"s2_fused->w1s{stage}": (path, stage, None, False, False, str(tmp_path / f"w1s{stage}"))
-                            for stage in (2, 3)})
+    from zeroplus.checkpoint.deepspeed_convert import convert_from_deepspeed
+
+    native = str(tmp_path / "native")
+    convert_from_deepspeed(path, native)  # FusedAdam's int step count becomes torch's 0-dim tensor
+    got = _run_zeroplus(1, {f"{p}s2_fused->w1s{stage}": (src, stage, None, False, False,
+                                                          str(tmp_path / f"{p}w1s{stage}"))
+                            for stage in (2, 3) for p, src in (("", path), ("native_", native))})
     for key, value in got.items():
-        diff, moved = _check(key, value, "s2_fused", info, refs, None, False)
+        diff, moved = _check(key, value, "s2_fused", info, refs, None, False)  # native_ too: same values
         print(f"{key}: {diff:.2e} (moved {moved:.2e})")
 
 

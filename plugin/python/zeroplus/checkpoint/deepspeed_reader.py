@@ -109,6 +109,9 @@ class DeepSpeedReader:
                                      f"parameter, this optimizer keeps {want} (a checkpoint of another optimizer "
                                      f"class)")
                 scalars = {k: self._like(v, template.get(k)) for k, v in scalars.items() if k in template}
+            elif "step" in scalars and not isinstance(scalars["step"], torch.Tensor):
+                # convert: DeepSpeed's FusedAdam counts in a Python int; torch's Adam/AdamW keep a 0-dim fp32 tensor
+                scalars["step"] = torch.tensor(float(scalars["step"]))
             for name, shape in names:
                 tensors[name] = {"shape": list(shape), "dtype": dtype_name(lay.dtypes[name]), "kind": "param",
                                  "trainable": True, "state": {k: "float32" for k in keys},
