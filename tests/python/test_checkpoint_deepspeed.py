@@ -226,10 +226,10 @@ def _ds_fused(rank, world, root):
 def test_deepspeed_fused_adam(tmp_path):
     """DeepSpeed's own FusedAdam (its step count kept as an int in the state, DeepSpeed's group keys
     bias_correction ...): stage 2 at 2 ranks, loaded at 1 rank into stages 2 and 3, parity as above.
-    Opt-in: DeepSpeed JIT-compiles the op on first use (about 70 s on the 2-core machine)."""
+    Opt-in: DeepSpeed JIT-compiles the op on first use (the first run took 73 s on the 2-core machine)."""
     if os.environ.get("ZEROPLUS_TEST_DEEPSPEED_OPS") != "1":
-        pytest.skip("DeepSpeed's FusedAdam is JIT-compiled on first use (DS_BUILD_OPS=0; ~70 s of C++ on a 2-core "
-                    "machine): set ZEROPLUS_TEST_DEEPSPEED_OPS=1 to run it")
+        pytest.skip("DeepSpeed's FusedAdam is JIT-compiled on first use (DS_BUILD_OPS=0; the first run, compile "
+                    "included, took 73 s on the loaded 2-core machine): set ZEROPLUS_TEST_DEEPSPEED_OPS=1 to run it")
     root = str(tmp_path)
     # ranks of their own: DeepSpeed caches process groups in module globals, which the harness's
     # clean-up after the first launch's case destroyed
