@@ -4,7 +4,7 @@
 # (default: .venv in the repository) holding torch==2.13.0 (CPU), scikit-build-core (the build
 # backend of `pip install --no-build-isolation .`, pyproject.toml), pytest and numpy, and the
 # frameworks the integration tests drive (tests/python/test_integration_*.py; docs/integrations.md):
-# transformers, accelerate and lightning at pinned versions known to work with torch 2.13 CPU.
+# transformers, accelerate, lightning, peft and deepspeed at pinned versions known to work with torch 2.13 CPU.
 # A second run checks what is there and returns in about a second.
 set -euo pipefail
 
@@ -45,11 +45,15 @@ if [[ ! -f "$stamp" ]]; then
 fi
 # Pinned, installed with torch held at its version (a framework must never pull another torch).
 # The integration tests fail, not skip, when these are missing under CI.
-integration_packages=(transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 peft==0.21.2)
+# deepspeed: the reference of tests/python/test_checkpoint_deepspeed.py (DeepSpeed's own engine writes
+# the checkpoints zeroplus loads); DS_BUILD_OPS=0: no compiled ops at install, and the test compiles
+# none (it turns off the JIT build of DeepSpeed's CPU shared-memory allreduce). zeroplus itself
+# never imports it. `import deepspeed` costs ~0.5 s over torch's import (measured: 0.51-0.57 s).
+integration_packages=(transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6 peft==0.21.2 deepspeed==0.19.8)
 integration_stamp="$venv/.zeroplus-setup-integrations-$(IFS=-; echo "${integration_packages[*]}")"
 if [[ ! -f "$integration_stamp" ]]; then
   echo "[setup] installing ${integration_packages[*]} into $venv"
-  "$venv/bin/python" -m pip install -q "${integration_packages[@]}" "torch==$torch_version"
+  DS_BUILD_OPS=0 "$venv/bin/python" -m pip install -q "${integration_packages[@]}" "torch==$torch_version"
   touch "$integration_stamp"
 fi
 echo "[setup] ok: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)')"

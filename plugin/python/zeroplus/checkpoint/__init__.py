@@ -9,6 +9,10 @@ load.py), what each optimizer owns (adapters.py), torch.distributed.checkpoint s
 dcp_state.py), offline consolidation and inspection (consolidate.py), export as an HF folder of
 sharded safetensors (hf_export.py) and their command line (`python -m zeroplus.checkpoint`,
 `zeroplus-checkpoint`, __main__.py). Guarantees and the format: docs/checkpoints.md.
+DeepSpeed ZeRO checkpoints (docs/from_deepspeed.md): which reader a path needs (sources.py),
+DeepSpeed's pickles without running them (deepspeed_pickle.py), its files and flat partitions
+(deepspeed_layout.py), the bridge into load.py (deepspeed_reader.py), `convert --from deepspeed`
+(deepspeed_convert.py).
 """
 
 # The functions shadow the module of the same name (zeroplus.checkpoint.consolidate is the function).

@@ -1,4 +1,4 @@
-"""python -m zeroplus.checkpoint {consolidate PATH (OUT [--format torch|safetensors] | --output-dir DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16] [--trainable-only] [--mode 0644]) | inspect PATH [--json]}
+"""python -m zeroplus.checkpoint {consolidate PATH (OUT [--format torch|safetensors] | --output-dir DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16] [--trainable-only] [--mode 0644]) | inspect PATH [--json] | convert --from deepspeed DS_DIR OUT}
 
 Also installed as the console script `zeroplus-checkpoint`. consolidate writes one fp32 state
 dict (OUT), or with --output-dir an HF folder of sharded safetensors that from_pretrained reads.
@@ -40,6 +40,11 @@ def main(argv=None) -> int:
     i = sub.add_parser("inspect", help="source, tensors, bytes; verifies every checksum")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    v = sub.add_parser("convert", help="another framework's checkpoint -> a zeroplus checkpoint (streaming)")
+    v.add_argument("--from", dest="source", choices=("deepspeed",), required=True,
+                   help="deepspeed: a ZeRO 1/2/3 checkpoint of DeepSpeed 0.19.8 (root with `latest`, or global_stepN)")
+    v.add_argument("path", help="the checkpoint to convert")
+    v.add_argument("out", help="the zeroplus checkpoint directory to create (must not exist)")
     args = parser.parse_args(argv)
     if args.command == "consolidate" and (args.out is None) == (args.output_dir is None):
         parser.error("consolidate: give OUT (one file) or --output-dir DIR (an HF folder), exactly one")
@@ -47,6 +52,13 @@ def main(argv=None) -> int:
     from .consolidate import consolidate, inspect  # noqa: PLC0415 - after argument errors, which need no torch
 
     try:
+        if args.command == "convert":
+            from .deepspeed_convert import convert_from_deepspeed  # noqa: PLC0415
+
+            res = convert_from_deepspeed(args.path, args.out)
+            print(f"wrote {args.out}: {res['tensors']} tensors, {res['bytes']} bytes in {res['files']} files "
+                  f"(DeepSpeed ZeRO stage {res['stage']}, {res['world_size']} ranks)")
+            return 0
         if args.command == "consolidate" and args.output_dir is not None:
             res = consolidate(args.path, output_dir=args.output_dir, max_shard_size=args.max_shard_size,
                               dtype=args.dtype, trainable_only=args.trainable_only, mode=args.mode)

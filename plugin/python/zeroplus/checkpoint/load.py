@@ -32,6 +32,7 @@ from .adapters import adapter_for
 from .format import MANIFEST, decode_value
 from .reader import CheckpointReader
 from .save import wait_for_pending_save
+from .sources import open_reader  # DeepSpeed checkpoints too (deepspeed_reader.py)
 
 
 def _check_model(manifest: dict, adapter, model) -> None:
@@ -147,7 +148,7 @@ def _load(path, model, opt, adapter):
     error, which, reader, staged = None, None, None, None
     streamed = adapter.streamed_buckets()
     try:
-        reader = CheckpointReader(path)
+        reader = open_reader(path, adapter)
         manifest = reader.manifest
         which = (reader.path, reader.manifest_crc32)
         _check_model(manifest, adapter, model)

@@ -1,0 +1,147 @@
+"""`python -m zeroplus.checkpoint convert --from deepspeed DS_DIR OUT`: a DeepSpeed ZeRO checkpoint
+rewritten as a native zeroplus checkpoint (format.py), streaming.
+
+    convert_from_deepspeed("runs/ds", "ckpt/step300")  -> {"tensors", "bytes", "files", "stage", "world_size"}
+
+DS_DIR is what load_checkpoint accepts (a root whose `latest` names a global_stepN directory, or
+that directory). OUT is a new checkpoint directory (its name one plain path component, so a
+`latest` file can name it); an existing OUT raises FileExistsError and is left alone.
+
+Streaming: DeepSpeed rank r's optim file becomes rank r's shard file rankNNNNN.bin, one at a time:
+the file is memory-mapped, its partition's fp32 masters and elementwise optimizer state are
+written piece by piece (one parameter's piece in memory at a time), the file is fdatasync'ed and
+the mapping dropped before the next rank's file is opened. So the peak is one DeepSpeed rank's
+partition (its pages, mapped) plus one parameter piece; the model is never assembled. Rank 0's
+shard also holds the buffers and (stages 1-2) the frozen parameters; at stage 3 each rank's shard
+holds its fragments of the frozen parameters.
+
+Crash consistency is the format's: OUT is created 0700 first, the shard files are written and
+synced, and manifest.json (without which a directory is not a checkpoint) is written last
+(temporary name, fdatasync, rename, fsync). On any error OUT is removed. The manifest carries
+DeepSpeed's param groups (its own keys bias_correction, adam_w_mode, ... dropped), loss scaler,
+step counts, and, as `extra`, the scheduler state and step counters (deepspeed_reader.py); an
+extra value JSON cannot hold (a client_state object) raises TypeError naming it, before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+from .. import files
+from . import fsutil
+from .deepspeed_reader import DeepSpeedReader
+from .format import BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, dumps, shard_file_name
+
+
+class _ShardWriter:
+    """Appends tensors' bytes to a new shard file, one CRC-32 per `block` bytes as it goes."""
+
+    def __init__(self, dir_fd: int, name: str, block: int):
+        self.name, self.block = name, block
+        self.fd = files.create_exclusive_at(dir_fd, name)
+        self.offset, self.crcs, self._crc, self._filled = 0, [], 0, 0
+
+    def append(self, tensor: torch.Tensor) -> int:
+        """Writes `tensor`'s bytes at the end of the file; returns their byte offset."""
+        at = self.offset
+        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        fsutil.write_all(self.fd, data, at)
+        done = 0
+        while done < len(data):
+            take = min(self.block - self._filled, len(data) - done)
+            self._crc = zlib.crc32(data[done:done + take], self._crc)
+            self._filled += take
+            done += take
+            if self._filled == self.block:
+                self.crcs.append(self._crc)
+                self._crc, self._filled = 0, 0
+        self.offset += len(data)
+        return at
+
+    def finish(self) -> dict:
+        if self._filled:
+            self.crcs.append(self._crc)
+        os.fdatasync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        return {"name": self.name, "bytes": self.offset, "block_crc32": self.crcs}
+
+    def abandon(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _write_rank(reader: DeepSpeedReader, writer: _ShardWriter, rank: int, index: int, chunks: list) -> None:
+    lay, m = reader.layout, reader.manifest
+    for name, pieces in lay.pieces.items():
+        keys = ["param"] + sorted(m["tensors"][name].get("state", {}))
+        for lo, hi, r, _g, _off in pieces:
+            if r != rank:
+                continue
+            for key, value in zip(keys, reader.read_many([(name, k, lo, hi) for k in keys])):
+                chunks.append([name, key, lo, hi, str(value.dtype).replace("torch.", ""), index, writer.append(value)])
+    for name, t in m["tensors"].items():
+        if t["kind"] == "param" and t["trainable"] or not t["numel"]:
+            continue
+        if t["kind"] == "buffer" or lay.stage < 3:
+            if rank != 0:
+                continue
+            lo, hi = 0, t["numel"]
+        else:  # stage 3 frozen parameter: this rank's fragment
+            part = -(-t["numel"] // lay.world)
+            lo, hi = min(rank * part, t["numel"]), min((rank + 1) * part, t["numel"])
+            if lo >= hi:
+                continue
+        key = "value" if t["kind"] == "buffer" else "param"
+        value = reader.read_many([(name, key, lo, hi)])[0]
+        chunks.append([name, key, lo, hi, str(value.dtype).replace("torch.", ""), index, writer.append(value)])
+
+
+def convert_from_deepspeed(src, out) -> dict:
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"convert: out must be a str or os.PathLike, got {type(out).__name__}")
+    out = os.path.abspath(os.fspath(out))
+    parent, name = os.path.split(out)
+    check_dir_name(name, f"convert: out {out!r}")
+    with DeepSpeedReader(src) as reader:
+        m = reader.manifest
+        extra = check_json(m["extra"], "extra")  # before anything is written
+        tensors = {n: {k: v for k, v in t.items() if k != "numel"} for n, t in m["tensors"].items()}
+        parent_fd = files.open_directory_at(None, parent)
+        try:
+            dir_fd = files.make_private_directory_at(parent_fd, name)
+            try:
+                file_recs, chunks = _write_all(reader, dir_fd)
+                manifest = {"format": FORMAT, "version": VERSION, "source": m["source"], "block_bytes": BLOCK_BYTES,
+                            "files": file_recs, "tensors": tensors, "aliases": m["aliases"], "chunks": chunks,
+                            "param_groups": m["param_groups"], "optimizer": m["optimizer"], "extra": extra,
+                            "save_id": f"convert-from-deepspeed:{name}"}
+                fsutil.write_small_file(dir_fd, MANIFEST, dumps(manifest))
+            except BaseException:
+                os.close(dir_fd)
+                files.remove_tree_at(parent_fd, name)
+                raise
+            os.close(dir_fd)
+            os.fsync(parent_fd)
+        finally:
+            os.close(parent_fd)
+        return {"tensors": len(tensors), "bytes": sum(f["bytes"] for f in file_recs), "files": len(file_recs),
+                "stage": reader.layout.stage, "world_size": reader.layout.world}
+
+
+def _write_all(reader: DeepSpeedReader, dir_fd: int) -> tuple[list, list]:
+    file_recs, chunks = [], []
+    for rank in range(reader.layout.world):
+        writer = _ShardWriter(dir_fd, shard_file_name(rank), BLOCK_BYTES)
+        try:
+            _write_rank(reader, writer, rank, rank, chunks)
+            file_recs.append(writer.finish())
+        finally:
+            writer.abandon()
+        reader.drop_rank(rank)  # the mapping of this rank's file goes before the next is opened
+    return file_recs, chunks
