@@ -34,7 +34,8 @@ import torch
 from .. import files
 from . import fsutil
 from .deepspeed_reader import DeepSpeedReader
-from .format import BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, dumps, shard_file_name
+from .format import (BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, encode_manifest,
+                     shard_file_name)
 
 
 class _ShardWriter:
@@ -121,7 +122,7 @@ def convert_from_deepspeed(src, out) -> dict:
                             "files": file_recs, "tensors": tensors, "aliases": m["aliases"], "chunks": chunks,
                             "param_groups": m["param_groups"], "optimizer": m["optimizer"], "extra": extra,
                             "save_id": f"convert-from-deepspeed:{name}"}
-                fsutil.write_small_file(dir_fd, MANIFEST, dumps(manifest))
+                fsutil.write_small_file(dir_fd, MANIFEST, encode_manifest(manifest))  # with its own checksum
             except BaseException:
                 os.close(dir_fd)
                 files.remove_tree_at(parent_fd, name)
