@@ -8,6 +8,7 @@ nothing)."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -108,10 +109,32 @@ def _moved_model_is_refused(stage):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_model_moved_after_initialize_is_refused_at_step_not_silently_frozen(one_rank_group, stage):
-    """At stage 3 this holds for persistent (whole) parameters only: a sharded parameter is
-    re-pointed into the engine's buffers by its next gather, so the move is undone, not refused
-    (reported on issue 45); the case stays unsharded until the engine decides which it wants."""
+    """Stages 1-2, and stage 3's persistent (whole) parameters: refused at the step."""
     _moved_model_is_refused(stage)
+
+
+def _sharded_moved_model_is_refused(rank, world):
+    import zeroplus
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model, opt = zeroplus.initialize(model, torch.optim.SGD, stage=3, lr=0.1, config=SHARD_ALL)
+    sharded = assert_sharded(model, opt)
+    model.to(torch.device("cpu", 0))
+    try:
+        model(torch.ones(2, 4))
+    except RuntimeError as e:
+        return sharded, str(e)
+    return sharded, None
+
+
+def test_a_sharded_model_moved_after_initialize_is_refused_at_its_gather():
+    """Stage 3, every parameter sharded: the next gather would point the parameters back into the
+    engine's shards and silently drop the move (it did: training went on with the user's
+    model.to(...) undone); it raises on every rank before any collective, naming the parameter."""
+    for sharded, error in run_pooled(_sharded_moved_model_is_refused, 2, timeout=120):
+        assert sharded == ["0.bias", "0.weight", "1.bias", "1.weight"], sharded
+        assert error is not None, "the move was silently undone"
+        assert re.search(r"parameter 0\.(weight|bias) no longer lives in zeroplus's shard buffers", error), error
 
 
 def _dropped_model_is_freed(stage, config=None):

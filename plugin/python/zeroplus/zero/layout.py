@@ -97,6 +97,18 @@ class Bucket:
         for e, view in zip(self.entries, views[1]):
             e.param.data = view
 
+    def stray_from_shard(self):
+        """Stage 3, a released bucket: the first parameter whose .data is no longer the view of
+        `shard` that show_shard gave it (model.to(...), param.data = ... after initialize), or
+        None. The next gather would put the engine's view back and drop the change silently."""
+        views = self.__dict__.get("_shard_views")
+        if views is None:
+            return None
+        for e, view in zip(self.entries, views[1]):
+            if local(e.param).untyped_storage().data_ptr() != view.untyped_storage().data_ptr():
+                return e.param
+        return None
+
     def stray_param(self):
         """The first parameter whose .data no longer lives in this bucket's buffers (the model was
         moved or its parameters replaced after the engine was built: model.to(...), .data = ...),

@@ -79,6 +79,20 @@ class _GatheredView:
         self.shape, self.stride = shape, stride
 
 
+def _check_shard_homes(st: "_UnitState") -> None:
+    """A released unit's parameters still view their shards; else the user moved or replaced them
+    after initialize (the next gather would silently undo it): RuntimeError naming the parameter."""
+    for b in st.buckets:
+        stray = b.stray_from_shard()
+        if stray is not None:
+            names = {id(p): n for n, p in st.unit.module.named_parameters()}
+            name = ".".join(x for x in (st.unit.name, names.get(id(stray), f"<parameter of shape {tuple(stray.shape)}>")) if x)
+            raise RuntimeError(
+                f"zeroplus stage 3: parameter {name} no longer lives in zeroplus's shard buffers: the model was "
+                f"moved or its parameters replaced after zeroplus.initialize (model.to(...), param.data = ...), "
+                f"which the next gather would silently undo; move or convert the model before initialize")
+
+
 class _UnitState:
     def __init__(self, unit: Unit, buckets: list[Bucket], rank: int):
         self.unit = unit
@@ -382,6 +396,7 @@ class ParameterGatherer:
             self.store.unpin(b)
 
     def _issue(self, st: _UnitState, kind: str) -> None:
+        _check_shard_homes(st)  # on every rank, before the agreement: a refusal leaves nothing pending
         if self.agreement is not None:  # before anything is in flight: a mismatch leaves nothing pending
             self.agreement.agree(st.unit.index, kind)
         st.works = []
