@@ -117,9 +117,12 @@ def _parity_case(stage, precision, optimizer, **knobs):
         # One step first, so that loading the model writes the masters into existing records.
         model2, opt2 = _build(stage, precision, group, _nvme(root), optimizer=optimizer)
         ref2, ref_opt2 = _build(stage, precision, group, optimizer=optimizer)
+        # Stage 3 shards every parameter: model.state_dict() raises there (docs/zero.md), the full
+        # dict comes from zeroplus.full_state_dict (collective, every rank).
+        full = ref.state_dict() if stage < 3 else __import__("zeroplus").full_state_dict(ref, rank0_only=False)
         for m, o in ((model2, opt2), (ref2, ref_opt2)):
             _train(m, o, rank, 1)
-            m.load_state_dict(ref.state_dict())
+            m.load_state_dict(full)
             o.load_state_dict(saved)
         after_load = __import__("zeroplus").memory_report(model2, opt2)
         resident_after_load = after_load["optimizer_state"] + after_load["master_parameters"]
