@@ -192,7 +192,7 @@ def _run_case(rank: int, group, stage: int, precision, name: str, set_to_none: b
     if stage == 3:
         names = [n for n, _ in model.named_parameters()]
         whole = [n for n in names if n.startswith(divergent)] if divergent else []
-        sizes = dict((n, p.numel()) for n, p in ref_model.named_parameters())
+        sizes = {n: p.numel() for n, p in ref_model.named_parameters()}
         sharded = assert_sharded(model, opt, [n for n in names if n not in whole and sizes[n] > threshold],
                                  at_least=3)
         kept = set(sharded_names(model, opt)) & set(whole)
