@@ -269,6 +269,8 @@ def _train_on_cuda(rank, world, stage, dtype_name, steps=4):
     ref = torch.nn.parallel.DistributedDataParallel(make_model().to(dev), device_ids=None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     kwargs = {} if dtype_name == "fp32" else {"mixed_precision": dtype_name}
+    if stage == 3:  # every parameter sharded (tests/README.md: a stage-3 test shards; asserted below)
+        kwargs["param_persistence_threshold"] = 0
     model, opt = zeroplus.initialize(make_model().to(dev), torch.optim.AdamW, stage=stage, lr=1e-2,
                                      weight_decay=0.01, **kwargs)
     losses, ref_losses = [], []
@@ -284,6 +286,10 @@ def _train_on_cuda(rank, world, stage, dtype_name, steps=4):
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
+    if stage == 3 and world > 1:  # at world size 1 the one shard is the whole parameter
+        from sharding import assert_sharded
+
+        assert_sharded(model, opt)
     devices = {p.device.type for p in model.parameters()}
     state_devices = {t.device.type for b in opt.bucket_optimizers for t in b.state_tensors() if t.dim() > 0}
     full = {k: v.detach().float().cpu() for k, v in zeroplus.full_state_dict(model, rank0_only=False).items()}

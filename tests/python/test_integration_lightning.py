@@ -65,7 +65,8 @@ def _module_class():
 
 
 def _fit(strategy, tmp, *, seed=0, epochs=2, ckpt=None, save=None, clip=None, accumulate=1, precision="32-true",
-         devices=2, batch_size=2, callbacks=None, record_norms=False):
+         devices=2, batch_size=2, callbacks=None, record_norms=False, built=None):
+    """built: a dict that gets the module and trainer before fit (to inspect a fit that raises)."""
     import lightning as L
 
     import integration_common as ic
@@ -77,6 +78,8 @@ def _fit(strategy, tmp, *, seed=0, epochs=2, ckpt=None, save=None, clip=None, ac
                         enable_model_summary=False,
                         default_root_dir=tmp, gradient_clip_val=clip, accumulate_grad_batches=accumulate,
                         precision=precision)
+    if built is not None:
+        built.update(model=model, trainer=trainer)
     trainer.fit(model, loader, ckpt_path=ckpt)
     if save:
         trainer.save_checkpoint(save)
@@ -189,16 +192,22 @@ def _all_cases(rank, world_size, tmp):
     gc.collect()
     dist.barrier()
     out["nvme_left"] = sorted(os.listdir(nvme_path))
+    # The error paths, sharded too: the checkpoint is refused by the engine built in setup, which
+    # holds every parameter sharded (asserted after the refusal).
+    built = {}
     try:
-        _fit(ZeroPlusStrategy(stage=3), tmp, seed=5, ckpt=f"{tmp}/mc")  # not a zeroplus checkpoint
-    except FileNotFoundError as e:
+        _fit(ZeroPlusStrategy(stage=3, config=ic.SHARD_ALL), tmp, seed=5, ckpt=f"{tmp}/mc", built=built)
+    except FileNotFoundError as e:  # not a zeroplus checkpoint
         out["wrong_ckpt_error"] = str(e)
-    _, trainer = _fit(ZeroPlusStrategy(stage=3), tmp, epochs=1)
+    out["wrong_ckpt_sharded"] = len(assert_sharded(built["model"], built["trainer"].strategy.optimizers[0]))
+    m, trainer = _fit(ZeroPlusStrategy(stage=3, config=ic.SHARD_ALL), tmp, epochs=1)
+    assert_sharded(m, trainer.strategy.optimizers[0])
     try:  # outside fit there is no optimizer to load into
         trainer.validate(_module_class()(5), torch.utils.data.DataLoader(ic.TokenDataset(4), batch_size=2),
                          ckpt_path=f"{tmp}/zp3.ckpt")
     except RuntimeError as e:
         out["validate_ckpt_error"] = str(e)
+    out["validate_sharded"] = len(assert_sharded(m, trainer.strategy.optimizers[0]))  # the fit's engine, untouched
     return out
 
 
@@ -263,6 +272,7 @@ def test_lightning_zeroplus_strategy_stages_1_to_3(tmp_path):
         assert r["nvme_left"] == [], r["nvme_left"]
         assert "fit() only" in r["validate_ckpt_error"]
         assert "ckpt_path" in r["wrong_ckpt_error"] and "zeroplus" in r["wrong_ckpt_error"]
+        assert r["wrong_ckpt_sharded"] == r["validate_sharded"] == len(r["ddp_params"])
         for stage in (1, 2, 3):
             losses, norms, precision, scale, skipped = r[f"fp16_{stage}"]
             assert precision == "fp16" and scale == 2.0 ** 16 and skipped == 0, (rank, stage)

@@ -5,7 +5,8 @@ on the same rank-specific batches and compares: parameters (fp32, within 1e-5 af
 read through zeroplus.full_state_dict because a stage-3 parameter is a shard between steps; bf16/
 fp16: the engine's fp32 masters against DDP + autocast, within MIXED_REL of how far DDP moved
 them). A persistence threshold of 100 elements keeps the LayerNorm weights whole (the persistent
-path) and shards everything else (asserted where the comparison is loose).
+path) and shards everything else, asserted on every rank after training (sharding.assert_sharded;
+tests/README.md: a stage-3 test shards).
 """
 
 import copy
@@ -25,6 +26,17 @@ LR = 3e-3
 STAGE3 = {"param_persistence_threshold": 100}
 
 
+def _sizes(model) -> dict[str, int]:
+    """Element counts by parameter name, taken before initialize (a stage-3 parameter is a shard after)."""
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+def _assert_sharded_above_threshold(model, opt, sizes) -> list[str]:
+    """Every parameter above STAGE3's threshold (all but the LayerNorm weights) sharded on this rank."""
+    limit = STAGE3["param_persistence_threshold"]
+    return assert_sharded(model, opt, [n for n, k in sizes.items() if k > limit], at_least=10)
+
+
 def _full_diff(model, ref):
     import zeroplus
 
@@ -41,6 +53,7 @@ def _parity(rank, world, accumulate, clip, lr, checkpoint, knobs):
     import zero_models as zm
 
     model = zm.make_model(checkpoint=checkpoint)
+    sizes = _sizes(model)
     ref = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     model, opt = zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=lr, **knobs)
@@ -65,6 +78,7 @@ def _parity(rank, world, accumulate, clip, lr, checkpoint, knobs):
         opt.step()
         opt.zero_grad()
     assert opt.gatherer.live_elems == 0, "a unit stayed gathered after the step"
+    _assert_sharded_above_threshold(model, opt, sizes)
     return _full_diff(model, ref.module), norms, dict(opt.gatherer.stats)
 
 
@@ -141,6 +155,7 @@ def _overflow(rank, world):
     import zeroplus
     import zero_models as zm
 
+    sizes = _sizes(zm.make_model())
     model, opt = zeroplus.initialize(zm.make_model(), torch.optim.AdamW, stage=3, lr=LR, mixed_precision="fp16",
                                      config={"fp16": {"enabled": True, "hysteresis": 1}}, **STAGE3)
     poison = model.blocks.layers[0].linear1.weight
@@ -157,6 +172,7 @@ def _overflow(rank, world):
         after = zeroplus.full_state_dict(model, rank0_only=False)
         changed.append(any(not torch.equal(before[k], after[k]) for k in before))
         scales.append(opt.loss_scale)
+    _assert_sharded_above_threshold(model, opt, sizes)  # the poisoned weight included
     return changed, scales
 
 
@@ -182,6 +198,7 @@ def _reuse_branch_eval(rank, world):
     frozen_before = model.frozen.weight.detach().clone()
     model, opt = zeroplus.initialize(model, torch.optim.SGD, stage=3, lr=0.05, param_persistence_threshold=0,
                                      prefetch_bucket_size=2000)
+    assert_sharded(model, opt)  # every parameter, the frozen one and the skipped branch's included
     g = torch.Generator().manual_seed(rank)
     for step in range(12):
         branch = step % 3 == 1  # the unit order changes from step to step
@@ -221,6 +238,7 @@ def _state_roundtrip(rank, world, precision):
     import zeroplus
     import zero_models as zm
 
+    sizes = _sizes(zm.make_model())
     model, opt = zeroplus.initialize(zm.make_model(), torch.optim.AdamW, stage=3, lr=LR, mixed_precision=precision,
                                      **STAGE3)
     for step in range(3):
@@ -237,6 +255,8 @@ def _state_roundtrip(rank, world, precision):
     other, other_opt = zeroplus.initialize(zm.make_model(seed=1), torch.optim.AdamW, stage=3, lr=LR,
                                            mixed_precision=precision, **STAGE3)
     other.load_state_dict(everywhere)
+    for m, o in ((model, opt), (other, other_opt)):  # the trained model, and one loaded from a full dict
+        _assert_sharded_above_threshold(m, o, sizes)
     loaded = zeroplus.full_state_dict(other, rank0_only=False)
     load_ok = all(torch.equal(loaded[k], everywhere[k]) for k in everywhere)
     fresh, fresh_opt = zeroplus.initialize(zm.make_model(seed=2), torch.optim.SGD, stage=3, lr=0.1,
@@ -275,6 +295,7 @@ def _meta(rank, world):
     names = {}
     with torch.device("meta"):
         model = zm.TiedGPT()
+    sizes = _sizes(model)
     for mod_name, mod in model.named_modules():
         names[id(mod)] = mod_name
     with pytest.raises(ValueError, match="param_init_fn"):
@@ -298,6 +319,7 @@ def _meta(rank, world):
             zm.loss_fn(m, x, y).backward()
             o.step()
             o.zero_grad()
+    _assert_sharded_above_threshold(model, opt, sizes)
     return _full_diff(model, ref.module), tied
 
 
