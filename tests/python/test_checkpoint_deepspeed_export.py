@@ -1,0 +1,249 @@
+"""convert --to deepspeed (deepspeed_export.py) against the real DeepSpeed (0.19.8, CPU, gloo).
+
+One 2-rank zeroplus launch trains DsNet (two param groups and a frozen parameter) at stages 2 and 3
+(stage 3 with every trainable parameter sharded, asserted) with DeepSpeed's WarmupLR for 3 steps,
+saves a zeroplus checkpoint (extra: the scheduler state, global_steps, a client value), and trains
+3 more steps (zeroplus continuing: the reference); it also saves an SGD checkpoint (refused).
+The parent converts each to DeepSpeed's layout (the Python API for stage 2, the command line for
+stage 3) at the saved stage and world size (the defaults), and checks DeepSpeed's own
+zero_to_fp32 reads the files to zeroplus's masters exactly. One 2-rank DeepSpeed launch then
+loads them with engine.load_checkpoint into a fresh engine (another seed), saves at once (tag
+"reloaded") and trains the same 3 steps. Checked:
+  * DeepSpeed's continuation matches zeroplus's within 1e-5 (fp32), which moved far more;
+    the lr, scheduler state, global_steps and client value reached DeepSpeed;
+  * zeroplus -> DeepSpeed -> zeroplus: DeepSpeed's "reloaded" save, converted back
+    (convert --from deepspeed), holds zeroplus's masters, exp_avg, exp_avg_sq and step counts bit
+    for bit, the same hyperparameters and the scheduler state;
+  * the same round trip without DeepSpeed's engine, across stages 1-3 and world sizes 1-3;
+  * streaming: each optim file is written from at most its own rank's partition (elements read
+    between two files, counted).
+Errors (no DeepSpeed run needed): bad world_size / stage / out refused naming the argument, an
+existing OUT left alone, the SGD checkpoint refused naming the optimizer, a failure while the
+files are being written (injected after two files, and a corrupt shard through the command line,
+exit status 2) leaves no OUT.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+try:
+    import deepspeed  # noqa: F401
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+except ImportError as e:  # decided before anything runs
+    pytest.skip(f"deepspeed==0.19.8 is not installed in this venv ({e}); scripts/setup.sh installs it",
+                allow_module_level=True)
+
+import deepspeed_runs as dr
+from deepspeed_resume import MORE, PARAMS, STEPS, train_save_continue
+from harness import run_cases_in_own_groups, run_pooled
+
+STAGES = (2, 3)
+FP32_TOL = 1e-5
+
+
+def _values(path) -> tuple[dict, dict]:
+    """Every value of a zeroplus checkpoint: (name, key) -> flat tensor, and the manifest."""
+    from zeroplus.checkpoint.reader import CheckpointReader
+
+    out = {}
+    with CheckpointReader(path) as reader:
+        m = reader.manifest
+        for name, t in m["tensors"].items():
+            numel = int(torch.Size(t["shape"]).numel())
+            for key in ["param" if t["kind"] == "param" else "value"] + sorted(t.get("state", {})):
+                out[(name, key)] = reader.read_many([(name, key, 0, numel)])[0]
+    return out, m
+
+
+def _assert_same_state(a_path, b_path, what: str) -> None:
+    a, ma = _values(a_path)
+    b, mb = _values(b_path)
+    assert a.keys() == b.keys(), f"{what}: {sorted(a.keys() ^ b.keys())}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs"
+    trainable = [n for n, t in ma["tensors"].items() if t["kind"] == "param" and t["trainable"]]
+    assert trainable and all(ma["tensors"][n]["state"] for n in trainable), what  # the state really was there
+    for n in trainable:
+        assert ma["tensors"][n]["scalars"] == mb["tensors"][n]["scalars"], f"{what}: {n} step count"
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in ma["param_groups"]]
+    assert groups == [{k: v for k, v in g.items() if k != "params"} for g in mb["param_groups"]], what
+
+
+@pytest.fixture(scope="module")
+def zp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zp")
+    cases = {f"s{s}": functools.partial(train_save_continue, str(root / f"zp_s{s}"), s, True, torch.optim.AdamW)
+             for s in STAGES}
+    cases["sgd"] = functools.partial(train_save_continue, str(root / "zp_sgd"), 2, False, torch.optim.SGD)
+    t0 = time.monotonic()
+    results = run_pooled(run_cases_in_own_groups, 2, cases, timeout=600)
+    print(f"\nzeroplus: {len(cases)} runs on 2 ranks: {time.monotonic() - t0:.1f} s")
+    for rank in range(2):
+        for key, (status, value) in results[rank].items():
+            assert status == "ok", f"{key}, rank {rank}:\n{value}"
+    return root, {k: v[1] for k, v in results[0].items()}
+
+
+def _ds_load_all(rank, world, root):
+    return {f"s{s}": dr.load_continue(rank, world, os.path.join(root, f"ds_s{s}"), os.path.join(root, f"ds_back_s{s}"),
+                                      s, True, STEPS, MORE) for s in STAGES}
+
+
+def test_deepspeed_resumes_an_exported_checkpoint(zp_runs):
+    from zeroplus.checkpoint import deepspeed_export
+    from zeroplus.checkpoint.consolidate import iter_tensors
+    from zeroplus.checkpoint.deepspeed_convert import convert_from_deepspeed
+    from zeroplus.checkpoint.reader import CheckpointReader
+
+    root, zp = zp_runs
+    # streaming: elements read from the zeroplus shards between two written files
+    read, per_file = [0], {}
+    real_read, real_save = deepspeed_export.CheckpointReader.read_many, deepspeed_export.save
+
+    def counting_read(self, requests):
+        read[0] += sum(hi - lo for _n, _k, lo, hi in requests)
+        return real_read(self, requests)
+
+    def counting_save(obj, fd):
+        per_file[len(per_file)] = (obj, read[0])
+        read[0] = 0
+        return real_save(obj, fd)
+
+    deepspeed_export.CheckpointReader.read_many, deepspeed_export.save = counting_read, counting_save
+    try:
+        res = deepspeed_export.convert_to_deepspeed(root / "zp_s2", root / "ds_s2")
+    finally:
+        deepspeed_export.CheckpointReader.read_many, deepspeed_export.save = real_read, real_save
+    assert (res["stage"], res["world_size"], res["tag"]) == (2, 2, f"global_step{STEPS}"), res
+    for obj, elements in per_file.values():
+        osd = obj.get("optimizer_state_dict")
+        if osd is not None:  # masters + exp_avg + exp_avg_sq of this rank's partition, nothing more
+            partition = sum(t.numel() for t in osd["base_optimizer_state"]["state"][0].values() if t.dim()) // 2
+            partition += sum(t.numel() for t in osd["base_optimizer_state"]["state"][1].values() if t.dim()) // 2
+            assert 0 < elements <= 3 * partition, f"an optim file read {elements} elements, its partition {partition}"
+    cli = subprocess.run([sys.executable, "-m", "zeroplus.checkpoint", "convert", "--to", "deepspeed",
+                          str(root / "zp_s3"), str(root / "ds_s3")], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "stage 3" in cli.stdout, cli.stderr
+    for s in STAGES:  # DeepSpeed's own consolidation reads zeroplus's masters
+        with CheckpointReader(root / f"zp_s{s}") as reader:
+            masters = {k: v.float() for k, v in iter_tensors(reader)}
+        ds = get_fp32_state_dict_from_zero_checkpoint(str(root / f"ds_s{s}"))
+        for k in PARAMS + ["gate"]:
+            assert torch.equal(ds[k].float(), masters[k]), f"stage {s}: zero_to_fp32 {k}"
+
+    t0 = time.monotonic()
+    got = run_pooled(_ds_load_all, 2, str(root), backend="gloo", timeout=600)[0]
+    print(f"DeepSpeed: {len(STAGES)} loads + {MORE} steps on 2 ranks (gloo): {time.monotonic() - t0:.1f} s")
+    for s in STAGES:
+        info, mine = got[f"s{s}"], zp[f"s{s}"]
+        assert info["path"] and info["global_steps"] == STEPS and info["client_state"] == {"run": "zeroplus"}, info
+        assert info["scheduler"] == {"last_batch_iteration": STEPS - 1}, info
+        ref = get_fp32_state_dict_from_zero_checkpoint(str(root / f"ds_back_s{s}"), tag=f"global_step{STEPS + MORE}")
+        with CheckpointReader(root / f"zp_s{s}") as reader:
+            start = {k: v.float() for k, v in iter_tensors(reader)}
+        moved = max((mine["trained"][k] - start[k]).abs().max().item() for k in PARAMS)
+        diff = max((ref[k].float() - mine["trained"][k]).abs().max().item() for k in PARAMS)
+        assert moved > 100 * FP32_TOL, f"stage {s}: zeroplus's continuation moved only {moved}"
+        assert diff <= FP32_TOL, f"stage {s}: DeepSpeed's continuation is {diff} from zeroplus's (moved {moved})"
+        assert torch.equal(ref["gate"], dr.make(0, True).gate.detach()), s  # the frozen parameter, untouched
+        # zeroplus -> DeepSpeed -> zeroplus, through DeepSpeed's engine: bit for bit
+        back = root / f"zp_back_s{s}"
+        convert_from_deepspeed(root / f"ds_back_s{s}" / "reloaded", back)
+        _assert_same_state(root / f"zp_s{s}", back, f"stage {s} round trip")
+        _, m = _values(back)
+        assert m["extra"]["lr_scheduler"] == {"last_batch_iteration": STEPS - 1}, m["extra"]
+        assert m["extra"]["global_steps"] == STEPS, m["extra"]  # (client_state: only what save_checkpoint is given)
+        print(f"stage {s}: |DeepSpeed - zeroplus| after {MORE} steps {diff:.2e} (moved {moved:.2e})")
+
+
+def test_round_trip_across_stages_and_world_sizes(zp_runs, tmp_path):
+    """No DeepSpeed engine: zeroplus -> DeepSpeed layout at stages 1-3, 1-3 ranks -> zeroplus, bit for bit."""
+    from zeroplus.checkpoint.deepspeed_convert import convert_from_deepspeed
+    from zeroplus.checkpoint.deepspeed_export import convert_to_deepspeed
+
+    root, _zp = zp_runs
+    for s in STAGES:
+        for stage in (1, 2, 3):
+            for world in (1, 3):
+                ds, back = tmp_path / f"ds_{s}_{stage}_{world}", tmp_path / f"zp_{s}_{stage}_{world}"
+                res = convert_to_deepspeed(root / f"zp_s{s}", ds, world_size=world, stage=stage)
+                n_optim = sum("optim_states" in f for f in os.listdir(ds / res["tag"]))
+                assert n_optim == world, (s, stage, world, os.listdir(ds / res["tag"]))
+                convert_from_deepspeed(ds, back)
+                _assert_same_state(root / f"zp_s{s}", back, f"zeroplus stage {s} via DeepSpeed stage {stage} x {world}")
+                extra = _values(back)[1]["extra"]
+                assert extra["client_state"] == {"run": "zeroplus"} and extra["global_steps"] == STEPS, extra
+                assert extra["lr_scheduler"] == {"last_batch_iteration": STEPS - 1}, extra
+
+
+def test_bad_arguments_and_failures_leave_no_output(zp_runs, tmp_path):
+    from zeroplus.checkpoint import deepspeed_export
+    from zeroplus.checkpoint.deepspeed_export import convert_to_deepspeed
+
+    root, _zp = zp_runs
+    src, out = root / "zp_s2", tmp_path / "out"
+    for kwargs, error, match in (({"world_size": 0}, ValueError, "world_size"),
+                                 ({"world_size": "2"}, TypeError, "world_size"),
+                                 ({"world_size": True}, TypeError, "world_size"),
+                                 ({"stage": 4}, ValueError, "stage"), ({"stage": 2.0}, TypeError, "stage")):
+        with pytest.raises(error, match=match):
+            convert_to_deepspeed(src, out, **kwargs)
+        assert not out.exists(), kwargs
+    with pytest.raises(TypeError, match="out"):
+        convert_to_deepspeed(src, 3)
+    with pytest.raises(ValueError, match="SGD"):
+        convert_to_deepspeed(root / "zp_sgd", out)
+    assert not out.exists()
+    out.mkdir()
+    (out / "mine").write_text("keep")
+    with pytest.raises(FileExistsError):
+        convert_to_deepspeed(src, out)
+    assert os.listdir(out) == ["mine"]
+    out = tmp_path / "out2"
+
+    written = []
+    real_save = deepspeed_export.save
+
+    def failing_save(obj, fd):  # the third file fails, after two were written and synced
+        if len(written) == 2:
+            raise OSError(28, "No space left on device (injected)")
+        real_save(obj, fd)
+        written.append(os.listdir(out / f"global_step{STEPS}"))
+
+    deepspeed_export.save = failing_save
+    try:
+        with pytest.raises(OSError, match="injected"):
+            convert_to_deepspeed(root / "zp_s3", out)
+    finally:
+        deepspeed_export.save = real_save
+    assert len(written) == 2 and len(written[1]) == 2, written  # two files existed when it failed
+    assert not out.exists(), "a failed convert left its OUT behind"
+
+    # a corrupt zeroplus shard, through the command line: exit status 2, the file named, no OUT
+    bad = tmp_path / "bad"
+    subprocess.run(["cp", "-r", str(src), str(bad)], check=True, timeout=60)
+    shard = bad / "rank00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    os.chmod(shard, 0o600)
+    shard.write_bytes(bytes(data))
+    cli = subprocess.run([sys.executable, "-m", "zeroplus.checkpoint", "convert", "--to", "deepspeed", str(bad),
+                          str(tmp_path / "out3")], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "rank00001.bin" in cli.stderr, cli.stderr
+    assert not (tmp_path / "out3").exists()
+    for argv, word in ((["--to", "deepspeed", str(src), str(tmp_path / "o4"), "--stage", "0"], "stage"),
+                       (["--to", "deepspeed", str(src), str(tmp_path / "o4"), "--world-size", "0"], "world_size"),
+                       (["--from", "deepspeed", str(src), str(tmp_path / "o4"), "--stage", "2"], "--stage")):
+        cli = subprocess.run([sys.executable, "-m", "zeroplus.checkpoint", "convert", *argv], capture_output=True,
+                             text=True, timeout=120)
+        assert cli.returncode == 2 and word in cli.stderr, (argv, cli.stderr)
+        assert not (tmp_path / "o4").exists()
