@@ -22,6 +22,16 @@ def _octal_mode(text: str) -> int:
         raise argparse.ArgumentTypeError(f"--mode must be an octal permission mode like 0644, got {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroplus.checkpoint", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,10 +61,12 @@ def main(argv=None) -> int:
                           "OUT/global_stepN/)")
     v.add_argument("path", help="the checkpoint to convert")
     v.add_argument("out", help="the directory to create (must not exist)")
-    v.add_argument("--world-size", type=int, help="--to deepspeed: DeepSpeed's data-parallel size (default: the "
-                                                  "world size the zeroplus checkpoint was saved at)")
-    v.add_argument("--stage", type=int, help="--to deepspeed: DeepSpeed's ZeRO stage, 1, 2 or 3 (default: the "
-                                             "stage the zeroplus checkpoint was saved at)")
+    v.add_argument("--world-size", type=_positive_int,
+                   help="--to deepspeed: DeepSpeed's data-parallel size (default: the world size the zeroplus "
+                        "checkpoint was saved at)")
+    v.add_argument("--stage", type=int, choices=(1, 2, 3),
+                   help="--to deepspeed: DeepSpeed's ZeRO stage (default: the stage the zeroplus checkpoint was "
+                        "saved at)")
     args = parser.parse_args(argv)
     if args.command == "consolidate" and (args.out is None) == (args.output_dir is None):
         parser.error("consolidate: give OUT (one file) or --output-dir DIR (an HF folder), exactly one")

@@ -109,8 +109,8 @@ class _Plan:
         self.numel = {n: math.prod(t["shape"]) for n, t in tensors.items()}
         stateful = [n for n in trainable if tensors[n].get("state")]
         if stateful and source.get("optimizer_class") not in _ADAM:
-            raise ValueError(f"convert --to deepspeed: {where} holds {source.get('optimizer_class')} state; DeepSpeed's "
-                             f"checkpoint is written for torch's Adam/AdamW (exp_avg, exp_avg_sq, step)")
+            raise ValueError(f"convert --to deepspeed: {where} holds {source.get('optimizer_class')} state; "
+                             f"DeepSpeed's checkpoint is written for torch's Adam/AdamW (exp_avg, exp_avg_sq, step)")
         if stateful and len(stateful) != len(trainable):
             missing = sorted(set(trainable) - set(stateful))
             raise ValueError(f"convert --to deepspeed: {where}: parameters {missing} have no optimizer state while "
