@@ -214,6 +214,8 @@ def test_bad_arguments_and_failures_leave_no_output(zp_runs, tmp_path, capsys):
         assert not out.exists(), kwargs
     with pytest.raises(TypeError, match="out"):
         convert_to_deepspeed(src, 3)
+    with pytest.raises(TypeError, match="src"):
+        convert_to_deepspeed(None, out)
     with pytest.raises(ValueError, match="SGD"):
         convert_to_deepspeed(root / "zp_sgd", out)
     assert not out.exists()

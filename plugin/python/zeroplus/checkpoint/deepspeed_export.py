@@ -79,9 +79,10 @@ _DS_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param
 _EXTRA_COUNTERS = {"lr_scheduler", "global_steps", "global_samples", "skipped_steps", "ds_version", "client_state"}
 
 
-def _check_args(out, world_size, stage):
-    if not isinstance(out, (str, os.PathLike)):
-        raise TypeError(f"convert: out must be a str or os.PathLike, got {type(out).__name__}")
+def _check_args(src, out, world_size, stage):
+    for arg, value in (("src", src), ("out", out)):
+        if not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"convert: {arg} must be a str or os.PathLike, got {type(value).__name__}")
     for arg, value in (("world_size", world_size), ("stage", stage)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"convert: {arg} must be an int, got {type(value).__name__}")
@@ -202,7 +203,7 @@ def convert_to_deepspeed(src, out, *, world_size: int | None = None, stage: int 
     """Writes the zeroplus checkpoint `src` (a checkpoint directory, or a root whose `latest` names
     one) as DeepSpeed 0.19.8's ZeRO stage-`stage` checkpoint of `world_size` data-parallel ranks
     into the new directory `out` (defaults: the stage and world size `src` was saved at)."""
-    _check_args(out, world_size, stage)
+    _check_args(src, out, world_size, stage)
     out = os.path.abspath(os.fspath(out))
     parent, name = os.path.split(out)
     check_dir_name(name, f"convert: out {out!r}")
