@@ -13,7 +13,8 @@ stage3.py state_dict / load_state_dict are what reads it back):
   OUT/global_stepK/mp_rank_00_model_states.pt (stages 1-2) or zero_pp_rank_R_mp_rank_00_model_states.pt
                                     per rank (stage 3): module state dict (stages 1-2 whole, in the
                                     model's dtype; stage 3 parameters empty, as DeepSpeed writes),
-                                    param_shapes, frozen_param_shapes/_fragments, shared_params
+                                    param_shapes, frozen_param_shapes/_fragments (stages 2-3; None
+                                    at stage 1, as DeepSpeed writes), shared_params
                                     (zeroplus's aliases), buffer_names, lr_scheduler
                                     (extra["lr_scheduler"]), global_steps, global_samples,
                                     skipped_steps, dp_world_size, ds_version, and every other key of
@@ -254,7 +255,9 @@ def _model_states_common(m: dict, plan: _Plan) -> tuple[dict, int]:
     common = {"buffer_names": list(plan.buffers), "optimizer": None,
               "param_shapes": [OrderedDict((n, torch.Size(tensors[n]["shape"])) for n, _o in f[1][0])
                                for f in plan.flat],
-              "frozen_param_shapes": {n: torch.Size(tensors[n]["shape"]) for n in plan.frozen},
+              # DeepSpeed records frozen parameters apart from stage 2 on (stage 1: only in the module)
+              "frozen_param_shapes": ({n: torch.Size(tensors[n]["shape"]) for n in plan.frozen}
+                                      if plan.stage >= 2 else None),
               "shared_params": dict(m.get("aliases") or {}), "lr_scheduler": extra.get("lr_scheduler"),
               "data_sampler": None, "random_ltd": None, "skipped_steps": int(skipped or 0), "global_steps": steps,
               "dp_world_size": plan.world, "mp_world_size": 1,
@@ -272,7 +275,8 @@ def _write_tag(reader: CheckpointReader, plan: _Plan, common: dict, out_fd: int,
         if plan.stage < 3:
             module, frozen = _whole_module(reader, plan, dir_fd)
             _save_file(dir_fd, "mp_rank_00_model_states.pt",
-                       {"module": module, **common, "frozen_param_fragments": frozen}, written)
+                       {"module": module, **common, "frozen_param_fragments": frozen if plan.stage == 2 else None},
+                       written)
             del module, frozen
         prefix = "bf16_" if plan.bf16 else ""
         for rank in range(plan.world):
