@@ -42,8 +42,8 @@ each elementwise state) are filled piece by piece from the zeroplus shards (Chec
 only the ranges asked, checksums verified), saved, synced and dropped before the next rank's: the
 peak is one DeepSpeed rank's partition plus one parameter's piece. The stages 1-2 model states
 file holds the whole module (DeepSpeed's layout): its parameters are assembled one at a time in a
-scratch file (unlinked at creation) and saved from its mapping, so they are page cache, not
-process memory.
+scratch file (unlinked at creation) and saved from its mapping: file-backed pages the kernel can
+write back and reclaim (they count in the resident set while mapped), never anonymous memory.
 
 Crash consistency and errors: OUT (one plain path component) is created 0700 and exclusively
 (FileExistsError if it exists, nothing touched); every file is created exclusively through
