@@ -19,8 +19,9 @@ loads them with engine.load_checkpoint into a fresh engine (another seed), saves
   * the same round trip without DeepSpeed's engine, across stages 1-3 and world sizes 1-3;
   * streaming: each optim file is written from at most its own rank's partition (elements read
     between two files, counted).
-Errors (no DeepSpeed run needed): bad world_size / stage / out refused naming the argument, an
-existing OUT left alone, the SGD checkpoint refused naming the optimizer, a failure while the
+Errors (no DeepSpeed run needed): bad world_size / stage / src / out refused naming the argument,
+an existing OUT left alone, the SGD checkpoint refused naming the optimizer, and (manifests edited)
+fp16, one group's parameters at different step counts, an extra key of DeepSpeed's own; a failure while the
 files are being written (injected after two files, and a corrupt shard through the command line,
 exit status 2) leaves no OUT.
 """
@@ -201,6 +202,20 @@ def test_round_trip_across_stages_and_world_sizes(zp_runs, tmp_path):
                 assert extra["lr_scheduler"] == {"last_batch_iteration": STEPS - 1}, extra
 
 
+def _edited(src, dst, edit):
+    """A copy of zeroplus checkpoint `src` whose manifest `edit` changed (re-sealed with its checksum)."""
+    import json
+
+    from zeroplus.checkpoint.format import encode_manifest
+
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_bytes())
+    edit(m)
+    os.chmod(dst / "manifest.json", 0o600)
+    (dst / "manifest.json").write_bytes(encode_manifest(m))
+    return dst
+
+
 def test_bad_arguments_and_failures_leave_no_output(zp_runs, tmp_path, capsys):
     from zeroplus.checkpoint import deepspeed_export
     from zeroplus.checkpoint.deepspeed_export import convert_to_deepspeed
@@ -221,6 +236,21 @@ def test_bad_arguments_and_failures_leave_no_output(zp_runs, tmp_path, capsys):
     with pytest.raises(ValueError, match="SGD"):
         convert_to_deepspeed(root / "zp_sgd", out)
     assert not out.exists()
+
+    def fp16(m):
+        m["source"]["mixed_precision"] = "fp16"
+
+    def steps_differ(m):
+        m["tensors"]["lin2.bias"]["scalars"]["step"]["data"] = [2.0]
+
+    def clash(m):
+        m["extra"]["module"] = 1
+
+    for edit, match in ((fp16, "fp16"), (steps_differ, "different optimizer step counts"),
+                        (clash, r"extra keys \['module'\]")):
+        with pytest.raises(ValueError, match=match):
+            convert_to_deepspeed(_edited(src, tmp_path / edit.__name__, edit), out)
+        assert not out.exists(), edit.__name__
     out.mkdir()
     (out / "mine").write_text("keep")
     with pytest.raises(FileExistsError):
