@@ -21,9 +21,9 @@ loads them with engine.load_checkpoint into a fresh engine (another seed), saves
     between two files, counted).
 Errors (no DeepSpeed run needed): bad world_size / stage / src / out refused naming the argument,
 an existing OUT left alone, the SGD checkpoint refused naming the optimizer, and (manifests edited)
-fp16, one group's parameters at different step counts, an extra key of DeepSpeed's own; a failure while the
-files are being written (injected after two files, and a corrupt shard through the command line,
-exit status 2) leaves no OUT.
+fp16, one group's parameters at different step counts, an extra key of DeepSpeed's own; a failure
+while the files are being written (injected after two files, and a corrupt shard through the
+command line's main, exit status 2) leaves no OUT.
 """
 
 from __future__ import annotations
