@@ -140,11 +140,12 @@ def train_save_continue(rank: int, world: int, root: str, name: str, stage: int,
 
 
 def load_continue(rank: int, world: int, src: str, dst: str, stage: int, precision: str | None, grouped, steps: int,
-                  more: int) -> dict:
+                  more: int, tag: str | None = None) -> dict:
     """DeepSpeed's side of convert --to deepspeed: a fresh engine (another seed: every value must come
-    from the load) loads SRC (its `latest`) with engine.load_checkpoint, saves at once into DST (tag
-    "reloaded": what DeepSpeed itself makes of the files), trains steps..steps+more on the same global
-    batches and saves again (tag global_step{steps+more}). Returns what the load gave (rank 0's view)."""
+    from the load) loads SRC (its `latest`, or `tag`) with engine.load_checkpoint, saves at once into
+    DST (tag "reloaded": what DeepSpeed itself makes of the files), trains steps..steps+more on the
+    same global batches and saves again (tag global_step{steps+more}). Returns what the load gave
+    (rank 0's view)."""
     _env(rank, world)
     import importlib
 
@@ -156,7 +157,7 @@ def load_continue(rank: int, world: int, src: str, dst: str, stage: int, precisi
     engine, _opt, _, sched = deepspeed.initialize(model=model, model_parameters=groups,
                                                   config=ds_config(stage, precision, False, True, world),
                                                   optimizer=torch.optim.AdamW(groups, lr=1e-3))
-    path, client = engine.load_checkpoint(src)
+    path, client = engine.load_checkpoint(src, tag=tag)
     out = {"path": path, "client_state": {k: v for k, v in client.items() if k == "run"},
            "global_steps": engine.global_steps, "lr": engine.get_lr()[0], "scheduler": sched.state_dict()}
     engine.save_checkpoint(dst, tag="reloaded", save_latest=False)

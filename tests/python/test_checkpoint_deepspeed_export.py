@@ -11,7 +11,9 @@ zero_to_fp32 reads the files to zeroplus's masters exactly. One 2-rank DeepSpeed
 loads them with engine.load_checkpoint into a fresh engine (another seed), saves at once (tag
 "reloaded") and trains the same 3 steps. Checked:
   * DeepSpeed's continuation matches zeroplus's within 1e-5 in fp32 (bf16: 2 % of how far it
-    moved), and zeroplus's moved far more; the frozen parameter is untouched, tied names one tensor;
+    moved), and zeroplus's moved far more; at fp32 stages 2 and 3 it also matches DeepSpeed
+    resuming from its own save of what it loaded (another engine); the frozen parameter is
+    untouched, tied names one tensor;
     the lr, scheduler state, global_steps and client value reached DeepSpeed;
   * zeroplus -> DeepSpeed -> zeroplus: DeepSpeed's "reloaded" save, converted back
     (convert --from deepspeed), holds zeroplus's masters, exp_avg, exp_avg_sq and step counts bit
@@ -99,10 +101,19 @@ def zp_runs(tmp_path_factory):
     return root, {k: v[1] for k, v in results[0].items()}
 
 
+AGAIN = ("s2", "s3")  # DeepSpeed also resumes from its own save of what it loaded
+
+
 def _ds_load_all(rank, world, root):
-    return {name: dr.load_continue(rank, world, os.path.join(root, f"ds_{name}"), os.path.join(root, f"ds_back_{name}"),
-                                   stage, precision, grouped, STEPS, MORE)
-            for name, (stage, precision, grouped) in CASES.items()}
+    out = {name: dr.load_continue(rank, world, os.path.join(root, f"ds_{name}"), os.path.join(root, f"ds_back_{name}"),
+                                  stage, precision, grouped, STEPS, MORE)
+           for name, (stage, precision, grouped) in CASES.items()}
+    for name in AGAIN:
+        stage, precision, grouped = CASES[name]
+        out[f"{name}_again"] = dr.load_continue(rank, world, os.path.join(root, f"ds_back_{name}"),
+                                                os.path.join(root, f"ds_again_{name}"), stage, precision, grouped,
+                                                STEPS, MORE, tag="reloaded")
+    return out
 
 
 def test_deepspeed_resumes_an_exported_checkpoint(zp_runs):
@@ -154,7 +165,7 @@ def test_deepspeed_resumes_an_exported_checkpoint(zp_runs):
 
     t0 = time.monotonic()
     got = run_pooled(_ds_load_all, 2, str(root), backend="gloo", timeout=600)[0]
-    print(f"DeepSpeed: {len(CASES)} loads + {MORE} steps on 2 ranks (gloo): {time.monotonic() - t0:.1f} s")
+    print(f"DeepSpeed: {len(got)} loads + {MORE} steps on 2 ranks (gloo): {time.monotonic() - t0:.1f} s")
     for name, (stage, precision, grouped) in CASES.items():
         info, mine = got[name], zp[name]
         assert info["path"] and info["global_steps"] == STEPS and info["client_state"] == {"run": "zeroplus"}, info
@@ -180,6 +191,12 @@ def test_deepspeed_resumes_an_exported_checkpoint(zp_runs):
         assert m["extra"]["lr_scheduler"] == {"last_batch_iteration": STEPS - 1}, m["extra"]
         assert m["extra"]["global_steps"] == STEPS, m["extra"]  # (client_state: only what save_checkpoint is given)
         print(f"{name}: |DeepSpeed - zeroplus| after {MORE} steps {diff:.2e} (moved {moved:.2e})")
+        if name in AGAIN:  # DeepSpeed from the converted files continues as DeepSpeed from its own save
+            own = get_fp32_state_dict_from_zero_checkpoint(str(root / f"ds_again_{name}"),
+                                                           tag=f"global_step{STEPS + MORE}")
+            again = max((own[k] - ref[k]).abs().max().item() for k in PARAMS)
+            assert again <= FP32_TOL, f"{name}: DeepSpeed from its own save is {again} from DeepSpeed from ours"
+            print(f"{name}: |DeepSpeed from its own save - DeepSpeed from the converted files| {again:.2e}")
 
 
 def test_round_trip_across_stages_and_world_sizes(zp_runs, tmp_path):
