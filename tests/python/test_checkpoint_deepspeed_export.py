@@ -15,6 +15,8 @@ loads them with engine.load_checkpoint into a fresh engine (another seed), saves
     resuming from its own save of what it loaded (another engine); the frozen parameter is
     untouched, tied names one tensor;
     the lr, scheduler state, global_steps and client value reached DeepSpeed;
+  * the fp32 stage 2 and 3 checkpoints converted for 3 DeepSpeed ranks (uneven partitions: the
+    last rank's padded, its group_paddings checked) resume in a 3-rank DeepSpeed launch the same way;
   * zeroplus -> DeepSpeed -> zeroplus: DeepSpeed's "reloaded" save, converted back
     (convert --from deepspeed), holds zeroplus's masters, exp_avg, exp_avg_sq and step counts bit
     for bit, the same hyperparameters and the scheduler state;
@@ -116,6 +118,11 @@ def _ds_load_all(rank, world, root):
     return out
 
 
+def _ds_load_w3(rank, world, root):
+    return {name: dr.load_continue(rank, world, os.path.join(root, f"ds3_{name}"), os.path.join(root, f"ds3_back_{name}"),
+                                   CASES[name][0], None, True, STEPS, MORE) for name in AGAIN}
+
+
 def test_deepspeed_resumes_an_exported_checkpoint(zp_runs):
     from zeroplus.checkpoint import deepspeed_export
     from zeroplus.checkpoint.consolidate import iter_tensors
@@ -197,6 +204,26 @@ def test_deepspeed_resumes_an_exported_checkpoint(zp_runs):
             again = max((own[k] - ref[k]).abs().max().item() for k in PARAMS)
             assert again <= FP32_TOL, f"{name}: DeepSpeed from its own save is {again} from DeepSpeed from ours"
             print(f"{name}: |DeepSpeed from its own save - DeepSpeed from the converted files| {again:.2e}")
+
+    # at another world size than zeroplus saved at: 3 DeepSpeed ranks (uneven partitions, padded)
+    for name in AGAIN:
+        deepspeed_export.convert_to_deepspeed(root / f"zp_{name}", root / f"ds3_{name}", world_size=3)
+    t0 = time.monotonic()
+    got3 = run_pooled(_ds_load_w3, 3, str(root), backend="gloo", timeout=600)[0]
+    print(f"DeepSpeed: {len(got3)} loads + {MORE} steps on 3 ranks (gloo): {time.monotonic() - t0:.1f} s")
+    for name in AGAIN:
+        assert got3[name]["global_steps"] == STEPS, got3[name]
+        tag = root / f"ds3_{name}" / f"global_step{STEPS}"
+        if CASES[name][0] < 3:  # the flat group of 56 elements is padded to 60: the last rank's 20 hold 16
+            osd = torch.load(tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt", weights_only=False)
+            assert osd["optimizer_state_dict"]["group_paddings"][0] == 4, osd["optimizer_state_dict"]["group_paddings"]
+        ref = get_fp32_state_dict_from_zero_checkpoint(str(root / f"ds3_back_{name}"), tag=f"global_step{STEPS + MORE}")
+        diff = max((ref[k].float() - zp[name]["trained"][k]).abs().max().item() for k in PARAMS)
+        assert diff <= FP32_TOL, f"{name} at 3 DeepSpeed ranks: {diff} from zeroplus's continuation at 2"
+        back = root / f"zp3_back_{name}"
+        convert_from_deepspeed(root / f"ds3_back_{name}" / "reloaded", back)
+        _assert_same_state(root / f"zp_{name}", back, f"{name} round trip through 3 DeepSpeed ranks")
+        print(f"{name} at 3 DeepSpeed ranks: |DeepSpeed - zeroplus| after {MORE} steps {diff:.2e}")
 
 
 def test_round_trip_across_stages_and_world_sizes(zp_runs, tmp_path):
