@@ -144,3 +144,37 @@ def scaler_after_load(path, precision, rank, group):
     model, opt = build(2, precision, group)
     zeroplus.load_checkpoint(path, model, opt)
     return opt.scaler.state_dict()
+
+
+def train_save_continue(path, stage, grouped, optimizer, precision, rank, group):
+    """zeroplus's side of convert --to deepspeed: trains STEPS steps from DsNet's seed-0 init with
+    DeepSpeed's scheduler (built on zeroplus's optimizer), saves PATH (extra: the scheduler state,
+    global_steps and a client value), trains MORE steps on: the continuation a DeepSpeed resume of
+    the exported files must match. Returns the parameters after the continuation (fp32; bf16: the
+    fp32 masters, read back from a zeroplus checkpoint saved beside PATH)."""
+    import torch.distributed as dist
+
+    import zeroplus
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    world = dist.get_world_size(group)
+    model, opt = build(stage, precision, group, optimizer=optimizer, model=dr.make(0, grouped), grouped=grouped)
+    for g in opt.param_groups:  # DeepSpeed's run: lr 1e-2 (the scheduler's), weight decay 0.1 / 0.0
+        g["weight_decay"] = 0.1 if g is opt.param_groups[0] else 0.0
+    sharded = sharded_names(model, opt)
+    if stage == 3 and world > 1 and sharded != sorted(n for n, _p in model.named_parameters()):
+        raise AssertionError(f"stage 3 holds only {sharded} sharded")
+    sched = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=10)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for step in range(STEPS + MORE):
+        x, y = dr.local_batch(step, rank, world)
+        opt.backward(dr.loss_of(model, x, y, dtype))
+        opt.clip_grad_norm_(dr.GRADIENT_CLIPPING)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        if step + 1 == STEPS:
+            zeroplus.save_checkpoint(path, model, opt, extra={"lr_scheduler": sched.state_dict(),
+                                                              "global_steps": STEPS, "run": "zeroplus"})
+    trained = full(model) if precision is None else masters(path + "_after", model, opt)
+    return {"trained": trained, "lr": [g["lr"] for g in opt.param_groups]}

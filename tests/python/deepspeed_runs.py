@@ -137,3 +137,35 @@ def train_save_continue(rank: int, world: int, root: str, name: str, stage: int,
     engine.save_checkpoint(os.path.join(root, name), tag=f"global_step{steps + more}", save_latest=False)
     engine.destroy()
     return out
+
+
+def load_continue(rank: int, world: int, src: str, dst: str, stage: int, precision: str | None, grouped, steps: int,
+                  more: int, tag: str | None = None) -> dict:
+    """DeepSpeed's side of convert --to deepspeed: a fresh engine (another seed: every value must come
+    from the load) loads SRC (its `latest`, or `tag`) with engine.load_checkpoint, saves at once into
+    DST (tag "reloaded": what DeepSpeed itself makes of the files), trains steps..steps+more on the
+    same global batches and saves again (tag global_step{steps+more}). Returns what the load gave
+    (rank 0's view)."""
+    _env(rank, world)
+    import importlib
+
+    import deepspeed
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    model = make(5, grouped)
+    groups = param_groups(model, grouped)
+    engine, _opt, _, sched = deepspeed.initialize(model=model, model_parameters=groups,
+                                                  config=ds_config(stage, precision, False, True, world),
+                                                  optimizer=torch.optim.AdamW(groups, lr=1e-3))
+    path, client = engine.load_checkpoint(src, tag=tag)
+    out = {"path": path, "client_state": {k: v for k, v in client.items() if k == "run"},
+           "global_steps": engine.global_steps, "lr": engine.get_lr()[0], "scheduler": sched.state_dict()}
+    engine.save_checkpoint(dst, tag="reloaded", save_latest=False)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    for step in range(steps, steps + more):
+        x, y = local_batch(step, rank, world)
+        engine.backward(loss_of(engine, x, y, dtype))
+        engine.step()
+    engine.save_checkpoint(dst, tag=f"global_step{steps + more}", save_latest=False)
+    engine.destroy()
+    return out

@@ -12,7 +12,7 @@ sharded safetensors (hf_export.py) and their command line (`python -m zeroplus.c
 DeepSpeed ZeRO checkpoints (docs/from_deepspeed.md): which reader a path needs (sources.py),
 DeepSpeed's pickles without running them (deepspeed_pickle.py), its files and flat partitions
 (deepspeed_layout.py), the bridge into load.py (deepspeed_reader.py), `convert --from deepspeed`
-(deepspeed_convert.py).
+(deepspeed_convert.py) and back, `convert --to deepspeed` (deepspeed_export.py: convert_to_deepspeed).
 """
 
 # The functions shadow the module of the same name (zeroplus.checkpoint.consolidate is the function).

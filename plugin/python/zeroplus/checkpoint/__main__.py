@@ -1,4 +1,5 @@
-"""python -m zeroplus.checkpoint {consolidate PATH (OUT [--format torch|safetensors] | --output-dir DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16] [--trainable-only] [--mode 0644]) | inspect PATH [--json] | convert --from deepspeed DS_DIR OUT}
+"""python -m zeroplus.checkpoint {consolidate PATH (OUT [--format torch|safetensors] | --output-dir DIR [--max-shard-size 5GB] [--dtype fp32|bf16|fp16] [--trainable-only] [--mode 0644]) | inspect PATH [--json] | convert --from deepspeed DS_DIR OUT
+| convert --to deepspeed PATH OUT [--world-size N] [--stage 1|2|3]}
 
 Also installed as the console script `zeroplus-checkpoint`. consolidate writes one fp32 state
 dict (OUT), or with --output-dir an HF folder of sharded safetensors that from_pretrained reads.
@@ -21,6 +22,16 @@ def _octal_mode(text: str) -> int:
         raise argparse.ArgumentTypeError(f"--mode must be an octal permission mode like 0644, got {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--world-size must be an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroplus.checkpoint", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,18 +51,38 @@ def main(argv=None) -> int:
     i = sub.add_parser("inspect", help="source, tensors, bytes; verifies every checksum")
     i.add_argument("path")
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    v = sub.add_parser("convert", help="another framework's checkpoint -> a zeroplus checkpoint (streaming)")
-    v.add_argument("--from", dest="source", choices=("deepspeed",), required=True,
-                   help="deepspeed: a ZeRO 1/2/3 checkpoint of DeepSpeed 0.19.8 (root with `latest`, or global_stepN)")
+    v = sub.add_parser("convert", help="another framework's checkpoint <-> a zeroplus checkpoint (streaming)")
+    way = v.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from", dest="source", choices=("deepspeed",),
+                     help="deepspeed: a ZeRO 1/2/3 checkpoint of DeepSpeed 0.19.8 (root with `latest`, or "
+                          "global_stepN) -> a zeroplus checkpoint OUT")
+    way.add_argument("--to", dest="target", choices=("deepspeed",),
+                     help="deepspeed: a zeroplus checkpoint -> DeepSpeed 0.19.8's ZeRO layout in OUT (OUT/latest, "
+                          "OUT/global_stepN/)")
     v.add_argument("path", help="the checkpoint to convert")
-    v.add_argument("out", help="the zeroplus checkpoint directory to create (must not exist)")
+    v.add_argument("out", help="the directory to create (must not exist)")
+    v.add_argument("--world-size", type=_positive_int,
+                   help="--to deepspeed: DeepSpeed's data-parallel size (default: the world size the zeroplus "
+                        "checkpoint was saved at)")
+    v.add_argument("--stage", type=int, choices=(1, 2, 3),
+                   help="--to deepspeed: DeepSpeed's ZeRO stage (default: the stage the zeroplus checkpoint was "
+                        "saved at)")
     args = parser.parse_args(argv)
     if args.command == "consolidate" and (args.out is None) == (args.output_dir is None):
         parser.error("consolidate: give OUT (one file) or --output-dir DIR (an HF folder), exactly one")
+    if args.command == "convert" and args.source and (args.world_size is not None or args.stage is not None):
+        parser.error("convert: --world-size and --stage go with --to deepspeed (--from reads them from DS_DIR)")
 
     from .consolidate import consolidate, inspect  # noqa: PLC0415 - after argument errors, which need no torch
 
     try:
+        if args.command == "convert" and args.target:
+            from .deepspeed_export import convert_to_deepspeed  # noqa: PLC0415
+
+            res = convert_to_deepspeed(args.path, args.out, world_size=args.world_size, stage=args.stage)
+            print(f"wrote {args.out}: DeepSpeed ZeRO stage {res['stage']} checkpoint of {res['world_size']} ranks, "
+                  f"tag {res['tag']}, {res['bytes']} bytes in {res['files']} files")
+            return 0
         if args.command == "convert":
             from .deepspeed_convert import convert_from_deepspeed  # noqa: PLC0415
 

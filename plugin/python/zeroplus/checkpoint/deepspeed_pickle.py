@@ -22,6 +22,12 @@ __setstate__, __reduce__ or methods that run on load.
 Files are opened by the caller through zeroplus.files (O_NOFOLLOW, regular files only) and read
 here through /proc/self/fd/N with mmap=True: the tensors' storages are mapped, not read, so a
 loader touching one partition of a large file pages in only that partition.
+
+Writing (convert --to deepspeed, deepspeed_export.py): save(obj, fd) is torch.save with pickle's
+Python pickler, which writes each stand-in class under DeepSpeed's name (the GLOBAL opcode
+DeepSpeed's own pickles carry), so DeepSpeed's torch.load(weights_only=False) rebuilds its real
+LossScaler / ZeroStageEnum / fragment_address, and zeroplus's allow-list reads the file back.
+Nothing of DeepSpeed is imported for that either.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import os
 import pickle
+import types
 import zipfile
 
 import torch
@@ -104,3 +112,30 @@ def safe_load(fd: int, where: str):
                                                  f"nothing was run: {str(e).splitlines()[0]}", where) from None
     except (RuntimeError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as e:
         raise CheckpointError(errno.EIO, f"deepspeed checkpoint: unreadable ({type(e).__name__}: {e})", where) from None
+
+
+_WRITE_AS = {cls: name for name, cls in ALLOWED.items()}
+
+
+class _DeepSpeedPickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
+    def save_global(self, obj, name=None):
+        full = _WRITE_AS.get(obj) if isinstance(obj, type) else None
+        if full is None:
+            return super().save_global(obj, name)
+        module, _, qualname = full.rpartition(".")
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())  # protocol 2, as torch.save writes
+        self.memoize(obj)
+        return None
+
+
+_PICKLE_MODULE = types.ModuleType("zeroplus_deepspeed_pickle")
+_PICKLE_MODULE.Pickler = _DeepSpeedPickler
+
+
+def save(obj, fd: int) -> None:
+    """torch.save(obj) into the open file `fd` (written from its current offset, fdatasync'ed; the
+    caller closes it), the stand-ins pickled under DeepSpeed's class names."""
+    with os.fdopen(os.dup(fd), "wb") as f:
+        torch.save(obj, f, pickle_module=_PICKLE_MODULE, pickle_protocol=2)
+        f.flush()
+        os.fdatasync(f.fileno())
