@@ -77,19 +77,24 @@ def _free_port() -> int:
 # -- inside a rank -----------------------------------------------------------------------------
 
 def _exec_script(rank, world, label, source, workdir, port):
-    """Runs one doc script as torchrun would start it on this rank; returns its namespace."""
+    """Runs one doc script as torchrun would start it on this rank; returns its namespace and
+    what it printed."""
+    import contextlib
+    import io
+
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.chdir(workdir)
-    namespace = {"__name__": "__main__"}
+    namespace, printed = {"__name__": "__main__"}, io.StringIO()
     try:
-        exec(compile(source, f"<docs {label}>", "exec"), namespace)  # noqa: S102 - the page's own script
+        with contextlib.redirect_stdout(printed):
+            exec(compile(source, f"<docs {label}>", "exec"), namespace)  # noqa: S102 - the page's own script
     finally:
         if dist.is_initialized():  # a script that raised: leave no group behind for the next one
             dist.destroy_process_group()
-    return namespace
+    return namespace, printed.getvalue()
 
 
 def _ranks(rank, world, plan):
@@ -122,7 +127,8 @@ def _ranks(rank, world, plan):
             # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op (C++, minutes on two
             # cores) that only its inference all-reduce uses; training goes through gloo.
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        ns = _exec_script(rank, world, label, e["source"], workdir, e["port"])
+        ns, printed = _exec_script(rank, world, label, e["source"], workdir, e["port"])
+        out[f"{label} printed"] = printed
         if e["what"] == "sharded":
             from sharding import sharded_names
             out[label] = sharded_names(ns["model"], ns["opt"])
@@ -273,8 +279,28 @@ def test_ddp_script_and_its_zeroplus_version_train_alike(runs, stage):
     initial = runs["ranks"][0]["from_ddp/ddp"]
     _assert_close(_saved(runs, f"from_ddp/zeroplus@{stage}"), _saved(runs, "from_ddp/ddp"), initial,
                   f"from_ddp stage {stage}")
+    _assert_same_printed(runs, f"from_ddp/zeroplus@{stage}", "from_ddp/ddp")
+    assert all(norm > 1.0 for _, _, norm in _printed(runs, "from_ddp/ddp"))  # so the clip at 1.0 clips
     for r, out in enumerate(runs["ranks"]):  # stage 3 shards the big parameters, on every rank
         assert out[f"from_ddp/zeroplus@{stage}"] == (BIG if stage == 3 else []), (r, out[f"from_ddp/zeroplus@{stage}"])
+
+
+def _printed(runs, label):
+    """Rank 0's printed (step, loss, grad norm or None) per step."""
+    lines = re.findall(r"step (\d+): loss ([\d.]+)(?:, grad norm ([\d.]+))?", runs["ranks"][0][f"{label} printed"])
+    assert lines, f"{label} printed no step lines"
+    return [(int(s), float(loss), float(norm) if norm else None) for s, loss, norm in lines]
+
+
+def _assert_same_printed(runs, got, want, tol=2e-4):
+    """The losses and torch's clip_grad_norm_ results the scripts print (4 digits), step by step: a
+    clip that silently clipped nothing would print another norm (Adam hides most of it in the weights)."""
+    a, b = _printed(runs, got), _printed(runs, want)
+    assert [s for s, _, _ in a] == [s for s, _, _ in b], (a, b)
+    for (step, loss_a, norm_a), (_, loss_b, norm_b) in zip(a, b):
+        assert abs(loss_a - loss_b) <= tol, (got, step, loss_a, loss_b)
+        assert (norm_a is None) == (norm_b is None) and (norm_a is None or abs(norm_a - norm_b) <= tol), (
+            got, step, norm_a, norm_b)
 
 
 def test_ddp_script_with_autocast(runs):
@@ -308,6 +334,7 @@ def test_fsdp2_script_and_its_zeroplus_version_train_alike(runs, point):
     assert got_step == want_step == (4 if point == "first" else 8)
     initial = {f"model.{k}": v for k, v in runs["ranks"][0]["from_fsdp2/fsdp2"].items()}
     _assert_close(got, want, initial, f"from_fsdp2 {point}")
+    _assert_same_printed(runs, "from_fsdp2/zeroplus" + suffix, "from_fsdp2/fsdp2" + suffix)
     for key in ("lr", "betas", "weight_decay", "eps"):
         assert [g[key] for g in got_groups] == [g[key] for g in want_groups], key
     for r, out in enumerate(runs["ranks"]):
@@ -319,3 +346,4 @@ def test_deepspeed_loop_and_its_zeroplus_version_train_alike(runs):
     loaded = runs["ranks"][0]["from_deepspeed/load"]
     initial = runs["ranks"][0]["from_ddp/ddp"]  # the same TinyLM and seed on every page
     _assert_close(loaded["zeroplus"], loaded["deepspeed"], initial, "from_deepspeed")
+    _assert_same_printed(runs, "from_deepspeed/zeroplus", "from_deepspeed/deepspeed")
