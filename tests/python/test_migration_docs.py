@@ -127,6 +127,16 @@ def _ranks(rank, world, plan):
             # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op (C++, minutes on two
             # cores) that only its inference all-reduce uses; training goes through gloo.
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        if e.get("raises"):  # (ranks, pattern): the script must raise RuntimeError there, naming the call to use
+            ranks, pattern = e["raises"]
+            try:
+                _exec_script(rank, world, label, e["source"], workdir, e["port"])
+                out[label] = None
+            except RuntimeError as error:
+                if rank not in ranks or not re.search(pattern, str(error)):
+                    raise
+                out[label] = str(error)
+            continue
         ns, printed = _exec_script(rank, world, label, e["source"], workdir, e["port"])
         out[f"{label} printed"] = printed
         if e["what"] == "sharded":
@@ -165,6 +175,8 @@ def _load_both(rank, world, source, dirs, port):
 # -- the launch --------------------------------------------------------------------------------
 
 DDP_STAGES = (1, 2, 3)
+ZEROPLUS_SAVE = ('sd = zeroplus.full_state_dict(model)      # collective: every rank calls it (rank 0 gets the dict)\n'
+                 'if rank == 0:\n    torch.save(sd, "model.pt")\n')
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +205,17 @@ def runs(tmp_path_factory):
     add("from_fsdp2/zeroplus", _source("from_fsdp2/zeroplus"), "sharded")
     add("from_fsdp2/fsdp2@resume", _source("from_fsdp2/fsdp2"), copy_from=where("from_fsdp2/zeroplus"))
     add("from_fsdp2/zeroplus@resume", _source("from_fsdp2/zeroplus"), "sharded", copy_from=where("from_fsdp2/fsdp2"))
+    # The DDP script's own save lines (model.module -> model) kept: as DDP at stage 2; at stage 3
+    # model.state_dict() raises on rank 0, naming zeroplus.full_state_dict (rank 1 goes on).
+    ddp_save = {ZEROPLUS_SAVE: 'if rank == 0:\n    torch.save(model.state_dict(), "model.pt")\n'}
+    add("from_ddp/zeroplus@2 ddp-save", _source("from_ddp/zeroplus", {**ddp_save, "stage=3": "stage=2"}))
+    add("from_ddp/zeroplus@3 ddp-save", _source("from_ddp/zeroplus", ddp_save),
+        raises=((0,), r"zeroplus\.full_state_dict\(model\)"))
+    # torch's DCP get_state_dict kept on the zeroplus model: raises on every rank, naming ours.
+    add("from_fsdp2/zeroplus torch-dcp", _source("from_fsdp2/zeroplus", {
+        "from zeroplus.checkpoint import get_state_dict, set_state_dict":
+        "from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict"}),
+        raises=((0, 1), r"zeroplus\.checkpoint\.get_state_dict"))
     add("from_deepspeed/deepspeed", _source("from_deepspeed/deepspeed"))
     add("from_deepspeed/zeroplus", _source("from_deepspeed/zeroplus"))
     add("from_deepspeed/load", _source("from_deepspeed/zeroplus"), "ds_load",
@@ -301,6 +324,25 @@ def _assert_same_printed(runs, got, want, tol=2e-4):
         assert abs(loss_a - loss_b) <= tol, (got, step, loss_a, loss_b)
         assert (norm_a is None) == (norm_b is None) and (norm_a is None or abs(norm_a - norm_b) <= tol), (
             got, step, norm_a, norm_b)
+
+
+def test_ddp_save_line_at_stages_2_and_3(runs):
+    """docs/from_ddp.md's table: `if rank == 0: torch.save(model.state_dict(), path)` works at stage
+    2 (the same weights) and raises on rank 0 at stage 3, naming zeroplus.full_state_dict."""
+    initial = runs["ranks"][0]["from_ddp/ddp"]
+    _assert_close(_saved(runs, "from_ddp/zeroplus@2 ddp-save"), _saved(runs, "from_ddp/ddp"), initial,
+                  "from_ddp stage 2, the DDP save line")
+    assert "zeroplus.full_state_dict(model)" in runs["ranks"][0]["from_ddp/zeroplus@3 ddp-save"]
+    assert runs["ranks"][1]["from_ddp/zeroplus@3 ddp-save"] is None  # rank 1 did not call it
+    assert not os.path.exists(os.path.join(runs["dirs"]["from_ddp/zeroplus@3 ddp-save"], "model.pt"))
+
+
+def test_torch_dcp_state_dict_on_zeroplus_names_ours(runs):
+    """docs/from_fsdp2.md's table: torch's get_state_dict on the zeroplus model raises on every rank,
+    naming zeroplus.checkpoint.get_state_dict; nothing was saved."""
+    for out in runs["ranks"]:
+        assert "zeroplus.checkpoint.get_state_dict" in out["from_fsdp2/zeroplus torch-dcp"]
+    assert not os.path.exists(os.path.join(runs["dirs"]["from_fsdp2/zeroplus torch-dcp"], "checkpoint"))
 
 
 def test_ddp_script_with_autocast(runs):
