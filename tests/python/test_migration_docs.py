@@ -412,3 +412,27 @@ def test_deepspeed_loop_and_its_zeroplus_version_train_alike(runs, stage):
     if stage == 3:
         for r, out in enumerate(runs["ranks"]):
             assert out["from_deepspeed/zeroplus@3"] == BIG, (r, out["from_deepspeed/zeroplus@3"])
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_links_resolve(page):
+    """Every relative link of the page names an existing file and, with #anchor, one of its headings."""
+    text = (REPO / "docs" / f"{page}.md").read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (REPO / "docs" / path) if path else REPO / "docs" / f"{page}.md"
+        if not file.exists():
+            broken.append(target)
+            continue
+        headings = {_slug(h) for h in re.findall(r"^#+ (.*)$", file.read_text(), re.M)}
+        if anchor and anchor not in headings:
+            broken.append(target)
+    assert not broken, f"docs/{page}.md: links to nothing: {broken}"
