@@ -31,7 +31,6 @@ A doc block that stops matching the product fails here: it raises, or its weight
 
 from __future__ import annotations
 
-import collections
 import os
 import pathlib
 import re
@@ -72,10 +71,28 @@ def _source(name: str, replace: dict[str, str] | None = None) -> str:
     return src
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _port(rank: int, workdir: str) -> int:
+    """A free port for the script's MASTER_PORT, chosen by rank 0 just before the script starts
+    (the machine is shared: a port picked long before could be taken) and handed to the other
+    ranks through a file in the shared working directory."""
+    import time
+
+    path = os.path.join(workdir, "master_port")
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(path + ".tmp", "w") as f:
+            f.write(str(port))
+        os.rename(path + ".tmp", path)
+        return port
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 wrote no {path}")
+        time.sleep(0.02)
+    with open(path) as f:
+        return int(f.read())
 
 
 # -- inside a rank -----------------------------------------------------------------------------
@@ -102,7 +119,7 @@ def _exec_script(rank, world, label, source, workdir, port):
 
 
 def _ranks(rank, world, plan):
-    """Runs the plan's entries in order: {label, source, workdir, port, what, copy_from}; what:
+    """Runs the plan's entries in order: {label, source, workdir, what, copy_from}; what:
     None, "sharded" (return the stage-3 engine's sharded parameters), "initial" (return the
     page's TinyLM at the script's seed), "ds_load" (_load_both). copy_from: a folder whose
     checkpoint/ rank 0 copies into workdir first (atomically: the other rank waits for it)."""
@@ -124,8 +141,9 @@ def _ranks(rank, world, plan):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{target} did not appear")
                 time.sleep(0.05)
+        port = _port(rank, workdir)
         if e["what"] == "ds_load":
-            out[label] = _load_both(rank, world, e["source"], e["dirs"], e["port"])
+            out[label] = _load_both(rank, world, e["source"], e["dirs"], port)
             continue
         if "deepspeed/deepspeed" in label:
             # DeepSpeed's CPU backend JIT-compiles a shared-memory allreduce op (C++, minutes on two
@@ -134,14 +152,14 @@ def _ranks(rank, world, plan):
         if e.get("raises"):  # (ranks, pattern): the script must raise RuntimeError there, naming the call to use
             ranks, pattern = e["raises"]
             try:
-                _exec_script(rank, world, label, e["source"], workdir, e["port"])
+                _exec_script(rank, world, label, e["source"], workdir, port)
                 out[label] = None
             except RuntimeError as error:
                 if rank not in ranks or not re.search(pattern, str(error)):
                     raise
                 out[label] = str(error)
             continue
-        ns, printed = _exec_script(rank, world, label, e["source"], workdir, e["port"])
+        ns, printed = _exec_script(rank, world, label, e["source"], workdir, port)
         out[f"{label} printed"] = printed
         if e["what"] == "sharded":
             from sharding import sharded_names
@@ -161,7 +179,8 @@ def _load_both(rank, world, source, dirs, port):
     import zeroplus
 
     namespace = {}
-    exec(compile(source.split("\nds_config = {")[0], "<docs from_deepspeed definitions>", "exec"), namespace)  # noqa: S102
+    definitions = source.split("\nds_config = {")[0]  # imports, TinyLM, batch
+    exec(compile(definitions, "<docs from_deepspeed definitions>", "exec"), namespace)  # noqa: S102
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("zeroplus")
     try:
@@ -193,7 +212,7 @@ def runs(tmp_path_factory):
     def add(label, source, what=None, **extra):
         workdir = root / re.sub(r"[^\w]+", "_", label)
         workdir.mkdir()
-        plan.append(dict(label=label, source=source, workdir=str(workdir), port=_free_port(), what=what, **extra))
+        plan.append(dict(label=label, source=source, workdir=str(workdir), what=what, **extra))
         return str(workdir)
 
     def where(label):
