@@ -8,9 +8,11 @@ shard of the fp32 masters plus exp_avg and exp_avg_sq, 12 bytes per parameter / 
 default 44M parameters make ~530 MB over 2 ranks. Every variant writes those same bytes, per rank,
 to a fresh directory under DIR (default: a temporary directory on the file system of /tmp):
 
-  zeroplus_aio     zeroplus.save_checkpoint (io_uring through zeroplus.aio; fdatasync of every
-                   file, fsync of the directories, manifest, latest) / load_checkpoint
-  zeroplus_aio_buffered  the same with CheckpointOptions(direct="off") (io_uring through the page cache)
+  zeroplus_aio     zeroplus.save_checkpoint with its defaults (io_uring through zeroplus.aio, through
+                   the page cache; fdatasync of every file, fsync of the directories, manifest,
+                   latest) / load_checkpoint
+  zeroplus_aio_direct  the same with CheckpointOptions(direct="auto") (O_DIRECT: the load then reads
+                   the disk, not the page cache)
   zeroplus_posix   the same with CheckpointOptions(io="posix") (pwrite)
   torch_save       torch.save({"optimizer": opt.state_dict(), "masters": opt.masters}) per rank (the
                    engine's sharded state dict and master shards), no fsync (torch's default) /
@@ -36,6 +38,10 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
                                     training thread by sharing the cores and memory bandwidth)
                    async_eager: the same with CheckpointOptions(overlap_snapshot=False) (every
                    byte copied before the call returns)
+
+Each load is timed twice: right after the save (what the page cache holds is read from memory) and
+again after rank 0 dropped the page cache (sync; echo 3 > /proc/sys/vm/drop_caches, as root; the
+column shows - where it cannot), so its reads come from the disk.
 
 Variants run interleaved per repetition; a time is the slowest rank's, the figure the median over
 repetitions. Reads come from the page cache (the bench does not drop caches on a shared machine).
@@ -64,7 +70,7 @@ import torch.multiprocessing as mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugin" / "python"))  # the tree's zeroplus (spawned ranks inherit sys.path)
-VARIANTS = ["zeroplus_aio", "zeroplus_aio_buffered", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
+VARIANTS = ["zeroplus_aio", "zeroplus_aio_direct", "zeroplus_posix", "torch_save", "torch_save_sync", "dcp"]
 DS_VARIANTS = ["deepspeed"]
 
 
@@ -113,6 +119,26 @@ def _timed(fn) -> float:
     return _max(time.perf_counter() - t0)
 
 
+_DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def _can_drop_caches() -> bool:
+    return os.access(_DROP_CACHES, os.W_OK)
+
+
+def _timed_cold(fn) -> float | None:
+    """fn timed as _timed after the page cache was dropped (rank 0 syncs and writes 3 to
+    /proc/sys/vm/drop_caches: root), so its reads come from the disk; None where it cannot."""
+    if not _can_drop_caches():
+        return None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.sync()
+        with open(_DROP_CACHES, "w") as f:
+            f.write("3\n")
+    return _timed(fn)
+
+
 def _dcp_state(opt, rank: int) -> dict:
     out = {}
     for b, bo in enumerate(opt.bucket_optimizers):
@@ -144,7 +170,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
     variants = VARIANTS + (DS_VARIANTS if args.deepspeed else [])
     engine = _deepspeed_engine(rank, world, int(args.params), x) if args.deepspeed else None
     ds_bytes = 0
-    times = {f"{v}_{op}": [] for v in variants for op in ("save", "load")}
+    times = {f"{v}_{op}": [] for v in variants for op in ("save", "load", "load_cold")}
     for mode in ("async", "async_eager"):
         for what in ("stall", "call", "iter_plain", "iter_with_save", "total"):
             times[f"{mode}_{what}"] = []
@@ -158,10 +184,11 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             d = os.path.join(base, f"{v}_{rep}")
             if v.startswith("zeroplus"):
                 o = CheckpointOptions(io="posix" if v == "zeroplus_posix" else "aio",
-                                      direct="off" if v == "zeroplus_aio_buffered" else "auto")
+                                      direct="auto" if v == "zeroplus_aio_direct" else "off")
                 times[f"{v}_save"].append(_timed(lambda: zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt,
                                                                                    options=o)))
                 times[f"{v}_load"].append(_timed(lambda: zeroplus.load_checkpoint(d, model, opt)))
+                times[f"{v}_load_cold"].append(_timed_cold(lambda: zeroplus.load_checkpoint(d, model, opt)))
             elif v.startswith("torch_save"):
                 f = os.path.join(d, f"rank{rank}.pt")
                 if rank == 0:
@@ -183,6 +210,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
                             m.copy_(saved)
                     opt.publish_masters()
                 times[f"{v}_load"].append(_timed(load))
+                times[f"{v}_load_cold"].append(_timed_cold(load))
             elif v == "deepspeed":
                 times["deepspeed_save"].append(_timed(lambda: engine.save_checkpoint(d, tag="ck")))
                 times["deepspeed_load"].append(_timed(lambda: engine.load_checkpoint(d, tag="ck")))
@@ -195,6 +223,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
                     dcp.load(state, storage_reader=dcp.FileSystemReader(d))  # in place, into the live tensors
                     opt.publish_masters()
                 times["dcp_load"].append(_timed(dcp_load))
+                times["dcp_load_cold"].append(_timed_cold(dcp_load))
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
@@ -290,10 +319,11 @@ def main() -> None:
     fio = max((v for v in fio_modes.values() if v), default=None)
     if own_dir:
         shutil.rmtree(args.dir, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in res["times"].items() if v}
+    med = {k: statistics.median(v) for k, v in res["times"].items() if v and None not in v}
     rows = []
     for v in VARIANTS + (DS_VARIANTS if args.deepspeed else []):
-        rows.append((v, med[f"{v}_save"], gb / med[f"{v}_save"], med[f"{v}_load"], gb / med[f"{v}_load"]))
+        rows.append((v, med[f"{v}_save"], gb / med[f"{v}_save"], med[f"{v}_load"], gb / med[f"{v}_load"],
+                     med.get(f"{v}_load_cold")))
     zs = med["zeroplus_aio_save"]
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "ranks": args.ranks,
               "params": int(args.params), "total_bytes": res["total_bytes"], "reps": args.reps,
@@ -306,12 +336,16 @@ def main() -> None:
                          "save_vs_torch_save_sync": med["torch_save_sync_save"] / zs,
                          "save_vs_dcp": med["dcp_save"] / zs,
                          "save_GBps_vs_fio": (gb / zs) / fio if fio else None,
-                         "save_buffered_GBps_vs_fio": (gb / med["zeroplus_aio_buffered_save"]) / fio if fio else None,
+                         "save_direct_GBps_vs_fio": (gb / med["zeroplus_aio_direct_save"]) / fio if fio else None,
                          "async_stall_vs_sync_save": med["async_stall"] / zs,
                          "async_iter_extra_vs_sync_save": (med["async_iter_with_save"] - med["async_iter_plain"]) / zs,
                          "async_eager_stall_vs_sync_save": med["async_eager_stall"] / zs,
                          "load_vs_torch_load": med["torch_save_load"] / med["zeroplus_aio_load"],
-                         "load_vs_dcp": med["dcp_load"] / med["zeroplus_aio_load"]}}
+                         "load_vs_dcp": med["dcp_load"] / med["zeroplus_aio_load"],
+                         "cold_load_vs_dcp": (med["dcp_load_cold"] / med["zeroplus_aio_load_cold"]
+                                              if "zeroplus_aio_load_cold" in med else None),
+                         "cold_load_direct_vs_dcp": (med["dcp_load_cold"] / med["zeroplus_aio_direct_load_cold"]
+                                                     if "zeroplus_aio_direct_load_cold" in med else None)}}
     if args.deepspeed:
         report["ratios"]["save_vs_deepspeed"] = med["deepspeed_save"] / zs
         report["ratios"]["load_vs_deepspeed"] = med["deepspeed_load"] / med["zeroplus_aio_load"]
@@ -319,8 +353,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [f"# Checkpoint save/load, {args.ranks} ranks, {gb:.3f} GB sharded state (median of {args.reps})", "",
-             "| variant | save s | save GB/s | load s | load GB/s |", "|---|---|---|---|---|"]
-    lines += [f"| {v} | {s:.3f} | {sg:.2f} | {l:.3f} | {lg:.2f} |" for v, s, sg, l, lg in rows]
+             "| variant | save s | save GB/s | load s | load GB/s | load s, page cache dropped |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {v} | {s:.3f} | {sg:.2f} | {l:.3f} | {lg:.2f} | {'-' if c is None else f'{c:.3f}'} |"
+              for v, s, sg, l, lg, c in rows]
     if args.deepspeed:
         lines += ["", f"deepspeed {deepspeed_version} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')}) wrote "
                   f"{res['deepspeed_bytes'] / 1e9:.3f} GB per checkpoint (GB/s above: of the {gb:.3f} GB the others "
