@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib
 import os
 import pathlib
 import shutil
@@ -39,7 +40,9 @@ sys.path.insert(0, str(ROOT / "plugin" / "python"))
 
 import zeroplus  # noqa: E402,F401  (loads the library: zeroplus.files opens the scratch files)
 from zeroplus.checkpoint import format as fmt, fsutil, reader  # noqa: E402
-from zeroplus.checkpoint.consolidate import iter_tensors  # noqa: E402 (the package's `consolidate` is the function)
+# The package's `consolidate` is the function of that name: the module comes from sys.modules.
+consolidate_module = importlib.import_module("zeroplus.checkpoint.consolidate")  # noqa: E402
+iter_tensors = consolidate_module.iter_tensors
 
 SEPARATOR = b"\n--zeroplus-shard--\n"
 _MAX_FILE = 1 << 20  # bytes written per shard file at most
@@ -144,7 +147,7 @@ def main() -> None:
     import atheris
 
     # Coverage of the checkpoint parsers only (instrumenting torch would make every run slow).
-    for module in (fmt, reader, consolidate, fsutil):
+    for module in (fmt, reader, consolidate_module, fsutil):
         for obj in list(vars(module).values()):
             if getattr(obj, "__module__", None) != module.__name__:
                 continue
