@@ -113,24 +113,13 @@ def convert_from_deepspeed(src, out) -> dict:
         m = reader.manifest
         extra = check_json(m["extra"], "extra")  # before anything is written
         tensors = {n: {k: v for k, v in t.items() if k != "numel"} for n, t in m["tensors"].items()}
-        parent_fd = files.open_directory_at(None, parent)
-        try:
-            dir_fd = files.make_private_directory_at(parent_fd, name)
-            try:
-                file_recs, chunks = _write_all(reader, dir_fd)
-                manifest = {"format": FORMAT, "version": VERSION, "source": m["source"], "block_bytes": BLOCK_BYTES,
-                            "files": file_recs, "tensors": tensors, "aliases": m["aliases"], "chunks": chunks,
-                            "param_groups": m["param_groups"], "optimizer": m["optimizer"], "extra": extra,
-                            "save_id": f"convert-from-deepspeed:{name}"}
-                fsutil.write_small_file(dir_fd, MANIFEST, encode_manifest(manifest))  # with its own checksum
-            except BaseException:
-                os.close(dir_fd)
-                files.remove_tree_at(parent_fd, name)
-                raise
-            os.close(dir_fd)
-            os.fsync(parent_fd)
-        finally:
-            os.close(parent_fd)
+        with fsutil.new_output_directory(parent, name) as dir_fd:  # removed again on any error
+            file_recs, chunks = _write_all(reader, dir_fd)
+            manifest = {"format": FORMAT, "version": VERSION, "source": m["source"], "block_bytes": BLOCK_BYTES,
+                        "files": file_recs, "tensors": tensors, "aliases": m["aliases"], "chunks": chunks,
+                        "param_groups": m["param_groups"], "optimizer": m["optimizer"], "extra": extra,
+                        "save_id": f"convert-from-deepspeed:{name}"}
+            fsutil.write_small_file(dir_fd, MANIFEST, encode_manifest(manifest))  # last, with its own checksum
         return {"tensors": len(tensors), "bytes": sum(f["bytes"] for f in file_recs), "files": len(file_recs),
                 "stage": reader.layout.stage, "world_size": reader.layout.world}
 

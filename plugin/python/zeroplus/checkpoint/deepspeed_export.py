@@ -218,20 +218,9 @@ def convert_to_deepspeed(src, out, *, world_size: int | None = None, stage: int 
         plan = _Plan(m, reader.path, world, zstage)
         common, steps = _model_states_common(m, plan)
         tag = f"global_step{steps}"
-        parent_fd = files.open_directory_at(None, parent)
-        try:
-            out_fd = files.make_private_directory_at(parent_fd, name)
-            try:
-                written = _write_tag(reader, plan, common, out_fd, tag)
-                fsutil.write_small_file(out_fd, LATEST, tag.encode())  # last: DeepSpeed follows it
-            except BaseException:
-                os.close(out_fd)
-                files.remove_tree_at(parent_fd, name)
-                raise
-            os.close(out_fd)
-            os.fsync(parent_fd)
-        finally:
-            os.close(parent_fd)
+        with fsutil.new_output_directory(parent, name) as out_fd:  # removed again on any error
+            written = _write_tag(reader, plan, common, out_fd, tag)
+            fsutil.write_small_file(out_fd, LATEST, tag.encode())  # last: DeepSpeed follows it
     return {"tag": tag, "stage": zstage, "world_size": world, "files": len(written), "bytes": sum(written.values())}
 
 

@@ -16,6 +16,7 @@ Distribution-free: the writer and reader call these with explicit descriptors.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -223,3 +224,27 @@ def _exists_at(dir_fd: int, name: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+@contextlib.contextmanager
+def new_output_directory(parent: str, name: str):
+    """The new private directory parent/name (exclusive mkdir, 0700, verified), as a descriptor
+    for the body to write into. `parent` is opened under the link rule (files.open_directory:
+    the user's or root's link is followed, another user's refused). On an exception the directory
+    and all in it are removed; on success the parent is fsynced, so the new entry is durable."""
+    parent_fd = files.open_directory(parent)
+    try:
+        dir_fd = files.make_private_directory_at(parent_fd, name)
+        try:
+            yield dir_fd
+        except BaseException:
+            os.close(dir_fd)
+            dir_fd = None
+            files.remove_tree_at(parent_fd, name)
+            raise
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
+        os.fsync(parent_fd)
+    finally:
+        os.close(parent_fd)

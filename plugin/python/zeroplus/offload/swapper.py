@@ -280,20 +280,9 @@ class OptimizerSwapper:
         Raises OSError naming the file; no side file is left then."""
         h = self._home(bo)
         self._drain_writes()  # nothing is in flight between steps; settles the generation
-        entries, tensors = [], []
-        if bo.offloads_master:
-            if master is None:
-                master = self._current_master(bo, h)
-            entries.append((*_MASTER, bo.master.dtype, master.numel()))
-            tensors.append(master)
-        for si, seg in enumerate(bo.segments):
-            st = state.get(seg.master) or {}
-            n = seg.hi - seg.lo
-            for key in sorted(st, key=str):
-                v = st[key]
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == n and n > 0:
-                    entries.append((si, key, v.dtype, n))
-                    tensors.append(v)
+        if bo.offloads_master and master is None:
+            master = self._current_master(bo, h)
+        entries, tensors = self._entries(bo, state, master)
         if not entries:
             return StagedRecord(None, None, h.generation + 1)
         layout = record.Layout.build(entries)
@@ -424,15 +413,18 @@ class OptimizerSwapper:
     def _home(self, bo) -> _Home:
         return self._homes[self._index[id(bo)]]
 
-    def _entries(self, bo):
+    def _entries(self, bo, state: dict | None = None, master: torch.Tensor | None = None):
         """(segment, key, dtype, numel) of the master (when offloaded) and of every elementwise
-        state tensor, and the tensors, in record order."""
+        state tensor, and the tensors, in record order. state: {segment master: {key: value}}
+        (default: the inner optimizer's); master: the master's values (default: bo.master)."""
+        state = bo.inner.state if state is None else state
+        master = bo.master if master is None else master
         entries, tensors = [], []
         if bo.offloads_master:
-            entries.append((*_MASTER, bo.master.dtype, bo.master.numel()))
-            tensors.append(bo.master)
+            entries.append((*_MASTER, bo.master.dtype, master.numel()))
+            tensors.append(master)
         for si, seg in enumerate(bo.segments):
-            st = bo.inner.state.get(seg.master)
+            st = state.get(seg.master)
             if not st:
                 continue
             n = seg.hi - seg.lo
