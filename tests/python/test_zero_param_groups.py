@@ -524,15 +524,20 @@ def test_named_parameter_groups(one_rank_group):
         else:
             model, opt = zeroplus.initialize(model, torch.optim.AdamW(named, lr=LR), stage=stage,
                                              param_persistence_threshold=0)
-        for step in range(2):
-            x, y = _batch(step, 0)
-            for m, o in ((model, opt), (ref, ref_opt)):
-                nn.functional.cross_entropy(m(x).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
-                o.step()
-                o.zero_grad()
+        _two_steps_side_by_side((model, opt), (ref, ref_opt))
         mine = _saved_weights(model)
         worst = max((mine[k] - v).abs().max().item() for k, v in ref.state_dict().items())
         assert worst <= 1e-6, (stage, form, worst)
+
+
+def _two_steps_side_by_side(*runs):
+    """Two one-rank steps of each (model, optimizer) on the same batches."""
+    for step in range(2):
+        x, y = _batch(step, 0)
+        for m, o in runs:
+            nn.functional.cross_entropy(m(x).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
 
 
 @pytest.mark.parametrize("flag", ["foreach", "fused"])
@@ -550,11 +555,6 @@ def test_foreach_and_fused_flags_are_taken(one_rank_group, flag):
     model, opt = zeroplus.initialize(model, torch.optim.AdamW(_groups(model), lr=LR, betas=BETAS, **{flag: True}),
                                      stage=2)
     assert all(g[flag] is True for g in opt.param_groups)
-    for step in range(2):
-        x, y = _batch(step, 0)
-        for m, o in ((model, opt), (ref, ref_opt)):
-            nn.functional.cross_entropy(m(x).float().reshape(-1, VOCAB), y.reshape(-1)).backward()
-            o.step()
-            o.zero_grad()
+    _two_steps_side_by_side((model, opt), (ref, ref_opt))
     worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
     assert worst <= 1e-6, worst
