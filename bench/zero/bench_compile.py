@@ -33,13 +33,14 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/
+from launch import run_ranks  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARIANTS = ["plain", "ddp", "fsdp2", "zeroplus_stage3"]
@@ -137,20 +138,8 @@ def _worker(rank, world, store_path, backend, variant, order, args, out_queue):
 
 
 def run_variant(args, variant, order):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_worker, args=(r, args.world, os.path.join(d, "store"), args.backend, variant,
-                                                   order, args, q)) for r in range(args.world)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=3600) for _ in procs]
-        for p in procs:
-            p.join()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        return {"error": errors[0]}
-    return next(r for r in results if r["rank"] == 0)
+    return run_ranks(_worker, args.world, args.backend, variant, order, args)
+
 
 
 def main():

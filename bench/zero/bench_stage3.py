@@ -30,13 +30,14 @@ import pathlib
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # bench/
+from launch import run_ranks  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARIANTS = ["ddp_adamw", "zeroplus_stage1", "zeroplus_stage2", "zeroplus_stage3", "fsdp2"]
@@ -191,20 +192,8 @@ class TinyGPTParams:
 
 
 def run_variant(backend, world, name, args):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(d, "store"), backend, name, args, q))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=3600) for _ in procs]
-        for p in procs:
-            p.join()
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        return {"error": errors[0]}
-    return next(r for r in results if r["rank"] == 0)
+    return run_ranks(_worker, world, backend, name, args)
+
 
 
 def main():
