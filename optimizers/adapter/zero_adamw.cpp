@@ -24,10 +24,47 @@ ZeroAdamWOptions::ZeroAdamWOptions(double lr) : lr_(lr) {}
 double ZeroAdamWOptions::get_lr() const { return lr(); }
 void ZeroAdamWOptions::set_lr(const double lr) { this->lr(lr); }
 
+ZeroAdamWOptions ZeroAdamWOptions::mergedOver(const ZeroAdamWOptions& defaults) const {
+  const ZeroAdamWOptions unset;
+  ZeroAdamWOptions out = defaults;
+  if (lr() != unset.lr()) out.lr(lr());
+  if (betas() != unset.betas()) out.betas(betas());
+  if (eps() != unset.eps()) out.eps(eps());
+  if (weight_decay() != unset.weight_decay()) out.weight_decay(weight_decay());
+  if (amsgrad() != unset.amsgrad()) out.amsgrad(amsgrad());
+  if (maximize() != unset.maximize()) out.maximize(maximize());
+  if (decoupled_weight_decay() != unset.decoupled_weight_decay()) out.decoupled_weight_decay(decoupled_weight_decay());
+  if (threads() != unset.threads()) out.threads(threads());
+  return out;
+}
+
+std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> groupOptionsOf(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> out;
+  for (const auto& g : groups) out.push_back(g.has_options() ? g.options().clone() : nullptr);
+  return out;
+}
+
+void restoreGroupOptions(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                         const std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>& given,
+                         const torch::optim::OptimizerOptions& defaults) {
+  const auto* zeroDefaults = dynamic_cast<const ZeroAdamWOptions*>(&defaults);
+  for (size_t g = 0; g < groups.size() && g < given.size(); ++g) {
+    const auto* own = given[g] ? dynamic_cast<const ZeroAdamWOptions*>(given[g].get()) : nullptr;
+    if (own != nullptr && zeroDefaults != nullptr) {
+      groups[g].set_options(std::make_unique<ZeroAdamWOptions>(own->mergedOver(*zeroDefaults)));
+    }
+  }
+}
+
 ZeroAdamW::ZeroAdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                      c10::intrusive_ptr<c10d::ProcessGroup> process_group, ZeroAdamWOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<ZeroAdamWOptions>(defaults)),
-      pg_(std::move(process_group)) {
+    : ZeroAdamW(GroupsTag{}, param_groups, std::move(process_group), std::move(defaults)) {}
+
+ZeroAdamW::ZeroAdamW(GroupsTag /*tag*/, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                     c10::intrusive_ptr<c10d::ProcessGroup> process_group, ZeroAdamWOptions defaults)
+    : Optimizer(param_groups, std::make_unique<ZeroAdamWOptions>(defaults)), pg_(std::move(process_group)) {
+  restoreGroupOptions(param_groups_, groupOptionsOf(param_groups), *defaults_);
   TORCH_CHECK(pg_, kOp, ": process_group is null");
   std::vector<at::Tensor> chained;
   for (const auto& group : param_groups_) {

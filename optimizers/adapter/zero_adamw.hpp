@@ -57,7 +57,22 @@ struct ZeroAdamWOptions : public torch::optim::OptimizerCloneableOptions<ZeroAda
  public:
   double get_lr() const override;
   void set_lr(const double lr) override;
+
+  // This group's options over the optimizer's defaults, field by field: a field left at its
+  // constructor default takes the defaults' value (torch's rule for its own option types, which
+  // torch::optim::Optimizer applies to those only: it replaces the options of any other type
+  // with the defaults, dropping a group's own lr).
+  ZeroAdamWOptions mergedOver(const ZeroAdamWOptions& defaults) const;
 };
+
+// The param groups' own options of the optimizer `opt` restored over what torch::optim::Optimizer
+// kept (see mergedOver): `given[g]` is group g's options as passed in (null: none). Called by the
+// constructors of ZeroAdamW and zeroplus::zero::ZeroOptimizer.
+void restoreGroupOptions(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                         const std::vector<std::unique_ptr<torch::optim::OptimizerOptions>>& given,
+                         const torch::optim::OptimizerOptions& defaults);
+std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> groupOptionsOf(
+    const std::vector<torch::optim::OptimizerParamGroup>& groups);
 
 class ZeroAdamW : public torch::optim::Optimizer {
  public:
@@ -79,6 +94,9 @@ class ZeroAdamW : public torch::optim::Optimizer {
   int64_t ownedNumel() const;
 
  private:
+  struct GroupsTag {};
+  ZeroAdamW(GroupsTag tag, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+            c10::intrusive_ptr<c10d::ProcessGroup> process_group, ZeroAdamWOptions defaults);
   struct ParamState {
     at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq, step;
   };

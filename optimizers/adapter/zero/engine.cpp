@@ -1,0 +1,149 @@
+#include "optimizers/adapter/zero/engine.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+namespace zeroplus::zero::engine {
+namespace {
+
+std::optional<at::ScalarType> computeDtypeOf(const Options& o) {
+  if (o.mixed_precision() == "bf16") return at::kBFloat16;
+  return std::nullopt;
+}
+
+// One shard's clipping term (undefined for an empty shard): max |g| or sum |g|^p, in fp32
+// (the Python engine's clipping.local_term).
+at::Tensor localTerm(const at::Tensor& shard, double normType) {
+  if (shard.numel() == 0) return {};
+  if (std::isinf(normType)) {
+    auto [lo, hi] = at::aminmax(shard);
+    return at::maximum(lo.neg(), hi).to(at::kFloat);
+  }
+  return at::pow(at::linalg_vector_norm(shard, normType, std::nullopt, false, at::kFloat), normType);
+}
+
+}  // namespace
+
+Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+               const Options& options)
+    : options_(options),
+      stage_(static_cast<int>(options.stage())),
+      computeDtype_(computeDtypeOf(options)),
+      comm_(std::move(pg)),
+      params_(groups, comm_, computeDtype_, options.reduce_bucket_elems()),
+      reducer_(params_.buckets(), comm_, /*shardGradients=*/stage_ >= 2) {
+  for (size_t b = 0; b < params_.buckets().size(); ++b) {
+    steppers_.emplace_back(params_.buckets()[b], params_.master(b), comm_.rank());
+  }
+}
+
+void Engine::gradReady(int64_t index) {
+  const auto [b, e] = params_.slot(index);
+  reducer_.onGrad(b, e);
+}
+
+void Engine::endBackward() { reducer_.endBackward(); }
+
+std::vector<at::Tensor> Engine::gradientShards() {
+  reducer_.flush();
+  std::vector<at::Tensor> out;
+  for (size_t b = 0; b < params_.buckets().size(); ++b) out.push_back(reducer_.shard(b));
+  return out;
+}
+
+at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNonfinite) {
+  constexpr const char* kOp = "zeroplus::zero clip_grad_norm";
+  TORCH_CHECK_VALUE(maxNorm > 0, kOp, ": max_norm must be > 0, got ", maxNorm);
+  TORCH_CHECK_VALUE(normType > 0, kOp, ": norm_type must be a positive number or inf, got ", normType);
+  at::NoGradGuard noGrad;
+  reducer_.flush();
+  const size_t n = params_.buckets().size();
+  at::Tensor total;
+  if (std::isinf(normType)) {
+    at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+    for (size_t b = 0; b < n; ++b) {
+      at::Tensor t = localTerm(reducer_.shard(b), normType);
+      if (t.defined()) local = at::maximum(local, t);
+    }
+    comm_.allReduceMax(local);
+    total = local;
+  } else {
+    at::Tensor parts = at::zeros({2}, at::TensorOptions().dtype(at::kFloat));  // [replicated, tp-sharded]
+    for (size_t b = 0; b < n; ++b) {
+      at::Tensor t = localTerm(reducer_.shard(b), normType);
+      if (t.defined()) parts.select(0, 0).add_(t);
+    }
+    comm_.allReduceSum(parts);
+    total = at::pow(parts.sum(), 1.0 / normType);
+  }
+  if (!std::isfinite(total.item<float>()) && errorIfNonfinite) {
+    TORCH_CHECK(false, "The total norm of order ", normType, " for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`");
+  }
+  // Python's `max_norm / (total + 1e-6)` is reciprocal() * max_norm (Tensor.__rtruediv__): the same bits.
+  at::Tensor coef = at::clamp(total.add(1e-6).reciprocal().mul(maxNorm), std::nullopt, 1.0);
+  reducer_.scale(coef);
+  clippedThisStep_ = true;
+  return total;
+}
+
+void Engine::checkParamHomes() const {
+  if (const Entry* stray = params_.strayParam()) {
+    TORCH_CHECK(false, "zeroplus::zero step: the parameter of shape ", c10::IntArrayRef(stray->shape),
+                " (trainable parameter ", stray->index, ") no longer lives in zeroplus's buffers: the model was "
+                "moved or its parameters replaced after zeroplus::zero::initialize (set_data, model->to(...)), so "
+                "the step could not update it; move the model before initialize");
+  }
+}
+
+void Engine::step(const std::vector<StepHyper>& hyper) {
+  at::NoGradGuard noGrad;
+  checkParamHomes();
+  auto& buckets = params_.buckets();
+  for (const Bucket& b : buckets) {
+    TORCH_CHECK(b.group < static_cast<int64_t>(hyper.size()), "zeroplus::zero step: ", hyper.size(),
+                " hyperparameter sets for param group ", b.group);
+  }
+  for (size_t g = 0; g < hyper.size(); ++g) BucketStepper::check(hyper[g], static_cast<int64_t>(g));
+  reducer_.flush();
+  // Which parameters this step updates (one small collective); without a backward since
+  // zero_grad no rank has anything to agree on.
+  const std::vector<uint8_t> stepped = reducer_.hasGrads() ? reducer_.agree() : reducer_.defined();
+  bool any = false;
+  for (uint8_t s : stepped) any = any || s;
+  if (!any) return;  // every grad None: torch's step changes nothing either
+  if (options_.gradient_clipping() > 0 && !clippedThisStep_) {
+    clipGradNorm(options_.gradient_clipping(), 2.0, false);
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::exception_ptr failure;
+  try {
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      steppers_[i].step(reducer_.shard(i), stepped, reducer_.flagBase(i), hyper[buckets[i].group]);
+      works.push_back(params_.publish(i));  // the all-gather runs while the next bucket steps
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  for (auto& w : works) w->wait();  // every started all-gather is waited on, also after a failure
+  params_.releaseGatherInputs();
+  clippedThisStep_ = false;
+  if (failure) std::rethrow_exception(failure);
+}
+
+void Engine::zeroGrad(bool setToNone) {
+  reducer_.zero(setToNone);
+  clippedThisStep_ = false;
+}
+
+int64_t Engine::ownedNumel() const {
+  int64_t n = 0;
+  for (const auto& m : params_.masters()) n += m.numel();
+  return n;
+}
+
+}  // namespace zeroplus::zero::engine

@@ -1,0 +1,97 @@
+// Stages 1-2 parameter placement of the C++ ZeRO engine: every trainable parameter becomes a
+// view into its bucket's flat buffer, every rank holds them all, and after each bucket's step
+// this rank's shard is all-gathered into the flat buffer (the model sees the new values at once).
+//
+// The bucket cuts are the torch-free planner's (optimizers/core/flat_bucket_planner.hpp), fed
+// exactly as the Python engine feeds it (zero/layout.py plan_buckets): parameters in reverse
+// registration order, group by group from the last group, one planner segment per (group, dtype);
+// shards start on 16-element boundaries. The same model and bucket size therefore give the same
+// buckets, shards and masters in both front-ends.
+//
+// Masters: this rank's fp32 shard of each bucket. Without mixed precision (fp32 parameters) the
+// master IS that shard of the flat buffer; with bf16 it is an fp32 copy made from the
+// full-precision values before the parameters are rounded (Python's rule).
+//
+// Construction is collective (rank 0's values are broadcast, as DDP does). Not thread-safe.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "optimizers/adapter/zero/collectives.hpp"
+
+namespace zeroplus::zero::engine {
+
+// Shard starts are multiples of this many elements (64 bytes of fp32: the SIMD kernels' width).
+constexpr int64_t kAlignElems = 16;
+
+struct Entry {
+  at::Tensor param;            // the user's parameter (its .data is a view into `flat`)
+  int64_t index = 0;           // position in the engine's trainable list (groups chained)
+  int64_t offset = 0;          // first element inside the bucket
+  int64_t numel = 0;
+  std::vector<int64_t> shape;  // the parameter's shape
+};
+
+// One parameter's part of one rank's shard: [shardLo, shardHi) of the shard holds elements
+// [paramLo, paramHi) of the flattened parameter (all 0 when the shard holds none of it).
+struct Piece {
+  int64_t shardLo = 0, shardHi = 0, paramLo = 0, paramHi = 0;
+  int64_t numel() const { return shardHi - shardLo; }
+};
+
+struct Bucket {
+  int64_t index = 0;
+  int64_t group = 0;              // param group
+  at::ScalarType dtype = at::kFloat;  // compute dtype of its parameters and gradients
+  int64_t numel = 0;              // padded to world * kAlignElems
+  int64_t shardNumel = 0;
+  std::vector<Entry> entries;
+  at::Tensor flat;                // the parameters' storage (numel elements)
+
+  std::pair<int64_t, int64_t> shardRange(int rank) const { return {rank * shardNumel, (rank + 1) * shardNumel}; }
+  Piece piece(const Entry& e, int rank) const;
+  // [lo, hi) ranges covered by no parameter (alignment gaps, padding), in offset order.
+  std::vector<std::pair<int64_t, int64_t>> gaps() const;
+};
+
+class FlatParams {
+ public:
+  // groups[g]: the trainable parameters of param group g (CPU, contiguous, floating point,
+  // identical lists on every rank); computeDtype: the parameters' dtype after initialize
+  // (nullopt: as they are). Collective.
+  FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
+             std::optional<at::ScalarType> computeDtype, int64_t reduceBucketElems);
+
+  std::vector<Bucket>& buckets() { return buckets_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  at::Tensor& master(size_t b) { return masters_[b]; }
+  const std::vector<at::Tensor>& masters() const { return masters_; }
+  // (bucket, entry) of trainable parameter `index`.
+  std::pair<int64_t, int64_t> slot(int64_t index) const { return slots_[index]; }
+  int64_t trainableCount() const { return static_cast<int64_t>(slots_.size()); }
+
+  // Bucket b's master into this rank's shard of its flat buffer, then the all-gather of that
+  // bucket (asynchronous: the next bucket steps meanwhile). The returned work must be waited on.
+  c10::intrusive_ptr<c10d::Work> publish(size_t b);
+
+  // Drops the inputs of the all-gathers publish started (call after waiting on their works).
+  void releaseGatherInputs() { gatherInputs_.clear(); }
+
+  // The first parameter whose .data no longer views its bucket (the model was moved or a
+  // parameter replaced after initialize), or nullptr.
+  const Entry* strayParam() const;
+
+ private:
+  Collectives& comm_;
+  std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> masters_;
+  std::vector<std::pair<int64_t, int64_t>> slots_;
+  std::vector<at::Tensor> gatherInputs_;  // each publish's input, alive until releaseGatherInputs
+};
+
+}  // namespace zeroplus::zero::engine
