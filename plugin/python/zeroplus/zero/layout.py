@@ -90,6 +90,14 @@ def rest_base_intact(dtype: torch.dtype, device) -> bool:
     return bool(torch.isnan(base).all()) if value != value else bool((base == value).all())
 
 
+def repair_rest_base(dtype: torch.dtype, device) -> None:
+    """Give the shared element of (dtype, device) back its value after a write was reported, so
+    other parameters read NaN again (the written parameter's own version stays moved)."""
+    base = _REST_BASES.get((dtype, torch.device(device)))
+    if base is not None:
+        base.fill_(_rest_value(dtype))
+
+
 @dataclass(frozen=True)
 class Stray:
     """A resting parameter the user changed (Bucket.stray_at_rest): `param` is None when only the
@@ -167,10 +175,11 @@ class Bucket:
             e.param.data = resting_view(e.shape, self.dtype, self.device)
         self.rest_versions = [e.param._version for e in self.entries]
 
-    def stray_at_rest(self) -> Stray | None:
+    def stray_at_rest(self, check_base: bool = True) -> Stray | None:
         """Stage 3, a released bucket: the first parameter the user changed since show_resting
         (model.to(...), param.data = ..., an in-place write), or None. The next gather would put
-        the engine's values back and drop the change silently."""
+        the engine's values back and drop the change silently. check_base: also read the shared
+        element of the bucket's (dtype, device) (rest_base_intact)."""
         if not self.rest_versions:
             return None
         for e, version in zip(self.entries, self.rest_versions):
@@ -178,7 +187,7 @@ class Bucket:
                 return Stray(e.param, "replaced")
             if e.param._version != version:
                 return Stray(e.param, "written")
-        if not rest_base_intact(self.dtype, self.device):
+        if check_base and not rest_base_intact(self.dtype, self.device):
             return Stray(None, "written")
         return None
 

@@ -51,7 +51,7 @@ from . import comm
 from .backward_pass import BackwardPass
 from .buffer_pool import BufferPool
 from .compile_boundary import opaque
-from .layout import Bucket, is_rest_storage
+from .layout import Bucket, is_rest_storage, repair_rest_base
 from .units import Unit
 
 
@@ -80,7 +80,7 @@ class _GatheredView:
         self.shape, self.stride = shape, stride
 
 
-def _check_shard_homes(st: "_UnitState") -> None:
+def _check_shard_homes(st: "_UnitState", states: list["_UnitState"]) -> None:
     """A released unit's parameters are still their resting views, unwritten; else the user moved,
     replaced or wrote them after initialize (the next gather would silently undo it): RuntimeError
     naming the parameter."""
@@ -88,23 +88,32 @@ def _check_shard_homes(st: "_UnitState") -> None:
         stray = b.stray_at_rest()
         if stray is None:
             continue
+        owner = st
+        if stray.param is None:  # only the shared element shows a write: find whose version moved
+            found = ((other, ob.stray_at_rest(check_base=False)) for other in states for ob in other.buckets)
+            owner, stray = next(((o, f) for o, f in found if f is not None), (st, stray))
+            repair_rest_base(b.dtype, b.device)  # reported once; the written parameter stays refused
+        raise _stray_error(owner, stray)
+
+
+def _stray_error(st: "_UnitState", stray) -> RuntimeError:
+    if stray.param is None:
+        name = f"of unit {st.unit.name or '<root>'} (or of another stage-3 model)"
+    else:
         names = {id(p): n for n, p in st.unit.module.named_parameters()}
-        if stray.param is None:
-            name = f"of unit {st.unit.name or '<root>'} (or of another stage-3 model)"
-        else:
-            name = ".".join(x for x in (st.unit.name, names.get(id(stray.param),
-                                                                f"<parameter of shape {tuple(stray.param.shape)}>")) if x)
-        if stray.how == "replaced":
-            raise RuntimeError(
-                f"zeroplus stage 3: parameter {name} no longer lives in zeroplus's shard buffers: the model was "
-                f"moved or its parameters replaced after zeroplus.initialize (model.to(...), param.data = ...), "
-                f"which the next gather would silently undo; move or convert the model before initialize")
-        raise RuntimeError(
-            f"zeroplus stage 3: parameter {name} was written in place between uses (fill_, zero_, "
-            f"torch.nn.init.*_, p.data.copy_(...)), but between steps a stage-3 parameter holds no values (its "
-            f"slice lives in zeroplus's shard), so the next gather would silently drop the write; set values with "
-            f"model.load_state_dict(full_state_dict) (each rank takes its slice) or before zeroplus.initialize, "
-            f"and read them with zeroplus.full_state_dict(model)")
+        local_name = names.get(id(stray.param), f"<parameter of shape {tuple(stray.param.shape)}>")
+        name = ".".join(x for x in (st.unit.name, local_name) if x)
+    if stray.how == "replaced":
+        return RuntimeError(
+            f"zeroplus stage 3: parameter {name} no longer lives in zeroplus's shard buffers: the model was "
+            f"moved or its parameters replaced after zeroplus.initialize (model.to(...), param.data = ...), "
+            f"which the next gather would silently undo; move or convert the model before initialize")
+    return RuntimeError(
+        f"zeroplus stage 3: parameter {name} was written in place between uses (fill_, zero_, "
+        f"torch.nn.init.*_, p.data.copy_(...)), but between steps a stage-3 parameter holds no values (its "
+        f"slice lives in zeroplus's shard), so the next gather would silently drop the write; set values with "
+        f"model.load_state_dict(full_state_dict) (each rank takes its slice) or before zeroplus.initialize, "
+        f"and read them with zeroplus.full_state_dict(model)")
 
 
 class _UnitState:
@@ -417,7 +426,7 @@ class ParameterGatherer:
             self.store.unpin(b)
 
     def _issue(self, st: _UnitState, kind: str) -> None:
-        _check_shard_homes(st)  # on every rank, before the agreement: a refusal leaves nothing pending
+        _check_shard_homes(st, self.states)  # on every rank, before the agreement: a refusal leaves nothing pending
         if self.agreement is not None:  # before anything is in flight: a mismatch leaves nothing pending
             self.agreement.agree(st.unit.index, kind)
         st.works = []
