@@ -8,8 +8,9 @@ assert_sharded on every rank between steps, for the parameters it means to test.
 
 A parameter is sharded on this rank when
   * it lives in a stage-3 bucket that is not persistent (frozen parameters' buckets included),
-  * this rank holds at most its piece of it between uses (the module sees that 1-D piece, or
-    nothing when the parameter store keeps the shard on disk), never the full tensor,
+  * this rank holds at most its piece of it between uses (the module sees a resting view: the
+    full shape with no values, zeroplus.zero.layout.resting_view; the piece is in the bucket's
+    shard, or on disk when the parameter store keeps it there), never the full tensor,
   * and the group is split: some rank's piece is smaller than the parameter (at world size 1
     the one shard is the whole bucket, which shards nothing).
 A parameter that lies wholly inside another rank's shard is sharded on this rank (it holds none
@@ -38,10 +39,13 @@ def _buckets(engine):
     return list(getattr(engine, "buckets", [])) + list(getattr(engine.placement, "frozen_buckets", []))
 
 
-def _local_numel(p) -> int:
+def _held_numel(p) -> int:
+    """The elements p's own .data holds: none for a resting view."""
     from zeroplus.zero.dtensor_params import local
+    from zeroplus.zero.layout import is_resting
 
-    return local(p).numel()
+    t = local(p)
+    return 0 if is_resting(t.data) else t.numel()
 
 
 def nonpersistent_names(model, opt) -> list[str]:
@@ -74,7 +78,7 @@ def sharded_names(model, opt) -> list[str]:
         if b is None or b.persistent or b.flat is not None:  # kept whole, or gathered right now
             continue
         own = b.piece(e, rank).numel
-        if _local_numel(p) > own:  # this rank holds more of it than its piece
+        if _held_numel(p) > own:  # this rank holds more of it than its piece
             continue
         if min(b.piece(e, r).numel for r in range(world)) < e.numel:
             out.append(name)

@@ -126,6 +126,8 @@ def _params(model) -> dict:
 
 
 def _placement(model, opt) -> dict:
+    from zeroplus.zero.layout import is_resting
+
     store = getattr(opt.placement, "param_store", None)
     if store is None:
         return {"store": None}
@@ -141,7 +143,8 @@ def _placement(model, opt) -> dict:
         "shard_devices": sorted({b.shard.device.type for b in offloaded}),
         "device_shard_elems": sum(b.shard.numel() for b in offloaded),
         "device_bytes": store.device_bytes,
-        "module_param_elems": sum(p.numel() for p in model.parameters()),
+        # Elements the module's parameters hold between uses (resting views hold none).
+        "module_param_elems": sum(0 if is_resting(p.data) else p.numel() for p in model.parameters()),
         "master_devices": sorted({m.device.type for m in opt.masters}),
         "disk_bytes": store.disk_bytes(),
         **_gradients(opt),

@@ -95,6 +95,7 @@ def _shard_bytes(opt) -> int:
 def _parity_case(precision):
     def case(rank, group):
         import zeroplus
+        from zeroplus.zero.layout import is_resting
 
         root = tempfile.mkdtemp(prefix="zp-offload-param-")
         ref, ref_opt = _build(precision, group)
@@ -130,7 +131,7 @@ def _parity_case(precision):
                    state_both=_same_state(both_opt.state_dict(), ref_opt.state_dict()),
                    n_records=len(records), max_record=max(records), on_disk=sum(records),
                    in_memory_shards=in_memory_shards, shards_at_rest=_shard_bytes(opt),
-                   params_at_rest=sum(p.numel() for p in model.parameters()),
+                   params_at_rest=sum(0 if is_resting(p.data) else p.numel() for p in model.parameters()),
                    peak=store.peak_buffer_bytes, buffer_size=store.buffer_size,
                    disk=store.disk_bytes(), read=store.bytes_read, written=store.bytes_written,
                    ahead=store.reads_ahead, ahead_both=both_opt.placement.param_store.reads_ahead, n_spilled=len(spilled), grads_resident=grads_resident,

@@ -109,6 +109,8 @@ def _full(model):
 
 def _residency(opt, ref_opt) -> dict:
     """Between steps: where the offloaded shards are, against the in-memory engine's shards."""
+    from zeroplus.zero.layout import is_resting
+
     store = opt.placement.param_store
     buckets = list(opt.buckets) + list(opt.placement.frozen_buckets)
     ref_buckets = list(ref_opt.buckets) + list(ref_opt.placement.frozen_buckets)
@@ -121,7 +123,8 @@ def _residency(opt, ref_opt) -> dict:
         "device_shard_elems": sum(b.shard.numel() for b, _ in offloaded),
         "device_bytes": store.device_bytes,
         "host_equal": all(torch.equal(store.host_shard(b), r.shard) for b, r in offloaded),
-        "module_param_elems": sum(p.numel() for p in opt.module.parameters()),
+        # Elements the module's parameters hold between uses (resting views hold none).
+        "module_param_elems": sum(0 if is_resting(p.data) else p.numel() for p in opt.module.parameters()),
         "grad_spill": opt.reducer.spill is not None,
     }
 

@@ -141,6 +141,8 @@ def _case(rank, spec):
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from zeroplus.zero.layout import is_resting
+
     torch._dynamo.reset()
     mixed = spec.get("precision") is not None
     with tempfile.TemporaryDirectory() as offload_dir:
@@ -151,6 +153,7 @@ def _case(rank, spec):
             ref_fwd = torch.compile(ref_model, backend=spec.get("backend", "aot_eager"))
             ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR)
         ref_losses = _train(ref_fwd, ref_model, ref_opt, spec, rank)
+        ref_shapes = [tuple(p.shape) for p in ref_model.parameters()]
         want = _full(ref_model) if mixed else {k: v.detach().clone() for k, v in ref_model.module.state_dict().items()}
 
         torch._dynamo.reset()
@@ -160,8 +163,8 @@ def _case(rank, spec):
         graphs = {}
 
         def on_step(step):
-            # Between steps every stage-3 parameter is this rank's 1-D shard.
-            shapes[step] = [tuple(p.shape) for p in model.parameters()]
+            # Between steps every stage-3 parameter is at rest: full shape (as DDP's), no values.
+            shapes[step] = [(tuple(p.shape), is_resting(p.data)) for p in model.parameters()]
             graphs[step] = counters["stats"]["unique_graphs"]
 
         losses = _train(fwd, model, opt, spec, rank, on_step)
@@ -171,8 +174,10 @@ def _case(rank, spec):
         torch._dynamo.reset()
     diff = max((got[k].float() - v.float()).abs().max().item() for k, v in want.items())
     full_shapes = [tuple(v.shape) for k, v in want.items()]
-    sharded = spec["stage"] < 3 or all(len(s) == 1 for s in shapes[STEPS - 1])
+    sharded = spec["stage"] < 3 or all(resting for _, resting in shapes[STEPS - 1])
+    rest_shapes = [shape for shape, _ in shapes[STEPS - 1]]
     return {"diff": diff, "losses": losses, "ref_losses": ref_losses, "keys_match": sorted(got) == sorted(want),
+            "rest_shapes_match": rest_shapes == ref_shapes,
             "sharded": sharded and any(len(s) >= 2 for s in full_shapes), "opaque_breaks": ours, "other_breaks": other,
             "graphs": graphs[STEPS - 1], "late_graphs": graphs[STEPS - 1] - graphs[1], "prefetched": prefetched}
 
@@ -187,6 +192,7 @@ def _check(results, specs):
             label = str(spec)
             assert r["keys_match"], label
             assert r["sharded"], label
+            assert r["rest_shapes_match"], f"{label}: p.shape between steps differs from DDP's"
             assert r["late_graphs"] == 0, f"{label}: frames recompiled after the second step"
             assert r["graphs"] > 0, f"{label}: nothing was compiled"
             assert r["other_breaks"] == [], f"{label}: graph breaks outside the engine's hooks: {r['other_breaks']}"

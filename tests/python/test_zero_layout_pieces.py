@@ -1,11 +1,12 @@
-"""Bucket.piece / owned_pieces / show_full / show_shard (zeroplus/zero/layout.py) on one process:
+"""Bucket.piece / owned_pieces / show_full / show_resting (zeroplus/zero/layout.py) on one process:
 the one place the shard intersection is computed, and the only writers of a managed .data."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from zeroplus.zero.layout import Bucket, Entry
+from zeroplus.zero.layout import Bucket, Entry, is_resting, resting_view
 
 
 def _bucket(world: int = 3):
@@ -37,14 +38,40 @@ def test_pieces_cover_every_parameter_element_exactly_once_and_skip_gaps():
     assert b.piece(b.entries[0], 2).numel == 0               # not in rank 2's shard
 
 
-def test_show_full_and_show_shard_swap_what_the_module_sees():
+def test_show_full_and_show_resting_swap_what_the_module_sees():
     b, ps = _bucket()
     b.flat = torch.arange(18, dtype=torch.float32)
     b.show_full()
     assert ps[1].shape == (2, 2) and ps[1].data.data_ptr() == b.flat[7:].data_ptr()
     b.shard = torch.arange(6, 12, dtype=torch.float32)  # rank 1's shard
-    b.show_shard(1)
-    assert ps[0].numel() == 0 and ps[1].tolist() == [7.0, 8.0, 9.0, 10.0] and ps[2].tolist() == [11.0]
-    b.show_full()
-    b.show_shard(1)  # the cached views are reused while the shard is the same tensor
-    assert ps[2].data.data_ptr() == b.shard[5:].data_ptr()
+    b.flat = None
+    b.show_resting()
+    # Full shape, dtype and device as under DDP; no values (NaN), no memory; the shard is untouched.
+    assert [tuple(p.shape) for p in ps] == [(5,), (2, 2), (3, 2)] and sum(p.numel() for p in ps) == 15
+    assert all(torch.isnan(p).all() and is_resting(p.data, p.shape) for p in ps)
+    assert ps[1].data.untyped_storage().nbytes() == 4 and b.shard.tolist() == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+    assert b.stray_at_rest() is None and b.stray_param() is None
+
+
+def test_a_resting_parameter_changed_by_the_user_is_found_not_dropped():
+    # torch refuses most in-place writes into a resting view (one element behind many) ...
+    b, ps = _bucket()
+    b.shard = torch.zeros(6)
+    b.show_resting()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+            ps[1].mul_(2)
+        # ... the ones it allows are found: through the parameter's version counter
+        torch.nn.init.zeros_(ps[1])
+    stray = b.stray_at_rest()
+    assert stray is not None and stray.param is ps[1] and stray.how == "written"
+    b.show_resting()
+    ps[2].data.fill_(1.0)  # through .data (no version bump): the shared element's value (CPU)
+    stray = b.stray_at_rest()
+    assert stray is not None and stray.how == "written"
+    resting_view((1,), torch.float32, "cpu").fill_(float("nan"))  # repair the shared element
+    b.show_resting()
+    ps[0].data = torch.zeros(5)  # replaced (model.to(...), p.data = ...)
+    stray = b.stray_at_rest()
+    assert stray is not None and stray.param is ps[0] and stray.how == "replaced"
+    assert b.stray_param() is ps[0]

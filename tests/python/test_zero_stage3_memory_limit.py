@@ -134,7 +134,7 @@ def _train_under_limit(rank, world, flavour, cgroup_prefix):
     peak = int((cg / flavour[2]).read_text())
     print(f"rank {rank}: peak {peak / FULL_BYTES:.3f} of the full model's bytes (cgroup v{flavour[3]})", flush=True)
     failcnt = _times_limit_hit(flavour, cg)
-    shard_numel = sum(p.numel() for p in model.parameters())
+    shard_numel = sum(b.piece(e, rank).numel for b in opt.buckets for e in b.entries)  # this rank's pieces
     return peak, failcnt, losses, shard_numel
 
 

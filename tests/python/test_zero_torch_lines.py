@@ -70,7 +70,7 @@ def _clip_case(rank, group, stage, kind, precision):
     ref = DDP(ref_model, process_group=group)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     model, opt = _initialize(model, stage, group, precision)
-    sharded = [tuple(p.shape) for p in model.parameters()]
+    sharded = _resting(model)
     norms, ref_norms = [], []
     for step in range(STEPS):
         x, y = _batch(step, rank)
@@ -84,8 +84,7 @@ def _clip_case(rank, group, stage, kind, precision):
         opt.zero_grad()
     mine = zeroplus.full_state_dict(model, rank0_only=False)
     diff = max((mine[k].float() - v).abs().max().item() for k, v in ref_model.state_dict().items())
-    return {"norms": norms, "ref_norms": ref_norms, "diff": diff, "shapes": sharded,
-            "full_shapes": [tuple(p.shape) for p in ref_model.parameters()]}
+    return {"norms": norms, "ref_norms": ref_norms, "diff": diff, "resting": sharded}
 
 
 CLIP_CASES = [(stage, kind, None) for stage in STAGES for kind in ("norm", "value", "total")] + \
@@ -134,6 +133,75 @@ def _grad_reads_case(rank, group, stage):
     return out
 
 
+def _resting(model) -> list[bool]:
+    """Per parameter: at stage 3 and released between uses (it holds no values, full shape)."""
+    from zeroplus.zero.layout import is_resting
+    return [is_resting(p.data, p.shape) for p in model.parameters()]
+
+
+def _param_lines(model) -> dict:
+    """What a DDP script's logging lines read from model.parameters()."""
+    params = list(model.parameters())
+    return {"count": sum(p.numel() for p in params), "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "shapes": [tuple(p.shape) for p in params], "sizes": [tuple(p.size()) for p in params],
+            "dims": [p.dim() for p in params], "dtypes": [p.dtype for p in params],
+            "devices": [p.device for p in params], "requires_grad": [p.requires_grad for p in params]}
+
+
+def _param_lines_case(rank, group, stage, directory):
+    """sum(p.numel() ...), p.shape, p.size(), p.dim(), dtype, device, requires_grad between steps:
+    as DDP's at every stage: after initialize, after steps, after load_checkpoint. Before the fix a
+    stage-3 parameter was this rank's 1-D piece between uses (a 32 x 8 weight read (128,) at 2 ranks),
+    so the commonest logging line of a fine-tuning script counted half the model. Reading values
+    at rest gives NaN (no plausible numbers); writing them raises, at once or at the next gather."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zeroplus
+    from sharding import assert_sharded
+    model = _model()
+    model[0].bias.requires_grad_(False)  # a frozen parameter: its own (frozen) bucket at stage 3
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, process_group=group)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    model, opt = _initialize(model, stage, group)
+    want = _param_lines(ref_model)
+    out = {"sharded": assert_sharded(model, opt) if stage == 3 else [], "want": want,
+           "initialized": _param_lines(model)}
+    for step in range(2):
+        _train_step(ref, ref_opt, step, rank)
+        _train_step(model, opt, step, rank)
+    out["stepped"] = _param_lines(model)
+    out["resting"] = _resting(model)
+    path = os.path.join(directory, f"param_lines{stage}")
+    zeroplus.save_checkpoint(path, model, opt)
+    _train_step(model, opt, 2, rank)  # moved away from the checkpoint, then back
+    zeroplus.load_checkpoint(path, model, opt)
+    out["loaded"] = _param_lines(model)
+    _train_step(ref, ref_opt, 2, rank)
+    _train_step(model, opt, 2, rank)
+    mine = zeroplus.full_state_dict(model, rank0_only=False)
+    out["diff"] = max((mine[k].float() - v).abs().max().item() for k, v in ref_model.state_dict().items())
+    weight = model[2].weight
+    out["vector"] = tuple(torch.nn.utils.parameters_to_vector(model.parameters()).shape)
+    out["reads_nan"] = bool(torch.isnan(weight).all()) if stage == 3 else None
+    try:  # an in-place write between steps: refused by torch (no memory behind the view)
+        with torch.no_grad():
+            weight.mul_(0.5)
+        out["write_error"] = None
+    except RuntimeError as e:
+        out["write_error"] = str(e)
+    if stage == 3:
+        # torch allows fill_ into the view; the next use raises naming the parameter, on every rank
+        with torch.no_grad():
+            torch.nn.init.zeros_(model[4].bias)
+        try:
+            model(_batch(3, rank)[0])
+            out["fill_error"] = None
+        except RuntimeError as e:
+            out["fill_error"] = str(e)
+    return out
+
+
 def _train_step(model, opt, step, rank, zero_grad=None):
     x, y = _batch(step, rank)
     nn.functional.mse_loss(model(x), y).backward()
@@ -152,7 +220,7 @@ def _state_case(rank, group, stage, directory):
     ref = DDP(ref_model, process_group=group)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     model, opt = _initialize(model, stage, group)
-    out = {"sharded": [tuple(p.shape) for p in model.parameters()] != [tuple(p.shape) for p in ref_model.parameters()]}
+    out = {"sharded": any(_resting(model))}
     for step in range(2):
         _train_step(ref, ref_opt, step, rank)
         _train_step(model, opt, step, rank)
@@ -267,6 +335,8 @@ CASES.update({("accumulation", s): functools.partial(_accumulation_case, stage=s
 def _all_cases(rank, world, directory):
     cases = dict(CASES)
     cases.update({("state", s): functools.partial(_state_case, stage=s, directory=directory) for s in STAGES})
+    cases.update({("param_lines", s): functools.partial(_param_lines_case, stage=s, directory=directory)
+                  for s in STAGES})
     return run_cases_in_own_groups(rank, world, cases)
 
 
@@ -288,8 +358,8 @@ def test_torch_clip_functions_match_ddp(results, case):
     stage, kind, precision = case
     tolerance = 1e-5 if precision is None else 3e-2
     for r, res in enumerate(_ok(results, ("clip",) + case)):
-        if stage == 3:  # every parameter really sharded: a rank holds half of each
-            assert all(len(s) == 1 for s in res["shapes"]) and res["shapes"] != res["full_shapes"], res["shapes"]
+        if stage == 3:  # every parameter really sharded: a rank holds half of each, none whole
+            assert all(res["resting"]), res["resting"]
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=tolerance), f"rank {r}"
         if kind != "value":
             assert all(n > 0.5 for n in res["norms"]), res["norms"]  # clipping is active every step
@@ -339,3 +409,23 @@ def test_fp16_norm_is_the_unscaled_one(results, stage):
     for r, res in enumerate(_ok(results, ("fp16", stage))):
         assert res["scale"] > 1.0 and res["engine"] > 0, res
         assert res["torch"] == pytest.approx(res["engine"], rel=1e-4), res
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameter_counts_and_shapes_between_steps_are_ddps(results, stage):
+    """sum(p.numel()), p.shape, p.size(), p.dim(), dtype, device, requires_grad: DDP's, after
+    initialize, after steps and after load_checkpoint; training still matches DDP."""
+    for r, res in enumerate(_ok(results, ("param_lines", stage))):
+        want = res["want"]
+        for when in ("initialized", "stepped", "loaded"):
+            assert res[when] == want, (f"rank {r}, {when}", res[when], want)
+        assert res["diff"] <= 1e-5, f"rank {r}: weights differ from DDP by {res['diff']:.3g}"
+        assert res["vector"] == (want["count"],), res["vector"]
+        if stage == 3:
+            assert res["sharded"] == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"], res["sharded"]
+            assert all(res["resting"]) and res["reads_nan"], res  # no values at rest: NaN, never plausible
+            assert "more than one element of the written-to tensor" in res["write_error"], res["write_error"]
+            assert res["fill_error"] and "4.bias was written in place" in res["fill_error"], res["fill_error"]
+            assert "zeroplus.full_state_dict(model)" in res["fill_error"], res["fill_error"]
+        else:
+            assert res["write_error"] is None, res["write_error"]

@@ -3,9 +3,9 @@
 Every non-persistent stage-3 bucket's shard (this rank's slice of the bucket's parameters, in
 the compute dtype) is one record (record.py: 4 KiB header with generation and checksums, then
 the shard) in `param-bNNNNN.swp` in this rank's private swap directory (nvme_store.py). Between
-uses the bucket's `shard` tensor is empty (its identity is kept: the parameters, the gatherer
-and, in fp32 training, the optimizer's master all hold that one tensor object) and the module's
-parameters are empty 1-D views. The swapper makes a shard resident only while someone uses it:
+uses the bucket's `shard` tensor is empty (its identity is kept: the gatherer and, in fp32
+training, the optimizer's master hold that one tensor object) and the module's parameters are
+resting views (zero/layout.py: full shape, no values), as without offload. The swapper makes a shard resident only while someone uses it:
 
     read_ahead(buckets)  the gatherer, in its recorded prefetch order: start reading the next
                          buckets' records into free pool buffers (never evicting anything);

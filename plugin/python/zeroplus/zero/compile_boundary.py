@@ -1,9 +1,9 @@
 """The engine's module hooks as torch.compile sees them: opaque calls, never traced.
 
-Stage 3's gather/release hooks (param_gatherer.py) swap what each parameter's .data is (its 1-D
-shard <-> the full tensor, layout.Bucket.show_full/show_shard), wait for collectives and keep
+Stage 3's gather/release hooks (param_gatherer.py) swap what each parameter's .data is (its
+resting view <-> the full tensor, layout.Bucket.show_full/show_resting), wait for collectives and keep
 the pass's state in Python. Dynamo tracing into them bakes one side of the swap into a graph:
-the full shape is compiled in and the next call meets the shard (issue 44: inductor raised
+the gathered tensor is compiled in and the next call meets the resting view (issue 44: inductor raised
 "wrong number of dimensions1"; with aot_eager the gradient reducer saw a tied parameter's
 gradient twice in one backward). So every hook the engine puts on a module or on a module's
 output is wrapped with torch.compiler.disable(recursive=True), as FSDP2 wraps its own

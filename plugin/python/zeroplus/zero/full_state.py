@@ -4,15 +4,18 @@ full_state_dict(model): what model.state_dict() returns on the unsharded model (
 parameters under every name, full shapes), gathered unit by unit so the peak is one unit plus the
 output. Collective: every rank calls it.
 
-model.load_state_dict(full): works on a stage-3 model, whose parameters are shards between
-steps: a load pre-hook on each module turns a full-shape entry into this rank's slice before
-torch copies it, and writes the fp32 master slice from the full-precision value. At stage 2 with
+model.load_state_dict(full): works on a stage-3 model, whose parameters hold no values between
+steps (layout.resting_view; this rank's slice is in its bucket's shard): a load pre-hook on each
+module copies this rank's slice of a full-shape entry into the shard, writes the fp32 master
+slice from the full-precision value, and hands torch the parameter itself as the entry, so
+torch's param.copy_(entry) is a no-op (a post-hook takes the version bump it makes as the
+resting parameter's new normal: layout.Bucket.rested_again). At stage 2 with
 mixed precision the same hook keeps the fp32 masters in step with what was loaded (without it the
 next step would overwrite the loaded weights from stale masters). A shard that lives in a
 parameter swap file (offload_param nvme) is changed in its record instead: pinned (read and
 checked), this rank's slice copied in, written back as the next generation, unpinned (one bucket
-resident at a time; in fp32 that record is the master too); torch then copies an empty tensor into
-the empty parameter. A read or write error raises OSError naming the swap file.
+resident at a time; in fp32 that record is the master too). A read or write error raises OSError
+naming the swap file.
 """
 
 from __future__ import annotations
@@ -129,12 +132,22 @@ def install_load_hooks(engine) -> None:
                     owner.write_master(pc.shard_lo, pc.shard_hi, flat_value[pc.param_lo:pc.param_hi])
             if swapped:
                 _into_record(store, b, pc, flat_value[pc.param_lo:pc.param_hi])
-                state_dict[key] = p.detach().new_empty(p.shape)  # empty between uses: torch copies nothing
-            elif tuple(dtensor_params.local(p).shape) != tuple(e.shape):  # a stage-3 shard: this rank's slice
-                state_dict[key] = flat_value[pc.param_lo:pc.param_hi]
+            elif gatherer is not None and not b.persistent:  # stage 3, resting (released above): into the shard
+                if pc.numel:
+                    with torch.no_grad():
+                        b.shard[pc.shard_lo:pc.shard_hi].copy_(flat_value[pc.param_lo:pc.param_hi])
+            else:
+                continue  # whole on every rank: torch copies the value into the parameter
+            state_dict[key] = p  # torch's param.copy_(param): a no-op (is_same)
+
+    def post_hook(module, _incompatible):
+        for p in module._parameters.values():
+            if p is not None and id(p) in slots:
+                slots[id(p)][0].rested_again()
 
     for module in engine.module.modules():
         if any(p is not None and id(p) in slots for p in module._parameters.values()):
             if getattr(module, _LOAD_HOOK_ATTR, None) is None:
                 handle = module._register_load_state_dict_pre_hook(hook, with_module=True)
+                module.register_load_state_dict_post_hook(post_hook)
                 object.__setattr__(module, _LOAD_HOOK_ATTR, handle)

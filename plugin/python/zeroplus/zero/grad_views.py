@@ -373,9 +373,9 @@ class GradViews:
 
 
 def _assign(p: torch.nn.Parameter, grad: torch.Tensor, shape) -> None:
-    """p.grad = grad. At stage 3 a released parameter's .data is its 1-D shard, and torch's
-    setter requires the gradient's shape: the full shape is shown for the assignment only (a
-    zero-stride view, no memory), as the full gradient has it under DDP."""
+    """p.grad = grad. torch's setter requires the gradient's shape; a stage-3 parameter at rest
+    already has its full shape (layout.resting_view). Any other parameter whose .data has another
+    shape is shown the full shape for the assignment only (a zero-stride view, no memory)."""
     if tuple(p.shape) == tuple(shape):
         p.grad = grad
         return

@@ -5,7 +5,13 @@ optimizers/core/flat_bucket_planner.hpp). This module only turns that plan into 
 
   * one flat parameter buffer per bucket, in the compute dtype; every managed parameter's .data
     becomes a view into it, so the post-step all-gather writes the model's parameters directly;
-  * rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of every bucket.
+  * rank r owns elements [r * shard_numel, (r + 1) * shard_numel) of every bucket;
+  * stage 3 between uses: a parameter holds no values. Its .data is a "resting view": its full
+    shape, dtype and device as a stride-0 expansion of one element (resting_view), so the lines a
+    DDP script runs between steps (sum(p.numel() ...), p.shape, p.dim(), p.dtype, p.device) give
+    what they give under DDP, memory is one element per (dtype, device), and values read are NaN
+    (never plausible numbers). Its values live in the bucket's `shard`, which the engine reads;
+    nothing in the engine reads a resting parameter's .data.
 
 Parameters are ordered for the planner in reverse registration order, group by group from the
 last group: gradients become ready roughly in that order during backward (DDP's heuristic), and a
@@ -23,14 +29,90 @@ from .dtensor_params import is_tp_sharded, local, show_local
 # Shard starts are multiples of this many elements: 64 bytes of fp32, the SIMD kernels' width.
 ALIGN_ELEMS = 16
 
+# (dtype, device) -> the one element every resting view of that dtype and device expands.
+_REST_BASES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _rest_value(dtype: torch.dtype):
+    """What a resting parameter reads as: NaN where the dtype has it, else an unlikely value."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).min
+
+
+def _rest_base(dtype: torch.dtype, device) -> torch.Tensor:
+    key = (dtype, torch.device(device))
+    base = _REST_BASES.get(key)
+    if base is None:
+        base = torch.full((1,), _rest_value(dtype), dtype=dtype, device=device)
+        _REST_BASES[key] = base
+        _REST_BASES.setdefault((dtype, base.device), base)  # "cuda" and "cuda:0" name one base
+        _REST_STORAGES.add(base.untyped_storage().data_ptr())
+    return base
+
+
+_REST_STORAGES: set[int] = set()  # data_ptr of every base's storage
+
+
+def is_rest_storage(data_ptr: int) -> bool:
+    """Whether a storage's data_ptr is a resting view's (the saved-tensor hook's check)."""
+    return data_ptr in _REST_STORAGES
+
+
+def resting_view(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A stage-3 parameter's .data between uses: `shape` with stride 0 over one shared element.
+    torch refuses most in-place writes into it (one memory location for many elements); the
+    writes it allows (fill_, zero_, any write to a one-element shape) are caught by
+    Bucket.stray_at_rest through the parameter's version counter or the element's value."""
+    return _rest_base(dtype, device).expand(shape)
+
+
+def is_resting(t: torch.Tensor, shape=None) -> bool:
+    """Whether `t` is a resting view (of `shape`, when given)."""
+    base = _REST_BASES.get((t.dtype, t.device))
+    if base is None or t.layout != torch.strided:
+        return False
+    if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+        return False
+    return shape is None or tuple(t.shape) == tuple(shape)
+
+
+def rest_base_intact(dtype: torch.dtype, device) -> bool:
+    """False when the shared element of (dtype, device) was written (p.data.fill_(...) between
+    steps: torch allows fill_ into an expanded tensor). Read on CPU only: on CUDA the read would
+    stall the host at every gather (docs/zero.md says what is not caught there)."""
+    base = _REST_BASES.get((dtype, torch.device(device)))
+    if base is None or base.device.type != "cpu":
+        return True
+    value = _rest_value(dtype)
+    return bool(torch.isnan(base).all()) if value != value else bool((base == value).all())
+
+
+def repair_rest_base(dtype: torch.dtype, device) -> None:
+    """Give the shared element of (dtype, device) back its value after a write was reported, so
+    other parameters read NaN again (the written parameter's own version stays moved)."""
+    base = _REST_BASES.get((dtype, torch.device(device)))
+    if base is not None:
+        base.fill_(_rest_value(dtype))
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A resting parameter the user changed (Bucket.stray_at_rest): `param` is None when only the
+    shared element shows a write (which parameter's cannot be told)."""
+    param: torch.nn.Parameter | None
+    how: str  # "replaced": .data is no longer its resting view; "written": written in place
+
 
 @dataclass
 class Entry:
     param: torch.nn.Parameter
     offset: int  # inside the bucket
     numel: int
-    shape: torch.Size = torch.Size()  # the parameter's full shape (at stage 3 .data is a shard); its
-    # local shape for a tensor-parallel (DTensor) parameter: the engine only ever sees local tensors
+    shape: torch.Size = torch.Size()  # the parameter's full shape; its local shape for a
+    # tensor-parallel (DTensor) parameter: the engine only ever sees local tensors
 
 
 @dataclass(frozen=True)
@@ -62,6 +144,7 @@ class Bucket:
     persistent: bool = False           # stage 3: kept whole on every rank (small parameters)
     trainable: bool = True             # stage 3: False for buckets of frozen parameters
     tp_sharded: bool = False           # its parameters are tensor-parallel shards (dtensor_params.py)
+    rest_versions: list[int] = field(default_factory=list, repr=False)  # stage 3: see show_resting
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -84,30 +167,35 @@ class Bucket:
         for e in self.entries:
             show_local(e.param, self.flat[e.offset:e.offset + e.numel].view(e.shape))
 
-    def show_shard(self, rank: int) -> None:
-        """Stage 3 between uses: every parameter becomes its 1-D piece of `shard` (possibly
-        empty). The views are built once (this runs after every unit's forward and backward)."""
-        views = self.__dict__.get("_shard_views")
-        # Keyed on the storage too: an offloaded shard (zeroplus.offload) is emptied and
-        # re-pointed, and its parameters must then view the empty tensor, not the old buffer.
-        key = (self.shard.data_ptr(), self.shard.numel())
-        if views is None or views[0] is not self.shard or views[2] != key:
-            views = (self.shard, [self.shard[p.shard_lo:p.shard_hi] for p in (self.piece(e, rank) for e in self.entries)], key)
-            self.__dict__["_shard_views"] = views
-        for e, view in zip(self.entries, views[1]):
-            e.param.data = view
+    def show_resting(self) -> None:
+        """Stage 3 between uses: every parameter becomes its resting view (the module doc; its
+        values are in `shard`). Records each parameter's version counter: an in-place write
+        into the view that torch allows (fill_, zero_, torch.nn.init.zeros_) bumps it."""
+        for e in self.entries:
+            e.param.data = resting_view(e.shape, self.dtype, self.device)
+        self.rest_versions = [e.param._version for e in self.entries]
 
-    def stray_from_shard(self):
-        """Stage 3, a released bucket: the first parameter whose .data is no longer the view of
-        `shard` that show_shard gave it (model.to(...), param.data = ... after initialize), or
-        None. The next gather would put the engine's view back and drop the change silently."""
-        views = self.__dict__.get("_shard_views")
-        if views is None:
+    def stray_at_rest(self, check_base: bool = True) -> Stray | None:
+        """Stage 3, a released bucket: the first parameter the user changed since show_resting
+        (model.to(...), param.data = ..., an in-place write), or None. The next gather would put
+        the engine's values back and drop the change silently. check_base: also read the shared
+        element of the bucket's (dtype, device) (rest_base_intact)."""
+        if not self.rest_versions:
             return None
-        for e, view in zip(self.entries, views[1]):
-            if local(e.param).untyped_storage().data_ptr() != view.untyped_storage().data_ptr():
-                return e.param
+        for e, version in zip(self.entries, self.rest_versions):
+            if not is_resting(local(e.param), e.shape):
+                return Stray(e.param, "replaced")
+            if e.param._version != version:
+                return Stray(e.param, "written")
+        if check_base and not rest_base_intact(self.dtype, self.device):
+            return Stray(None, "written")
         return None
+
+    def rested_again(self) -> None:
+        """After zeroplus's own no-op write into resting parameters (load_state_dict: torch's
+        param.copy_(param), full_state.py), their version counters are the new normal."""
+        if self.rest_versions:
+            self.rest_versions = [e.param._version for e in self.entries]
 
     def stray_param(self):
         """The first parameter whose .data no longer lives in this bucket's buffers (the model was
@@ -115,7 +203,8 @@ class Bucket:
         or None. Such a parameter would silently stop training: the engine writes the buffers."""
         homes = {t.untyped_storage().data_ptr() for t in (self.flat, self.shard) if t is not None}
         for e in self.entries:
-            if local(e.param).untyped_storage().data_ptr() not in homes:
+            t = local(e.param)
+            if t.untyped_storage().data_ptr() not in homes and not is_resting(t, e.shape):
                 return e.param
         return None
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .dtensor_params import local
+from .layout import is_rest_storage
 from .policies import DEFAULT_REDUCE_BUCKET_ELEMS
 
 _BYTES = {None: 4, "fp32": 4, "bf16": 2, "fp16": 2}
@@ -41,6 +42,8 @@ def _storage_bytes(tensors) -> int:
         if t is None or t.numel() == 0:
             continue
         s = local(t).untyped_storage()  # a tensor-parallel parameter: its local piece
+        if is_rest_storage(s.data_ptr()):
+            continue  # a resting stage-3 parameter: its shard is counted by the engine
         key = (s.data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
@@ -75,6 +78,7 @@ def memory_report(model: torch.nn.Module, optimizer) -> dict[str, int]:
         report["optimizer_state"] = ours["optimizer_state"]
         report["communication_buffers"] = ours["communication_buffers"]
         report["pooled_buffers"] = ours["pooled_buffers"]
+        report["parameters"] += ours.get("parameter_shards", 0)  # stage 3: what resting parameters hold
         for key in ("gathered_parameters", "peak_gathered_parameters", "peak_communication_buffers",
                     "offload_buffers", "offload_peak_buffers", "offload_disk", "offload_param_buffers",
                     "offload_param_peak_buffers", "offload_param_disk",

@@ -1,7 +1,8 @@
 """ZeRO stage 3: gather a unit's parameters just before use, release them after, prefetch ahead.
 
 State per unit (units.py decides which submodules are units): RELEASED (each parameter's .data
-is this rank's slice of it: a 1-D view into the bucket shard, possibly empty), IN FLIGHT (an
+is its resting view: full shape, no values, layout.resting_view; this rank's slice of it is in
+the bucket's shard), IN FLIGHT (an
 async all-gather into the bucket's flat buffer was issued) or GATHERED (.data is the full
 parameter, a view into that flat buffer). Nothing is copied back (the optimizer writes the
 shards, not the gathered copies).
@@ -50,14 +51,14 @@ from . import comm
 from .backward_pass import BackwardPass
 from .buffer_pool import BufferPool
 from .compile_boundary import opaque
-from .layout import Bucket
+from .layout import Bucket, is_rest_storage, repair_rest_base
 from .units import Unit
 
 
 
 class Residency(enum.Enum):
     """Where a unit's parameters are (see the module doc)."""
-    RELEASED = "released"    # .data is this rank's 1-D slice of each parameter
+    RELEASED = "released"    # .data is each parameter's resting view; its slice is in the shard
     IN_FLIGHT = "in flight"  # an all-gather into the flat buffers was issued
     GATHERED = "gathered"    # .data is the full parameter, a view into the flat buffer
 
@@ -79,18 +80,40 @@ class _GatheredView:
         self.shape, self.stride = shape, stride
 
 
-def _check_shard_homes(st: "_UnitState") -> None:
-    """A released unit's parameters still view their shards; else the user moved or replaced them
-    after initialize (the next gather would silently undo it): RuntimeError naming the parameter."""
+def _check_shard_homes(st: "_UnitState", states: list["_UnitState"]) -> None:
+    """A released unit's parameters are still their resting views, unwritten; else the user moved,
+    replaced or wrote them after initialize (the next gather would silently undo it): RuntimeError
+    naming the parameter."""
     for b in st.buckets:
-        stray = b.stray_from_shard()
-        if stray is not None:
-            names = {id(p): n for n, p in st.unit.module.named_parameters()}
-            name = ".".join(x for x in (st.unit.name, names.get(id(stray), f"<parameter of shape {tuple(stray.shape)}>")) if x)
-            raise RuntimeError(
-                f"zeroplus stage 3: parameter {name} no longer lives in zeroplus's shard buffers: the model was "
-                f"moved or its parameters replaced after zeroplus.initialize (model.to(...), param.data = ...), "
-                f"which the next gather would silently undo; move or convert the model before initialize")
+        stray = b.stray_at_rest()
+        if stray is None:
+            continue
+        owner = st
+        if stray.param is None:  # only the shared element shows a write: find whose version moved
+            found = ((other, ob.stray_at_rest(check_base=False)) for other in states for ob in other.buckets)
+            owner, stray = next(((o, f) for o, f in found if f is not None), (st, stray))
+            repair_rest_base(b.dtype, b.device)  # reported once; the written parameter stays refused
+        raise _stray_error(owner, stray)
+
+
+def _stray_error(st: "_UnitState", stray) -> RuntimeError:
+    if stray.param is None:
+        name = f"of unit {st.unit.name or '<root>'} (or of another stage-3 model)"
+    else:
+        names = {id(p): n for n, p in st.unit.module.named_parameters()}
+        local_name = names.get(id(stray.param), f"<parameter of shape {tuple(stray.param.shape)}>")
+        name = ".".join(x for x in (st.unit.name, local_name) if x)
+    if stray.how == "replaced":
+        return RuntimeError(
+            f"zeroplus stage 3: parameter {name} no longer lives in zeroplus's shard buffers: the model was "
+            f"moved or its parameters replaced after zeroplus.initialize (model.to(...), param.data = ...), "
+            f"which the next gather would silently undo; move or convert the model before initialize")
+    return RuntimeError(
+        f"zeroplus stage 3: parameter {name} was written in place between uses (fill_, zero_, "
+        f"torch.nn.init.*_, p.data.copy_(...)), but between steps a stage-3 parameter holds no values (its "
+        f"slice lives in zeroplus's shard), so the next gather would silently drop the write; set values with "
+        f"model.load_state_dict(full_state_dict) (each rank takes its slice) or before zeroplus.initialize, "
+        f"and read them with zeroplus.full_state_dict(model)")
 
 
 class _UnitState:
@@ -221,6 +244,13 @@ class ParameterGatherer:
             ptr = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
             return t
+        if is_rest_storage(ptr):
+            # A parameter read while its unit is released: it holds no values (NaN) between uses.
+            raise RuntimeError(
+                f"zeroplus stage 3: a parameter of shape {tuple(t.shape)} was used by a forward outside every "
+                f"unit that gathers it (e.g. a parent's forward doing F.linear(x, self.child.weight) when child "
+                f"is its own unit), where it holds no values; make the parent and child one unit "
+                f"(unit_classes=...) or call the child module (docs/zero.md, stage 3 caveat)")
         where = self._flat_of_storage.get(ptr)
         if where is None or t.dtype != self.states[where[0]].buckets[where[1]].flat.dtype:
             return t
@@ -396,7 +426,7 @@ class ParameterGatherer:
             self.store.unpin(b)
 
     def _issue(self, st: _UnitState, kind: str) -> None:
-        _check_shard_homes(st)  # on every rank, before the agreement: a refusal leaves nothing pending
+        _check_shard_homes(st, self.states)  # on every rank, before the agreement: a refusal leaves nothing pending
         if self.agreement is not None:  # before anything is in flight: a mismatch leaves nothing pending
             self.agreement.agree(st.unit.index, kind)
         st.works = []
@@ -449,9 +479,9 @@ class ParameterGatherer:
             _wait_all(works)  # IN_FLIGHT: the gather must be done before its buffer is reused
         finally:
             del works  # a work keeps its tensors referenced: the buffer would not be pooled
-            self._unpin(st)  # before show_shard: an offloaded shard is empty again
+            self._unpin(st)
             for b in st.buckets:
-                b.show_shard(st.rank)
+                b.show_resting()
             for b in st.buckets:
                 if b.flat is not None:
                     flat, b.flat = b.flat, None

@@ -18,8 +18,9 @@ persistent, trainable), so a unit is gathered with one all-gather per bucket and
 are reduce-scattered as soon as its backward is done. Parameters with at most
 param_persistence_threshold elements are "persistent": kept whole on every rank (stage-2
 style: reduce-scatter, then all-gather after the step), which saves a collective per tiny
-tensor. Between steps every other parameter's .data is this rank's slice of it (1-D, possibly
-empty); inside forward and backward it is the full tensor. After a step only persistent buckets
+tensor. Between steps every other parameter's .data is its resting view (layout.resting_view:
+full shape, dtype and device, no values; this rank's slice lives in the bucket's shard); inside
+forward and backward it is the full tensor. After a step only persistent buckets
 are all-gathered; the others are gathered at their next use.
 
 Parameter offload (offload_param device "nvme", docs/offload.md): every non-persistent bucket's
@@ -167,7 +168,7 @@ class ShardedParams:
                 if not b.persistent:
                     if self.param_store is not None:
                         self.param_store.put_initial(b, b.shard)  # b.shard is empty from now on
-                    b.show_shard(engine.rank)
+                    b.show_resting()
                 del flat, master_src, own
             return_freed_memory()
         materializer.finish()
@@ -298,6 +299,10 @@ class ShardedParams:
         return None
 
     def add_memory(self, out: dict[str, int]) -> dict[str, int]:
+        # Resting parameters hold nothing (layout.resting_view): their values are these shards
+        # (emptied while a parameter store holds them), so memory_report counts them as parameters.
+        out["parameter_shards"] = sum(b.shard.numel() * b.shard.element_size()
+                                      for b in list(self.engine.buckets) + self.frozen_buckets if b.shard is not None)
         out["gathered_parameters"] = self.gatherer.gathered_bytes()
         out["pooled_buffers"] += self.gatherer.pool.pooled_bytes
         out["peak_gathered_parameters"] = self.gatherer.peak_live_elems * max(

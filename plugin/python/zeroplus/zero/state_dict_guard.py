@@ -1,8 +1,10 @@
 """model.state_dict() on a ZeRO stage-3 model raises instead of returning flat shards.
 
-Between uses a sharded parameter's .data is this rank's 1-D slice of it (sharded_params.py), so
-torch's Module.state_dict() would return {'0.weight': (256,)} for a 16 x 32 weight at 2 ranks,
-and a DDP script's `torch.save(model.state_dict(), path)` would save shards without a word.
+Between uses a sharded parameter holds no values (its .data is a resting view: full shape, one
+NaN element behind it, layout.resting_view; this rank's slice is in its bucket's shard), so
+torch's Module.state_dict() would return full-shape NaN tensors (before resting views: flat
+shards, {'0.weight': (256,)} for a 16 x 32 weight at 2 ranks), and a DDP script's
+`torch.save(model.state_dict(), path)` would save them without a word.
 Gathering inside state_dict() is no remedy: it would be a collective, and the common
 `if rank == 0: torch.save(model.state_dict(), path)` would then hang rank 0 (or pair its
 gathers with whatever collective the other ranks issue next). So a state_dict pre-hook on every
@@ -39,6 +41,8 @@ import sys
 import threading
 
 import torch
+
+from .layout import is_resting
 
 _LOCAL = threading.local()
 
@@ -85,6 +89,11 @@ def _called_from_dcp_above(frame) -> bool:
     return False
 
 
+def _gathered(p: torch.Tensor, shape) -> bool:
+    """Whether p holds its values now (its unit is gathered: inside forward or backward)."""
+    return not is_resting(p.data, shape) and tuple(p.shape) == tuple(shape)
+
+
 def install(engine) -> None:
     """A state_dict pre-hook on each module owning a sharded (non-persistent) parameter."""
     shape_of: dict[int, torch.Size] = {}
@@ -97,11 +106,11 @@ def install(engine) -> None:
         if getattr(_LOCAL, "depth", 0):
             return
         for name, p in module._parameters.items():
-            if p is not None and id(p) in shape_of and tuple(p.shape) != tuple(shape_of[id(p)]):
+            if p is not None and id(p) in shape_of and not _gathered(p, shape_of[id(p)]):
                 raise RuntimeError(
-                    f"zeroplus: model.state_dict() on a ZeRO stage-3 model would return this rank's flat shard of "
-                    f"'{prefix}{name}' (shape {tuple(p.shape)}, full shape {tuple(shape_of[id(p)])}), not the "
-                    f"parameter. Call zeroplus.full_state_dict(model) on every rank (collective; rank 0 gets the "
+                    f"zeroplus: model.state_dict() on a ZeRO stage-3 model would return no values for "
+                    f"'{prefix}{name}' (shape {tuple(shape_of[id(p)])}): between steps this rank holds only its "
+                    f"shard of it. Call zeroplus.full_state_dict(model) on every rank (collective; rank 0 gets the "
                     f"full dict: sd = zeroplus.full_state_dict(model); if rank == 0: torch.save(sd, path)), or "
                     f"zeroplus.checkpoint.get_state_dict(model, opt) for torch.distributed.checkpoint "
                     f"(docs/zero.md, 'Your DDP script's other lines')")

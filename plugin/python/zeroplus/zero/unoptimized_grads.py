@@ -28,8 +28,9 @@ from .dtensor_params import local
 
 class UnoptimizedGrads:
     def __init__(self, params, shapes: dict, reducer, process_group, world_size: int):
-        """shapes: id(param) -> full (local, for a tensor-parallel one) shape, for parameters whose
-        .data is a stage-3 shard between uses (their gradient has the full shape)."""
+        """shapes: id(param) -> full (local, for a tensor-parallel one) shape of stage-3 frozen
+        parameters (their gradient has the full shape; the engine reads shapes from its buckets,
+        never from a parameter between uses)."""
         self.params = list(params)
         self.shapes = [shapes.get(id(p), local(p).shape) for p in self.params]
         self.reducer = reducer  # its no_sync flag says whether this backward synchronises
