@@ -100,6 +100,45 @@ TEST_P(ZeroAdamWParity, MatchesLibTorchOptimizerOnEveryRank) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, ZeroAdamWParity,
                          ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Bool()));
 
+// A group's own ZeroAdamWOptions (its lr, weight decay) are kept, fields left at their constructor
+// defaults inherit the optimizer's defaults (torch's rule for its own types; torch::optim::Optimizer
+// replaced the options of a type it does not know by the defaults, so every group trained with
+// the default lr).
+TEST(ZeroAdamW, GroupOptionsOverDefaults) {
+  runRanks(2, [](int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto params = makeParams();
+    std::vector<at::Tensor> reference;
+    for (const auto& p : params) reference.push_back(p.detach().clone().requires_grad_(true));
+    auto groupsOf = [](const std::vector<at::Tensor>& ps, bool zero) {
+      std::vector<torch::optim::OptimizerParamGroup> groups;
+      std::vector<at::Tensor> first(ps.begin(), ps.begin() + 2), rest(ps.begin() + 2, ps.end());
+      if (zero) {
+        groups.emplace_back(first, std::make_unique<ZeroAdamWOptions>(ZeroAdamWOptions(3e-2).weight_decay(0.0)));
+      } else {
+        groups.emplace_back(first, std::make_unique<torch::optim::AdamWOptions>(
+                                       torch::optim::AdamWOptions(3e-2).weight_decay(0.0)));
+      }
+      groups.emplace_back(rest);
+      return groups;
+    };
+    ZeroAdamW opt(groupsOf(params, true), pg, ZeroAdamWOptions(1e-2).weight_decay(0.1).eps(1e-6));
+    torch::optim::AdamW ref(groupsOf(reference, false), torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6));
+    const auto& own = static_cast<const ZeroAdamWOptions&>(opt.param_groups()[0].options());
+    EXPECT_DOUBLE_EQ(own.lr(), 3e-2);
+    EXPECT_DOUBLE_EQ(own.weight_decay(), 0.0);
+    EXPECT_DOUBLE_EQ(own.eps(), 1e-6);  // left at its default in the group: the optimizer's
+    for (int step = 0; step < 4; ++step) {
+      setGrads(params, step);
+      setGrads(reference, step);
+      opt.step();
+      ref.step();
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i], reference[i], 1e-5, 1e-6)) << "param " << i;
+    }
+  });
+}
+
 TEST(ZeroAdamW, RefusesWhatTheContractExcludes) {
   runRanks(1, [](int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     // Bad hyperparameters: ValueError naming the field, before any state exists.
