@@ -1,11 +1,14 @@
-// A pure LibTorch training loop on backend zeroplus with the ZeRO-1 optimizer, no Python:
-// a small MLP regresses a fixed random target on `world_size` ranks (each sees its slice of the
-// batch, gradients averaged with an allreduce, zeroplus::optim::ZeroAdamW steps the shards),
-// and every rank also trains the same MLP single-process on the whole batch with LibTorch's
-// torch::optim::AdamW. Exits 1 unless the two agree (parameters within 1e-5).
+// A pure LibTorch training loop on backend zeroplus with the ZeRO engine, no Python: a small
+// MLP regresses a fixed random target on `world_size` ranks at ZeRO stage 1 or 2 through
+// zeroplus.hpp (each rank sees its slice of the batch; the engine reduces the gradients during
+// backward, clips the global norm across shards and steps its shard), and every rank also
+// trains the same MLP single-process on the whole batch with LibTorch's torch::optim::AdamW and
+// torch::nn::utils::clip_grad_norm_. Exits 1 unless the two agree (parameters and clip norms
+// within 1e-5). The training loop is the single-process one but for initialize, backward and
+// clip_grad_norm: no hand-written gradient all-reduce.
 //
-//   cpp_train_mlp <rank> <world_size> [host=127.0.0.1] [port=29512] [steps=30]
-//   for r in 0 1; do build-package/examples/cpp_train_mlp $r 2 127.0.0.1 29512 & done; wait
+//   cpp_train_mlp <rank> <world_size> [host=127.0.0.1] [port=29512] [steps=30] [stage=2]
+//   for r in 0 1; do build-package/examples/cpp_train_mlp $r 2 127.0.0.1 29512 30 2 & done; wait
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -13,8 +16,7 @@
 #include <iostream>
 #include <string>
 
-#include "optimizers/adapter/zero_adamw.hpp"
-#include "process_group/adapter/process_group.hpp"
+#include "zeroplus.hpp"
 
 namespace {
 
@@ -28,7 +30,7 @@ torch::nn::Sequential makeMlp() {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::cerr << "usage: " << argv[0] << " <rank> <world_size> [host] [port] [steps]\n";
+    std::cerr << "usage: " << argv[0] << " <rank> <world_size> [host] [port] [steps] [stage]\n";
     return 2;
   }
   const int rank = std::atoi(argv[1]);
@@ -36,6 +38,7 @@ int main(int argc, char** argv) {
   const std::string host = argc > 3 ? argv[3] : "127.0.0.1";
   const int port = argc > 4 ? std::atoi(argv[4]) : 29512;
   const int steps = argc > 5 ? std::atoi(argv[5]) : 30;
+  const int stage = argc > 6 ? std::atoi(argv[6]) : 2;
   constexpr int64_t kBatch = 96;
   if (world < 1 || rank < 0 || rank >= world || kBatch % world != 0) {
     std::cerr << "error: need 0 <= rank < world_size and world_size dividing " << kBatch << "\n";
@@ -61,28 +64,31 @@ int main(int argc, char** argv) {
 
   auto model = makeMlp();
   auto reference = makeMlp();
-  zeroplus::optim::ZeroAdamW opt(model->parameters(), pg, zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(1e-2));
+  // Collective: rank 0's weights everywhere, parameters flattened into buckets, hooks installed.
+  auto opt = zeroplus::zero::initialize(model, pg, zeroplus::zero::Options().stage(stage),
+                                        zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(1e-2));
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(1e-2));
+  torch::optim::StepLR schedule(*opt, /*step_size=*/10, /*gamma=*/0.5);  // a LibTorch scheduler on it
+  torch::optim::StepLR ref_schedule(ref_opt, 10, 0.5);
 
-  double loss_value = 0;
+  double loss_value = 0, max_norm_diff = 0;
   for (int step = 0; step < steps; ++step) {
-    opt.zero_grad();
+    opt->zero_grad();
     auto loss = torch::mse_loss(model->forward(xs), ys);
-    loss.backward();
-    // DDP's job in a C++ loop: average the gradients over the group.
-    for (auto& p : model->parameters()) {
-      std::vector<at::Tensor> grad{p.grad()};
-      pg->allreduce(grad)->wait();
-      p.grad().div_(world);
-    }
-    opt.step();
+    opt->backward(loss);
+    const double norm = opt->clip_grad_norm(0.5);  // the global norm across every rank's shard
+    opt->step();
+    schedule.step();
     std::vector<at::Tensor> global{loss.detach().clone()};
     pg->allreduce(global)->wait();
     loss_value = global[0].item<double>() / world;
 
     ref_opt.zero_grad();
     torch::mse_loss(reference->forward(x), y).backward();
+    const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
     ref_opt.step();
+    ref_schedule.step();
+    max_norm_diff = std::max(max_norm_diff, std::abs(norm - ref_norm));
   }
 
   double max_diff = 0;
@@ -91,12 +97,14 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < params.size(); ++i) {
     max_diff = std::max(max_diff, (params[i] - ref_params[i]).abs().max().item<double>());
   }
-  std::cout << "rank " << rank << "/" << world << ": " << steps << " steps, loss " << loss_value
-            << ", owns " << opt.ownedNumel() << " of " << torch::nn::utils::parameters_to_vector(params).numel()
-            << " elements' optimizer state, max |param - single-process param| = " << max_diff << std::endl;
+  std::cout << "rank " << rank << "/" << world << ", ZeRO stage " << stage << ": " << steps << " steps, loss "
+            << loss_value << ", owns " << opt->owned_numel() << " of "
+            << torch::nn::utils::parameters_to_vector(params).numel()
+            << " elements' optimizer state, max |param - single-process param| = " << max_diff
+            << ", max |clip norm - single-process norm| = " << max_norm_diff << std::endl;
   pg->barrier()->wait();
   pg->shutdown();
-  if (!(max_diff <= 1e-5)) {
+  if (!(max_diff <= 1e-5) || !(max_norm_diff <= 1e-5)) {
     std::cerr << "error: rank " << rank << " diverged from the single-process run\n";
     return 1;
   }
