@@ -74,7 +74,8 @@ _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_c
 STAGE3_KEYWORDS = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
                    "max_live_parameters": "stage3_max_live_parameters",
                    "param_persistence_threshold": "stage3_param_persistence_threshold",
-                   "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None}
+                   "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None,
+                   "persistent_modules": None}
 _FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
