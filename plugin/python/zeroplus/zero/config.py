@@ -33,6 +33,9 @@ The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names 
     aio.block_size, .queue_depth, .intra_op_parallelism (.thread_count)
                                                the swap files' I/O engine (docs/aio.md)
 
+Stage-3 keyword arguments without a DeepSpeed key (STAGE3_KEYWORDS: None) are keywords only:
+reshard_after_forward, unit_classes, param_init_fn, persistent_modules.
+
 Keys DeepSpeed uses for its own engine's loop (train_batch_size, train_micro_batch_size_per_gpu,
 gradient_accumulation_steps, steps_per_print, wall_clock_breakdown, ...) have no meaning when the
 user owns the loop; they are accepted and ignored. Any other key raises ValueError, so a typo

@@ -155,7 +155,7 @@ def kept_whole(root: nn.Module, specs, name: str = "zeroplus.initialize") -> set
             if spec not in by_name:
                 some = [n for n, _ in root.named_children()][:8]
                 raise ValueError(f"{name}: persistent_modules: {spec!r} is not a submodule of the model (qualified "
-                                 f"names as model.named_modules() gives them; its children: {some})")
+                                 f"names as model.named_modules() gives them; the model's children: {some})")
             picked.append(by_name[spec])
         elif isinstance(spec, type):
             found = [m for _, m in named if isinstance(m, spec) or isinstance(compiled_inner(m), spec)]
