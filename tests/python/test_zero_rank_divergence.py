@@ -173,7 +173,8 @@ def _bad_persistent_modules_case(rank, group):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cases = [(dict(persistent_modules=3), TypeError), (dict(persistent_modules=[int]), TypeError),
              (dict(persistent_modules=["aux", 2.5]), TypeError), (dict(persistent_modules=["auxx"]), ValueError),
-             (dict(persistent_modules=[nn.Conv2d]), ValueError), (dict(persistent_modules=[nn.Linear(2, 2)]), ValueError),
+             (dict(persistent_modules=[nn.Conv2d]), ValueError),
+             (dict(persistent_modules=[nn.Linear(2, 2)]), ValueError),
              (dict(stage=2, persistent_modules=["aux"]), ValueError)]
     out = []
     for kwargs, exc in cases:

@@ -40,7 +40,8 @@ def _module_specs(value) -> tuple:
         raise TypeError(f"Stage3Policy: persistent_modules must be nn.Module classes, nn.Module instances or "
                         f"qualified module names (one or a list), got {type(value).__name__}") from None
     for item in items:
-        if not (isinstance(item, (str, torch.nn.Module)) or (isinstance(item, type) and issubclass(item, torch.nn.Module))):
+        module_class = isinstance(item, type) and issubclass(item, torch.nn.Module)
+        if not (module_class or isinstance(item, (str, torch.nn.Module))):
             raise TypeError(f"Stage3Policy: persistent_modules must hold nn.Module classes, nn.Module instances or "
                             f"qualified module names, got {item!r}")
     return items
