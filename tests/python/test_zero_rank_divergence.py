@@ -13,6 +13,11 @@ still sharded) then trains as DDP with find_unused_parameters=True. Before the f
 hung (no result within 240 s): rank 0 launched the reduce-scatter of aux's gradient where rank 1
 gathered trunk, a pairing the backend does not detect.
 
+The other remedy it names, persistent_modules (the module list kept whole, issue 38 item 5), keeps
+aux whole and shards every other parameter at threshold 0: by qualified name, instance or class
+it trains as DDP with find_unused_parameters=True. Before it existed the keyword reached the
+optimizer (TypeError) and the error named only the threshold. Bad values raise naming it.
+
 Model: 3 small Linear layers (~150 parameters). One 2-rank launch runs every case, each in its
 own group.
 """
@@ -32,6 +37,10 @@ from harness import run_cases_in_own_groups, run_pooled
 LR = 1e-2
 
 
+class AuxHead(nn.Linear):
+    """The rank-conditional head's own class (persistent_modules=[AuxHead] picks it alone)."""
+
+
 class LocalHead(nn.Module):
     """`aux` runs on rank 0 only."""
 
@@ -40,7 +49,7 @@ class LocalHead(nn.Module):
         torch.manual_seed(0)
         self.trunk = nn.Linear(8, 16)
         self.head = nn.Linear(16, 4)
-        self.aux = nn.Linear(16, 4)
+        self.aux = AuxHead(16, 4)
         self.rank = 0
 
     def forward(self, x):
@@ -54,10 +63,10 @@ def _batch(step, rank):
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
-def _initialize(model, group, threshold):
+def _initialize(model, group, threshold, **knobs):
     import zeroplus
     return zeroplus.initialize(model, torch.optim.AdamW, stage=3, lr=LR, process_group=group,
-                               param_persistence_threshold=threshold)
+                               param_persistence_threshold=threshold, **knobs)
 
 
 def _after_error(group) -> bool:
@@ -126,6 +135,60 @@ def _remedy_case(rank, group, threshold):
     return max((mine[k] - v).abs().max().item() for k, v in ref_model.state_dict().items())
 
 
+def _persistent_modules_case(rank, group, spelling):
+    """persistent_modules keeps aux whole while trunk and head really shard (threshold 0): trains
+    as DDP with find_unused_parameters=True. Returns (distance from DDP, how far DDP moved, the
+    parameters kept whole)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sharding
+    import zero_models as zm
+    import zeroplus
+    model = LocalHead()
+    model.rank = rank
+    ref_model = copy.deepcopy(model)
+    start = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    ref = DDP(ref_model, find_unused_parameters=True, process_group=group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    listed = {"name": ["aux"], "instance": model.aux, "class": [AuxHead]}[spelling]
+    model, opt = _initialize(model, group, 0, persistent_modules=listed)
+    sharded = ["trunk.weight", "trunk.bias", "head.weight", "head.bias"]
+    sharding.assert_sharded(model, opt, sharded)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    sharding.assert_sharded(model, opt, sharded)  # still sharded after steps
+    whole = sorted(set(n for n, _ in model.named_parameters()) - set(sharding.sharded_names(model, opt)))
+    distance, moved = zm.parity(zeroplus.full_state_dict(model, rank0_only=False), ref_model.state_dict(), start)
+    return distance, moved, whole
+
+
+def _bad_persistent_modules_case(rank, group):
+    """Each bad value raises naming persistent_modules, before the model is touched."""
+    import zeroplus
+    model = LocalHead()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cases = [(dict(persistent_modules=3), TypeError), (dict(persistent_modules=[int]), TypeError),
+             (dict(persistent_modules=["aux", 2.5]), TypeError), (dict(persistent_modules=["auxx"]), ValueError),
+             (dict(persistent_modules=[nn.Conv2d]), ValueError),
+             (dict(persistent_modules=[nn.Linear(2, 2)]), ValueError),
+             (dict(stage=2, persistent_modules=["aux"]), ValueError)]
+    out = []
+    for kwargs, exc in cases:
+        kwargs = {"stage": 3, **kwargs}
+        try:
+            zeroplus.initialize(model, torch.optim.AdamW, lr=LR, process_group=group, **kwargs)
+            out.append((repr(kwargs), None, None))
+        except Exception as e:  # noqa: BLE001 - the type and text are the result
+            out.append((repr(kwargs), type(e) is exc, str(e)))
+    untouched = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    managed = any(getattr(p, "_zeroplus_managed", False) for p in model.parameters())
+    return {"errors": out, "untouched": untouched and not managed}
+
+
 def _hf_generate_case(rank, group, synced):
     """model.generate on a Hugging Face GPT-2 at stage 3, 5 new tokens on rank 0 and 3 on rank 1,
     then a training step on both. Without synced_gpus: RankDivergenceError on every rank; with
@@ -164,6 +227,11 @@ def _all_cases(rank, world):
     # (trunk still sharded: rank 0 launched aux's reduce-scatter where rank 1 gathered trunk).
     out.update(run_cases_in_own_groups(rank, world, {"remedy": functools.partial(_remedy_case,
                                                                                    threshold=REMEDY_THRESHOLD)}))
+    # The module list kept whole (persistent_modules), in each spelling, and its bad values.
+    out.update(run_cases_in_own_groups(rank, world, {
+        **{f"persistent_{s}": functools.partial(_persistent_modules_case, spelling=s)
+           for s in ("name", "instance", "class")},
+        "persistent_bad": _bad_persistent_modules_case}))
     return out
 
 
@@ -184,7 +252,7 @@ def test_rank_only_module_raises_fast_on_every_rank(results):
         assert res["sharded"], "the case needs the parameters sharded"
         assert res["error"] is not None, f"rank {r} did not raise"
         assert res["error"].startswith("RankDivergenceError"), res["error"]
-        for needle in ("module 'aux' ran on rank 0 and was skipped on rank 1",
+        for needle in ("module 'aux' ran on rank 0 and was skipped on rank 1", "persistent_modules=['aux']",
                        f"param_persistence_threshold >= {REMEDY_THRESHOLD}", "synced"):
             assert needle in res["error"], (needle, res["error"])
         assert res["seconds"] < 10, res["seconds"]
@@ -211,3 +279,21 @@ def test_hf_generate_of_different_lengths_raises_or_runs_synced(results):
     for r, res in enumerate(_ok(results, "hf_generate_synced")):
         assert res["error"] is None, f"rank {r}: {res['error']}"
         assert res["tokens"] == res["expected"] and len(res["tokens"]) == 4 + (5 if r == 0 else 3), res
+
+
+@pytest.mark.parametrize("spelling", ["name", "instance", "class"])
+def test_persistent_modules_keep_the_rank_only_module_whole_and_train_as_ddp(results, spelling):
+    for r, (distance, moved, whole) in enumerate(_ok(results, f"persistent_{spelling}")):
+        assert whole == ["aux.bias", "aux.weight"], f"rank {r}: kept whole {whole}"
+        assert moved > 1e-3, f"rank {r}: DDP moved {moved:.3g}: the comparison cannot fail"
+        assert distance <= 1e-5 * max(1.0, moved), f"rank {r}: {distance:.3g} from DDP (it moved {moved:.3g})"
+
+
+def test_bad_persistent_modules_raise_naming_the_argument(results):
+    for r, res in enumerate(_ok(results, "persistent_bad")):
+        for kwargs, right_type, text in res["errors"]:
+            assert text is not None, f"rank {r}: {kwargs} did not raise"
+            assert right_type, f"rank {r}: {kwargs}: wrong exception type: {text}"
+            wanted = "stage 3 only" if "'stage': 2" in kwargs else "persistent_modules"
+            assert wanted in text and ("persistent_modules" in text), f"rank {r}: {kwargs}: {text}"
+        assert res["untouched"], f"rank {r}: a refused initialize changed the model"

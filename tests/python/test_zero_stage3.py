@@ -377,6 +377,8 @@ def _bad_input(rank, world):
         (dict(stage=3, param_persistence_threshold=-5), ValueError, "param_persistence_threshold"),
         (dict(stage=3, reshard_after_forward="yes"), TypeError, "reshard_after_forward"),
         (dict(stage=3, unit_classes=[int]), TypeError, "unit_classes"),
+        (dict(stage=3, persistent_modules=[int]), TypeError, "persistent_modules"),
+        (dict(stage=3, persistent_modules=["no_such_module"]), ValueError, "persistent_modules"),
         (dict(stage=3, param_init_fn=3), TypeError, "param_init_fn"),
         (dict(stage=3, config={"zero_optimization": {"stage3_prefetch_bucket_size": 7}}, prefetch_bucket_size=8),
          ValueError, "conflicts"),

@@ -85,3 +85,25 @@ def test_torch_compile_wrappers_are_seen_through():
         blocks = [u for u in units if u.name.startswith("blocks.")]
         assert [u.name for u in blocks] == ["blocks.layers.0", "blocks.layers.1"]
         assert all(u.module is model.blocks.layers[i] for i, u in enumerate(blocks))
+
+
+def test_persistent_modules_resolve_to_their_subtrees_parameters():
+    from zeroplus.zero.policies import Stage3Policy
+    from zeroplus.zero.units import kept_whole
+
+    model = nn.ModuleDict({"trunk": nn.Linear(4, 4),
+                           "experts": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]), "norm": nn.LayerNorm(4)})
+    ids = lambda m: {id(p) for p in m.parameters()}  # noqa: E731
+    assert kept_whole(model, Stage3Policy(persistent_modules="experts").persistent_modules) == ids(model.experts)
+    assert kept_whole(model, Stage3Policy(persistent_modules=model.experts[1]).persistent_modules) == \
+        ids(model.experts[1])
+    # A class picks every instance; a container instance is one module, not a list of its children.
+    assert kept_whole(model, Stage3Policy(persistent_modules=[nn.LayerNorm, "experts.0"]).persistent_modules) == \
+        ids(model.norm) | ids(model.experts[0])
+    assert kept_whole(model, Stage3Policy().persistent_modules) == set()
+    for bad, exc in (("expert", ValueError), ([nn.Conv1d], ValueError), ([nn.Linear(1, 1)], ValueError)):
+        with pytest.raises(exc, match="persistent_modules"):
+            kept_whole(model, Stage3Policy(persistent_modules=bad).persistent_modules)
+    for bad in (3, [int], [None]):
+        with pytest.raises(TypeError, match="persistent_modules"):
+            Stage3Policy(persistent_modules=bad)

@@ -33,6 +33,9 @@ The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names 
     aio.block_size, .queue_depth, .intra_op_parallelism (.thread_count)
                                                the swap files' I/O engine (docs/aio.md)
 
+Stage-3 keyword arguments without a DeepSpeed key (STAGE3_KEYWORDS: None) are keywords only:
+reshard_after_forward, unit_classes, param_init_fn, persistent_modules.
+
 Keys DeepSpeed uses for its own engine's loop (train_batch_size, train_micro_batch_size_per_gpu,
 gradient_accumulation_steps, steps_per_print, wall_clock_breakdown, ...) have no meaning when the
 user owns the loop; they are accepted and ignored. Any other key raises ValueError, so a typo
@@ -74,7 +77,8 @@ _ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_c
 STAGE3_KEYWORDS = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
                    "max_live_parameters": "stage3_max_live_parameters",
                    "param_persistence_threshold": "stage3_param_persistence_threshold",
-                   "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None}
+                   "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None,
+                   "persistent_modules": None}
 _FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,

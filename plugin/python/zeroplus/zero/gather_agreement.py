@@ -20,8 +20,8 @@ The same agreement is where the gradient reducer launches its buckets at stage 3
 `gated`): each rank also sends how many leading buckets it has complete, and every rank launches
 up to the minimum, so the reduce-scatters take the same places among the gathers on every rank even
 when a module's parameters get gradients on some ranks only. With such a module's parameters kept
-whole (param_persistence_threshold), a rank-conditional module then trains as under DDP with
-find_unused_parameters=True (zeros from the ranks that skipped it).
+whole (persistent_modules, or param_persistence_threshold), a rank-conditional module then trains
+as under DDP with find_unused_parameters=True (zeros from the ranks that skipped it).
 
 Cost: one all-gather of 4 int64 per rank per unit gather, on the CPU where the backend takes CPU
 tensors (zeroplus, gloo), else on the parameters' device.
@@ -90,30 +90,38 @@ class GatherAgreement:
             by_what.setdefault(tuple(row), []).append(r)
         what = "; ".join(f"{_ranks(rs)}: {self._describe(row[0], _KINDS[row[1]], row[2])}"
                          for row, rs in by_what.items())
+        skipped, which = self._which_skipped(by_what)
+        units = sorted({row[0] for row in by_what})
         raise RankDivergenceError(
             f"ZeRO stage 3: the ranks ran different modules, so their parameter gathers no longer pair up "
-            f"(stage-3 gather #{self.count}): {what}.{self._which_skipped(by_what)} Every rank must run every "
+            f"(stage-3 gather #{self.count}): {what}.{which} Every rank must run every "
             f"sharded module in the same order, as each gather is a collective. "
-            f"{self._remedy(sorted({row[0] for row in by_what}))}")
+            f"{self._remedy(units, [skipped] if skipped is not None else units)}")
 
-    def _which_skipped(self, by_what) -> str:
+    def _which_skipped(self, by_what) -> tuple[int | None, str]:
         """Where some ranks are still in forward and the others already in backward, the former ran a
-        module the latter skipped (the usual case: a rank-conditional module)."""
+        module the latter skipped (the usual case: a rank-conditional module): its unit and a sentence."""
         forward = [(row, rs) for row, rs in by_what.items() if row[1] == 0]
         rest = sorted(r for row, rs in by_what.items() if row[1] != 0 for r in rs)
         if len(forward) != 1 or not rest:
-            return ""
+            return None, ""
         row, rs = forward[0]
-        return (f" So module '{self.names[row[0]]}' ran on {_ranks(rs)} and was skipped on {_ranks(rest)}, "
-                f"which had finished the forward pass.")
+        return row[0], (f" So module '{self.names[row[0]]}' ran on {_ranks(rs)} and was skipped on {_ranks(rest)}, "
+                        f"which had finished the forward pass.")
 
     def _describe(self, unit: int, kind: str, grad: int) -> str:
         name = self.names[unit] if 0 <= unit < len(self.names) else f"unit {unit}"
         return f"module '{name}' ({kind}{'' if grad else ', no grad'})"
 
-    def _remedy(self, units) -> str:
+    def _remedy(self, units, modules=None) -> str:
+        """units: those the ranks were gathering (the threshold covers them all); modules: those to
+        name for persistent_modules (the one some ranks skipped, where known)."""
         need = max((self.largest[u] for u in units if 0 <= u < len(self.largest)), default=0)
+        names = [self.names[u] for u in (units if modules is None else modules)
+                 if 0 <= u < len(self.names) and u != len(self.names) - 1]  # never the root: that is stage 2
+        listed = f"persistent_modules={names!r}" if names else "persistent_modules=[the module]"
         return (f"For a module that only some ranks run: keep its parameters whole on every rank "
-                f"(param_persistence_threshold >= {need}, its largest parameter; now {self.threshold}), or run it "
+                f"({listed}: its qualified name, instance or class; or param_persistence_threshold >= {need}, "
+                f"its largest parameter; now {self.threshold}), or run it "
                 f"on every rank ('synced' execution: e.g. add its output times 0 where unused; "
                 f"model.generate(..., synced_gpus=True) for generation loops of different lengths).")

@@ -28,6 +28,25 @@ def _count(owner: str, key: str, value, minimum: int) -> int:
     return int(value)
 
 
+def _module_specs(value) -> tuple:
+    """persistent_modules as a tuple of nn.Module classes, instances and qualified names (one item
+    alone is a list of one; a module container is one module, not a list of its children)."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, type, torch.nn.Module)) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"Stage3Policy: persistent_modules must be nn.Module classes, nn.Module instances or "
+                        f"qualified module names (one or a list), got {type(value).__name__}") from None
+    for item in items:
+        module_class = isinstance(item, type) and issubclass(item, torch.nn.Module)
+        if not (module_class or isinstance(item, (str, torch.nn.Module))):
+            raise TypeError(f"Stage3Policy: persistent_modules must hold nn.Module classes, nn.Module instances or "
+                            f"qualified module names, got {item!r}")
+    return items
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """Compute dtype of parameters and gradients; masters and optimizer state stay fp32."""
@@ -55,13 +74,20 @@ class Stage3Policy:
     prefetch_bucket_size None (the default) prefetches one unit ahead, FSDP2's depth: enough to
     overlap the next unit's all-gather with this unit's compute, and it keeps the gathered peak
     at two units. An int is DeepSpeed's element budget for what is gathered ahead (its default,
-    5e7, gathers a whole 50M-parameter model at once; 0 turns prefetch off)."""
+    5e7, gathers a whole 50M-parameter model at once; 0 turns prefetch off).
+
+    persistent_modules (no DeepSpeed name: keyword only) keeps every parameter of the listed
+    modules' subtrees whole on every rank, as param_persistence_threshold does for small ones, so
+    a module that some ranks run and others skip (a rank-conditional head, MoE experts) is never
+    gathered. Items: nn.Module classes (every instance), module instances, or qualified names as
+    model.named_modules() gives them; resolved against the model by ShardedParams."""
     prefetch_bucket_size: int | None = None
     max_live_parameters: int = DEFAULT_MAX_LIVE_PARAMETERS
     param_persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD
     reshard_after_forward: bool = True
     unit_classes: Any = None
     param_init_fn: Callable | None = None
+    persistent_modules: Any = None
 
     def __post_init__(self):
         for key in ("prefetch_bucket_size", "max_live_parameters", "param_persistence_threshold"):
@@ -72,6 +98,7 @@ class Stage3Policy:
             raise TypeError(f"Stage3Policy: reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"Stage3Policy: param_init_fn must be callable, got {type(self.param_init_fn).__name__}")
+        object.__setattr__(self, "persistent_modules", _module_specs(self.persistent_modules))
 
 
 @dataclass(frozen=True)

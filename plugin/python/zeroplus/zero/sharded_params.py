@@ -18,7 +18,8 @@ persistent, trainable), so a unit is gathered with one all-gather per bucket and
 are reduce-scattered as soon as its backward is done. Parameters with at most
 param_persistence_threshold elements are "persistent": kept whole on every rank (stage-2
 style: reduce-scatter, then all-gather after the step), which saves a collective per tiny
-tensor. Between steps every other parameter's .data is its resting view (layout.resting_view:
+tensor; so are the parameters of persistent_modules (a module some ranks skip is then never
+gathered: gather_agreement.py). Between steps every other parameter's .data is its resting view (layout.resting_view:
 full shape, dtype and device, no values; this rank's slice lives in the bucket's shard); inside
 forward and backward it is the full tensor. After a step only persistent buckets
 are all-gathered; the others are gathered at their next use.
@@ -53,7 +54,7 @@ from .layout import plan_segments
 from .gather_agreement import GatherAgreement
 from .param_gatherer import ParameterGatherer
 from .policies import Stage3Policy
-from .units import build_units
+from .units import build_units, kept_whole
 
 STEP_READ_AHEAD = 2  # offloaded fp32 masters read ahead of the bucket stepping (offload_param nvme)
 
@@ -71,6 +72,7 @@ class ShardedParams:
         self.param_store = None       # offload_param "nvme": the ParamSwapper (made by plan_layout)
         self._store_prepared = None
         self._step_errors: list[OSError] = []
+        self.kept_whole: set[int] = set()  # ids of parameters of persistent_modules (check_module)
 
     def use_param_store(self, prepared) -> None:
         """zeroplus.offload.prepare_param_store's result (before plan_layout)."""
@@ -82,6 +84,7 @@ class ShardedParams:
             raise TypeError(f"{name}: ZeRO stage 3 needs the model (module=), got {type(engine.module).__name__}; "
                             f"use zeroplus.initialize(model, ..., stage=3)")
         self.units = build_units(engine.module, self.policy.unit_classes)
+        self.kept_whole = kept_whole(engine.module, self.policy.persistent_modules, name)
         in_module = {id(p) for p in engine.module.parameters()}
         for g in engine.param_groups:
             for p in g["params"]:
@@ -110,7 +113,7 @@ class ShardedParams:
             for p in reversed(u.owned):
                 g = group_of.get(id(p), -1)
                 train = g >= 0 and p.requires_grad
-                persistent = p.numel() <= self.policy.param_persistence_threshold
+                persistent = id(p) in self.kept_whole or p.numel() <= self.policy.param_persistence_threshold
                 key = (u.index, g, self.dtype_of(p), self.target_device, persistent, train)
                 items.append((g, p, key))
         trainable_buckets, frozen = [], []

@@ -134,3 +134,37 @@ def build_units(root: nn.Module, unit_classes=None) -> list[Unit]:
     return units
 
 
+
+
+def kept_whole(root: nn.Module, specs, name: str = "zeroplus.initialize") -> set[int]:
+    """The ids of the parameters that Stage3Policy.persistent_modules keeps whole: every parameter
+    in the subtree of a listed module (a class: each of its instances; a qualified name: as
+    root.named_modules() gives it, torch.compile's `_orig_mod.` steps optional). An item that
+    matches nothing raises ValueError, so a typo never silently shards the module."""
+    if not specs:
+        return set()
+    named = list(root.named_modules(remove_duplicate=False))
+    by_name = {}
+    for n, m in named:
+        by_name.setdefault(n, m)
+        by_name.setdefault(".".join(part for part in n.split(".") if part != "_orig_mod"), m)
+    ids = {id(m) for _, m in named}
+    picked: list[nn.Module] = []
+    for spec in specs:
+        if isinstance(spec, str):
+            if spec not in by_name:
+                some = [n for n, _ in root.named_children()][:8]
+                raise ValueError(f"{name}: persistent_modules: {spec!r} is not a submodule of the model (qualified "
+                                 f"names as model.named_modules() gives them; the model's children: {some})")
+            picked.append(by_name[spec])
+        elif isinstance(spec, type):
+            found = [m for _, m in named if isinstance(m, spec) or isinstance(compiled_inner(m), spec)]
+            if not found:
+                raise ValueError(f"{name}: persistent_modules: no submodule of the model is a {spec.__name__}")
+            picked.extend(found)
+        else:
+            if id(spec) not in ids:
+                raise ValueError(f"{name}: persistent_modules: a {type(spec).__name__} instance that is not a "
+                                 f"submodule of the model")
+            picked.append(spec)
+    return {id(p) for m in picked for p in m.parameters()}
