@@ -7,7 +7,8 @@ Each case writes one input file (torch.save: the initial parameters, each rank's
 configuration); both sides train on it and the final parameters must be torch.equal and the
 clip_grad_norm results equal. Cases cover stages 1 and 2, fp32 and bf16, AdamW and SGD with
 momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option, and a
-bucket size (100 elements) that makes 9+ buckets cutting through parameters and shards.
+bucket size (100 elements) that makes 4 buckets (a parameter is never split between buckets),
+each of whose 2 shards cuts through parameters.
 """
 
 import math
@@ -17,6 +18,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.jit._pickle
 
 from harness import run_pooled
 
@@ -81,7 +83,7 @@ def _train_python(rank, world, paths):
         precision = None if cfg["mixed_precision"] == "fp32" else cfg["mixed_precision"]
         model, opt = zeroplus.initialize(model, cls, stage=cfg["stage"], mixed_precision=precision, config=config,
                                          **hyper)
-        assert cfg["bucket_elems"] > 1000 or len(opt.buckets) > 5, len(opt.buckets)
+        assert cfg["bucket_elems"] > 1000 or len(opt.buckets) >= 4, len(opt.buckets)
         norms = []
         for step in range(STEPS):
             x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
@@ -119,8 +121,10 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
     mismatches = []
     for name in CASES:
         py_params, py_norms = python[paths[name]]
-        result = torch.load(outs[name])
-        cpp_params, cpp_norms = result["params"], list(result["norms"])
+        # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
+        with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+            result = torch.load(outs[name])
+        cpp_params, cpp_norms = result["params"], result["norms"].tolist()
         assert set(cpp_params) == set(py_params), name
         for key, value in py_params.items():
             if not torch.equal(value, cpp_params[key]):

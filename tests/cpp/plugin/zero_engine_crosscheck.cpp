@@ -17,7 +17,7 @@
 //   "clip"               [step] -> max_norm for clip_grad_norm, or <= 0: no call that step
 //   "gradient_clipping"  Options::gradient_clipping (clipping inside step())
 // OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
-// module holds it} and "norms" [step] -> clip_grad_norm's result (NaN where there was no call).
+// module holds it} and "norms" (fp64 tensor) [step] -> clip_grad_norm's result (NaN where there was no call).
 //
 // Ranks are threads over one c10d::HashStore, each with a zeroplus process group (the Python
 // side runs 2 processes on backend "zeroplus"). Intra-op parallelism is off (one thread), as in
@@ -67,7 +67,7 @@ torch::nn::Sequential makeModel() {
 }
 
 // One rank's training run; returns the final parameters and the per-step clip norms.
-c10::Dict<std::string, c10::IValue> trainRank(const Config& cfg, int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
   auto model = makeModel();
   {
     torch::NoGradGuard noGrad;
@@ -102,7 +102,7 @@ c10::Dict<std::string, c10::IValue> trainRank(const Config& cfg, int rank, c10::
   auto inputs = cfg.at("inputs").toList();
   auto targets = cfg.at("targets").toList();
   auto clip = cfg.at("clip").toList();
-  c10::List<double> norms;
+  std::vector<double> norms;
   for (size_t step = 0; step < inputs.size(); ++step) {
     at::Tensor x = inputs.get(step).toList().get(rank).toTensor();
     at::Tensor y = targets.get(step).toList().get(rank).toTensor();
@@ -116,9 +116,9 @@ c10::Dict<std::string, c10::IValue> trainRank(const Config& cfg, int rank, c10::
   }
   c10::Dict<std::string, at::Tensor> params;
   for (auto& item : model->named_parameters()) params.insert(item.key(), item.value().detach().clone());
-  c10::Dict<std::string, c10::IValue> out;
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
   out.insert("params", params);
-  out.insert("norms", norms);
+  out.insert("norms", at::tensor(norms, at::kDouble));  // a tensor: torch.load's weights_only reads it
   return out;
 }
 
