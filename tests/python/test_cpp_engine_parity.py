@@ -84,22 +84,42 @@ def _train_python(rank, world, paths):
         model, opt = zeroplus.initialize(model, cls, stage=cfg["stage"], mixed_precision=precision, config=config,
                                          **hyper)
         assert cfg["bucket_elems"] > 1000 or len(opt.buckets) >= 4, len(opt.buckets)
-        norms = []
+        norms, trace = [], {}
         for step in range(STEPS):
             x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
             opt.zero_grad()
             # bf16: the engine's forward pre-hook casts x (the C++ program casts it itself)
             opt.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+            for b, shard in enumerate(opt.gradient_shards()):
+                trace[f"grad.{step}.{b}"] = shard.clone()
             clip = cfg["clip"][step]
             norms.append(opt.clip_grad_norm_(clip).item() if clip > 0 else math.nan)
             opt.step()
-        out[path] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms)
+            for n, p in model.named_parameters():
+                trace[f"param.{step}.{n}"] = p.detach().clone()
+        out[path] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms, trace)
     return out if rank == 0 else None
 
 
 def _program() -> pathlib.Path:
     build = pathlib.Path(os.environ.get("ZEROPLUS_BUILD_DIR") or _REPO / "build")
     return build / "bin" / "zero_engine_crosscheck"
+
+
+def _first_difference(py_trace, cpp_trace) -> str:
+    """The first gradient shard (after backward) or parameter (after the step) that differs."""
+    def order(key):
+        kind, step, rest = key.split(".", 2)
+        return int(step), kind != "grad", rest
+    for key in sorted(py_trace, key=order):
+        if key not in cpp_trace:
+            return f"{key} is missing on the C++ side"
+        a, b = py_trace[key], cpp_trace[key]
+        if a.shape != b.shape or not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs() if a.shape == b.shape else None
+            where = "" if diff is None else f", {int((diff > 0).sum())} elements, max {diff.max().item():.3g}"
+            return f"{key} (shapes {tuple(a.shape)}/{tuple(b.shape)}{where})"
+    return "none in the trace"
 
 
 def test_python_and_cpp_engines_train_bit_identically(tmp_path):
@@ -120,7 +140,7 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
 
     mismatches = []
     for name in CASES:
-        py_params, py_norms = python[paths[name]]
+        py_params, py_norms, py_trace = python[paths[name]]
         # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
         with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
             result = torch.load(outs[name])
@@ -131,6 +151,8 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
                 diff = (value.float() - cpp_params[key].float()).abs().max().item()
                 mismatches.append(f"{name}: {key} differs (dtype {value.dtype}/{cpp_params[key].dtype}, max |diff| "
                                   f"{diff:.3g})")
+        if any(not torch.equal(v, cpp_params[k]) for k, v in py_params.items()):
+            mismatches.append(f"{name}: first difference: {_first_difference(py_trace, result['trace'])}")
         same_norms = all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(py_norms, cpp_norms))
         if len(py_norms) != len(cpp_norms) or not same_norms:
             mismatches.append(f"{name}: clip norms differ: python {py_norms}, C++ {cpp_norms}")

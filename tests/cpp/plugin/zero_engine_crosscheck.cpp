@@ -17,7 +17,8 @@
 //   "clip"               [step] -> max_norm for clip_grad_norm, or <= 0: no call that step
 //   "gradient_clipping"  Options::gradient_clipping (clipping inside step())
 // OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
-// module holds it} and "norms" (fp64 tensor) [step] -> clip_grad_norm's result (NaN where there was no call).
+// module holds it}, "trace" {"grad.STEP.BUCKET": rank 0's gradient shard after backward,
+// "param.STEP.NAME": the parameter after the step} and "norms" (fp64 tensor) [step] -> clip_grad_norm's result (NaN where there was no call).
 //
 // Ranks are threads over one c10d::HashStore, each with a zeroplus process group (the Python
 // side runs 2 processes on backend "zeroplus"). Intra-op parallelism is off (one thread), as in
@@ -103,21 +104,30 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   auto targets = cfg.at("targets").toList();
   auto clip = cfg.at("clip").toList();
   std::vector<double> norms;
+  c10::Dict<std::string, at::Tensor> trace;  // where the two engines part: see the Python test
   for (size_t step = 0; step < inputs.size(); ++step) {
     at::Tensor x = inputs.get(step).toList().get(rank).toTensor();
     at::Tensor y = targets.get(step).toList().get(rank).toTensor();
     if (bf16) x = x.to(at::kBFloat16);  // the Python engine's forward pre-hook (precision.install_input_cast)
     opt->zero_grad();
     opt->backward(torch::mse_loss(model->forward(x).to(at::kFloat), y));
+    const auto shards = opt->gradient_shards();
+    for (size_t b = 0; b < shards.size(); ++b) {
+      trace.insert("grad." + std::to_string(step) + "." + std::to_string(b), shards[b].clone());
+    }
     const c10::IValue c = clip.get(step);
     const double maxNorm = c.isDouble() ? c.toDouble() : static_cast<double>(c.toInt());
     norms.push_back(maxNorm > 0 ? opt->clip_grad_norm(maxNorm) : std::numeric_limits<double>::quiet_NaN());
     opt->step();
+    for (auto& item : model->named_parameters()) {
+      trace.insert("param." + std::to_string(step) + "." + item.key(), item.value().detach().clone());
+    }
   }
   c10::Dict<std::string, at::Tensor> params;
   for (auto& item : model->named_parameters()) params.insert(item.key(), item.value().detach().clone());
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
   out.insert("params", params);
+  out.insert("trace", trace);
   out.insert("norms", at::tensor(norms, at::kDouble));  // a tensor: torch.load's weights_only reads it
   return out;
 }
@@ -132,6 +142,8 @@ c10::IValue runCase(const Config& cfg) {
   for (int rank = 0; rank < kWorld; ++rank) {
     threads.emplace_back([&, rank] {
       try {
+        // OpenMP's thread count is per thread: main's setting does not reach this one.
+        at::set_num_threads(1);
         zeroplus::pg::BackendConfig config;
         config.timeout = std::chrono::seconds(60);
         auto pg = zeroplus::pg::makeProcessGroup(store, rank, kWorld, config);
