@@ -4,8 +4,9 @@ LibTorch front-end (zeroplus::zero::initialize, 2 ranks as threads in
 $ZEROPLUS_BUILD_DIR/bin/zero_engine_crosscheck, tests/cpp/plugin/zero_engine_crosscheck.cpp).
 
 Each case writes one input file (torch.save: the initial parameters, each rank's batches, the
-configuration); both sides train on it and the final parameters must be torch.equal and the
-clip_grad_norm results equal. Cases cover stages 1 and 2, fp32 and bf16, AdamW and SGD with
+configuration); both sides train on it and the final parameters, every rank's fp32 master shards
+and the clip_grad_norm results must be equal (torch.equal; where they are not, the message names
+the first gradient shard or parameter that differs, step by step). Cases cover stages 1 and 2, fp32 and bf16, AdamW and SGD with
 momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option, and a
 bucket size (100 elements) that makes 4 buckets (a parameter is never split between buckets),
 each of whose 2 shards cuts through parameters.
@@ -97,8 +98,9 @@ def _train_python(rank, world, paths):
             opt.step()
             for n, p in model.named_parameters():
                 trace[f"param.{step}.{n}"] = p.detach().clone()
-        out[path] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms, trace)
-    return out if rank == 0 else None
+        masters = {f"{rank}.{b}": m.detach().clone() for b, m in enumerate(opt.masters)}
+        out[path] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms, trace, masters)
+    return out
 
 
 def _program() -> pathlib.Path:
@@ -136,11 +138,13 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
         argv += [paths[name], outs[name]]
     cpp = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert cpp.returncode == 0, f"{program} failed ({cpp.returncode}):\n{cpp.stdout}\n{cpp.stderr}"
-    python = run_pooled(_train_python, WORLD, list(paths.values()), timeout=180)[0]
+    ranks = run_pooled(_train_python, WORLD, list(paths.values()), timeout=180)
+    python = ranks[0]
 
     mismatches = []
     for name in CASES:
-        py_params, py_norms, py_trace = python[paths[name]]
+        py_params, py_norms, py_trace, py_masters = python[paths[name]]
+        py_masters = {k: v for r in ranks for k, v in r[paths[name]][3].items()}
         # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
         with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
             result = torch.load(outs[name])
@@ -151,6 +155,11 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
                 diff = (value.float() - cpp_params[key].float()).abs().max().item()
                 mismatches.append(f"{name}: {key} differs (dtype {value.dtype}/{cpp_params[key].dtype}, max |diff| "
                                   f"{diff:.3g})")
+        cpp_masters = result["masters"]
+        assert set(cpp_masters) == set(py_masters), (name, sorted(cpp_masters), sorted(py_masters))
+        for key, value in py_masters.items():
+            if value.dtype != torch.float32 or not torch.equal(value, cpp_masters[key]):
+                mismatches.append(f"{name}: master shard {key} (rank.bucket) differs")
         if any(not torch.equal(v, cpp_params[k]) for k, v in py_params.items()):
             mismatches.append(f"{name}: first difference: {_first_difference(py_trace, result['trace'])}")
         same_norms = all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(py_norms, cpp_norms))

@@ -18,7 +18,8 @@
 //   "gradient_clipping"  Options::gradient_clipping (clipping inside step())
 // OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
 // module holds it}, "trace" {"grad.STEP.BUCKET": rank 0's gradient shard after backward,
-// "param.STEP.NAME": the parameter after the step} and "norms" (fp64 tensor) [step] -> clip_grad_norm's result (NaN where there was no call).
+// "param.STEP.NAME": the parameter after the step}, "masters" {"RANK.BUCKET": that rank's
+// final fp32 master shard of that bucket} and "norms" (fp64 tensor) [step] -> clip_grad_norm's result (NaN where there was no call).
 //
 // Ranks are threads over one c10d::HashStore, each with a zeroplus process group (the Python
 // side runs 2 processes on backend "zeroplus"). Intra-op parallelism is off (one thread), as in
@@ -34,6 +35,7 @@
 #include <limits>
 #include <thread>
 
+#include "optimizers/adapter/zero/engine.hpp"  // masters (not in the public API)
 #include "zeroplus.hpp"
 
 namespace {
@@ -125,7 +127,11 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   }
   c10::Dict<std::string, at::Tensor> params;
   for (auto& item : model->named_parameters()) params.insert(item.key(), item.value().detach().clone());
+  c10::Dict<std::string, at::Tensor> masters;  // fp32 shards: bf16 parameters could hide a last-bit difference
+  const auto& own = opt->engine().params().masters();
+  for (size_t b = 0; b < own.size(); ++b) masters.insert(std::to_string(rank) + "." + std::to_string(b), own[b].clone());
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  out.insert("masters", masters);
   out.insert("params", params);
   out.insert("trace", trace);
   out.insert("norms", at::tensor(norms, at::kDouble));  // a tensor: torch.load's weights_only reads it
@@ -163,6 +169,10 @@ c10::IValue runCase(const Config& cfg) {
   for (const auto& item : p0) {
     TORCH_CHECK(at::equal(item.value().toTensor(), p1.at(item.key()).toTensor()),
                 "zero_engine_crosscheck: ranks ended with different values of ", item.key().toStringRef());
+  }
+  auto masters = results[0].toGenericDict().at("masters").toGenericDict();
+  for (const auto& item : results[1].toGenericDict().at("masters").toGenericDict()) {
+    masters.insert(item.key(), item.value());
   }
   return results[0];
 }
