@@ -19,11 +19,15 @@
 // OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
 // module holds it}, "trace" {"grad.STEP.BUCKET": rank 0's gradient shard after backward,
 // "param.STEP.NAME": the parameter after the step}, "masters" {"RANK.BUCKET": that rank's
-// final fp32 master shard of that bucket} and "norms" (fp64 tensor) [step] -> clip_grad_norm's result (NaN where there was no call).
+// final fp32 master shard of that bucket} and "norms" (fp64 tensor) [step] -> clip_grad_norm's
+// result (NaN where there was no call).
 //
 // Ranks are threads over one c10d::HashStore, each with a zeroplus process group (the Python
-// side runs 2 processes on backend "zeroplus"). Intra-op parallelism is off (one thread), as in
-// the Python test's ranks, so that no reduction order depends on the thread count.
+// side runs 2 processes on backend "zeroplus"): with 2 ranks every sum is a + b, so the transport
+// cannot change bits. Intra-op parallelism is off (one thread) in every rank thread, as in the
+// Python test's ranks: OpenMP's thread count is per thread, and a rank thread left at the
+// machine's default computed fp32 Linear gradients that differed from the Python ranks' in the
+// last bit (bf16 ones did not), before the engine saw them.
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/serialize.h>
 #include <torch/torch.h>
