@@ -1,0 +1,202 @@
+// zero_engine_crosscheck: the C++ half of tests/python/test_cpp_engine_parity.py, which asserts
+// that the Python engine (zeroplus.initialize) and the C++ engine (zeroplus::zero::initialize)
+// train bit-identically on the same model, data and configuration.
+//
+//   zero_engine_crosscheck IN OUT [IN OUT ...]
+//
+// IN (written by Python's torch.save, read with torch::pickle_load) is a dict:
+//   "params"             {"0.weight": tensor, ...}: the initial values of
+//                        Sequential(Linear(7, 33), Tanh, Linear(33, 17), ReLU, Linear(17, 3))
+//   "inputs", "targets"  [step][rank] -> tensor: each rank's batch per step
+//   "stage"              1 | 2
+//   "mixed_precision"    "fp32" | "bf16" (inputs are cast to bf16 as the Python engine's
+//                        forward pre-hook does; the loss is mse_loss(out.float(), target))
+//   "optimizer"          "adamw" (lr, betas, eps, weight_decay) | "sgd" (lr, momentum,
+//                        dampening, weight_decay, nesterov)
+//   "bucket_elems"       reduce_bucket_elems
+//   "clip"               [step] -> max_norm for clip_grad_norm, or <= 0: no call that step
+//   "gradient_clipping"  Options::gradient_clipping (clipping inside step())
+// OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
+// module holds it}, "trace" {"grad.STEP.BUCKET": rank 0's gradient shard after backward,
+// "param.STEP.NAME": the parameter after the step}, "masters" {"RANK.BUCKET": that rank's
+// final fp32 master shard of that bucket} and "norms" (fp64 tensor) [step] -> clip_grad_norm's
+// result (NaN where there was no call).
+//
+// Ranks are threads over one c10d::HashStore, each with a zeroplus process group (the Python
+// side runs 2 processes on backend "zeroplus"): with 2 ranks every sum is a + b, so the transport
+// cannot change bits. Intra-op parallelism is off (one thread) in every rank thread, as in the
+// Python test's ranks: OpenMP's thread count is per thread, and a rank thread left at the
+// machine's default computed fp32 Linear gradients that differed from the Python ranks' in the
+// last bit (bf16 ones did not), before the engine saw them.
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <limits>
+#include <thread>
+
+#include "optimizers/adapter/zero/engine.hpp"  // masters (not in the public API)
+#include "zeroplus.hpp"
+
+namespace {
+
+std::vector<char> readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "zero_engine_crosscheck: cannot open ", path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void writeFile(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  TORCH_CHECK(out.good(), "zero_engine_crosscheck: cannot write ", path);
+}
+
+struct Config {
+  c10::Dict<c10::IValue, c10::IValue> d;
+  c10::IValue at(const std::string& key) const {
+    TORCH_CHECK(d.contains(key), "zero_engine_crosscheck: input has no \"", key, "\"");
+    return d.at(key);
+  }
+  double num(const std::string& key) const {
+    auto v = at(key);
+    return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  }
+};
+
+torch::nn::Sequential makeModel() {
+  return torch::nn::Sequential(torch::nn::Linear(7, 33), torch::nn::Tanh(), torch::nn::Linear(33, 17),
+                               torch::nn::ReLU(), torch::nn::Linear(17, 3));
+}
+
+// One rank's training run; returns the final parameters and the per-step clip norms.
+c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  auto model = makeModel();
+  {
+    torch::NoGradGuard noGrad;
+    auto initial = cfg.at("params").toGenericDict();
+    for (auto& item : model->named_parameters()) {
+      item.value().copy_(initial.at(item.key()).toTensor());
+    }
+  }
+  const bool bf16 = cfg.at("mixed_precision").toStringRef() == "bf16";
+  const auto options = zeroplus::zero::Options()
+                           .stage(cfg.at("stage").toInt())
+                           .mixed_precision(bf16 ? "bf16" : "fp32")
+                           .reduce_bucket_elems(cfg.at("bucket_elems").toInt())
+                           .gradient_clipping(cfg.num("gradient_clipping"));
+  std::shared_ptr<zeroplus::zero::ZeroOptimizer> opt;
+  const std::string kind = cfg.at("optimizer").toStringRef();
+  if (kind == "adamw") {
+    opt = zeroplus::zero::initialize(model, pg, options,
+                                     zeroplus::optim::ZeroAdamWOptions(cfg.num("lr"))
+                                         .betas({cfg.num("beta1"), cfg.num("beta2")})
+                                         .eps(cfg.num("eps"))
+                                         .weight_decay(cfg.num("weight_decay")));
+  } else {
+    TORCH_CHECK(kind == "sgd", "zero_engine_crosscheck: optimizer must be adamw or sgd, got ", kind);
+    opt = zeroplus::zero::initialize(model, pg, options,
+                                     torch::optim::SGDOptions(cfg.num("lr"))
+                                         .momentum(cfg.num("momentum"))
+                                         .dampening(cfg.num("dampening"))
+                                         .weight_decay(cfg.num("weight_decay"))
+                                         .nesterov(cfg.at("nesterov").toBool()));
+  }
+  auto inputs = cfg.at("inputs").toList();
+  auto targets = cfg.at("targets").toList();
+  auto clip = cfg.at("clip").toList();
+  std::vector<double> norms;
+  c10::Dict<std::string, at::Tensor> trace;  // where the two engines part: see the Python test
+  for (size_t step = 0; step < inputs.size(); ++step) {
+    at::Tensor x = inputs.get(step).toList().get(rank).toTensor();
+    at::Tensor y = targets.get(step).toList().get(rank).toTensor();
+    if (bf16) x = x.to(at::kBFloat16);  // the Python engine's forward pre-hook (precision.install_input_cast)
+    opt->zero_grad();
+    opt->backward(torch::mse_loss(model->forward(x).to(at::kFloat), y));
+    const auto shards = opt->gradient_shards();
+    for (size_t b = 0; b < shards.size(); ++b) {
+      trace.insert("grad." + std::to_string(step) + "." + std::to_string(b), shards[b].clone());
+    }
+    const c10::IValue c = clip.get(step);
+    const double maxNorm = c.isDouble() ? c.toDouble() : static_cast<double>(c.toInt());
+    norms.push_back(maxNorm > 0 ? opt->clip_grad_norm(maxNorm) : std::numeric_limits<double>::quiet_NaN());
+    opt->step();
+    for (auto& item : model->named_parameters()) {
+      trace.insert("param." + std::to_string(step) + "." + item.key(), item.value().detach().clone());
+    }
+  }
+  c10::Dict<std::string, at::Tensor> params;
+  for (auto& item : model->named_parameters()) params.insert(item.key(), item.value().detach().clone());
+  c10::Dict<std::string, at::Tensor> masters;  // fp32 shards: bf16 parameters could hide a last-bit difference
+  const auto& own = opt->engine().params().masters();
+  for (size_t b = 0; b < own.size(); ++b) masters.insert(std::to_string(rank) + "." + std::to_string(b), own[b].clone());
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  out.insert("masters", masters);
+  out.insert("params", params);
+  out.insert("trace", trace);
+  out.insert("norms", at::tensor(norms, at::kDouble));  // a tensor: torch.load's weights_only reads it
+  return out;
+}
+
+// Runs both ranks; returns rank 0's result after checking that rank 1 ended with the same bits.
+c10::IValue runCase(const Config& cfg) {
+  constexpr int kWorld = 2;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(kWorld);
+  std::vector<c10::IValue> results(kWorld);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        // OpenMP's thread count is per thread: main's setting does not reach this one.
+        at::set_num_threads(1);
+        zeroplus::pg::BackendConfig config;
+        config.timeout = std::chrono::seconds(60);
+        auto pg = zeroplus::pg::makeProcessGroup(store, rank, kWorld, config);
+        results[rank] = trainRank(cfg, rank, pg);
+        pg->shutdown();
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < kWorld; ++rank) {
+    TORCH_CHECK(errors[rank].empty(), "zero_engine_crosscheck: rank ", rank, ": ", errors[rank]);
+  }
+  auto p0 = results[0].toGenericDict().at("params").toGenericDict();
+  auto p1 = results[1].toGenericDict().at("params").toGenericDict();
+  for (const auto& item : p0) {
+    TORCH_CHECK(at::equal(item.value().toTensor(), p1.at(item.key()).toTensor()),
+                "zero_engine_crosscheck: ranks ended with different values of ", item.key().toStringRef());
+  }
+  auto masters = results[0].toGenericDict().at("masters").toGenericDict();
+  for (const auto& item : results[1].toGenericDict().at("masters").toGenericDict()) {
+    masters.insert(item.key(), item.value());
+  }
+  return results[0];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3 || argc % 2 == 0) {
+    std::cerr << "usage: " << argv[0] << " IN OUT [IN OUT ...]\n";
+    return 2;
+  }
+  at::set_num_threads(1);
+  try {
+    for (int i = 1; i + 1 < argc; i += 2) {
+      Config cfg{torch::pickle_load(readFile(argv[i])).toGenericDict()};
+      writeFile(argv[i + 1], torch::pickle_save(runCase(cfg)));
+    }
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,173 @@
+"""The two front-ends of the one ZeRO engine train bit-identically (DESIGN.md §2): the Python
+engine (zeroplus.initialize, 2 processes on backend "zeroplus") and the C++ engine through its
+LibTorch front-end (zeroplus::zero::initialize, 2 ranks as threads in
+$ZEROPLUS_BUILD_DIR/bin/zero_engine_crosscheck, tests/cpp/plugin/zero_engine_crosscheck.cpp).
+
+Each case writes one input file (torch.save: the initial parameters, each rank's batches, the
+configuration); both sides train on it and the final parameters, every rank's fp32 master shards
+and the clip_grad_norm results must be equal (torch.equal; where they are not, the message names
+the first gradient shard or parameter that differs, step by step). Cases cover stages 1 and 2, fp32 and bf16, AdamW and SGD with
+momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option, and a
+bucket size (100 elements) that makes 4 buckets (a parameter is never split between buckets),
+each of whose 2 shards cuts through parameters.
+"""
+
+import math
+import os
+import pathlib
+import subprocess
+
+import pytest
+import torch
+import torch.jit._pickle
+
+from harness import run_pooled
+
+STEPS = 4
+ROWS = 6  # per rank and step
+WORLD = 2
+_REPO = pathlib.Path(__file__).resolve().parents[2]
+
+ADAMW = {"optimizer": "adamw", "lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
+SGD = {"optimizer": "sgd", "lr": 5e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": False}
+
+# name -> (stage, mixed precision, optimizer, bucket elems, clip per step, gradient_clipping)
+CASES = {
+    "s1_fp32_adamw": (1, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0),
+    "s2_fp32_adamw_clip": (2, "fp32", ADAMW, 100, [0.0, 0.05, 0.0, 0.05], 0.0),
+    "s2_fp32_adamw_one_bucket": (2, "fp32", ADAMW, 1 << 22, [0.05] * STEPS, 0.0),
+    "s1_bf16_adamw_clip": (1, "bf16", ADAMW, 100, [0.05] * STEPS, 0.0),
+    "s2_bf16_adamw_auto_clip": (2, "bf16", ADAMW, 100, [0.0] * STEPS, 0.05),
+    "s2_fp32_sgd_clip": (2, "fp32", SGD, 100, [0.0, 0.1, 0.1, 0.0], 0.0),
+    "s1_fp32_sgd_nesterov": (1, "fp32", {**SGD, "nesterov": True}, 100, [0.0] * STEPS, 0.0),
+    "s2_bf16_sgd": (2, "bf16", SGD, 100, [0.1] * STEPS, 0.0),
+}
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 17), torch.nn.ReLU(),
+                               torch.nn.Linear(17, 3))
+
+
+def _write_input(path, seed, case):
+    stage, precision, opt, bucket, clip, auto_clip = case
+    gen = torch.Generator().manual_seed(seed)
+    params = {name: torch.randn(p.shape, generator=gen) * 0.3 for name, p in _model().named_parameters()}
+    inputs = [[torch.randn(ROWS, 7, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
+    targets = [[torch.randn(ROWS, 3, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
+    torch.save({"params": params, "inputs": inputs, "targets": targets, "stage": stage, "mixed_precision": precision,
+                **opt, "bucket_elems": bucket, "clip": [float(c) for c in clip],
+                "gradient_clipping": float(auto_clip)}, path)
+
+
+def _train_python(rank, world, paths):
+    """Each case on the Python engine; rank 0 returns {path: (params, norms)}."""
+    import zeroplus
+
+    torch.set_num_threads(1)  # as the C++ side: no reduction order depends on the thread count
+    out = {}
+    for path in paths:
+        cfg = torch.load(path)
+        model = _model()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(cfg["params"][name])
+        if cfg["optimizer"] == "adamw":
+            cls, hyper = torch.optim.AdamW, dict(lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
+                                                 weight_decay=cfg["weight_decay"])
+        else:
+            cls, hyper = torch.optim.SGD, dict(lr=cfg["lr"], momentum=cfg["momentum"], dampening=cfg["dampening"],
+                                               weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"])
+        config = {"zero_optimization": {"reduce_bucket_size": cfg["bucket_elems"]}}
+        if cfg["gradient_clipping"] > 0:
+            config["gradient_clipping"] = cfg["gradient_clipping"]
+        precision = None if cfg["mixed_precision"] == "fp32" else cfg["mixed_precision"]
+        model, opt = zeroplus.initialize(model, cls, stage=cfg["stage"], mixed_precision=precision, config=config,
+                                         **hyper)
+        assert cfg["bucket_elems"] > 1000 or len(opt.buckets) >= 4, len(opt.buckets)
+        norms, trace = [], {}
+        for step in range(STEPS):
+            x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
+            opt.zero_grad()
+            # bf16: the engine's forward pre-hook casts x (the C++ program casts it itself)
+            opt.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+            for b, shard in enumerate(opt.gradient_shards()):
+                trace[f"grad.{step}.{b}"] = shard.clone()
+            clip = cfg["clip"][step]
+            norms.append(opt.clip_grad_norm_(clip).item() if clip > 0 else math.nan)
+            opt.step()
+            for n, p in model.named_parameters():
+                trace[f"param.{step}.{n}"] = p.detach().clone()
+        masters = {f"{rank}.{b}": m.detach().clone() for b, m in enumerate(opt.masters)}
+        out[path] = ({n: p.detach().clone() for n, p in model.named_parameters()}, norms, trace, masters)
+    return out
+
+
+def _program() -> pathlib.Path:
+    build = pathlib.Path(os.environ.get("ZEROPLUS_BUILD_DIR") or _REPO / "build")
+    return build / "bin" / "zero_engine_crosscheck"
+
+
+def _first_difference(py_trace, cpp_trace) -> str:
+    """The first gradient shard (after backward) or parameter (after the step) that differs."""
+    def order(key):
+        kind, step, rest = key.split(".", 2)
+        return int(step), kind != "grad", rest
+    for key in sorted(py_trace, key=order):
+        if key not in cpp_trace:
+            return f"{key} is missing on the C++ side"
+        a, b = py_trace[key], cpp_trace[key]
+        if a.shape != b.shape or not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs() if a.shape == b.shape else None
+            where = "" if diff is None else f", {int((diff > 0).sum())} elements, max {diff.max().item():.3g}"
+            return f"{key} (shapes {tuple(a.shape)}/{tuple(b.shape)}{where})"
+    return "none in the trace"
+
+
+def test_python_and_cpp_engines_train_bit_identically(tmp_path):
+    program = _program()
+    if not program.exists():
+        # scripts/test.sh exports ZEROPLUS_BUILD_DIR after building it: a missing program there is a failure
+        message = f"{program} is not built (scripts/build.sh builds it with the GoogleTests)"
+        if os.environ.get("ZEROPLUS_BUILD_DIR"):
+            pytest.fail(message)
+        pytest.skip(message)
+    paths, outs = {}, {}
+    for seed, (name, case) in enumerate(CASES.items()):
+        paths[name] = str(tmp_path / f"{name}.in.pt")
+        outs[name] = str(tmp_path / f"{name}.out.pt")
+        _write_input(paths[name], seed, case)
+    argv = [str(program)]
+    for name in CASES:
+        argv += [paths[name], outs[name]]
+    cpp = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert cpp.returncode == 0, f"{program} failed ({cpp.returncode}):\n{cpp.stdout}\n{cpp.stderr}"
+    ranks = run_pooled(_train_python, WORLD, list(paths.values()), timeout=180)
+    python = ranks[0]
+
+    mismatches = []
+    for name in CASES:
+        py_params, py_norms, py_trace, py_masters = python[paths[name]]
+        py_masters = {k: v for r in ranks for k, v in r[paths[name]][3].items()}
+        # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
+        with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+            result = torch.load(outs[name])
+        cpp_params, cpp_norms = result["params"], result["norms"].tolist()
+        assert set(cpp_params) == set(py_params), name
+        for key, value in py_params.items():
+            if not torch.equal(value, cpp_params[key]):
+                diff = (value.float() - cpp_params[key].float()).abs().max().item()
+                mismatches.append(f"{name}: {key} differs (dtype {value.dtype}/{cpp_params[key].dtype}, max |diff| "
+                                  f"{diff:.3g})")
+        cpp_masters = result["masters"]
+        assert set(cpp_masters) == set(py_masters), (name, sorted(cpp_masters), sorted(py_masters))
+        for key, value in py_masters.items():
+            if value.dtype != torch.float32 or not torch.equal(value, cpp_masters[key]):
+                mismatches.append(f"{name}: master shard {key} (rank.bucket) differs")
+        if any(not torch.equal(v, cpp_params[k]) for k, v in py_params.items()):
+            mismatches.append(f"{name}: first difference: {_first_difference(py_trace, result['trace'])}")
+        same_norms = all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(py_norms, cpp_norms))
+        if len(py_norms) != len(cpp_norms) or not same_norms:
+            mismatches.append(f"{name}: clip norms differ: python {py_norms}, C++ {cpp_norms}")
+        assert any(not math.isnan(n) for n in py_norms) == any(c > 0 for c in CASES[name][4])
+    assert not mismatches, "\n".join(mismatches)
