@@ -27,30 +27,70 @@ at::Tensor localTerm(const at::Tensor& shard, double normType) {
 
 }  // namespace
 
+namespace {
+std::unique_ptr<Placement> makePlacement(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
+                                         const Options& options, std::optional<at::ScalarType> dtype,
+                                         const std::vector<int64_t>& unitOf, int64_t unitCount) {
+  if (options.stage() == 3) return std::make_unique<ShardedParams>(groups, unitOf, unitCount, comm, dtype);
+  return std::make_unique<FlatParams>(groups, comm, dtype, options.reduce_bucket_elems());
+}
+}  // namespace
+
 Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-               const Options& options)
+               const Options& options, const std::vector<int64_t>& unitOf, int64_t unitCount)
     : options_(options),
       stage_(static_cast<int>(options.stage())),
       computeDtype_(computeDtypeOf(options)),
       comm_(std::move(pg)),
-      params_(groups, comm_, computeDtype_, options.reduce_bucket_elems()),
-      reducer_(params_.buckets(), comm_, /*shardGradients=*/stage_ >= 2) {
-  for (size_t b = 0; b < params_.buckets().size(); ++b) {
-    steppers_.emplace_back(params_.buckets()[b], params_.master(b), comm_.rank());
+      placement_(makePlacement(groups, comm_, options, computeDtype_, unitOf, unitCount)),
+      sharded_(dynamic_cast<ShardedParams*>(placement_.get())),
+      reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2) {
+  for (size_t b = 0; b < placement_->buckets().size(); ++b) {
+    steppers_.emplace_back(placement_->buckets()[b], placement_->master(b), comm_.rank());
   }
+  resetUnitCounts();
+}
+
+void Engine::resetUnitCounts() {
+  if (sharded_ == nullptr) return;
+  unitRemaining_.resize(sharded_->unitCount());
+  for (int64_t u = 0; u < sharded_->unitCount(); ++u) unitRemaining_[u] = sharded_->paramsOf(u);
+}
+
+void Engine::unitForwardBegin(int64_t unit) {
+  sharded_->gather(unit);
+  if (unit + 1 < sharded_->unitCount()) sharded_->prefetch(unit + 1);  // overlaps this unit's compute
+}
+
+void Engine::unitForwardEnd(int64_t unit) { sharded_->release(unit); }
+
+void Engine::unitBackwardBegin(int64_t unit) {
+  sharded_->gather(unit);
+  if (unit > 0) sharded_->prefetch(unit - 1);
 }
 
 void Engine::gradReady(int64_t index) {
-  const auto [b, e] = params_.slot(index);
+  const auto [b, e] = placement_->slot(index);
   reducer_.onGrad(b, e);
+  if (sharded_ != nullptr) {
+    // The unit's gradients are all taken: its parameters are not needed by this backward again.
+    const int64_t unit = sharded_->unitOf(index);
+    if (--unitRemaining_[unit] == 0) sharded_->release(unit);
+  }
 }
 
-void Engine::endBackward() { reducer_.endBackward(); }
+void Engine::endBackward() {
+  if (sharded_ != nullptr) {
+    sharded_->releaseAll();  // units whose parameters got no gradient (unused this pass)
+    resetUnitCounts();
+  }
+  reducer_.endBackward();
+}
 
 std::vector<at::Tensor> Engine::gradientShards() {
   reducer_.flush();
   std::vector<at::Tensor> out;
-  for (size_t b = 0; b < params_.buckets().size(); ++b) out.push_back(reducer_.shard(b));
+  for (size_t b = 0; b < placement_->buckets().size(); ++b) out.push_back(reducer_.shard(b));
   return out;
 }
 
@@ -60,7 +100,7 @@ at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNon
   TORCH_CHECK_VALUE(normType > 0, kOp, ": norm_type must be a positive number or inf, got ", normType);
   at::NoGradGuard noGrad;
   reducer_.flush();
-  const size_t n = params_.buckets().size();
+  const size_t n = placement_->buckets().size();
   at::Tensor total;
   if (std::isinf(normType)) {
     at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
@@ -92,7 +132,7 @@ at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNon
 }
 
 void Engine::checkParamHomes() const {
-  if (const Entry* stray = params_.strayParam()) {
+  if (const Entry* stray = placement_->strayParam()) {
     TORCH_CHECK(false, "zeroplus::zero step: the parameter of shape ", c10::IntArrayRef(stray->shape),
                 " (trainable parameter ", stray->index, ") no longer lives in zeroplus's buffers: the model was "
                 "moved or its parameters replaced after zeroplus::zero::initialize (set_data, model->to(...)), so "
@@ -103,13 +143,17 @@ void Engine::checkParamHomes() const {
 void Engine::step(const std::vector<StepHyper>& hyper) {
   at::NoGradGuard noGrad;
   checkParamHomes();
-  auto& buckets = params_.buckets();
+  auto& buckets = placement_->buckets();
   for (const Bucket& b : buckets) {
     TORCH_CHECK(b.group < static_cast<int64_t>(hyper.size()), "zeroplus::zero step: ", hyper.size(),
                 " hyperparameter sets for param group ", b.group);
   }
   for (size_t g = 0; g < hyper.size(); ++g) BucketStepper::check(hyper[g], static_cast<int64_t>(g));
   reducer_.flush();
+  if (sharded_ != nullptr) {
+    sharded_->releaseAll();  // a backward that raised left units gathered
+    resetUnitCounts();
+  }
   // Which parameters this step updates (one small collective); without a backward since
   // zero_grad no rank has anything to agree on.
   const std::vector<uint8_t> stepped = reducer_.hasGrads() ? reducer_.agree() : reducer_.defined();
@@ -124,25 +168,30 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
   try {
     for (size_t i = 0; i < buckets.size(); ++i) {
       steppers_[i].step(reducer_.shard(i), stepped, reducer_.flagBase(i), hyper[buckets[i].group]);
-      works.push_back(params_.publish(i));  // the all-gather runs while the next bucket steps
+      auto work = placement_->publish(i);  // stages 1-2: the all-gather runs while the next bucket steps
+      if (work) works.push_back(std::move(work));
     }
   } catch (...) {
     failure = std::current_exception();
   }
   for (auto& w : works) w->wait();  // every started all-gather is waited on, also after a failure
-  params_.releaseGatherInputs();
+  placement_->releaseGatherInputs();
   clippedThisStep_ = false;
   if (failure) std::rethrow_exception(failure);
 }
 
 void Engine::zeroGrad(bool setToNone) {
   reducer_.zero(setToNone);
+  if (sharded_ != nullptr) {
+    sharded_->releaseAll();  // a backward that raised left units gathered
+    resetUnitCounts();
+  }
   clippedThisStep_ = false;
 }
 
 int64_t Engine::ownedNumel() const {
   int64_t n = 0;
-  for (const auto& m : params_.masters()) n += m.numel();
+  for (const auto& m : placement_->masters()) n += m.numel();
   return n;
 }
 

@@ -1,14 +1,19 @@
-// The C++ ZeRO engine (stages 1-2): buckets and their flat buffers, gradient reduction, clipping
-// across shards, and the step loop over buckets on the fused kernels, driven by events from a
-// front-end (zeroplus.hpp's LibTorch optimizer today):
+// The C++ ZeRO engine (stages 1-3): buckets and their flat buffers, gradient reduction, clipping
+// across shards, the step loop over buckets on the fused kernels, and at stage 3 the gathering
+// and release of parameters unit by unit, driven by events from a front-end (zeroplus.hpp's
+// LibTorch optimizer today):
 //
+//   unitForwardBegin(u)   stage 3: unit u is about to run forward (gather it, prefetch u + 1)
+//   unitForwardEnd(u)     stage 3: unit u's forward returned (release it)
+//   unitBackwardBegin(u)  stage 3: unit u's backward is next (gather it again, prefetch u - 1)
 //   gradReady(i)        autograd finished trainable parameter i's gradient (its .grad is set)
 //   endBackward()       the backward pass ended (every gradient it produces has arrived)
 //   clipGradNorm(...)   the global norm across shards; scales the gradient shards
 //   step(hyper)         agree on used parameters, clip if configured, step every bucket, all-gather
 //   zeroGrad(toNone)    drop (or zero) the gradient shards
 //
-// One owner per concern: FlatParams (where parameters and masters live), GradReducer (where a
+// One owner per concern: a Placement (FlatParams at stages 1-2, ShardedParams at stage 3: where
+// parameters and masters live), GradReducer (where a
 // bucket's gradient lives), BucketStepper (a bucket's optimizer state and kernel call),
 // Collectives (every byte between ranks). The engine only sequences them, as the Python engine's
 // ZeroEngine does (zero/engine.py), with the same operations in the same order: the same model,
@@ -31,14 +36,17 @@
 #include "optimizers/adapter/zero/flat_params.hpp"
 #include "optimizers/adapter/zero/grad_reducer.hpp"
 #include "optimizers/adapter/zero/options.hpp"
+#include "optimizers/adapter/zero/placement.hpp"
+#include "optimizers/adapter/zero/sharded_params.hpp"
 
 namespace zeroplus::zero::engine {
 
 class Engine {
  public:
-  // groups[g]: the trainable parameters of group g. Collective.
+  // groups[g]: the trainable parameters of group g. Stage 3: unitOf[i] is the unit of trainable
+  // parameter i (groups chained), unitCount the number of units. Collective.
   Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-         const Options& options);
+         const Options& options, const std::vector<int64_t>& unitOf = {}, int64_t unitCount = 0);
 
   int stage() const { return stage_; }
   const Options& options() const { return options_; }
@@ -46,6 +54,9 @@ class Engine {
   std::optional<at::ScalarType> computeDtype() const { return computeDtype_; }
 
   // -- events --
+  void unitForwardBegin(int64_t unit);
+  void unitForwardEnd(int64_t unit);
+  void unitBackwardBegin(int64_t unit);
   void gradReady(int64_t index);
   void endBackward();
   bool passOpen() const { return reducer_.passOpen(); }
@@ -62,7 +73,9 @@ class Engine {
   void zeroGrad(bool setToNone);
 
   // -- state (front-ends, full_state_dict, checkpoints) --
-  FlatParams& params() { return params_; }
+  Placement& params() { return *placement_; }
+  // Stage 3's placement (nullptr at stages 1-2).
+  ShardedParams* sharded() { return sharded_; }
   std::vector<BucketStepper>& steppers() { return steppers_; }
   // This rank's gradient shard per bucket (after backward; flushes a no_sync accumulation).
   std::vector<at::Tensor> gradientShards();
@@ -71,12 +84,15 @@ class Engine {
 
  private:
   void checkParamHomes() const;
+  void resetUnitCounts();
 
   Options options_;
   int stage_;
   std::optional<at::ScalarType> computeDtype_;
   Collectives comm_;
-  FlatParams params_;
+  std::unique_ptr<Placement> placement_;
+  ShardedParams* sharded_ = nullptr;  // placement_ at stage 3
+  std::vector<int64_t> unitRemaining_;  // stage 3: gradients each unit still waits for this pass
   GradReducer reducer_;
   std::vector<BucketStepper> steppers_;
   bool clippedThisStep_ = false;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "optimizers/adapter/zero/collectives.hpp"
+#include "optimizers/adapter/zero/placement.hpp"
 
 namespace zeroplus::zero::engine {
 
@@ -51,7 +52,9 @@ struct Bucket {
   int64_t numel = 0;              // padded to world * kAlignElems
   int64_t shardNumel = 0;
   std::vector<Entry> entries;
-  at::Tensor flat;                // the parameters' storage (numel elements)
+  at::Tensor flat;                // the parameters' storage (numel elements); stage 3: only while gathered
+  at::Tensor shard;               // stage 3: this rank's persistent slice (shardNumel elements)
+  int64_t unit = -1;              // stage 3: the unit whose forward uses the bucket
 
   std::pair<int64_t, int64_t> shardRange(int rank) const { return {rank * shardNumel, (rank + 1) * shardNumel}; }
   Piece piece(const Entry& e, int rank) const;
@@ -59,7 +62,7 @@ struct Bucket {
   std::vector<std::pair<int64_t, int64_t>> gaps() const;
 };
 
-class FlatParams {
+class FlatParams : public Placement {
  public:
   // groups[g]: the trainable parameters of param group g (CPU, contiguous, floating point,
   // identical lists on every rank); computeDtype: the parameters' dtype after initialize
@@ -67,24 +70,17 @@ class FlatParams {
   FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
              std::optional<at::ScalarType> computeDtype, int64_t reduceBucketElems);
 
-  std::vector<Bucket>& buckets() { return buckets_; }
-  const std::vector<Bucket>& buckets() const { return buckets_; }
-  at::Tensor& master(size_t b) { return masters_[b]; }
-  const std::vector<at::Tensor>& masters() const { return masters_; }
-  // (bucket, entry) of trainable parameter `index`.
-  std::pair<int64_t, int64_t> slot(int64_t index) const { return slots_[index]; }
-  int64_t trainableCount() const { return static_cast<int64_t>(slots_.size()); }
+  std::vector<Bucket>& buckets() override { return buckets_; }
+  const std::vector<Bucket>& buckets() const override { return buckets_; }
+  at::Tensor& master(size_t b) override { return masters_[b]; }
+  const std::vector<at::Tensor>& masters() const override { return masters_; }
+  std::pair<int64_t, int64_t> slot(int64_t index) const override { return slots_[index]; }
 
   // Bucket b's master into this rank's shard of its flat buffer, then the all-gather of that
   // bucket (asynchronous: the next bucket steps meanwhile). The returned work must be waited on.
-  c10::intrusive_ptr<c10d::Work> publish(size_t b);
-
-  // Drops the inputs of the all-gathers publish started (call after waiting on their works).
-  void releaseGatherInputs() { gatherInputs_.clear(); }
-
-  // The first parameter whose .data no longer views its bucket (the model was moved or a
-  // parameter replaced after initialize), or nullptr.
-  const Entry* strayParam() const;
+  c10::intrusive_ptr<c10d::Work> publish(size_t b) override;
+  void releaseGatherInputs() override { gatherInputs_.clear(); }
+  const Entry* strayParam() const override;
 
  private:
   Collectives& comm_;

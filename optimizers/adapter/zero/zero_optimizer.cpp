@@ -8,10 +8,13 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/serialize/archive.h>
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "optimizers/adapter/zero/engine.hpp"
@@ -43,8 +46,7 @@ engine::StepHyper hyperOf(const torch::optim::OptimizerOptions& o) {
 }
 
 void checkOptions(const Options& o) {
-  TORCH_CHECK_VALUE(o.stage() == 1 || o.stage() == 2, kInit, ": options.stage must be 1 or 2 in the C++ engine, got ",
-                    o.stage(), o.stage() == 3 ? " (stage 3 runs in the Python engine: zeroplus.initialize)" : "");
+  TORCH_CHECK_VALUE(o.stage() >= 1 && o.stage() <= 3, kInit, ": options.stage must be 1, 2 or 3, got ", o.stage());
   TORCH_CHECK_VALUE(o.mixed_precision() == "fp32" || o.mixed_precision() == "bf16", kInit,
                     ": options.mixed_precision must be \"fp32\" or \"bf16\", got \"", o.mixed_precision(), "\"",
                     o.mixed_precision() == "fp16" ? " (fp16 with loss scaling runs in the Python engine)" : "");
@@ -99,6 +101,31 @@ std::vector<std::vector<at::Tensor>> trainableGroups(const torch::nn::Module& mo
   return out;
 }
 
+// Stage 3: the units are the children of a torch::nn::Sequential (its forward calls them in
+// order). unitOf[i]: the child holding trainable parameter i (groups chained).
+std::vector<int64_t> unitsOf(torch::nn::Module& model, const std::vector<std::vector<at::Tensor>>& trainable) {
+  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&model);
+  TORCH_CHECK_VALUE(seq != nullptr, kInit, ": options.stage 3 takes a torch::nn::Sequential model (each child is "
+                    "one unit, gathered around its forward); got a ", model.name(),
+                    ". LibTorch modules have no forward hooks, so other models run at stage 1 or 2 in C++ (or at "
+                    "stage 3 in Python)");
+  std::unordered_map<const void*, int64_t> unitOfImpl;
+  int64_t u = 0;
+  for (auto it = seq->begin(); it != seq->end(); ++it, ++u) {
+    for (const auto& p : it->ptr()->parameters(/*recurse=*/true)) unitOfImpl.emplace(p.unsafeGetTensorImpl(), u);
+  }
+  std::vector<int64_t> out;
+  for (const auto& group : trainable) {
+    for (const auto& p : group) {
+      auto found = unitOfImpl.find(p.unsafeGetTensorImpl());
+      TORCH_CHECK_VALUE(found != unitOfImpl.end(), kInit, ": a trainable parameter of shape ", p.sizes(),
+                        " belongs to no child of the Sequential (stage 3 gathers children)");
+      out.push_back(found->second);
+    }
+  }
+  return out;
+}
+
 // Frozen parameters and buffers: cast to the compute dtype (floating ones), then rank 0's values.
 void syncUnmanaged(torch::nn::Module& model, engine::Engine& eng) {
   const auto dtype = eng.computeDtype();
@@ -126,6 +153,58 @@ struct ZeroOptimizer::HookState {
   bool stepSinceZero = false;  // step() ran and zero_grad() has not since
 };
 
+namespace {
+
+// Stage 3: what the Sequential calls in place of child `unit` (its entry in the Sequential's
+// list of callables is replaced; the registered child, so every parameter name, stays). Gathers
+// the unit's parameters for its forward, releases them after, and arranges for them to be
+// gathered again when autograd reaches the unit's output in backward.
+class UnitForwardImpl : public torch::nn::Module {
+ public:
+  UnitForwardImpl(std::weak_ptr<engine::Engine> engine, int64_t unit, torch::nn::AnyModule inner)
+      : engine_(std::move(engine)), unit_(unit), inner_(std::move(inner)) {}
+
+  at::Tensor forward(at::Tensor x) {
+    auto eng = engine_.lock();
+    TORCH_CHECK(eng != nullptr, "zeroplus::zero: the optimizer zeroplus::zero::initialize returned for this stage-3 "
+                "model was destroyed; its parameters are shards only it can gather (keep it alive while the model is "
+                "used, or take zeroplus::zero::full_state_dict before)");
+    eng->unitForwardBegin(unit_);
+    at::Tensor y;
+    try {
+      y = inner_.forward<at::Tensor>(std::move(x));
+    } catch (...) {
+      eng->unitForwardEnd(unit_);
+      throw;
+    }
+    if (y.requires_grad()) {
+      std::weak_ptr<engine::Engine> weak = engine_;
+      const int64_t unit = unit_;
+      y.register_hook([weak, unit](const at::Tensor& grad) {
+        if (auto e = weak.lock()) e->unitBackwardBegin(unit);
+        return grad;
+      });
+    }
+    eng->unitForwardEnd(unit_);
+    return y;
+  }
+
+ private:
+  std::weak_ptr<engine::Engine> engine_;
+  int64_t unit_;
+  torch::nn::AnyModule inner_;
+};
+
+void wrapUnits(torch::nn::Module& model, const std::shared_ptr<engine::Engine>& engine) {
+  auto& seq = dynamic_cast<torch::nn::SequentialImpl&>(model);
+  int64_t u = 0;
+  for (auto it = seq.begin(); it != seq.end(); ++it, ++u) {
+    *it = torch::nn::AnyModule(std::make_shared<UnitForwardImpl>(engine, u, std::move(*it)));
+  }
+}
+
+}  // namespace
+
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                              const Options& options, const std::vector<torch::optim::OptimizerParamGroup>& groups,
                              std::unique_ptr<torch::optim::OptimizerOptions> defaults)
@@ -137,9 +216,16 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intr
   for (size_t g = 0; g < param_groups_.size(); ++g) (void)hyperOf(param_groups_[g].options());
   const auto trainable = trainableGroups(*model_, param_groups_);
   for (const auto& g : param_groups_) groupSizes_.push_back(g.params().size());
-  engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options);
+  if (options.stage() == 3) {
+    const auto unitOf = unitsOf(*model_, trainable);
+    const auto units = static_cast<int64_t>(dynamic_cast<torch::nn::SequentialImpl&>(*model_).size());
+    engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, unitOf, units);
+  } else {
+    engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options);
+  }
   syncUnmanaged(*model_, *engine_);
   installHooks();
+  if (options.stage() == 3) wrapUnits(*model_, engine_);
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
@@ -149,8 +235,7 @@ ZeroOptimizer::~ZeroOptimizer() {
 void ZeroOptimizer::installHooks() {
   hooks_ = std::make_shared<HookState>();
   hooks_->engine = engine_;
-  const auto& params = engine_->params();
-  for (const auto& b : const_cast<engine::FlatParams&>(params).buckets()) {
+  for (const auto& b : engine_->params().buckets()) {
     for (const auto& e : b.entries) {
       auto acc = torch::autograd::impl::grad_accumulator(e.param);
       std::weak_ptr<HookState> weak = hooks_;
@@ -299,6 +384,24 @@ torch::OrderedDict<std::string, at::Tensor> full_state_dict(const std::shared_pt
                     "zeroplus::zero::full_state_dict: optimizer was not initialized with this model");
   at::NoGradGuard noGrad;
   torch::OrderedDict<std::string, at::Tensor> out;
+  if (auto* sharded = optimizer.engine().sharded()) {
+    // Unit by unit (collective): the peak is one unit beside the output.
+    std::unordered_map<const void*, at::Tensor> full;
+    for (int64_t u = 0; u < sharded->unitCount(); ++u) {
+      sharded->gather(u);
+      for (const auto& b : sharded->buckets()) {
+        if (b.unit != u) continue;
+        for (const auto& e : b.entries) full.emplace(e.param.unsafeGetTensorImpl(), e.param.detach().clone());
+      }
+      sharded->release(u);
+    }
+    for (const auto& item : model->named_parameters(/*recurse=*/true)) {
+      auto found = full.find(item.value().unsafeGetTensorImpl());
+      out.insert(item.key(), found != full.end() ? found->second : item.value().detach().clone());
+    }
+    for (const auto& item : model->named_buffers(/*recurse=*/true)) out.insert(item.key(), item.value().detach().clone());
+    return out;
+  }
   for (const auto& item : model->named_parameters(/*recurse=*/true)) out.insert(item.key(), item.value().detach().clone());
   for (const auto& item : model->named_buffers(/*recurse=*/true)) out.insert(item.key(), item.value().detach().clone());
   return out;

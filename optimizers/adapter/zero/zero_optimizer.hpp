@@ -28,7 +28,12 @@
 //  * backward, clip_grad_norm and step are collective. Not thread-safe (one call at a time).
 //  * Errors: c10::ValueError / c10::TypeError / c10::Error naming "zeroplus::zero::initialize" or
 //    the method and the argument, raised before anything changes where the argument is checkable.
-//  * Stage 3, fp16 and offload are the Python engine's today; asking for them raises.
+//  * Stage 3 takes a torch::nn::Sequential: each child is one unit, gathered around its forward
+//    and again for its backward, released after (model->forward(x) is unchanged; model[i] is then
+//    zeroplus's wrapper of child i, named_children() and every parameter name are unchanged).
+//    Between uses a parameter has its full shape but holds no memory (reads give NaN): read values
+//    through full_state_dict. Keep the optimizer alive while the model is used.
+//  * fp16 and offload are the Python engine's today; asking for them raises.
 #pragma once
 
 #include <torch/nn/module.h>

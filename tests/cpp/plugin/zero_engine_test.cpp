@@ -13,6 +13,7 @@
 #include <functional>
 #include <thread>
 
+#include "optimizers/adapter/zero/engine.hpp"  // engine().sharded(): the stage-3 placement
 #include "zeroplus.hpp"
 
 namespace {
@@ -64,6 +65,16 @@ Batch batch(int step, int64_t rows) { return {randomTensor({rows, 7}, 1000 + ste
 Batch slice(const Batch& b, int rank, int world) {
   const int64_t per = b.x.size(0) / world;
   return {b.x.narrow(0, rank * per, per), b.y.narrow(0, rank * per, per)};
+}
+
+// The engine's model (any stage: full_state_dict gathers stage-3 shards) against the reference.
+void expectFullClose(torch::nn::Sequential& model, zeroplus::zero::ZeroOptimizer& opt, torch::nn::Sequential& reference,
+                     double tol) {
+  const auto full = zeroplus::zero::full_state_dict(model, opt);
+  for (const auto& item : reference->named_parameters()) {
+    const double diff = (full[item.key()].to(at::kFloat) - item.value().detach()).abs().max().item<double>();
+    EXPECT_LE(diff, tol) << item.key();
+  }
 }
 
 void expectClose(torch::nn::Sequential& a, torch::nn::Sequential& b, double tol) {
@@ -122,7 +133,7 @@ TEST_P(ZeroEngineParity, MatchesSingleProcessLibTorch) {
       opt->step();
       ref->step();
     }
-    expectClose(model, reference, 1e-5);
+    expectFullClose(model, *opt, reference, 1e-5);
   });
 }
 
@@ -130,7 +141,8 @@ INSTANTIATE_TEST_SUITE_P(
     StagesAndWorlds, ZeroEngineParity,
     ::testing::Values(Case{1, 1, false, 1 << 22}, Case{2, 1, false, 1 << 22}, Case{2, 2, false, 1 << 22},
                       Case{3, 2, false, 1 << 22}, Case{2, 2, false, 100}, Case{3, 1, false, 100},
-                      Case{2, 2, true, 100}, Case{3, 2, true, 1 << 22}),
+                      Case{2, 2, true, 100}, Case{3, 2, true, 1 << 22}, Case{1, 3, false, 1 << 22},
+                      Case{2, 3, false, 1 << 22}, Case{3, 3, false, 1 << 22}, Case{2, 3, true, 1 << 22}),
     [](const auto& info) {
       return "world" + std::to_string(info.param.world) + "_stage" + std::to_string(info.param.stage) +
              (info.param.sgd ? "_sgd" : "_adamw") + "_bucket" + std::to_string(info.param.bucketElems);
@@ -206,11 +218,69 @@ TEST(ZeroEngine, ParameterNoRankUsedIsNotUpdated) {
   });
 }
 
-TEST(ZeroEngine, Bf16TrainsCloseToFp32) {
+// Stage 3: between uses every parameter has its full shape and dtype but no memory (the gathered
+// storage is freed), this rank holds about 1/world of the model, model->forward is the user's,
+// parameter names are unchanged, and full_state_dict gathers the values the reference has.
+TEST(ZeroEngine, Stage3ShardsBetweenUsesAndGathersForFullState) {
   runRanks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto model = makeModel();
     auto reference = makeModel();
-    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(2).mixed_precision("bf16"),
+    std::vector<std::string> names;
+    for (const auto& item : model->named_parameters()) names.push_back(item.key());
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions(1e-2));
+    torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+    auto* sharded = opt->engine().sharded();
+    ASSERT_NE(sharded, nullptr);
+    EXPECT_EQ(sharded->unitCount(), 5);
+    auto checkAtRest = [&] {
+      EXPECT_EQ(sharded->gatheredBytes(), 0);
+      auto mine = model->parameters(), theirs = reference->parameters();
+      for (size_t i = 0; i < mine.size(); ++i) {
+        EXPECT_EQ(mine[i].sizes(), theirs[i].sizes());
+        EXPECT_TRUE(mine[i].detach().isnan().all().item<bool>()) << "parameter " << i << " holds values at rest";
+      }
+    };
+    checkAtRest();
+    for (int step = 0; step < 3; ++step) {
+      const Batch whole = batch(step, kRows);
+      const Batch mine = slice(whole, rank, 2);
+      opt->zero_grad();
+      opt->backward(torch::mse_loss(model->forward(mine.x), mine.y));
+      EXPECT_EQ(sharded->gatheredBytes(), 0) << "units still gathered after backward";
+      opt->step();
+      ref.zero_grad();
+      torch::mse_loss(reference->forward(whole.x), whole.y).backward();
+      ref.step();
+      checkAtRest();
+    }
+    std::vector<std::string> after;
+    for (const auto& item : model->named_parameters()) after.push_back(item.key());
+    EXPECT_EQ(after, names);
+    const auto full = zeroplus::zero::full_state_dict(model, *opt);
+    checkAtRest();
+    auto refParams = reference->named_parameters();
+    for (const auto& item : refParams) {
+      const double diff = (full[item.key()] - item.value().detach()).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5) << item.key();
+    }
+    {  // inference under no_grad gathers and releases too
+      torch::NoGradGuard no_grad;
+      const Batch b = batch(9, 4);
+      const double diff = (model->forward(b.x) - reference->forward(b.x)).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5);
+      checkAtRest();
+    }
+  });
+}
+
+class ZeroEngineBf16 : public ::testing::TestWithParam<int> {};
+
+TEST_P(ZeroEngineBf16, TrainsCloseToFp32) {
+  const int stage = GetParam();
+  runRanks(2, [stage](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto model = makeModel();
+    auto reference = makeModel();
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(stage).mixed_precision("bf16"),
                                           zeroplus::optim::ZeroAdamWOptions(1e-2));
     torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2));
     EXPECT_EQ(model->parameters()[0].scalar_type(), at::kBFloat16);
@@ -224,9 +294,19 @@ TEST(ZeroEngine, Bf16TrainsCloseToFp32) {
       torch::mse_loss(reference->forward(whole.x), whole.y).backward();
       ref.step();
     }
-    expectClose(model, reference, 5e-2);
+    if (stage == 3) {
+      auto full = zeroplus::zero::full_state_dict(model, *opt);
+      for (const auto& item : reference->named_parameters()) {
+        const double diff = (full[item.key()].to(at::kFloat) - item.value().detach()).abs().max().item<double>();
+        EXPECT_LE(diff, 5e-2) << item.key();
+      }
+    } else {
+      expectClose(model, reference, 5e-2);
+    }
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Stages, ZeroEngineBf16, ::testing::Values(1, 2, 3));
 
 TEST(ZeroEngine, ForgottenZeroGradRaisesInsteadOfAccumulatingAcrossSteps) {
   runRanks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
@@ -261,8 +341,13 @@ TEST(ZeroEngine, BadArgumentsRaiseNamingThem) {
         EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
       }
     };
-    expectError([&] { zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions()); },
+    expectError([&] { zeroplus::zero::initialize(model, pg, Options().stage(4), zeroplus::optim::ZeroAdamWOptions()); },
                 "options.stage");
+    {  // stage 3 needs a Sequential's children as units
+      auto linear = torch::nn::Linear(3, 3);
+      expectError([&] { zeroplus::zero::initialize(linear, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions()); },
+                  "torch::nn::Sequential");
+    }
     expectError([&] { zeroplus::zero::initialize(model, pg, Options().mixed_precision("fp16"), zeroplus::optim::ZeroAdamWOptions()); },
                 "options.mixed_precision");
     expectError([&] { zeroplus::zero::initialize(model, pg, Options().reduce_bucket_elems(0), zeroplus::optim::ZeroAdamWOptions()); },

@@ -1,0 +1,85 @@
+// Stage-3 parameter placement of the C++ ZeRO engine: between uses every rank holds only its
+// shard of each bucket; a unit's buckets are all-gathered just before the unit runs (forward, and
+// again before its backward) and freed right after.
+//
+// Buckets: one per (unit, param group, dtype), planned in readiness order (the last unit first),
+// so gradients are reduce-scattered unit by unit as backward produces them. Each bucket keeps
+//   shard   this rank's slice, in the compute dtype (persistent);
+//   master  its fp32 copy (the shard itself without mixed precision);
+//   flat    the gathered buffer. Its storage is freed (resized to 0 bytes) when the unit is
+//           released and re-filled in place when gathered again, so tensors autograd saved in
+//           forward (views of the parameters) see the gathered values again in backward: the
+//           storage object is the same, only its bytes come and go.
+// A parameter at rest shows a stride-0 expansion of one NaN element of its dtype: its shape,
+// numel and dtype are the full parameter's (what the model reports is what DDP reports), it holds
+// no memory, a read gives NaN and a write raises. Gathered, it views `flat`.
+//
+// Construction is collective (rank 0's values are broadcast, then each rank keeps its shard).
+// prefetch/gather/release are collective in the sense that every rank must gather the same units
+// in the same order (forward and backward order are the model's). Not thread-safe; called from
+// the training thread and the autograd thread (which LibTorch runs on the caller's thread on CPU).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <vector>
+
+#include "optimizers/adapter/zero/collectives.hpp"
+#include "optimizers/adapter/zero/flat_params.hpp"
+#include "optimizers/adapter/zero/placement.hpp"
+
+namespace zeroplus::zero::engine {
+
+class ShardedParams : public Placement {
+ public:
+  // groups[g]: the trainable parameters of group g; unitOf[i]: the unit of trainable parameter i
+  // (groups chained), 0 <= unitOf[i] < unitCount.
+  ShardedParams(const std::vector<std::vector<at::Tensor>>& groups, const std::vector<int64_t>& unitOf,
+                int64_t unitCount, Collectives& comm, std::optional<at::ScalarType> computeDtype);
+
+  std::vector<Bucket>& buckets() override { return buckets_; }
+  const std::vector<Bucket>& buckets() const override { return buckets_; }
+  at::Tensor& master(size_t b) override { return masters_[b]; }
+  const std::vector<at::Tensor>& masters() const override { return masters_; }
+  std::pair<int64_t, int64_t> slot(int64_t index) const override { return slots_[index]; }
+  c10::intrusive_ptr<c10d::Work> publish(size_t b) override;  // master -> shard; no collective
+  const Entry* strayParam() const override;
+
+  int64_t unitCount() const { return static_cast<int64_t>(units_.size()); }
+  int64_t unitOf(int64_t index) const { return unitOfParam_[index]; }
+  int64_t paramsOf(int64_t unit) const { return units_[unit].params; }
+  // Starts unit u's all-gathers (nothing when it is gathered or on its way).
+  void prefetch(int64_t u);
+  // Unit u's parameters are full (waits for its all-gathers).
+  void gather(int64_t u);
+  // Unit u back to shards: its storage freed, its parameters at rest.
+  void release(int64_t u);
+  void releaseAll();
+  bool gathered(int64_t u) const { return units_[u].state == State::kGathered; }
+  // Bytes of gathered parameter storage held right now (0 between steps).
+  int64_t gatheredBytes() const;
+
+ private:
+  enum class State { kReleased, kInFlight, kGathered };
+  struct Unit {
+    std::vector<size_t> buckets;
+    int64_t params = 0;  // trainable parameters in the unit
+    State state = State::kReleased;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  };
+  void showFull(size_t b);
+  void showResting(size_t b);
+  at::Tensor restingBase(at::ScalarType dtype);
+
+  Collectives& comm_;
+  std::vector<Bucket> buckets_;
+  std::vector<at::Tensor> masters_;
+  std::vector<std::pair<int64_t, int64_t>> slots_;
+  std::vector<int64_t> unitOfParam_;
+  std::vector<Unit> units_;
+  std::vector<std::vector<at::Tensor>> fullViews_;  // [bucket][entry]: views of flat, made once
+  std::vector<at::Tensor> restingBases_;            // one NaN element per dtype in use
+};
+
+}  // namespace zeroplus::zero::engine
