@@ -110,9 +110,9 @@ check_cmake() {
   grep -q "over 2 ranks = 3: ok" "$work/allreduce0.log" || { cat "$work"/allreduce*.log; echo "[package] FAILED: allreduce result" >&2; exit 1; }
   head -n 1 "$work/allreduce0.log"
   "$examples/cpp_aio_roundtrip" "$work" 8
-  # ZeRO stages 1 and 2 from C++ (zeroplus.hpp) on 2 ranks; each rank exits 1 unless it matches
-  # the single-process run.
-  for zero_stage in 1 2; do
+  # ZeRO stages 1-3 from C++ (zeroplus.hpp) on 2 ranks; each rank exits 1 unless it matches the
+  # single-process run.
+  for zero_stage in 1 2 3; do
     port="$(free_port)"
     "$examples/cpp_train_mlp" 0 2 127.0.0.1 "$port" 30 "$zero_stage" > "$work/train0.log" 2>&1 &
     pid=$!

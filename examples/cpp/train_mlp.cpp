@@ -1,7 +1,8 @@
 // A pure LibTorch training loop on backend zeroplus with the ZeRO engine, no Python: a small
 // MLP regresses a fixed random target on `world_size` ranks at ZeRO stage 1 or 2 through
 // zeroplus.hpp (each rank sees its slice of the batch; the engine reduces the gradients during
-// backward, clips the global norm across shards and steps its shard), and every rank also
+// backward, clips the global norm across shards and steps its shard; at stage 3 it also gathers
+// each layer's parameters around its forward and backward), and every rank also
 // trains the same MLP single-process on the whole batch with LibTorch's torch::optim::AdamW and
 // torch::nn::utils::clip_grad_norm_. Exits 1 unless the two agree (parameters and clip norms
 // within 1e-5). The training loop is the single-process one but for initialize, backward and
@@ -91,15 +92,16 @@ int main(int argc, char** argv) {
     max_norm_diff = std::max(max_norm_diff, std::abs(norm - ref_norm));
   }
 
+  // The full model on every rank (at stage 3 the parameters are shards between uses: gathered here).
   double max_diff = 0;
-  const auto params = model->parameters();
-  const auto ref_params = reference->parameters();
-  for (size_t i = 0; i < params.size(); ++i) {
-    max_diff = std::max(max_diff, (params[i] - ref_params[i]).abs().max().item<double>());
+  int64_t numel = 0;
+  const auto full = zeroplus::zero::full_state_dict(model, *opt);
+  for (const auto& item : reference->named_parameters()) {
+    max_diff = std::max(max_diff, (full[item.key()] - item.value()).abs().max().item<double>());
+    numel += item.value().numel();
   }
   std::cout << "rank " << rank << "/" << world << ", ZeRO stage " << stage << ": " << steps << " steps, loss "
-            << loss_value << ", owns " << opt->owned_numel() << " of "
-            << torch::nn::utils::parameters_to_vector(params).numel()
+            << loss_value << ", owns " << opt->owned_numel() << " of " << numel
             << " elements' optimizer state, max |param - single-process param| = " << max_diff
             << ", max |clip norm - single-process norm| = " << max_norm_diff << std::endl;
   pg->barrier()->wait();
