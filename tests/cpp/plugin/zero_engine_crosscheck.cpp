@@ -125,12 +125,13 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
     const double maxNorm = c.isDouble() ? c.toDouble() : static_cast<double>(c.toInt());
     norms.push_back(maxNorm > 0 ? opt->clip_grad_norm(maxNorm) : std::numeric_limits<double>::quiet_NaN());
     opt->step();
-    for (auto& item : model->named_parameters()) {
-      trace.insert("param." + std::to_string(step) + "." + item.key(), item.value().detach().clone());
+    // full_state_dict: at stage 3 the parameters are shards between uses
+    for (const auto& item : zeroplus::zero::full_state_dict(model, *opt)) {
+      trace.insert("param." + std::to_string(step) + "." + item.key(), item.value());
     }
   }
   c10::Dict<std::string, at::Tensor> params;
-  for (auto& item : model->named_parameters()) params.insert(item.key(), item.value().detach().clone());
+  for (const auto& item : zeroplus::zero::full_state_dict(model, *opt)) params.insert(item.key(), item.value());
   c10::Dict<std::string, at::Tensor> masters;  // fp32 shards: bf16 parameters could hide a last-bit difference
   const auto& own = opt->engine().params().masters();
   for (size_t b = 0; b < own.size(); ++b) masters.insert(std::to_string(rank) + "." + std::to_string(b), own[b].clone());
