@@ -308,6 +308,66 @@ TEST_P(ZeroEngineBf16, TrainsCloseToFp32) {
 
 INSTANTIATE_TEST_SUITE_P(Stages, ZeroEngineBf16, ::testing::Values(1, 2, 3));
 
+// A backward that raises half way (after the last layers' buckets were reduced, before the first
+// layers' gradients exist) leaves nothing behind: gathered units are released, the open pass is
+// dropped at zero_grad, and training goes on exactly as if that step had not happened.
+struct FailingBackward : public torch::autograd::Function<FailingBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+                                                 torch::autograd::variable_list /*grads*/) {
+    throw std::runtime_error("injected backward failure");
+  }
+};
+
+struct InjectorImpl : public torch::nn::Module {
+  bool armed = false;
+  at::Tensor forward(const at::Tensor& x) { return armed ? FailingBackward::apply(x) : x; }
+};
+TORCH_MODULE(Injector);
+
+class ZeroEngineFaults : public ::testing::TestWithParam<int> {};
+
+TEST_P(ZeroEngineFaults, BackwardFailingHalfWayLeavesTheEngineAsBefore) {
+  const int stage = GetParam();
+  runRanks(2, [stage](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto build = [](Injector& injector) {
+      auto base = makeModel();
+      torch::nn::Sequential model;
+      int i = 0;
+      for (const auto& child : *base) {
+        if (i++ == 2) model->push_back(injector);
+        model->push_back(child);
+      }
+      return model;
+    };
+    Injector injector, refInjector;
+    auto model = build(injector);
+    auto reference = build(refInjector);
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(stage).reduce_bucket_elems(64),
+                                          zeroplus::optim::ZeroAdamWOptions(1e-2));
+    torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int step = 0; step < 4; ++step) {
+      const Batch whole = batch(step, kRows);
+      const Batch mine = slice(whole, rank, 2);
+      opt->zero_grad();
+      injector->armed = step == 1;
+      if (step == 1) {
+        EXPECT_ANY_THROW(opt->backward(torch::mse_loss(model->forward(mine.x), mine.y)));
+        continue;  // the user's loop moves on to the next batch
+      }
+      opt->backward(torch::mse_loss(model->forward(mine.x), mine.y));
+      opt->step();
+      ref.zero_grad();
+      torch::mse_loss(reference->forward(whole.x), whole.y).backward();
+      ref.step();
+    }
+    if (auto* sharded = opt->engine().sharded()) EXPECT_EQ(sharded->gatheredBytes(), 0);
+    expectFullClose(model, *opt, reference, 1e-5);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, ZeroEngineFaults, ::testing::Values(1, 2, 3));
+
 TEST(ZeroEngine, ForgottenZeroGradRaisesInsteadOfAccumulatingAcrossSteps) {
   runRanks(2, [](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto model = makeModel();
