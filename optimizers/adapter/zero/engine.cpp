@@ -140,6 +140,20 @@ void Engine::zeroGrad(bool setToNone) {
   clippedThisStep_ = false;
 }
 
+void Engine::publishMasters() {
+  at::NoGradGuard noGrad;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::exception_ptr failure;
+  try {
+    for (size_t i = 0; i < params_.buckets().size(); ++i) works.push_back(params_.publish(i));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  for (auto& w : works) w->wait();
+  params_.releaseGatherInputs();
+  if (failure) std::rethrow_exception(failure);
+}
+
 int64_t Engine::ownedNumel() const {
   int64_t n = 0;
   for (const auto& m : params_.masters()) n += m.numel();
