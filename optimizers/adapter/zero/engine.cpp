@@ -189,6 +189,23 @@ void Engine::zeroGrad(bool setToNone) {
   clippedThisStep_ = false;
 }
 
+void Engine::publishMasters() {
+  at::NoGradGuard noGrad;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::exception_ptr failure;
+  try {
+    for (size_t i = 0; i < placement_->buckets().size(); ++i) {
+      auto work = placement_->publish(i);  // stage 3: the shard only, no collective
+      if (work) works.push_back(std::move(work));
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  for (auto& w : works) w->wait();
+  placement_->releaseGatherInputs();
+  if (failure) std::rethrow_exception(failure);
+}
+
 int64_t Engine::ownedNumel() const {
   int64_t n = 0;
   for (const auto& m : placement_->masters()) n += m.numel();

@@ -81,6 +81,9 @@ class Engine {
   std::vector<at::Tensor> gradientShards();
   // Elements of optimizer state (masters) this rank holds: about 1/world of the model.
   int64_t ownedNumel() const;
+  // Every bucket's master into the parameters on every rank (the all-gathers step() ends with),
+  // after the masters were replaced (load_checkpoint). Collective.
+  void publishMasters();
 
  private:
   void checkParamHomes() const;

@@ -1,0 +1,107 @@
+"""C++ <-> Python checkpoints: zeroplus::save_checkpoint (the C++ ZeRO engine, driven by the
+LibTorch program tests/cpp/plugin/zero_checkpoint_tool.cpp with ranks as threads) writes the
+Python package's format, and zeroplus.load_checkpoint reads it at another world size and stage
+(1, 2 and 3); and back: a Python stage-2 checkpoint (AdamW or SGD, fp32 or bf16) loads in C++ at
+world sizes 2 and 3. Both directions then take one more step on the same data and must agree,
+which checks the optimizer state (moments, step counts, momentum buffers) as well as the values.
+Python runs at world size 1 in this process (one_rank_group), so every load is a reshard."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.jit._pickle  # noqa: F401  (restore_type_tag: what torch::pickle_save files reference)
+
+import zeroplus
+
+BUILD = os.environ.get("ZEROPLUS_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+TOOL = os.path.join(BUILD, "bin", "zero_checkpoint_tool")
+ROWS = 12
+
+pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason=f"{TOOL} is not built")
+
+
+def tool(*args):
+    r = subprocess.run([TOOL, *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def batch(step):
+    x = torch.sin(torch.arange(ROWS * 7, dtype=torch.float32) * 0.37 + step).reshape(ROWS, 7)
+    y = torch.cos(torch.arange(ROWS * 3, dtype=torch.float32) * 0.21 + step).reshape(ROWS, 3)
+    return x, y
+
+
+def make(opt_name, stage, precision):
+    model = torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 17), torch.nn.ReLU(),
+                                torch.nn.Linear(17, 3))
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.copy_((torch.sin(torch.arange(p.numel(), dtype=torch.float32) * 0.7 + k) * 0.3).reshape(p.shape))
+    kwargs = dict(lr=0.05, momentum=0.9) if opt_name == "sgd" else dict(lr=1e-2, weight_decay=0.1)
+    cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
+    return zeroplus.initialize(model, cls, stage=stage, mixed_precision=None if precision == "fp32" else precision,
+                               **kwargs)
+
+
+def step(model, opt, s):
+    x, y = batch(s)
+    dtype = next(model.parameters()).dtype
+    loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def params(model):
+    """The full parameters (model.state_dict() gathers stage 3's shards)."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def load_pt(path):
+    """Parameters the C++ tool wrote with torch::pickle_save (its type tags need this global)."""
+    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+        return dict(torch.load(path))
+
+
+def expect_equal(got, want, tol, what):
+    assert sorted(got) == sorted(want), what
+    for n in want:
+        diff = (got[n].float() - want[n].float()).abs().max().item()
+        assert diff <= tol, f"{what}: {n} differs by {diff}"
+
+
+def test_zeroplus_is_this_worktree():
+    here = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "plugin", "python"))
+    assert os.path.abspath(zeroplus.__file__).startswith(here)
+
+
+@pytest.mark.parametrize("opt_name,precision,cpp_world,cpp_stage", [("adamw", "fp32", 2, 2), ("sgd", "fp32", 3, 1),
+                                                                    ("adamw", "bf16", 2, 1)])
+def test_cpp_checkpoint_loads_in_python(one_rank_group, tmp_path, opt_name, precision, cpp_world, cpp_stage):
+    tool("save", tmp_path, cpp_world, cpp_stage, opt_name, precision)
+    at_save = load_pt(tmp_path / "at_save.pt")
+    step3 = load_pt(tmp_path / "step3.pt")
+    for stage in (1, 2, 3):
+        model, opt = make(opt_name, stage, precision)
+        zeroplus.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+        expect_equal(params(model), at_save, 0.0, f"stage {stage} load")
+        step(model, opt, 2)
+        expect_equal(params(model), step3, 1e-5 if precision == "fp32" else 1e-2, f"stage {stage} step after load")
+
+
+@pytest.mark.parametrize("opt_name,precision,cpp_world", [("adamw", "fp32", 2), ("sgd", "fp32", 3),
+                                                         ("adamw", "bf16", 3)])
+def test_python_checkpoint_loads_in_cpp(one_rank_group, tmp_path, opt_name, precision, cpp_world):
+    model, opt = make(opt_name, 2, precision)
+    for s in range(2):
+        step(model, opt, s)
+    zeroplus.save_checkpoint(str(tmp_path / "py" / "ckpt"), model, opt)
+    at_save = params(model)
+    step(model, opt, 2)
+    step3 = params(model)
+    tool("load", tmp_path / "py", tmp_path, cpp_world, 2, opt_name, precision)  # through `latest`
+    expect_equal(load_pt(tmp_path / "loaded.pt"), at_save, 0.0, "C++ load")
+    expect_equal(load_pt(tmp_path / "step3.pt"), step3, 1e-5 if precision == "fp32" else 1e-2,
+                 "C++ step after load")
