@@ -107,7 +107,7 @@ void SwapStore::finishWrite(size_t s) {
   slot.ticket = {};
 }
 
-int SwapStore::acquire(bool mayGrow) {
+int SwapStore::acquire(bool mayGrow, bool mayWait) {
   for (;;) {
     for (size_t s = 0; s < slots_.size(); ++s) {
       if (slots_[s]->state == State::kFree) return static_cast<int>(s);
@@ -120,7 +120,7 @@ int SwapStore::acquire(bool mayGrow) {
         oldest = static_cast<int>(s);
       }
     }
-    if (inPool >= options_.bufferCount && oldest >= 0) {
+    if (inPool >= options_.bufferCount && oldest >= 0 && (mayWait || slots_[oldest]->ticket.ready())) {
       // Pool exhausted: wait for the oldest write in flight, whose buffer is then free (or
       // dirty, when the write failed: look again).
       ++stats_.waitsForWrite;
@@ -145,7 +145,7 @@ bool SwapStore::prefetch(const RecordKey& key) {
   if (recordBytes(key.payloadBytes) > options_.bufferBytes) return false;
   auto it = files_.find(key.id);
   if (it == files_.end()) return false;  // fetch reports the missing file
-  const int s = acquire(/*mayGrow=*/false);
+  const int s = acquire(/*mayGrow=*/false, /*mayWait=*/false);
   if (s < 0) return false;
   Slot& slot = *slots_[s];
   slot.id = key.id;
@@ -172,7 +172,7 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
   }
   auto found = slotOf_.find(key.id);
   if (found == slotOf_.end()) {
-    const int s = acquire(/*mayGrow=*/true);
+    const int s = acquire(/*mayGrow=*/true, /*mayWait=*/true);
     if (s < 0) return fail(-s, "no buffer for the record");
     Slot& slot = *slots_[s];
     slot.id = key.id;

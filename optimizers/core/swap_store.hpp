@@ -77,7 +77,8 @@ class SwapStore {
   const SwapStats& stats() const { return stats_; }
 
   // Starts reading `key`'s record unless it is in a buffer already or was never written.
-  // Never allocates past bufferCount (may wait for the oldest write); false when no buffer.
+  // Never allocates past bufferCount and never blocks (a write that has not ended keeps its
+  // buffer); false when no buffer is free.
   bool prefetch(const RecordKey& key);
   // Holds `key`'s record in a buffer and points *payload at its payload. 0, or a negative errno
   // with *fault filled (the buffer is given back; the record is unusable).
@@ -100,7 +101,9 @@ class SwapStore {
     uint64_t length = 0;    // bytes in flight
     aio::Ticket ticket;
   };
-  int acquire(bool mayGrow);
+  // A free buffer: a new one below bufferCount, else the oldest write's once it ended (waited
+  // for only with mayWait), else (mayGrow) one past the pool; a negative errno otherwise.
+  int acquire(bool mayGrow, bool mayWait);
   void finishWrite(size_t s);
   void noteFault(uint64_t id, int err, std::string what);
   std::shared_ptr<aio::File> fileFor(uint64_t id, int* err);

@@ -14,7 +14,8 @@
 namespace zeroplus::zero::engine {
 namespace {
 
-constexpr size_t kBuffers = 4;        // records in memory at once: read ahead, stepping, writing
+constexpr size_t kBuffers = 6;        // records in memory at once: read ahead, stepping, writing
+constexpr size_t kReadAhead = 3;      // buckets read ahead of the one stepping
 constexpr size_t kMaxSlots = 4;       // a master copy + Adam's three moments (amsgrad)
 constexpr uint64_t kSlotAlign = 64;   // the SIMD kernels' width
 
@@ -115,7 +116,7 @@ void OptimizerSwapper::noteFaults(std::vector<swap::SwapFault> faults) {
 }
 
 void OptimizerSwapper::prefetchAhead() {
-  for (size_t b = 0; b < homes_.size() && b < kBuffers - 1; ++b) {
+  for (size_t b = 0; b < homes_.size() && b <= kReadAhead; ++b) {
     const Home& h = homes_[b];
     store_->prefetch({b, h.generation, payloadBytes(h), layoutTag(h)});
   }
@@ -130,9 +131,9 @@ bool OptimizerSwapper::fetch(size_t b) {
   void* payload = nullptr;
   swap::SwapFault fault;
   const int rc = store_->fetch({b, h.generation, payloadBytes(h), layoutTag(h)}, &payload, &fault);
-  if (b + 1 < homes_.size()) {
-    const Home& n = homes_[b + 1];
-    store_->prefetch({b + 1, n.generation, payloadBytes(n), layoutTag(n)});
+  for (size_t n = b + 1; n < homes_.size() && n <= b + kReadAhead; ++n) {
+    const Home& h2 = homes_[n];
+    store_->prefetch({n, h2.generation, payloadBytes(h2), layoutTag(h2)});
   }
   at::Tensor& master = placement_.master(b);
   if (rc != 0) {

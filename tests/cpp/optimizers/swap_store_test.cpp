@@ -168,7 +168,7 @@ TEST(SwapStore, PoolExhaustionWaitsForTheOldestWrite) {
   writeOne(store, 0);
   writeOne(store, 1);
   EXPECT_EQ(store.stats().buffers, 2u);
-  // Both buffers are writing: prefetch may take one after the oldest write (record 0) ended.
+  // Both buffers are writing: a fetch waits for the oldest write (record 0) and takes its buffer.
   void* p = nullptr;
   SwapFault f;
   ASSERT_EQ(store.fetch(key(2, 0), &p, &f), 0) << f.what;
