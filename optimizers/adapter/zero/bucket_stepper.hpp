@@ -48,6 +48,11 @@ class BucketStepper {
   std::vector<Segment>& segments() { return segments_; }
   const std::vector<Segment>& segments() const { return segments_; }
   const at::Tensor& master() const { return master_; }
+  // The master's storage was replaced (set_ on its TensorImpl: the NVMe swapper binds it to a
+  // record and empties it after the step): the segments' views follow it.
+  void rebindMaster() {
+    for (Segment& s : segments_) s.master = master_.slice(0, s.lo, s.hi);
+  }
 
  private:
   at::Tensor master_;

@@ -48,6 +48,9 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
   for (size_t b = 0; b < placement_->buckets().size(); ++b) {
     steppers_.emplace_back(placement_->buckets()[b], placement_->master(b), comm_.rank());
   }
+  if (options_.offload_optimizer() == "nvme") {
+    swapper_ = std::make_unique<OptimizerSwapper>(options_, *placement_, steppers_, comm_.rank());
+  }
   resetUnitCounts();
 }
 
@@ -84,6 +87,8 @@ void Engine::endBackward() {
     sharded_->releaseAll();  // units whose parameters got no gradient (unused this pass)
     resetUnitCounts();
   }
+  // The step reads buckets 0, 1, ...: their records are read while the reduction settles.
+  if (swapper_) swapper_->prefetchAhead();
   reducer_.endBackward();
 }
 
@@ -166,22 +171,31 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr failure;
   try {
+    // NVMe offload: the previous step's writes ran during forward and backward; faults found
+    // from here on are raised after the step's last collective (every rank finished the step).
+    if (swapper_) swapper_->beginStep();
     for (size_t i = 0; i < buckets.size(); ++i) {
-      steppers_[i].step(reducer_.shard(i), stepped, reducer_.flagBase(i), hyper[buckets[i].group]);
+      // A record that cannot be read leaves its bucket unstepped; its publish still runs (collective).
+      const bool live = !swapper_ || swapper_->fetch(i);
+      if (live) steppers_[i].step(reducer_.shard(i), stepped, reducer_.flagBase(i), hyper[buckets[i].group]);
       auto work = placement_->publish(i);  // stages 1-2: the all-gather runs while the next bucket steps
       if (work) works.push_back(std::move(work));
+      if (swapper_) swapper_->store(i);  // publish has copied the master: write it behind
     }
   } catch (...) {
     failure = std::current_exception();
+    if (swapper_) swapper_->abandon();
   }
   for (auto& w : works) w->wait();  // every started all-gather is waited on, also after a failure
   placement_->releaseGatherInputs();
   clippedThisStep_ = false;
   if (failure) std::rethrow_exception(failure);
+  if (swapper_) swapper_->endStep();
 }
 
 void Engine::zeroGrad(bool setToNone) {
   reducer_.zero(setToNone);
+  if (swapper_) swapper_->poll();  // writes finish during forward and backward; the next step waits
   if (sharded_ != nullptr) {
     sharded_->releaseAll();  // a backward that raised left units gathered
     resetUnitCounts();
@@ -208,7 +222,7 @@ void Engine::publishMasters() {
 
 int64_t Engine::ownedNumel() const {
   int64_t n = 0;
-  for (const auto& m : placement_->masters()) n += m.numel();
+  for (const Bucket& b : placement_->buckets()) n += b.shardNumel;  // masters may be swapped out
   return n;
 }
 

@@ -35,6 +35,7 @@
 #include "optimizers/adapter/zero/collectives.hpp"
 #include "optimizers/adapter/zero/flat_params.hpp"
 #include "optimizers/adapter/zero/grad_reducer.hpp"
+#include "optimizers/adapter/zero/optimizer_swapper.hpp"
 #include "optimizers/adapter/zero/options.hpp"
 #include "optimizers/adapter/zero/placement.hpp"
 #include "optimizers/adapter/zero/sharded_params.hpp"
@@ -84,6 +85,8 @@ class Engine {
   // Every bucket's master into the parameters on every rank (the all-gathers step() ends with),
   // after the masters were replaced (load_checkpoint). Collective.
   void publishMasters();
+  // The NVMe optimizer swapper (nullptr unless options.offload_optimizer is "nvme").
+  OptimizerSwapper* swapper() { return swapper_.get(); }
 
  private:
   void checkParamHomes() const;
@@ -98,6 +101,7 @@ class Engine {
   std::vector<int64_t> unitRemaining_;  // stage 3: gradients each unit still waits for this pass
   GradReducer reducer_;
   std::vector<BucketStepper> steppers_;
+  std::unique_ptr<OptimizerSwapper> swapper_;  // after steppers_: destroyed first
   bool clippedThisStep_ = false;
 };
 

@@ -12,7 +12,12 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/serialize/archive.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -54,6 +59,20 @@ void checkOptions(const Options& o) {
                     o.reduce_bucket_elems());
   TORCH_CHECK_VALUE(o.gradient_clipping() >= 0, kInit, ": options.gradient_clipping must be >= 0, got ",
                     o.gradient_clipping());
+  TORCH_CHECK_VALUE(o.offload_optimizer() == "none" || o.offload_optimizer() == "nvme", kInit,
+                    ": options.offload_optimizer must be \"none\" or \"nvme\", got \"", o.offload_optimizer(), "\"",
+                    o.offload_optimizer() == "cpu" ? " (the CPU tier runs in the Python engine)" : "");
+  if (o.offload_optimizer() == "nvme") {
+    const std::string& path = o.nvme_path();
+    TORCH_CHECK_VALUE(!path.empty(), kInit, ": options.nvme_path must name a directory when offload_optimizer is "
+                      "\"nvme\"");
+    struct stat st {};
+    TORCH_CHECK_VALUE(::stat(path.c_str(), &st) == 0, kInit, ": options.nvme_path \"", path, "\": ",
+                      std::strerror(errno));
+    TORCH_CHECK_VALUE(S_ISDIR(st.st_mode), kInit, ": options.nvme_path \"", path, "\" is not a directory");
+    TORCH_CHECK_VALUE(::access(path.c_str(), W_OK | X_OK) == 0, kInit, ": options.nvme_path \"", path,
+                      "\" is not writable: ", std::strerror(errno));
+  }
 }
 
 // Deduplicated by TensorImpl (LibTorch lists a shared parameter under each name).

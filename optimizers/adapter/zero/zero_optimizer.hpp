@@ -33,7 +33,8 @@
 //    zeroplus's wrapper of child i, named_children() and every parameter name are unchanged).
 //    Between uses a parameter has its full shape but holds no memory (reads give NaN): read values
 //    through full_state_dict. Keep the optimizer alive while the model is used.
-//  * fp16 and offload are the Python engine's today; asking for them raises.
+//  * Options::offload_optimizer "nvme" keeps each bucket's optimizer state on NVMe between steps
+//    (optimizer_swapper.hpp). fp16 and the CPU offload tier are the Python engine's; asking raises.
 #pragma once
 
 #include <torch/nn/module.h>

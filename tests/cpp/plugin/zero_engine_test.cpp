@@ -361,7 +361,9 @@ TEST_P(ZeroEngineFaults, BackwardFailingHalfWayLeavesTheEngineAsBefore) {
       torch::mse_loss(reference->forward(whole.x), whole.y).backward();
       ref.step();
     }
-    if (auto* sharded = opt->engine().sharded()) EXPECT_EQ(sharded->gatheredBytes(), 0);
+    if (auto* sharded = opt->engine().sharded()) {
+      EXPECT_EQ(sharded->gatheredBytes(), 0);
+    }
     expectFullClose(model, *opt, reference, 1e-5);
   });
 }

@@ -1,0 +1,140 @@
+// Step time of the C++ ZeRO engine with the optimizer state in memory against NVMe optimizer
+// offload (Options::offload_optimizer "nvme"), ranks as threads on zeroplus process groups.
+//
+//   build/bin/bench_cpp_offload --nvme DIR [--layers 12] [--width 2048] [--worlds 1,2]
+//                               [--reps 3] [--steps 5] [--stage 2] [--precision fp32] --json OUT
+//
+// Model: a Sequential of `layers` Linear(width, width) layers with ReLU between them (12 x 2048
+// ~ 50M parameters). Each repetition builds a fresh model and optimizer per mode, runs two
+// warm-up iterations, then times `steps` iterations of zero_grad + forward + backward + step:
+// the write-behind runs during the next forward and backward, so the iteration (not step()
+// alone) is what offload costs. Reported: the median over repetitions of each repetition's
+// median iteration (and step()) time, rank 0's clock. bench/zero/bench_cpp_offload.py runs this
+// and plots it. Benchmarks are not tests: no assertion on times.
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "zeroplus.hpp"
+
+namespace {
+
+struct Args {
+  std::string nvme, json = "bench_cpp_offload.json", precision = "fp32";
+  int layers = 12, width = 2048, reps = 3, steps = 5, stage = 2;
+  std::vector<int> worlds = {1, 2};
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct Times {
+  double iter = 0, step = 0;
+};
+
+Times runOnce(const Args& a, int world, bool offload) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<Times> out(world);
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        auto pg = zeroplus::pg::makeProcessGroup(store, rank, world);
+        torch::manual_seed(1);
+        torch::nn::Sequential model;
+        for (int l = 0; l < a.layers; ++l) {
+          model->push_back(torch::nn::Linear(a.width, a.width));
+          if (l + 1 < a.layers) model->push_back(torch::nn::ReLU());
+        }
+        auto o = zeroplus::zero::Options().stage(a.stage).mixed_precision(a.precision);
+        if (offload) o.offload_optimizer("nvme").nvme_path(a.nvme);
+        auto opt = zeroplus::zero::initialize(model, pg, o, zeroplus::optim::ZeroAdamWOptions(1e-4));
+        at::Tensor x = torch::randn({8, a.width}), y = torch::randn({8, a.width});
+        std::vector<double> iters, steps;
+        for (int s = 0; s < a.steps + 2; ++s) {
+          pg->barrier()->wait();
+          const auto t0 = std::chrono::steady_clock::now();
+          opt->zero_grad();
+          opt->backward(torch::mse_loss(model->forward(x), y));
+          const auto t1 = std::chrono::steady_clock::now();
+          opt->step();
+          const auto t2 = std::chrono::steady_clock::now();
+          if (s >= 2) {
+            iters.push_back(std::chrono::duration<double>(t2 - t0).count());
+            steps.push_back(std::chrono::duration<double>(t2 - t1).count());
+          }
+        }
+        out[rank] = {median(iters), median(steps)};
+        opt.reset();
+        pg->shutdown();
+      } catch (const std::exception& e) {
+        errors[rank] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (!e.empty()) throw std::runtime_error(e);
+  }
+  return out[0];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--nvme") a.nvme = v;
+    else if (k == "--json") a.json = v;
+    else if (k == "--precision") a.precision = v;
+    else if (k == "--layers") a.layers = std::stoi(v);
+    else if (k == "--width") a.width = std::stoi(v);
+    else if (k == "--reps") a.reps = std::stoi(v);
+    else if (k == "--steps") a.steps = std::stoi(v);
+    else if (k == "--stage") a.stage = std::stoi(v);
+    else if (k == "--worlds") {
+      a.worlds.clear();
+      std::stringstream ss(v);
+      for (std::string w; std::getline(ss, w, ',');) a.worlds.push_back(std::stoi(w));
+    } else {
+      std::fprintf(stderr, "unknown argument %s\n", k.c_str());
+      return 2;
+    }
+  }
+  if (a.nvme.empty()) {
+    std::fprintf(stderr, "--nvme DIR is required\n");
+    return 2;
+  }
+  const long long params = static_cast<long long>(a.layers) * (static_cast<long long>(a.width) * a.width + a.width);
+  std::ofstream json(a.json);
+  json << "{\"params\": " << params << ", \"stage\": " << a.stage << ", \"precision\": \"" << a.precision
+       << "\", \"steps\": " << a.steps << ", \"reps\": " << a.reps << ", \"rows\": [";
+  std::printf("%-6s %-9s %12s %12s\n", "world", "mode", "iter_s", "step_s");
+  bool first = true;
+  for (int world : a.worlds) {
+    for (int rep = 0; rep < a.reps; ++rep) {
+      for (bool offload : {false, true}) {  // interleaved: drift in the machine's load hits both
+        const Times t = runOnce(a, world, offload);
+        std::printf("%-6d %-9s %12.4f %12.4f\n", world, offload ? "nvme" : "memory", t.iter, t.step);
+        std::fflush(stdout);
+        json << (first ? "" : ", ") << "{\"world\": " << world << ", \"mode\": \"" << (offload ? "nvme" : "memory")
+             << "\", \"rep\": " << rep << ", \"iter_s\": " << t.iter << ", \"step_s\": " << t.step << "}";
+        first = false;
+      }
+    }
+  }
+  json << "]}\n";
+  return 0;
+}

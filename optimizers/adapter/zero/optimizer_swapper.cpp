@@ -1,0 +1,229 @@
+#include "optimizers/adapter/zero/optimizer_swapper.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "aio/core/io_error.hpp"
+#include "optimizers/adapter/zero/flat_params.hpp"
+#include "optimizers/core/swap_store.hpp"
+
+namespace zeroplus::zero::engine {
+namespace {
+
+constexpr size_t kBuffers = 6;        // records in memory at once: read ahead, stepping, writing
+constexpr size_t kReadAhead = 3;      // buckets read ahead of the one stepping
+constexpr size_t kMaxSlots = 4;       // a master copy + Adam's three moments (amsgrad)
+constexpr uint64_t kSlotAlign = 64;   // the SIMD kernels' width
+
+at::Tensor SegmentState::*stateOf(int kind) {
+  switch (kind) {
+    case 1: return &SegmentState::exp_avg;
+    case 2: return &SegmentState::exp_avg_sq;
+    case 3: return &SegmentState::max_exp_avg_sq;
+    default: return &SegmentState::momentum_buffer;
+  }
+}
+
+bool isCopy(const at::Tensor& master, const Bucket& b) {
+  if (b.flat.defined() && master.is_alias_of(b.flat)) return false;
+  return !(b.shard.defined() && master.is_alias_of(b.shard));
+}
+
+}  // namespace
+
+OptimizerSwapper::OptimizerSwapper(const Options& options, Placement& placement, std::vector<BucketStepper>& steppers,
+                                   int rank)
+    : placement_(placement), steppers_(steppers), rank_(rank) {
+  const auto& buckets = placement_.buckets();
+  uint64_t largest = 0;
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    Home h;
+    h.shardNumel = buckets[b].shardNumel;
+    h.masterCopy = isCopy(placement_.master(b), buckets[b]);
+    if (h.masterCopy) h.slots.push_back(kMaster);
+    h.has.assign(steppers_[b].segments().size(), 0);
+    largest = std::max(largest, slotBytes(h) * kMaxSlots);
+    homes_.push_back(std::move(h));
+  }
+  payloads_.assign(buckets.size(), nullptr);
+  swap::SwapStoreOptions so;
+  so.parent = options.nvme_path();
+  so.prefix = "zeroplus-cswap-" + std::to_string(::getpid()) + "-rank" + std::to_string(rank) + "-";
+  so.stem = "optimizer-b";
+  so.bufferBytes = swap::recordBytes(largest);
+  so.bufferCount = kBuffers;
+  try {
+    store_ = std::make_unique<swap::SwapStore>(so);
+  } catch (const aio::IoError& e) {
+    TORCH_CHECK(false, "zeroplus::zero::initialize: options.nvme_path: cannot create the swap directory: ", e.what());
+  }
+  // The masters that are copies go to their records at once: between steps they live there only.
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    if (!homes_[b].masterCopy) continue;
+    at::Tensor keep = placement_.master(b).clone();
+    TORCH_CHECK(fetch(b), "zeroplus::zero::initialize: ", faults_.front());
+    slotTensor(b, 0).copy_(keep);
+    store(b);
+  }
+  noteFaults(store_->drain());
+  if (!faults_.empty()) {
+    const std::string first = faults_.front();
+    faults_.clear();
+    TORCH_CHECK(false, "zeroplus::zero::initialize: options.nvme_path: ", first);
+  }
+}
+
+OptimizerSwapper::~OptimizerSwapper() = default;  // the store waits for its writes and removes its files
+
+std::string OptimizerSwapper::directory() const { return store_->directory(); }
+std::string OptimizerSwapper::pathOf(size_t b) const { return store_->pathOf(b); }
+uint64_t OptimizerSwapper::bytesRead() const { return store_->stats().bytesRead; }
+uint64_t OptimizerSwapper::bytesWritten() const { return store_->stats().bytesWritten; }
+
+uint64_t OptimizerSwapper::slotBytes(const Home& h) const {
+  const uint64_t bytes = static_cast<uint64_t>(h.shardNumel) * sizeof(float);
+  return (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign;
+}
+
+uint64_t OptimizerSwapper::layoutTag(const Home& h) const {
+  uint64_t tag = static_cast<uint64_t>(h.shardNumel) << 16;
+  for (size_t k = 0; k < h.slots.size(); ++k) tag |= static_cast<uint64_t>(h.slots[k] + 1) << (3 * k);
+  return tag;
+}
+
+at::Tensor OptimizerSwapper::slotTensor(size_t b, size_t k) const {
+  char* base = static_cast<char*>(payloads_[b]) + k * slotBytes(homes_[b]);
+  return at::from_blob(base, {homes_[b].shardNumel}, at::TensorOptions().dtype(at::kFloat));
+}
+
+at::Tensor OptimizerSwapper::paramsShardAsFp32(size_t b) const {
+  const Bucket& bucket = placement_.buckets()[b];
+  if (bucket.shard.defined()) return bucket.shard.to(at::kFloat, false, /*copy=*/true);
+  const auto [lo, hi] = bucket.shardRange(rank_);
+  return bucket.flat.slice(0, lo, hi).to(at::kFloat, false, /*copy=*/true);
+}
+
+void OptimizerSwapper::noteFaults(std::vector<swap::SwapFault> faults) {
+  for (const auto& f : faults) {
+    faults_.push_back("bucket " + std::to_string(f.id) + " (file " + f.path + "): " + f.what + " [" +
+                      std::strerror(f.err) + "]; the step completed and the bucket's record is kept in memory "
+                      "until a later step writes it");
+  }
+}
+
+void OptimizerSwapper::prefetchAhead() {
+  for (size_t b = 0; b < homes_.size() && b <= kReadAhead; ++b) {
+    const Home& h = homes_[b];
+    store_->prefetch({b, h.generation, payloadBytes(h), layoutTag(h)});
+  }
+}
+
+void OptimizerSwapper::waitForWrites() { noteFaults(store_->drain()); }
+
+void OptimizerSwapper::poll() { noteFaults(store_->poll()); }
+
+bool OptimizerSwapper::fetch(size_t b) {
+  Home& h = homes_[b];
+  void* payload = nullptr;
+  swap::SwapFault fault;
+  const int rc = store_->fetch({b, h.generation, payloadBytes(h), layoutTag(h)}, &payload, &fault);
+  for (size_t n = b + 1; n < homes_.size() && n <= b + kReadAhead; ++n) {
+    const Home& h2 = homes_[n];
+    store_->prefetch({n, h2.generation, payloadBytes(h2), layoutTag(h2)});
+  }
+  at::Tensor& master = placement_.master(b);
+  if (rc != 0) {
+    faults_.push_back("bucket " + std::to_string(b) + " (file " + fault.path + "): " + fault.what + " [" +
+                      std::strerror(fault.err) + "]; the bucket was not stepped (its parameters and optimizer "
+                      "state keep their values) and the state in this file is unusable");
+    if (h.masterCopy) {
+      master.set_(paramsShardAsFp32(b));  // publish then leaves the parameters as they are
+      steppers_[b].rebindMaster();
+    }
+    return false;
+  }
+  payloads_[b] = payload;
+  h.held = true;
+  if (h.masterCopy) {
+    master.set_(slotTensor(b, 0));
+    steppers_[b].rebindMaster();
+  }
+  auto& segments = steppers_[b].segments();
+  for (size_t s = 0; s < segments.size(); ++s) {
+    for (size_t k = 0; k < h.slots.size(); ++k) {
+      if (h.slots[k] == kMaster || !(h.has[s] & (1u << h.slots[k]))) continue;
+      segments[s].state.*stateOf(h.slots[k]) = slotTensor(b, k).slice(0, segments[s].lo, segments[s].hi);
+    }
+  }
+  return true;
+}
+
+void OptimizerSwapper::store(size_t b) {
+  Home& h = homes_[b];
+  at::Tensor& master = placement_.master(b);
+  if (!h.held) {
+    if (h.masterCopy) {  // a bucket whose fetch failed: drop the stand-in master
+      master.set_(at::empty({0}, at::TensorOptions().dtype(at::kFloat)));
+      steppers_[b].rebindMaster();
+    }
+    return;
+  }
+  auto& segments = steppers_[b].segments();
+  for (size_t s = 0; s < segments.size(); ++s) {
+    for (int kind = kExpAvg; kind < kKinds; ++kind) {
+      at::Tensor& t = segments[s].state.*stateOf(kind);
+      if (!t.defined()) continue;
+      // State the stepper created this step (lazily, at a segment's first step) joins the record.
+      auto slot = std::find(h.slots.begin(), h.slots.end(), static_cast<Kind>(kind));
+      if (slot == h.slots.end()) {
+        TORCH_CHECK(h.slots.size() < kMaxSlots, "zeroplus::zero step: bucket ", b, " has more optimizer state than "
+                    "its swap record can hold");
+        h.slots.push_back(static_cast<Kind>(kind));
+        slot = h.slots.end() - 1;
+      }
+      at::Tensor dst = slotTensor(b, slot - h.slots.begin()).slice(0, segments[s].lo, segments[s].hi);
+      if (t.data_ptr() != dst.data_ptr()) dst.copy_(t);
+      h.has[s] |= static_cast<uint8_t>(1u << kind);
+      t = at::Tensor();
+    }
+  }
+  if (h.masterCopy) {
+    master.set_(at::empty({0}, at::TensorOptions().dtype(at::kFloat)));
+    steppers_[b].rebindMaster();
+  }
+  ++h.generation;
+  h.held = false;
+  payloads_[b] = nullptr;
+  store_->store({b, h.generation, payloadBytes(h), layoutTag(h)});
+}
+
+void OptimizerSwapper::abandon() {
+  for (size_t b = 0; b < homes_.size(); ++b) {
+    if (!homes_[b].held) continue;
+    // The step raised half way: the record was not changed on disk; forget what was bound.
+    for (auto& seg : steppers_[b].segments()) {
+      for (int kind = kExpAvg; kind < kKinds; ++kind) seg.state.*stateOf(kind) = at::Tensor();
+    }
+    if (homes_[b].masterCopy) {
+      placement_.master(b).set_(at::empty({0}, at::TensorOptions().dtype(at::kFloat)));
+      steppers_[b].rebindMaster();
+    }
+    homes_[b].held = false;
+    payloads_[b] = nullptr;
+    store_->release(b);
+  }
+}
+
+void OptimizerSwapper::endStep() {
+  if (faults_.empty()) return;
+  std::string text;
+  for (const auto& f : faults_) text += "\n  " + f;
+  faults_.clear();
+  TORCH_CHECK(false, "zeroplus::zero step: NVMe optimizer offload (rank ", rank_, "):", text);
+}
+
+}  // namespace zeroplus::zero::engine

@@ -1,0 +1,98 @@
+// NVMe optimizer offload of the C++ ZeRO engine (Options::offload_optimizer "nvme"): each
+// bucket's elementwise optimizer state, and its fp32 master when the master is a copy (bf16
+// training, stage 3 under bf16), lives in one swap record (optimizers/core/swap_store.hpp)
+// between steps; in memory there remain only the per-segment `step` scalars and which state
+// each segment has. The Python engine's offload/swapper.py, on the shared substrate.
+//
+// The engine drives it (engine.cpp):
+//   prefetchAhead()  end of backward: start reading the first buckets' records (the step visits
+//                    buckets 0, 1, ... : the order is known), as many as the pool has buffers;
+//   beginStep()      waits for the previous step's writes (they ran during forward/backward);
+//   fetch(b)         waits for bucket b's record, checks it and points the stepper's state
+//                    tensors (and the master) at it; starts reading bucket b + 1;
+//   store(b)         after the bucket's publish: copies state the stepper created into the
+//                    record, seals it and starts its write (write-behind); the state tensors
+//                    become undefined again, the master an empty tensor;
+//   endStep()        after the step's last collective: raises c10::Error naming every file and
+//                    bucket that failed this step (a failed read or a corrupt record: that bucket
+//                    was not stepped; a failed write: its record stays in memory and is written
+//                    again at its next store).
+// The tensors keep their identity (set_ on the same TensorImpl), so placement and stepper see
+// the bound buffer without knowing about swapping.
+//
+// Lifetime: the swap files live in a private directory under Options::nvme_path created at
+// construction and removed, with its files, by the destructor (which waits for the writes).
+// Not thread-safe: the training thread only.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optimizers/adapter/zero/bucket_stepper.hpp"
+#include "optimizers/adapter/zero/options.hpp"
+#include "optimizers/adapter/zero/placement.hpp"
+
+namespace zeroplus::swap {
+class SwapStore;
+struct SwapFault;
+}  // namespace zeroplus::swap
+
+namespace zeroplus::zero::engine {
+
+class OptimizerSwapper {
+ public:
+  // Creates the private swap directory and writes the masters that are copies into their
+  // records. Throws c10::Error naming options.nvme_path when the directory cannot be made.
+  OptimizerSwapper(const Options& options, Placement& placement, std::vector<BucketStepper>& steppers, int rank);
+  ~OptimizerSwapper();
+
+  void prefetchAhead();
+  void beginStep() { waitForWrites(); }
+  // Waits for the writes in flight (their faults are raised by the next endStep).
+  void waitForWrites();
+  // false: the record could not be used (the fault is kept for endStep); the master is bound to
+  // the parameters' current values so that publish leaves them unchanged; do not step.
+  bool fetch(size_t b);
+  void store(size_t b);
+  // Gives back buffers still held (a step that raised half way), without writing.
+  void abandon();
+  void endStep();
+  // Collects finished writes without waiting (zero_grad).
+  void poll();
+
+  std::string directory() const;
+  std::string pathOf(size_t b) const;
+  uint64_t bytesRead() const;
+  uint64_t bytesWritten() const;
+
+ private:
+  enum Kind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentum, kKinds };
+  struct Home {
+    bool masterCopy = false;
+    int64_t shardNumel = 0;
+    std::vector<Kind> slots;              // payload order
+    std::vector<uint8_t> has;             // [segment]: bitmask of kinds the segment has
+    uint64_t generation = 0;
+    bool held = false;
+  };
+  uint64_t slotBytes(const Home& h) const;
+  uint64_t payloadBytes(const Home& h) const { return slotBytes(h) * h.slots.size(); }
+  uint64_t layoutTag(const Home& h) const;
+  at::Tensor slotTensor(size_t b, size_t k) const;
+  at::Tensor paramsShardAsFp32(size_t b) const;
+  void noteFaults(std::vector<swap::SwapFault> faults);
+
+  Placement& placement_;
+  std::vector<BucketStepper>& steppers_;
+  int rank_;
+  std::unique_ptr<swap::SwapStore> store_;
+  std::vector<Home> homes_;
+  std::vector<void*> payloads_;  // [bucket]: the bound payload while held
+  std::vector<std::string> faults_;
+};
+
+}  // namespace zeroplus::zero::engine

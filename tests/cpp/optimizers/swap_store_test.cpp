@@ -1,0 +1,200 @@
+// SwapStore (optimizers/core/swap_store.hpp): records round-trip, corrupt and stale records are
+// refused naming the file, a failing write keeps the record in memory and is retried, and a
+// pool without a free buffer waits for the oldest write.
+#include "optimizers/core/swap_store.hpp"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "aio/core/io_error.hpp"
+
+namespace zeroplus::swap {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "zeroplus-swap-test-XXXXXX").string();
+    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+constexpr uint64_t kPayload = 3 * 4096 + 100;  // not a multiple of a block: the buffered tail too
+
+SwapStoreOptions optionsFor(const std::string& dir, size_t count = 4) {
+  SwapStoreOptions o;
+  o.parent = dir;
+  o.bufferBytes = recordBytes(kPayload);
+  o.bufferCount = count;
+  return o;
+}
+
+RecordKey key(uint64_t id, uint64_t gen) { return {id, gen, kPayload, 0x1234}; }
+
+void fill(void* p, uint64_t id, uint64_t gen) {
+  auto* b = static_cast<unsigned char*>(p);
+  for (uint64_t i = 0; i < kPayload; ++i) b[i] = static_cast<unsigned char>(i * 7 + id * 13 + gen);
+}
+bool matches(const void* p, uint64_t id, uint64_t gen) {
+  auto* b = static_cast<const unsigned char*>(p);
+  for (uint64_t i = 0; i < kPayload; ++i) {
+    if (b[i] != static_cast<unsigned char>(i * 7 + id * 13 + gen)) return false;
+  }
+  return true;
+}
+
+// Writes generation 1 of record `id` and waits for it.
+void writeOne(SwapStore& store, uint64_t id) {
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(id, 0), &p, &f), 0) << f.what;
+  fill(p, id, 1);
+  store.store(key(id, 1));
+}
+
+TEST(SwapStore, RoundTripThroughTheFile) {
+  TempDir dir;
+  std::string privateDir;
+  {
+    SwapStore store(optionsFor(dir.path()));
+    privateDir = store.directory();
+    EXPECT_EQ(std::filesystem::status(privateDir).permissions() & std::filesystem::perms::all,
+              std::filesystem::perms::owner_all);
+    void* p = nullptr;
+    SwapFault f;
+    ASSERT_EQ(store.fetch(key(3, 0), &p, &f), 0);
+    for (uint64_t i = 0; i < kPayload; ++i) ASSERT_EQ(static_cast<unsigned char*>(p)[i], 0);  // fresh: zeros
+    EXPECT_EQ(store.fetch(key(3, 0), &p, &f), -EBUSY);  // already held
+    store.release(3);
+    writeOne(store, 3);
+    EXPECT_TRUE(store.drain().empty());
+    EXPECT_TRUE(std::filesystem::exists(store.pathOf(3)));
+    EXPECT_EQ(std::filesystem::file_size(store.pathOf(3)), recordBytes(kPayload));
+    EXPECT_TRUE(store.prefetch(key(3, 1)));
+    ASSERT_EQ(store.fetch(key(3, 1), &p, &f), 0) << f.what;
+    EXPECT_TRUE(matches(p, 3, 1));
+    EXPECT_EQ(store.stats().reads, 1u);
+    fill(p, 3, 2);
+    store.store(key(3, 2));
+    // Fetched again while its write may be in flight: the buffer is the record, no read.
+    ASSERT_EQ(store.fetch(key(3, 2), &p, &f), 0) << f.what;
+    EXPECT_TRUE(matches(p, 3, 2));
+    EXPECT_EQ(store.stats().reads, 1u);
+    store.release(3);
+  }
+  EXPECT_FALSE(std::filesystem::exists(privateDir));  // files and directory removed
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+TEST(SwapStore, CorruptAndStaleRecordsAreRefusedNamingTheFile) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path()));
+  writeOne(store, 5);
+  ASSERT_TRUE(store.drain().empty());
+  void* p = nullptr;
+  SwapFault f;
+  EXPECT_EQ(store.fetch(key(5, 2), &p, &f), -EBADMSG);  // a write that never happened
+  EXPECT_NE(f.what.find("stale"), std::string::npos) << f.what;
+  EXPECT_EQ(f.path, store.pathOf(5));
+  const int fd = ::open(store.pathOf(5).c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char byte = 0;
+  ASSERT_EQ(::pread(fd, &byte, 1, kHeaderBytes + 777), 1);
+  byte ^= 0x10;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, kHeaderBytes + 777), 1);
+  ::close(fd);
+  f = {};
+  EXPECT_EQ(store.fetch(key(5, 1), &p, &f), -EBADMSG);
+  EXPECT_EQ(f.id, 5u);
+  EXPECT_EQ(f.path, store.pathOf(5));
+  EXPECT_NE(f.what.find("checksum"), std::string::npos) << f.what;
+  EXPECT_EQ(store.fetch(key(9, 1), &p, &f), -ENOENT);  // never written
+}
+
+TEST(SwapStore, FailingWriteIsKeptInMemoryAndRetried) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path());
+  o.io.kind = aio::EngineKind::ThreadPool;  // plain pwrite in this process: RLIMIT_FSIZE applies
+  SwapStore store(o);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto* previous = signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 4096;  // the header fits, the payload does not: EFBIG
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  writeOne(store, 1);
+  auto faults = store.drain();
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  signal(SIGXFSZ, previous);
+  ASSERT_EQ(faults.size(), 1u);
+  EXPECT_EQ(faults[0].id, 1u);
+  EXPECT_EQ(faults[0].err, EFBIG);
+  EXPECT_EQ(faults[0].path, store.pathOf(1));
+  // The record is still in memory: fetched without a read, then written again.
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(1, 1), &p, &f), 0) << f.what;
+  EXPECT_TRUE(matches(p, 1, 1));
+  EXPECT_EQ(store.stats().reads, 0u);
+  store.store(key(1, 2));
+  EXPECT_TRUE(store.drain().empty());
+  ASSERT_EQ(store.fetch(key(1, 2), &p, &f), 0) << f.what;  // from the file now
+  EXPECT_TRUE(matches(p, 1, 1));
+  EXPECT_EQ(store.stats().reads, 1u);
+  store.release(1);
+}
+
+TEST(SwapStore, PoolExhaustionWaitsForTheOldestWrite) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/2));
+  writeOne(store, 0);
+  writeOne(store, 1);
+  EXPECT_EQ(store.stats().buffers, 2u);
+  // Both buffers are writing: a fetch waits for the oldest write (record 0) and takes its buffer.
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(2, 0), &p, &f), 0) << f.what;
+  EXPECT_EQ(store.stats().buffers, 2u);
+  EXPECT_GE(store.stats().waitsForWrite, 1u);
+  fill(p, 2, 1);
+  store.store(key(2, 1));
+  EXPECT_TRUE(store.drain().empty());
+  for (uint64_t id = 0; id < 3; ++id) {
+    ASSERT_EQ(store.fetch(key(id, 1), &p, &f), 0) << f.what;
+    EXPECT_TRUE(matches(p, id, 1));
+    store.release(id);
+  }
+  EXPECT_EQ(store.stats().buffers, 2u);
+}
+
+TEST(SwapStore, BadParentIsRefused) {
+  SwapStoreOptions o = optionsFor("/nonexistent-zeroplus-dir");
+  EXPECT_THROW(SwapStore{o}, aio::IoError);
+  TempDir dir;
+  std::filesystem::permissions(dir.path(), std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
+  if (geteuid() != 0) {
+    EXPECT_THROW(SwapStore{optionsFor(dir.path())}, aio::IoError);
+  }
+  std::filesystem::permissions(dir.path(), std::filesystem::perms::owner_all);
+}
+
+}  // namespace
+}  // namespace zeroplus::swap
