@@ -29,7 +29,8 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
                    bytes are reported beside the times), and it does not fsync (torch.save)
   async            zeroplus.save_checkpoint(async_=True) followed at once by training iterations
                    (forward, backward, opt.step, zero_grad: the model's own, batch 2) until every
-                   rank's save is done (at most 20), against as many iterations without a save, and
+                   rank's save is done (at most 20), against as many iterations without a save (the
+                   first one: the median of 3 run just before), and
                    against zeroplus_aio's synchronous save:
                      async_stall    what the training thread was blocked: the call plus the wait
                                     of opt.step for the deferred snapshot (handle.blocked_s)
@@ -142,6 +143,7 @@ def _timed_cold(fn) -> float | None:
     return _timed(fn)
 
 
+_PLAIN_ITERS = 3  # iterations without a save before each async one: their median is the baseline
 _MAX_OVERLAP = 20  # iterations an async save may overlap in the bench before it waits for the save
 
 
@@ -243,7 +245,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             dist.barrier()
         for mode in args.async_modes:
             d = os.path.join(base, f"{mode}_{rep}")
-            o = CheckpointOptions(overlap_snapshot=mode != "async_eager")
+            o = CheckpointOptions(overlap_snapshot=mode != "async_eager", direct=os.environ.get("ZP_ASYNC_DIRECT", "off"))
             handles, call = [], []
 
             def save_and_iterate():
@@ -252,9 +254,10 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
                 call.append(time.perf_counter() - t0)
                 iteration()
             # The iterations the save overlaps: until every rank's save is done (at most
-            # _MAX_OVERLAP), against as many without a save, both with the same agreement per
-            # iteration; the difference is the save's whole cost on the training thread.
-            plain_first = _timed(iteration)
+            # _MAX_OVERLAP; the agreement between them is not timed), against as many without a
+            # save; the difference is the save's whole cost on the training thread.
+            plain_runs = [_timed(iteration) for _ in range(_PLAIN_ITERS)]
+            plain_first = statistics.median(plain_runs)
             with_save = _timed(save_and_iterate)
             overlapped = [with_save]
             while not _all_done(handles[0]) and len(overlapped) < _MAX_OVERLAP:
@@ -262,9 +265,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             t0 = time.perf_counter()
             handles[0].wait()
             waited = _max(time.perf_counter() - t0)
-            plain = [plain_first] + [_timed(iteration) for _ in range(len(overlapped) - 1)]
-            for _ in range(len(overlapped) - 1):
-                _all_done(handles[0])  # the same agreements as above
+            plain = [plain_first] + [_timed(iteration) for _ in range(len(overlapped) - 1)]  # as many
             times[f"{mode}_iter_plain"].append(plain_first)
             times[f"{mode}_iter_with_save"].append(with_save)
             times[f"{mode}_stall"].append(_max(handles[0].blocked_s))

@@ -310,7 +310,9 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
         lazy = async_ and any(not isinstance(p, tuple) for p in pieces)
         if async_ and not lazy:  # training may change every live tensor after we return: snapshot.py
             deferred = [options.overlap_snapshot and adapter.changes_only_in_optimizer(n, k) for n, k, *_ in pieces]
-            snapshot = Snapshot(pieces, deferred)
+            # Through the page cache the deferred pieces are written from the live tensors (the
+            # kernel's copy is the snapshot); O_DIRECT would hold them until the disk has them.
+            snapshot = Snapshot(pieces, deferred, live=not (options.io == "aio" and options.direct == "auto"))
             snapshot.take_now()
     except Exception as e:  # noqa: BLE001 - raised by SaveJob.write_own
         snapshot_error = e
@@ -343,12 +345,19 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                     raise own_error  # rank > 0 (rank 0's is raised by its commit)
                 job.finish_async()
                 return
+            live = None
             if snapshot is not None and not snapshot.done.is_set():
                 try:
                     snapshot.take_deferred()
                 except Exception as e:  # noqa: BLE001 - reported through the failure marker
                     job.write_own([], {}, e)
-            job.write_own(snapshot.pieces if snapshot is not None else pieces, scalars, snapshot_error)
+                last = snapshot.last_live()
+                live = (last, snapshot.live_written) if last >= 0 else None
+            try:
+                job.write_own(snapshot.pieces if snapshot is not None else pieces, scalars, snapshot_error, live)
+            finally:
+                if snapshot is not None:
+                    snapshot.finish()  # an error before the live pieces were written: nobody waits
             job.finish_async()
         finally:
             if lock_fd is not None:

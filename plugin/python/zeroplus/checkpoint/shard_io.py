@@ -137,13 +137,16 @@ class _Sink:
 
 
 def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
-                block_bytes: int = BLOCK_BYTES, direct: str = "auto") -> tuple[dict, list]:
+                block_bytes: int = BLOCK_BYTES, direct: str = "auto", live=None) -> tuple[dict, list]:
     """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
     An item may also be a LazyPieces (adapters.py): its pieces are written inside its resident()
     context, and all of their writes have completed before it is left (one such bucket resident at
     a time).
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
-    the temporary file is removed then, and nothing is left under the final name."""
+    the temporary file is removed then, and nothing is left under the final name.
+    live: None, or (k, callback): pieces[0..k] include tensors training will change once callback()
+    is called (an async save's live pieces, snapshot.py); it is called as soon as every write of
+    them has completed and their checksums are computed, before the rest is written."""
     final = shard_file_name(rank)
     fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(final))
     try:
@@ -200,9 +203,13 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                 crc.feed(memoryview(data.numpy()))
                 offset += n
 
-            for item in pieces:
+            for i, item in enumerate(pieces):
                 if isinstance(item, tuple):
                     place(*item)
+                    if live is not None and i == live[0]:
+                        flush()
+                        sink.drain()  # a buffered write has returned once its bytes are in the page cache
+                        live[1]()
                     continue
                 # LazyPieces (adapters.py): a bucket whose values live in swap files, resident
                 # only inside its context: every write of it is done before the context is left.
