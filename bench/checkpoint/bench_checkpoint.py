@@ -245,7 +245,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             dist.barrier()
         for mode in args.async_modes:
             d = os.path.join(base, f"{mode}_{rep}")
-            o = CheckpointOptions(overlap_snapshot=mode != "async_eager", direct=os.environ.get("ZP_ASYNC_DIRECT", "off"))
+            o = CheckpointOptions(overlap_snapshot=mode != "async_eager")
             handles, call = [], []
 
             def save_and_iterate():
