@@ -186,6 +186,7 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
     engine = _deepspeed_engine(rank, world, int(args.params), x) if args.deepspeed else None
     ds_bytes = 0
     times = {f"{v}_{op}": [] for v in variants for op in ("save", "load", "load_cold")}
+    snapshot_bytes = {}  # async mode -> what its save copied into memory (rank 0)
     for mode in args.async_modes:
         for what in ("stall", "call", "iter_plain", "iter_with_save", "total", "overlapped", "whole_cost", "waited"):
             times[f"{mode}_{what}"] = []
@@ -274,14 +275,14 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             times[f"{mode}_overlapped"].append(len(overlapped))
             times[f"{mode}_whole_cost"].append(sum(overlapped) - sum(plain))
             times[f"{mode}_waited"].append(waited)
+            snapshot_bytes[mode] = handles[0].snapshot_bytes
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
-    handles = handles if args.async_modes else []
     if rank == 0:
         results.put({"times": times, "total_bytes": total_bytes, "shard_bytes": shard_bytes,
-                     "snapshot_bytes": handles[0].snapshot_bytes if args.async_modes else 0, "deepspeed_bytes": ds_bytes})
+                     "snapshot_bytes": snapshot_bytes, "deepspeed_bytes": ds_bytes})
     dist.destroy_process_group()
 
 
@@ -441,8 +442,8 @@ def main() -> None:
     whats = {"async": "overlapped snapshot (default)", "async_eager": "overlap_snapshot=False"}
     for mode in args.async_modes:
         lines += ["", f"async save, {whats[mode]}: training blocked {med[f'{mode}_stall']:.3f} s (the call "
-                  f"{med[f'{mode}_call']:.3f} s + opt.step's wait; snapshot of {res['snapshot_bytes'] / 1e6:.0f} MB on "
-                  f"rank 0); the iteration after the call {med[f'{mode}_iter_with_save']:.3f} s against "
+                  f"{med[f'{mode}_call']:.3f} s + opt.step's wait; {res['snapshot_bytes'][mode] / 1e6:.0f} MB copied "
+                  f"into memory on rank 0); the iteration after the call {med[f'{mode}_iter_with_save']:.3f} s against "
                   f"{med[f'{mode}_iter_plain']:.3f} s without a save; it overlapped "
                   f"{med[f'{mode}_overlapped']:.0f} iteration(s) and cost them {med[f'{mode}_whole_cost']:.3f} s in all "
                   f"(whole cost; wait() then blocked {med[f'{mode}_waited']:.3f} s more); "
