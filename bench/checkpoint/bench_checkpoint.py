@@ -27,15 +27,18 @@ to a fresh directory under DIR (default: a temporary directory on the file syste
                    directory), on the bench's zeroplus group as bench/zero/bench_stages.py runs it.
                    It writes more than the others: rank 0 also saves the full fp32 weights (its
                    bytes are reported beside the times), and it does not fsync (torch.save)
-  async            zeroplus.save_checkpoint(async_=True) followed at once by one training iteration
-                   (forward, backward, opt.step, zero_grad: the model's own, batch 2), against the
-                   same iteration without a save, and against zeroplus_aio's synchronous save:
+  async            zeroplus.save_checkpoint(async_=True) followed at once by training iterations
+                   (forward, backward, opt.step, zero_grad: the model's own, batch 2) until every
+                   rank's save is done (at most 20), against as many iterations without a save (the
+                   first one: the median of 3 run just before), and
+                   against zeroplus_aio's synchronous save:
                      async_stall    what the training thread was blocked: the call plus the wait
                                     of opt.step for the deferred snapshot (handle.blocked_s)
                      async_call     the call alone
-                     async_iter_extra  the iteration with the save minus the one without (the
-                                    stall plus what the background copy and writes cost the
-                                    training thread by sharing the cores and memory bandwidth)
+                     async_whole_cost  the iterations with the save minus as many without (the
+                                    stall plus what the background copy, checksums and writes
+                                    cost the training thread by sharing the cores and memory
+                                    bandwidth): issue 41's "whole cost"
                    async_eager: the same with CheckpointOptions(overlap_snapshot=False) (every
                    byte copied before the call returns)
 
@@ -47,7 +50,8 @@ Variants run interleaved per repetition; a time is the slowest rank's, the figur
 repetitions. Reads come from the page cache (the bench does not drop caches on a shared machine).
 fio's sequential 1 MiB write bandwidth on the same directory, one writer per rank with a final fsync,
 buffered and O_DIRECT, the better of the two, is the ceiling.
-Writes OUT.json and OUT.md.
+--variants and --async-modes run a subset (the ratios need zeroplus_aio, and dcp for DCP's).
+Writes OUT.json, OUT.md and OUT.png (seconds per variant; the async save's cost beside the sync one).
 """
 
 from __future__ import annotations
@@ -139,6 +143,17 @@ def _timed_cold(fn) -> float | None:
     return _timed(fn)
 
 
+_PLAIN_ITERS = 3  # iterations without a save before each async one: their median is the baseline
+_MAX_OVERLAP = 20  # iterations an async save may overlap in the bench before it waits for the save
+
+
+def _all_done(handle) -> bool:
+    """Whether every rank's save is done (one small all-reduce)."""
+    x = torch.tensor([0.0 if handle.done() else 1.0])
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x.item() == 0.0
+
+
 def _dcp_state(opt, rank: int) -> dict:
     out = {}
     for b, bo in enumerate(opt.bucket_optimizers):
@@ -167,12 +182,13 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
     dist.all_reduce(sizes)
     total_bytes = int(sizes.item())
     base = args.dir
-    variants = VARIANTS + (DS_VARIANTS if args.deepspeed else [])
+    variants = args.variants + (DS_VARIANTS if args.deepspeed else [])
     engine = _deepspeed_engine(rank, world, int(args.params), x) if args.deepspeed else None
     ds_bytes = 0
     times = {f"{v}_{op}": [] for v in variants for op in ("save", "load", "load_cold")}
-    for mode in ("async", "async_eager"):
-        for what in ("stall", "call", "iter_plain", "iter_with_save", "total"):
+    snapshot_bytes = {}  # async mode -> what its save copied into memory (rank 0)
+    for mode in args.async_modes:
+        for what in ("stall", "call", "iter_plain", "iter_with_save", "total", "overlapped", "whole_cost", "waited"):
             times[f"{mode}_{what}"] = []
 
     def iteration():
@@ -228,10 +244,9 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
-        for mode in ("async", "async_eager"):
+        for mode in args.async_modes:
             d = os.path.join(base, f"{mode}_{rep}")
-            o = CheckpointOptions(overlap_snapshot=mode == "async")
-            times[f"{mode}_iter_plain"].append(_timed(iteration))
+            o = CheckpointOptions(overlap_snapshot=mode != "async_eager")
             handles, call = [], []
 
             def save_and_iterate():
@@ -239,20 +254,35 @@ def _rank(rank: int, world: int, args, store_path: str, results) -> None:
                 handles.append(zeroplus.save_checkpoint(os.path.join(d, "ck"), model, opt, async_=True, options=o))
                 call.append(time.perf_counter() - t0)
                 iteration()
+            # The iterations the save overlaps: until every rank's save is done (at most
+            # _MAX_OVERLAP; the agreement between them is not timed), against as many without a
+            # save; the difference is the save's whole cost on the training thread.
+            plain_runs = [_timed(iteration) for _ in range(_PLAIN_ITERS)]
+            plain_first = statistics.median(plain_runs)
             with_save = _timed(save_and_iterate)
+            overlapped = [with_save]
+            while not _all_done(handles[0]) and len(overlapped) < _MAX_OVERLAP:
+                overlapped.append(_timed(iteration))
             t0 = time.perf_counter()
             handles[0].wait()
+            waited = _max(time.perf_counter() - t0)
+            plain = [plain_first] + [_timed(iteration) for _ in range(len(overlapped) - 1)]  # as many
+            times[f"{mode}_iter_plain"].append(plain_first)
             times[f"{mode}_iter_with_save"].append(with_save)
             times[f"{mode}_stall"].append(_max(handles[0].blocked_s))
             times[f"{mode}_call"].append(_max(call[0]))
-            times[f"{mode}_total"].append(_max(time.perf_counter() - t0) + with_save)
+            times[f"{mode}_total"].append(sum(overlapped) + waited)
+            times[f"{mode}_overlapped"].append(len(overlapped))
+            times[f"{mode}_whole_cost"].append(sum(overlapped) - sum(plain))
+            times[f"{mode}_waited"].append(waited)
+            snapshot_bytes[mode] = handles[0].snapshot_bytes
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
     if rank == 0:
         results.put({"times": times, "total_bytes": total_bytes, "shard_bytes": shard_bytes,
-                     "snapshot_bytes": handles[0].snapshot_bytes, "deepspeed_bytes": ds_bytes})
+                     "snapshot_bytes": snapshot_bytes, "deepspeed_bytes": ds_bytes})
     dist.destroy_process_group()
 
 
@@ -273,6 +303,37 @@ def _fio(directory: str, size_mb: int, jobs: int, direct: bool) -> float | None:
     return json.loads(out.stdout)["jobs"][0]["write"]["bw_bytes"] / 1e9
 
 
+def _plot(png: pathlib.Path, med: dict, args, gb: float) -> None:
+    """Save and load seconds per variant (load warm and with the page cache dropped), and where an
+    async save's cost on the training thread goes, beside the synchronous save."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from plotting import pyplot  # installs matplotlib when missing (docs/benchmarks.md)
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    names = args.variants + (DS_VARIANTS if args.deepspeed else [])
+    xs = range(len(names))
+    for off, key, label in ((-0.27, "save", "save"), (0.0, "load", "load (warm)"),
+                            (0.27, "load_cold", "load (page cache dropped)")):
+        ax.bar([x + off for x in xs], [med.get(f"{n}_{key}", 0.0) for n in names], width=0.27, label=label)
+    ax.set_xticks(list(xs), [n.replace("_", "\n", 1) for n in names], fontsize=8)
+    ax.set_ylabel("seconds (slowest rank, median)")
+    ax.set_title(f"checkpoint of {gb:.2f} GB, {args.ranks} ranks")
+    ax.legend(fontsize=8)
+    bars = ["sync save"] + [m for m in args.async_modes]
+    blocked = [med.get("zeroplus_aio_save", 0.0)] + [med[f"{m}_stall"] for m in args.async_modes]
+    slowed = [0.0] + [max(0.0, med[f"{m}_whole_cost"] - med[f"{m}_stall"]) for m in args.async_modes]
+    bx.bar(bars, blocked, label="training blocked")
+    bx.bar(bars, slowed, bottom=blocked, label="overlapped iterations slowed")
+    bx.set_title("cost on the training thread")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, default=44e6)
@@ -281,8 +342,17 @@ def main() -> None:
     ap.add_argument("--deepspeed", action="store_true",
                     help="add DeepSpeed's save_checkpoint/load_checkpoint (installed into the build directory once)")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated subset of " + ",".join(VARIANTS) + " (ratios need zeroplus_aio and dcp)")
+    ap.add_argument("--async-modes", default="async,async_eager",
+                    help="comma-separated subset of async,async_eager (empty: none)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint-latest"))
     args = ap.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    args.async_modes = [v for v in args.async_modes.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS) | set(args.async_modes) - {"async", "async_eager"}
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}")
     deepspeed_version = None
     if args.deepspeed:
         sys.path.insert(0, str(ROOT / "bench"))
@@ -321,34 +391,41 @@ def main() -> None:
         shutil.rmtree(args.dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in res["times"].items() if v and None not in v}
     rows = []
-    for v in VARIANTS + (DS_VARIANTS if args.deepspeed else []):
+    for v in args.variants + (DS_VARIANTS if args.deepspeed else []):
         rows.append((v, med[f"{v}_save"], gb / med[f"{v}_save"], med[f"{v}_load"], gb / med[f"{v}_load"],
                      med.get(f"{v}_load_cold")))
-    zs = med["zeroplus_aio_save"]
+
+    def ratio(num: str, den: str, scale: float = 1.0):
+        """med[num] / med[den] (None where the run lacks either: --variants)."""
+        return med[num] / med[den] * scale if num in med and den in med else None
+    zs = med.get("zeroplus_aio_save")
+    ratios = {"save_vs_torch_save": ratio("torch_save_save", "zeroplus_aio_save"),
+              "save_vs_torch_save_sync": ratio("torch_save_sync_save", "zeroplus_aio_save"),
+              "save_vs_dcp": ratio("dcp_save", "zeroplus_aio_save"),
+              "save_GBps_vs_fio": gb / zs / fio if fio and zs else None,
+              "save_direct_GBps_vs_fio": (gb / med["zeroplus_aio_direct_save"] / fio
+                                          if fio and "zeroplus_aio_direct_save" in med else None),
+              "load_vs_torch_load": ratio("torch_save_load", "zeroplus_aio_load"),
+              "load_vs_dcp": ratio("dcp_load", "zeroplus_aio_load"),
+              "cold_load_vs_dcp": ratio("dcp_load_cold", "zeroplus_aio_load_cold"),
+              "cold_load_direct_vs_dcp": ratio("dcp_load_cold", "zeroplus_aio_direct_load_cold")}
+    for mode in args.async_modes:
+        # The issue's measure: what the training thread lost to the save (blocked time plus the
+        # slowdown of every iteration it overlapped), against a synchronous save.
+        ratios[f"{mode}_whole_cost_vs_sync_save"] = ratio(f"{mode}_whole_cost", "zeroplus_aio_save")
+        ratios[f"{mode}_stall_vs_sync_save"] = ratio(f"{mode}_stall", "zeroplus_aio_save")
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "ranks": args.ranks,
               "params": int(args.params), "total_bytes": res["total_bytes"], "reps": args.reps,
+              "variants": args.variants, "async_modes": args.async_modes,
               "median_s": med, "raw_s": res["times"], "fio_write_GBps": fio, "fio_write_GBps_by_mode": fio_modes,
               "snapshot_bytes_rank0": res["snapshot_bytes"],
               "load_average": {"before": load_before, "after": os.getloadavg()},
               "deepspeed": {"version": deepspeed_version, "accelerator": os.environ.get("DS_ACCELERATOR"),
                             "bytes_written": res["deepspeed_bytes"]} if args.deepspeed else None,
-              "ratios": {"save_vs_torch_save": med["torch_save_save"] / zs,
-                         "save_vs_torch_save_sync": med["torch_save_sync_save"] / zs,
-                         "save_vs_dcp": med["dcp_save"] / zs,
-                         "save_GBps_vs_fio": (gb / zs) / fio if fio else None,
-                         "save_direct_GBps_vs_fio": (gb / med["zeroplus_aio_direct_save"]) / fio if fio else None,
-                         "async_stall_vs_sync_save": med["async_stall"] / zs,
-                         "async_iter_extra_vs_sync_save": (med["async_iter_with_save"] - med["async_iter_plain"]) / zs,
-                         "async_eager_stall_vs_sync_save": med["async_eager_stall"] / zs,
-                         "load_vs_torch_load": med["torch_save_load"] / med["zeroplus_aio_load"],
-                         "load_vs_dcp": med["dcp_load"] / med["zeroplus_aio_load"],
-                         "cold_load_vs_dcp": (med["dcp_load_cold"] / med["zeroplus_aio_load_cold"]
-                                              if "zeroplus_aio_load_cold" in med else None),
-                         "cold_load_direct_vs_dcp": (med["dcp_load_cold"] / med["zeroplus_aio_direct_load_cold"]
-                                                     if "zeroplus_aio_direct_load_cold" in med else None)}}
+              "ratios": ratios}
     if args.deepspeed:
-        report["ratios"]["save_vs_deepspeed"] = med["deepspeed_save"] / zs
-        report["ratios"]["load_vs_deepspeed"] = med["deepspeed_load"] / med["zeroplus_aio_load"]
+        report["ratios"]["save_vs_deepspeed"] = ratio("deepspeed_save", "zeroplus_aio_save")
+        report["ratios"]["load_vs_deepspeed"] = ratio("deepspeed_load", "zeroplus_aio_load")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
@@ -362,17 +439,22 @@ def main() -> None:
                   f"{res['deepspeed_bytes'] / 1e9:.3f} GB per checkpoint (GB/s above: of the {gb:.3f} GB the others "
                   f"write)"]
     lines += ["", f"load average: {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after (1 min)"]
-    for mode, what in (("async", "overlapped snapshot (default)"), ("async_eager", "overlap_snapshot=False")):
-        lines += ["", f"async save, {what}: training blocked {med[f'{mode}_stall']:.3f} s (the call "
-                  f"{med[f'{mode}_call']:.3f} s + opt.step's wait; snapshot of {res['snapshot_bytes'] / 1e6:.0f} MB on "
-                  f"rank 0); the iteration after the call {med[f'{mode}_iter_with_save']:.3f} s against "
-                  f"{med[f'{mode}_iter_plain']:.3f} s without a save; {med[f'{mode}_total']:.3f} s until wait() returns"]
+    whats = {"async": "overlapped snapshot (default)", "async_eager": "overlap_snapshot=False"}
+    for mode in args.async_modes:
+        lines += ["", f"async save, {whats[mode]}: training blocked {med[f'{mode}_stall']:.3f} s (the call "
+                  f"{med[f'{mode}_call']:.3f} s + opt.step's wait; {res['snapshot_bytes'][mode] / 1e6:.0f} MB copied "
+                  f"into memory on rank 0); the iteration after the call {med[f'{mode}_iter_with_save']:.3f} s against "
+                  f"{med[f'{mode}_iter_plain']:.3f} s without a save; it overlapped "
+                  f"{med[f'{mode}_overlapped']:.0f} iteration(s) and cost them {med[f'{mode}_whole_cost']:.3f} s in all "
+                  f"(whole cost; wait() then blocked {med[f'{mode}_waited']:.3f} s more); "
+                  f"{med[f'{mode}_total']:.3f} s until wait() returned"]
     lines += ["",
               (f"fio sequential write, 1 MiB, {args.ranks} writers, end fsync: "
                + ", ".join(f"{k} {v:.2f} GB/s" for k, v in fio_modes.items() if v) + f" (ceiling {fio:.2f})")
               if fio else "fio: not available", "",
               "| ratio | value |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in report["ratios"].items() if v is not None]
+    _plot(out.with_suffix(".png"), med, args, gb)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -175,6 +175,61 @@ def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
 
 
 @pytest.mark.parametrize("io,direct", [("aio", "auto"), ("aio", "off"), ("posix", "auto")])
+def test_shard_writer_segments_start_write_back_and_call_back_after_the_live_pieces(tmp_path, monkeypatch, io,
+                                                                                    direct):
+    """Through the page cache a large piece goes out in segments (here 256 KiB + 12 bytes, so they
+    split pieces at odd places), each one's write-back started once it is in the cache: the
+    started ranges cover every large piece (with its padding) exactly once, and the file and its
+    checksums are right. The `live` callback runs once, after the pieces up to its index are in
+    the file (an async save's live tensors, snapshot.py), before the later ones are."""
+    import os
+    import zlib
+
+    from zeroplus import files
+    from zeroplus.checkpoint import fsutil, shard_io
+
+    monkeypatch.setattr(shard_io, "_SEGMENT_BYTES", (256 << 10) + 12)
+    started = []
+    real = fsutil.start_writeback
+    monkeypatch.setattr(fsutil, "start_writeback", lambda fd, at, n: (started.append((at, n)), real(fd, at, n)))
+    torch.manual_seed(0)
+    base = torch.randn(3 << 18)  # 3 MiB of float32
+    big = (1 << 20) // 4 + 3
+    pieces = [(f"big{i}", "param", 0, big, base[i * (big + 7) + i:i * (big + 7) + i + big]) for i in range(2)]
+    pieces.insert(1, ("small", "exp_avg", 0, 5, torch.arange(5.0)))
+    seen = []
+
+    def written():
+        (name,) = [n for n in os.listdir(tmp_path)]
+        seen.append((tmp_path / name).read_bytes())
+    dir_fd = files.open_directory_at(None, str(tmp_path), owned=True)
+    try:
+        record, chunks = shard_io.write_shard(dir_fd, str(tmp_path), 0, pieces, io, block_bytes=1 << 16,
+                                              direct=direct, live=(1, written))
+    finally:
+        os.close(dir_fd)
+    data = (tmp_path / record["name"]).read_bytes()
+    assert record["block_crc32"] == [zlib.crc32(data[i:i + (1 << 16)]) for i in range(0, len(data), 1 << 16)]
+    for (name, _k, _lo, _hi, t), (*_, offset) in zip(pieces, chunks):
+        assert data[offset:offset + t.numel() * 4] == t.numpy().tobytes(), name
+    assert len(seen) == 1
+    for (name, _k, _lo, _hi, t), (*_, offset) in list(zip(pieces, chunks))[:2]:
+        assert seen[0][offset:offset + t.numel() * 4] == t.numpy().tobytes(), f"{name} not in the file at the callback"
+    if direct == "auto" and io == "aio":
+        assert started == []  # O_DIRECT: nothing in the page cache to write back
+        return
+    covered = sorted(started)
+    bigs = sorted(offset for (name, *_), (*_, offset) in zip(pieces, chunks) if name.startswith("big"))
+    assert len(covered) == 2 * -(-big * 4 // ((256 << 10) + 12)), covered  # every segment of both pieces
+    for (a, n), (b, _m) in zip(covered, covered[1:]):
+        assert a + n <= b, f"write-back ranges overlap: {covered}"
+    for start in bigs:  # each piece's segments are back to back, from its padding to its end
+        mine = [(a, n) for a, n in covered if start - 4096 < a <= start + big * 4]
+        assert mine[0][0] <= start and mine[-1][0] + mine[-1][1] == start + big * 4, (start, mine)
+        assert all(a + n == b for (a, n), (b, _m) in zip(mine, mine[1:])), mine
+
+
+@pytest.mark.parametrize("io,direct", [("aio", "auto"), ("aio", "off"), ("posix", "auto")])
 def test_shard_writer_places_unaligned_tensors_and_checksums_every_byte(tmp_path, io, direct):
     """write_shard of large pieces at every kind of address (page-aligned, 4 and 64 bytes in, the
     last 4 bytes of a page), small coalesced ones between them and a piece of 0 elements: each

@@ -42,7 +42,12 @@ from .checksum import crc32
 from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, CheckpointError, check_dir_name,
                      parse_manifest)
 
-_MAX_RUN_BLOCKS = 16  # one read call covers at most this many checksum blocks
+_MAX_RUN_BLOCKS = 16  # one read call of verify_file covers at most this many checksum blocks
+# A load's read tasks cover about this many bytes each (whole blocks, at least one): several
+# threads each reading a few MiB and checking it while the others' reads are in flight kept the
+# disk busier than 64 MiB tasks (two ranks reading 300 MB each with the page cache dropped: 8-16
+# MiB tasks 0.15-0.31 s, 64 MiB 0.38-0.67 s, bench notes in docs/checkpoints.md).
+_RUN_BYTES = 8 << 20
 _MAX_BOUNCE_BYTES = 64 << 20  # and verify_file's buffer at most this (or one block, at most 64 MiB)
 
 
@@ -270,6 +275,7 @@ class CheckpointReader:
         checked once, into a buffer of its own, however many pieces (small tensors) share it,
         then copied to each of them."""
         size, bs = self.manifest["files"][fi]["bytes"], self.block
+        run_blocks = max(1, _RUN_BYTES // bs)
         fd = self._fd(fi)  # opened here, in the calling thread (the descriptor cache is not shared)
         tasks, partial = [], defaultdict(list)  # partial: block -> [(from, to, raw, at)]
         for lo, hi, raw, at in pieces:
@@ -278,7 +284,7 @@ class CheckpointReader:
                 start, end = b * bs, min((b + 1) * bs, size)
                 if start >= lo and end <= hi:  # whole blocks: a run of them, read in place
                     k = b
-                    while k < last and k + 1 - b < _MAX_RUN_BLOCKS and min((k + 2) * bs, size) <= hi:
+                    while k < last and k + 1 - b < run_blocks and min((k + 2) * bs, size) <= hi:
                         k += 1
                     stop = min((k + 1) * bs, size)
                     dst = memoryview(raw[at + (start - lo):at + (stop - lo)].numpy())

@@ -15,8 +15,9 @@ Synchronous (async_=False, default): returns a finished CheckpointHandle after t
 complete and durable on every rank. async_=True: saves the state of the moment of the call, blocking
 only for a snapshot of this rank's shard into CPU memory (handle.snapshot_bytes), then writes in a
 background thread while training goes on. The bulk of the snapshot (the engine's masters and
-optimizer state, which only the optimizer changes) is copied on that thread while training runs
-its next forward and backward; opt.step(), opt.load_state_dict() and model.load_state_dict() wait
+optimizer state, which only the optimizer changes) is taken on that thread while training runs
+its next forward and backward (through the page cache written from the live tensors, the cache's
+copy being the snapshot; with direct="auto" copied first: snapshot.py); opt.step(), opt.load_state_dict() and model.load_state_dict() wait
 for it first (snapshot.py; handle.blocked_s is the call plus those waits, handle.wait_snapshot()
 waits for it explicitly; CheckpointOptions(overlap_snapshot=False) copies everything before
 returning; with offload nvme, whose swapped buckets only the training thread can read, this rank's
@@ -57,8 +58,9 @@ class CheckpointOptions:
     """io: "aio" (zeroplus.aio io_uring engine) or "posix" (pwrite) for shard bytes;
     commit_timeout_s: how long rank 0 waits for the other ranks' shards, and they for its commit;
     block_bytes: checksum granularity (a reader reads whole blocks around what it needs);
-    overlap_snapshot: async saves copy the masters and optimizer state on the writer thread,
-    overlapping the next forward and backward (False: everything before the call returns);
+    overlap_snapshot: async saves take the masters and optimizer state on the writer thread,
+    overlapping the next forward and backward (written from the live tensors through the page
+    cache, copied first with direct="auto"; False: everything copied before the call returns);
     direct: io="aio" writes through the page cache ("off", the default; then fdatasync) or
     O_DIRECT where the file system takes it ("auto"). Through the cache a load soon after the save
     (a restart, a resume on the same host) reads memory, not the disk, and the save itself was no
@@ -310,7 +312,9 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
         lazy = async_ and any(not isinstance(p, tuple) for p in pieces)
         if async_ and not lazy:  # training may change every live tensor after we return: snapshot.py
             deferred = [options.overlap_snapshot and adapter.changes_only_in_optimizer(n, k) for n, k, *_ in pieces]
-            snapshot = Snapshot(pieces, deferred)
+            # Through the page cache the deferred pieces are written from the live tensors (the
+            # kernel's copy is the snapshot); O_DIRECT would hold them until the disk has them.
+            snapshot = Snapshot(pieces, deferred, live=not (options.io == "aio" and options.direct == "auto"))
             snapshot.take_now()
     except Exception as e:  # noqa: BLE001 - raised by SaveJob.write_own
         snapshot_error = e
@@ -343,12 +347,19 @@ def save_checkpoint(path, model, opt, extra=None, async_: bool = False, *,
                     raise own_error  # rank > 0 (rank 0's is raised by its commit)
                 job.finish_async()
                 return
+            live = None
             if snapshot is not None and not snapshot.done.is_set():
                 try:
                     snapshot.take_deferred()
                 except Exception as e:  # noqa: BLE001 - reported through the failure marker
                     job.write_own([], {}, e)
-            job.write_own(snapshot.pieces if snapshot is not None else pieces, scalars, snapshot_error)
+                last = snapshot.last_live()
+                live = (last, snapshot.live_written) if last >= 0 else None
+            try:
+                job.write_own(snapshot.pieces if snapshot is not None else pieces, scalars, snapshot_error, live)
+            finally:
+                if snapshot is not None:
+                    snapshot.finish()  # an error before the live pieces were written: nobody waits
             job.finish_async()
         finally:
             if lock_fd is not None:

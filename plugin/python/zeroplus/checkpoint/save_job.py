@@ -58,7 +58,7 @@ class SaveJob:
         finally:
             os.close(root_fd)
 
-    def write_own(self, pieces, scalars, error) -> None:
+    def write_own(self, pieces, scalars, error, live=None) -> None:
         """This rank's shard and index, or its failure marker. Raises the failure on rank > 0
         (rank 0 goes on to commit, which fails on its marker, and raises its own error then)."""
         if self.own_error is not None:
@@ -68,7 +68,8 @@ class SaveJob:
                 if error is not None:
                     raise error
                 record, chunks = write_shard(staging_fd, os.path.join(self.root, self.staging), self.rank, pieces,
-                                             self.options.io, self.options.block_bytes, self.options.direct)
+                                             self.options.io, self.options.block_bytes, self.options.direct,
+                                             live=live)
                 commit.write_index(staging_fd, self.rank, _index(self.rank, record, chunks, scalars))
             except BaseException as e:
                 if os.fstat(staging_fd).st_nlink == 0:  # not this rank's fault: see below

@@ -39,6 +39,12 @@ from .checksum import crc32
 from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default block size)
 
 _COALESCE_BYTES = 1 << 20   # pieces smaller than this are packed into one write
+# Through the page cache, a large piece goes out in segments of this size: each segment's writes
+# (and its checksum, computed meanwhile) are waited for, then its write-back to the disk started
+# (fsutil.start_writeback), so the disk writes segment k while the cache takes k + 1, instead of
+# everything waiting for the final fdatasync (0.6 GB over 2 ranks: 0.08 s into the cache, then
+# 0.13 s fdatasync, one after the other).
+_SEGMENT_BYTES = 32 << 20
 _FLUSH_BYTES = 8 << 20      # the coalescing buffer is written out at this size
 # Writes start at multiples of this, so the aio engine can send them with O_DIRECT: buffered
 # writes followed by fdatasync ran at a fifth of the disk's O_DIRECT bandwidth here (fio, 1 GiB:
@@ -92,6 +98,7 @@ class _Sink:
 
     def __init__(self, fd: int, path: str, io: str, direct: str = "auto"):
         self.fd, self.path = fd, path
+        self.buffered = io != "aio" or direct == "off"  # through the page cache (then fdatasync)
         self.handle = None
         if io == "aio":
             from ..aio import AioHandle
@@ -137,13 +144,16 @@ class _Sink:
 
 
 def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
-                block_bytes: int = BLOCK_BYTES, direct: str = "auto") -> tuple[dict, list]:
+                block_bytes: int = BLOCK_BYTES, direct: str = "auto", live=None) -> tuple[dict, list]:
     """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
     An item may also be a LazyPieces (adapters.py): its pieces are written inside its resident()
     context, and all of their writes have completed before it is left (one such bucket resident at
     a time).
     The file index (0) is filled in by the manifest builder. Raises OSError (ENOSPC, EFBIG, EIO...);
-    the temporary file is removed then, and nothing is left under the final name."""
+    the temporary file is removed then, and nothing is left under the final name.
+    live: None, or (k, callback): pieces[0..k] include tensors training will change once callback()
+    is called (an async save's live pieces, snapshot.py); it is called as soon as every write of
+    them has completed and their checksums are computed, before the rest is written."""
     final = shard_file_name(rank)
     fd, tmp = files.create_temporary_at(dir_fd, fsutil.temp_prefix(final))
     try:
@@ -195,14 +205,30 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                     pending_bytes += n
                     if pending_bytes >= _FLUSH_BYTES:
                         flush()
-                else:  # queued first: the engine writes while we checksum
+                    crc.feed(memoryview(data.numpy()))
+                elif not sink.buffered:  # queued first: the engine writes while we checksum
                     sink.write_skewed(data, offset - skew, skew)
-                crc.feed(memoryview(data.numpy()))
+                    crc.feed(memoryview(data.numpy()))
+                else:  # segment by segment, each one's write-back started once it is in the cache
+                    for a in range(0, n, _SEGMENT_BYTES):
+                        part = data[a:a + _SEGMENT_BYTES]
+                        if a == 0:  # with the padding before the piece
+                            sink.write_skewed(part, offset - skew, skew)
+                        else:
+                            sink.write(part, offset + a)
+                        crc.feed(memoryview(part.numpy()))
+                        sink.drain()
+                        fsutil.start_writeback(fd, offset + a - (skew if a == 0 else 0),
+                                               part.numel() + (skew if a == 0 else 0))
                 offset += n
 
-            for item in pieces:
+            for i, item in enumerate(pieces):
                 if isinstance(item, tuple):
                     place(*item)
+                    if live is not None and i == live[0]:
+                        flush()
+                        sink.drain()  # a buffered write has returned once its bytes are in the page cache
+                        live[1]()
                     continue
                 # LazyPieces (adapters.py): a bucket whose values live in swap files, resident
                 # only inside its context: every write of it is done before the context is left.

@@ -8,7 +8,14 @@ optimizer steps or loads, never in forward or backward, so those copies are take
 thread while the training loop runs its next forward and backward; what forward or the user may
 change (buffers, frozen parameters, replicated tensors) is copied on the calling thread.
 
-Until the deferred copies are done, a `SnapshotGuard` (one per optimizer and model, installed
+Through the page cache (CheckpointOptions.direct="off", the default) the deferred pieces are not
+copied at all: the writer thread writes them from the live tensors, and the kernel's copy into the
+page cache is the snapshot (a write returns once its bytes are there, long before the disk has
+them). That saves the copy's CPU time and memory bandwidth (a third of the bytes an async save
+moved through memory) and its buffer. With O_DIRECT ("auto") a write holds the tensor until the
+disk has it, so they are copied on the writer thread, as before.
+
+Until the deferred copies (or live writes) are done, a `SnapshotGuard` (one per optimizer and model, installed
 once, through torch's public hooks) makes every entry point that changes those tensors wait
 first: opt.step() (a step pre-hook, so zeroplus.GradScaler.step and closures too),
 opt.load_state_dict() and model.load_state_dict() (pre-hooks); a second save and
@@ -52,20 +59,27 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class Snapshot:
     """The copies of one save. `pieces` are the save's (name, key, lo, hi, tensor) in file order;
-    `deferred[i]` says piece i may be copied on the writer thread (it changes only in the
-    optimizer's step or load). take_now() copies the others at once; take_deferred() the rest,
-    then sets `done` (also when it raises). `bytes` is the snapshot's size."""
+    `deferred[i]` says piece i may be taken on the writer thread (it changes only in the
+    optimizer's step or load). take_now() copies the others at once.
 
-    def __init__(self, pieces: list, deferred: list[bool]):
+    The deferred pieces are either copied on the writer thread (take_deferred, then `done`), or,
+    with `live=True`, not copied at all: the writer writes them straight from the live tensors
+    (through the page cache, whose copy is then the snapshot) and calls live_written() once every
+    byte of them is written and checksummed, which sets `done`. Either way `done` is set also
+    when it fails (finish()). `bytes` is what was copied into memory."""
+
+    def __init__(self, pieces: list, deferred: list[bool], live: bool = False):
         global _buffer
         self.deferred = deferred
+        self.live = live
+        copied = [not (live and later) for later in deferred]
         self.offsets, total = [], 0
-        for *_, t in pieces:
+        for (*_, t), copy in zip(pieces, copied):
             align = _PAGE if _nbytes(t) >= _LARGE else 64
             total = -(-total // align) * align
             self.offsets.append(total)
-            total += _nbytes(t)
-        self.bytes = sum(_nbytes(t) for *_, t in pieces)
+            total += _nbytes(t) if copy else 0
+        self.bytes = sum(_nbytes(t) for (*_, t), copy in zip(pieces, copied) if copy)
         if _buffer is None or _buffer.numel() < total:
             _buffer = None  # the old one goes before the new one is allocated
             _buffer = aligned_empty(total)
@@ -89,11 +103,30 @@ class Snapshot:
             self._finish()
 
     def take_deferred(self) -> None:
+        """The writer thread, before it writes: copy the deferred pieces (then `done`), or, live,
+        nothing (`done` follows live_written)."""
+        if self.live:
+            return
         try:
             for i, later in enumerate(self.deferred):
                 if later:
                     self._copy(i)
         finally:
+            self._finish()
+
+    def last_live(self) -> int:
+        """The index of the last piece written from a live tensor (-1: none)."""
+        if not self.live or self.done.is_set():
+            return -1
+        return max((i for i, later in enumerate(self.deferred) if later), default=-1)
+
+    def live_written(self) -> None:
+        """Every live piece's bytes are written and checksummed: training may change them."""
+        self._finish()
+
+    def finish(self) -> None:
+        """`done` (idempotent): the save failed or ended; nobody waits for the snapshot any more."""
+        if not self.done.is_set():
             self._finish()
 
     def _finish(self) -> None:
