@@ -205,16 +205,18 @@ def _torch_clip(kind, params, step):
     return float(total)
 
 
-def _torch_clip_parity(mesh, stage, kind, steps=5):
+def _torch_clip_parity(mesh, stage, kind, plan="manual", steps=5):
     """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ / get_total_norm on a TP x ZeRO model's
     parameters (DTensor ones included) give the data-parallel-only reference's norms, and the clipped
     training its parameters (issue 38: before, DTensor parameters had no p.grad, so torch's functions
     silently left them out of the norm and unclipped)."""
     from torch.distributed.tensor import DTensor
 
-    tm, mesh, ref, model = _setup(mesh)
+    tm, mesh, ref, model = _setup(mesh, plan)
     dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     opt = _make_opt("initialize", model, stage, dp_group)
+    if plan == "sp":  # Replicate DTensor parameters are in the norm too
+        assert any(isinstance(p, DTensor) and p.placements[0].is_replicate() for p in model.parameters())
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
     start = [q.detach().clone() for q in ref.parameters()]
     norm_err, grads_ok = 0.0, True
@@ -255,6 +257,8 @@ CASES = {"zero1": (_parity, 1, "zero_redundancy"), "zero2": (_parity, 2, "initia
          "errors": (_errors,)}
 CASES.update({f"torch_clip_{kind}_{stage}": (_torch_clip_parity, stage, kind)
               for stage in (1, 2) for kind in ("norm", "value", "total")})
+# Sequence parallelism: the norms are Replicate DTensors (each counted once over tp, summed over dp).
+CASES["torch_clip_norm_2_sp"] = (_torch_clip_parity, 2, "norm", "sp")
 
 
 def _all_cases(rank, world):
@@ -302,6 +306,11 @@ def test_torch_clip_functions_on_tp_zero_model(results, stage, kind):
     get_total_norm + clip_grads_with_norm_ on model.parameters() of TP2 x ZeRO-1/2 match the
     data-parallel-only reference (its norms at every step, its parameters after 5 steps)."""
     _result(results, f"torch_clip_{kind}_{stage}")
+
+
+def test_torch_clip_grad_norm_on_sequence_parallel_zero2(results):
+    """The same with SequenceParallel norms (Replicate DTensor parameters) at stage 2."""
+    _result(results, "torch_clip_norm_2_sp")
 
 
 def test_tp_errors(results):
