@@ -11,9 +11,10 @@ gatherer ended it) every managed trainable parameter gets a `p.grad`:
   * Stage 1 with the accumulator in the parameter's dtype: a plain view of the parameter's slice
     of the all-reduced accumulator (every rank holds the whole averaged gradient, as under DDP).
     Every torch op works on it exactly as under DDP; in-place changes reach the step.
-  * Otherwise (stages 2-3, or a stage-1 accumulator in another dtype): a ShardedGrad, a tensor
-    subclass with the parameter's full shape and dtype whose values are this rank's piece of the
-    averaged gradient (the rest lives on the other ranks), as FSDP2's DTensor gradients are. Its
+  * Otherwise (stages 2-3, a stage-1 accumulator in another dtype, or a tensor-parallel parameter):
+    a ShardedGrad, a tensor subclass with the parameter's full shape and dtype whose values are
+    this rank's piece of the averaged gradient (the rest lives on the other ranks), as FSDP2's
+    DTensor gradients are. Its
     __torch_dispatch__ implements exactly what torch.nn.utils.clip_grad's functions call:
     linalg_vector_norm / _foreach_norm give a per-rank partial norm (_PartialNorm), torch.stack
     of partials stays partial, and linalg_vector_norm of that stack is ONE all-reduce for the
@@ -31,7 +32,15 @@ The next backward clears these views before autograd accumulates into them (a te
 every parameter, which runs before AccumulateGrad, for the first; the pass's begin_backward, from
 that first gradient's hook, for the rest, which the reducer would otherwise read as local
 gradients); zero_grad frees them with the accumulators.
-Tensor-parallel (DTensor) parameters get no view (their gradient stays None, as before).
+
+Tensor-parallel (DTensor) parameters (stages 1-2, dtensor_params.py) always get a ShardedGrad with the
+DTensor's global shape, even at stage 1 beside plain views: a DTensor p.grad would make torch's clip
+functions refuse the list (DTensor ops reject a mix of DTensor and plain tensors, and a TP model's
+norms stay plain), so the foreach handlers below also take plain tensors beside ShardedGrads. Each
+norm term says over which mesh dimension it is partial (_PartialNorm.kinds): every piece over the
+data-parallel group, a tensor-parallel shard's also over the tensor-parallel group; a term whole
+over a dimension (a plain gradient's norm; a Replicate DTensor's piece over tp) is counted on that
+dimension's rank 0 only, so the reduced norm is opt.clip_grad_norm_'s (clipping.global_norm_of_terms).
 """
 
 from __future__ import annotations
