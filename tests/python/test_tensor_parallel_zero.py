@@ -191,12 +191,74 @@ def _errors(mesh):
     return out
 
 
+def _torch_clip(kind, params, step):
+    """The clipping lines of a user's script, unchanged: torch's functions on model.parameters()."""
+    params = list(params)
+    if kind == "norm":  # step-dependent norm type and foreach, so every path of clip_grad.py runs
+        norm_type, foreach = [(2.0, None), (float("inf"), None), (2.0, True), (3.0, False), (1.0, None)][step % 5]
+        return float(torch.nn.utils.clip_grad_norm_(params, CLIP, norm_type=norm_type, foreach=foreach))
+    if kind == "value":
+        torch.nn.utils.clip_grad_value_(params, 1e-3, foreach=(None, True, False)[step % 3])
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(params, CLIP, total)
+    return float(total)
+
+
+def _torch_clip_parity(mesh, stage, kind, plan="manual", steps=5):
+    """torch.nn.utils.clip_grad_norm_ / clip_grad_value_ / get_total_norm on a TP x ZeRO model's
+    parameters (DTensor ones included) give the data-parallel-only reference's norms, and the clipped
+    training its parameters (issue 38: before, DTensor parameters had no p.grad, so torch's functions
+    silently left them out of the norm and unclipped)."""
+    from torch.distributed.tensor import DTensor
+
+    tm, mesh, ref, model = _setup(mesh, plan)
+    dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    opt = _make_opt("initialize", model, stage, dp_group)
+    if plan == "sp":  # Replicate DTensor parameters are in the norm too
+        assert any(isinstance(p, DTensor) and p.placements[0].is_replicate() for p in model.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    start = [q.detach().clone() for q in ref.parameters()]
+    norm_err, grads_ok = 0.0, True
+    for i, step in enumerate(tm.batches(steps, 2)):
+        x, y = step[dp_rank]
+        tm.lm_loss(model(x), y).backward()
+        grads_ok &= all(p.grad is not None and tuple(p.grad.shape) == tuple(p.shape) for p in model.parameters())
+        norm = _torch_clip(kind, model.parameters(), i)
+        opt.step()
+        opt.zero_grad()
+        (sum(tm.lm_loss(ref(a), b) for a, b in step) / 2).backward()
+        ref_norm = _torch_clip(kind, ref.parameters(), i)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        norm_err = max(norm_err, abs(norm - ref_norm) / max(1.0, abs(ref_norm)))
+    err = max((tm.full(p) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    moved = max((q - q0).abs().max().item() for q, q0 in zip(ref.parameters(), start))  # the reference moved
+    # p.grad of a DTensor parameter: other reads raise naming the zeroplus call (never a silent piece).
+    tm.lm_loss(model(step[dp_rank][0]), step[dp_rank][1]).backward()
+    up = model.blocks[0].up.weight
+    try:
+        up.grad.sum()
+        read_error = None
+    except (RuntimeError, AttributeError) as e:  # AttributeError: no p.grad at all
+        read_error = str(e)
+    opt.zero_grad()
+    assert isinstance(up, DTensor)
+    assert grads_ok and norm_err < TOL and err < TOL and moved > 100 * TOL, (grads_ok, norm_err, err, moved)
+    assert read_error is not None and "opt.clip_grad_norm_" in read_error, read_error
+    return {"param_err": err, "norm_err": norm_err, "moved": moved}
+
+
 # zero1_sp: torch's SequenceParallel on the norms (tp_models.sequence_parallel_plan): their
 # gradients arrive as Partial DTensors and some vocabulary-parallel ones as Replicate; the engine
 # redistributes them to the parameters' placements.
 CASES = {"zero1": (_parity, 1, "zero_redundancy"), "zero2": (_parity, 2, "initialize"),
          "zero1_sp": (_parity, 1, "initialize", "sp", 10), "bf16": (_mixed, "bf16", 2), "fp16": (_mixed, "fp16", 1),
          "errors": (_errors,)}
+CASES.update({f"torch_clip_{kind}_{stage}": (_torch_clip_parity, stage, kind)
+              for stage in (1, 2) for kind in ("norm", "value", "total")})
+# Sequence parallelism: the norms are Replicate DTensors (each counted once over tp, summed over dp).
+CASES["torch_clip_norm_2_sp"] = (_torch_clip_parity, 2, "norm", "sp")
 
 
 def _all_cases(rank, world):
@@ -235,6 +297,20 @@ def test_tp2_zero_mixed_precision(results, key):
     rank of the mesh must skip the same ones)."""
     _result(results, key)
     assert len({(r[key][1]["skipped_steps"], r[key][1]["loss_scale"]) for r in results}) == 1, results
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("kind", ["norm", "value", "total"])
+def test_torch_clip_functions_on_tp_zero_model(results, stage, kind):
+    """torch's clip_grad_norm_ (norm types 2, inf, 3, 1; foreach on and off), clip_grad_value_ and
+    get_total_norm + clip_grads_with_norm_ on model.parameters() of TP2 x ZeRO-1/2 match the
+    data-parallel-only reference (its norms at every step, its parameters after 5 steps)."""
+    _result(results, f"torch_clip_{kind}_{stage}")
+
+
+def test_torch_clip_grad_norm_on_sequence_parallel_zero2(results):
+    """The same with SequenceParallel norms (Replicate DTensor parameters) at stage 2."""
+    _result(results, "torch_clip_norm_2_sp")
 
 
 def test_tp_errors(results):

@@ -11,9 +11,10 @@ gatherer ended it) every managed trainable parameter gets a `p.grad`:
   * Stage 1 with the accumulator in the parameter's dtype: a plain view of the parameter's slice
     of the all-reduced accumulator (every rank holds the whole averaged gradient, as under DDP).
     Every torch op works on it exactly as under DDP; in-place changes reach the step.
-  * Otherwise (stages 2-3, or a stage-1 accumulator in another dtype): a ShardedGrad, a tensor
-    subclass with the parameter's full shape and dtype whose values are this rank's piece of the
-    averaged gradient (the rest lives on the other ranks), as FSDP2's DTensor gradients are. Its
+  * Otherwise (stages 2-3, a stage-1 accumulator in another dtype, or a tensor-parallel parameter):
+    a ShardedGrad, a tensor subclass with the parameter's full shape and dtype whose values are
+    this rank's piece of the averaged gradient (the rest lives on the other ranks), as FSDP2's
+    DTensor gradients are. Its
     __torch_dispatch__ implements exactly what torch.nn.utils.clip_grad's functions call:
     linalg_vector_norm / _foreach_norm give a per-rank partial norm (_PartialNorm), torch.stack
     of partials stays partial, and linalg_vector_norm of that stack is ONE all-reduce for the
@@ -31,7 +32,15 @@ The next backward clears these views before autograd accumulates into them (a te
 every parameter, which runs before AccumulateGrad, for the first; the pass's begin_backward, from
 that first gradient's hook, for the rest, which the reducer would otherwise read as local
 gradients); zero_grad frees them with the accumulators.
-Tensor-parallel (DTensor) parameters get no view (their gradient stays None, as before).
+
+Tensor-parallel (DTensor) parameters (stages 1-2, dtensor_params.py) always get a ShardedGrad with the
+DTensor's global shape, even at stage 1 beside plain views: a DTensor p.grad would make torch's clip
+functions refuse the list (DTensor ops reject a mix of DTensor and plain tensors, and a TP model's
+norms stay plain), so the foreach handlers below also take plain tensors beside ShardedGrads. Each
+norm term says over which mesh dimension it is partial (_PartialNorm.kinds): every piece over the
+data-parallel group, a tensor-parallel shard's also over the tensor-parallel group; a term whole
+over a dimension (a plain gradient's norm; a Replicate DTensor's piece over tp) is counted on that
+dimension's rank 0 only, so the reduced norm is opt.clip_grad_norm_'s (clipping.global_norm_of_terms).
 """
 
 from __future__ import annotations
@@ -50,15 +59,22 @@ _USE = ("use opt.clip_grad_norm_(max_norm) for the global norm, torch.nn.utils.c
         "get_total_norm on every rank (collective), or opt.gradient_shards() for this rank's shards")
 
 
+# What a norm term is a part of (bit flags): PARTIAL_DP, each data-parallel rank holds another piece
+# (summed over the dp group); PARTIAL_TP, each tensor-parallel rank holds another piece (summed over
+# the tp group). A term without a flag is the same on every rank of that dimension: counted once.
+WHOLE, PARTIAL_DP, PARTIAL_TP = 0, 1, 2
+
+
 class _PartialNorm(torch.Tensor):
     """Norms (0-d, or a 1-d stack) of which each rank holds a part: for a p-norm the sum of
-    |g|^p over its pieces, for inf the max |g|; `replicated` terms (plain tensors' norms, the
-    same on every rank) are counted once. Reduced by linalg_vector_norm of the same order."""
+    |g|^p over its pieces, for inf the max |g|; `kinds` says per term over which mesh dimensions
+    it is partial (WHOLE terms, plain tensors' norms, are counted once). Reduced by
+    linalg_vector_norm of the same order."""
 
     @staticmethod
-    def __new__(cls, terms: torch.Tensor, replicated: torch.Tensor, ord_: float, views: "GradViews"):
+    def __new__(cls, terms: torch.Tensor, kinds: tuple[int, ...], ord_: float, views: "GradViews"):
         t = torch.Tensor._make_wrapper_subclass(cls, terms.shape, dtype=torch.float32, device=terms.device)
-        t._terms, t._replicated, t._ord, t._views_ref = terms, replicated, ord_, weakref.ref(views)
+        t._terms, t._kinds, t._ord, t._views_ref = terms, kinds, ord_, weakref.ref(views)
         return t
 
     @property
@@ -75,7 +91,7 @@ class _PartialNorm(torch.Tensor):
             src = args[0]
             device = kwargs.get("device") or src.device
             if torch.device(device) != src.device:
-                return _PartialNorm(src._terms.to(device), src._replicated.to(device), src._ord, src._views)
+                return _PartialNorm(src._terms.to(device), src._kinds, src._ord, src._views)
             return src
         if func is aten.stack.default:
             parts = args[0]
@@ -83,16 +99,16 @@ class _PartialNorm(torch.Tensor):
             ord_, views = partial[0]._ord, partial[0]._views
             if any(p._ord != ord_ for p in partial) or (len(args) > 1 and args[1] not in (0, -1)):
                 raise RuntimeError("zeroplus: torch.stack of gradient norms of different orders; " + _USE)
-            terms, rep = [], []
+            terms, kinds = [], []
             for p in parts:
                 if isinstance(p, _PartialNorm):
                     terms.append(p._terms.reshape(()))
-                    rep.append(p._replicated.reshape(()))
+                    kinds.extend(p._kinds)
                 else:  # a plain gradient's norm (whole on every rank): counted once
-                    value = p.detach().float().reshape(())
-                    terms.append(torch.zeros_like(value))
-                    rep.append(value.abs() if math.isinf(ord_) else value.abs() ** ord_)
-            return _PartialNorm(torch.stack(terms), torch.stack(rep), ord_, views)
+                    value = p.detach().float().reshape(()).abs()
+                    terms.append(value if math.isinf(ord_) else value ** ord_)
+                    kinds.append(WHOLE)
+            return _PartialNorm(torch.stack(terms), tuple(kinds), ord_, views)
         if func is aten.linalg_vector_norm.default:
             src = args[0]
             ord_ = float(args[1]) if len(args) > 1 else float(kwargs.get("ord", 2.0))
@@ -147,10 +163,13 @@ def _alive(ref) -> "GradViews":
     return views
 
 
-def _grads(x) -> list[ShardedGrad]:
+def _grads(x) -> list[torch.Tensor]:
+    """The tensors of a (foreach) op's first argument: ShardedGrads, and plain tensors beside them
+    (at stage 1 a plain parameter's p.grad is a plain view next to a tensor-parallel one's
+    ShardedGrad; the clip functions pass them in one list). Other subclasses are refused."""
     grads = list(x) if isinstance(x, (list, tuple)) else [x]
     for g in grads:
-        if not isinstance(g, ShardedGrad):
+        if not isinstance(g, ShardedGrad) and type(g) not in (torch.Tensor, torch.nn.Parameter):
             raise RuntimeError(f"zeroplus: a foreach op mixes a ZeRO p.grad with a {type(g).__name__}; {_USE}")
     return grads
 
@@ -164,7 +183,8 @@ def _norm(g: ShardedGrad, ord_=2.0, dim=None, keepdim=False, dtype=None) -> _Par
 
 
 def _foreach_norm(grads, ord_=2.0, dtype=None):
-    return [_norm(g, ord_) for g in _grads(grads)]
+    return [_norm(g, ord_) if isinstance(g, ShardedGrad) else torch.linalg.vector_norm(g, ord_, dtype=dtype)
+            for g in _grads(grads)]
 
 
 def _scalar(value, like: torch.Tensor):
@@ -173,7 +193,7 @@ def _scalar(value, like: torch.Tensor):
 
 def _mul_(g, coef):
     for x in _grads(g):
-        piece = x.piece()
+        piece = x.piece() if isinstance(x, ShardedGrad) else x
         if piece is not None:
             piece.mul_(_scalar(coef, piece))
     return g
@@ -188,6 +208,9 @@ def _foreach_mul_(grads, coefs):
 
 def _clamp_(g, min=None, max=None):  # noqa: A002 - torch's argument names
     for x in _grads(g):
+        if not isinstance(x, ShardedGrad):
+            x.clamp_(min=_scalar(min, x), max=_scalar(max, x))
+            continue
         piece = x.piece()
         if piece is None:
             continue
@@ -263,11 +286,14 @@ class GradViews:
         self._entries = []  # (bucket index, entry index, param)
         for b in engine.buckets:
             for ei, e in enumerate(b.entries):
-                if e.param.requires_grad and not dtensor_params.is_dtensor(e.param):
+                if e.param.requires_grad:
                     self._entries.append((b.index, ei, e.param))
-        # Stage 1 with the accumulator in the parameters' dtype: plain views (see the module doc).
+        # Stage 1 with the accumulator in the parameters' dtype: plain views of plain parameters
+        # (see the module doc); tensor-parallel (DTensor) parameters always get a ShardedGrad.
         self._plain = [not reducer.shard_gradients and reducer.accum_dtypes[b.index] == b.dtype
                        for b in engine.buckets]
+        self._tp_group = engine.tp_group
+        self._tp_rank = dist.get_rank(group=engine.tp_group) if engine.tp_group is not None else 0
         self._sharded = {}   # (bucket, entry) -> its ShardedGrad (made once)
         self._set: dict[int, torch.Tensor] = {}  # id(param) -> the view this module set
         self._hooks = [p.register_hook(_ClearHook(self, p)) for _b, _e, p in self._entries]
@@ -309,13 +335,15 @@ class GradViews:
                 continue  # a gradient the reducer left (no_sync accumulation)
             bucket = engine.buckets[b]
             e = bucket.entries[ei]
-            if self._plain[b] and reducer.accum[b] is not None:
+            tensor_parallel = dtensor_params.is_dtensor(p)
+            shape = tuple(p.shape) if tensor_parallel else e.shape  # a DTensor's global shape
+            if self._plain[b] and reducer.accum[b] is not None and not tensor_parallel:
                 view = reducer.accum[b][e.offset:e.offset + e.numel].view(e.shape)
             else:
                 view = self._sharded.get((b, ei))
                 if view is None:
-                    view = self._sharded[(b, ei)] = ShardedGrad(self, b, ei, e.shape, p.dtype, p.device)
-            _assign(p, view, e.shape)
+                    view = self._sharded[(b, ei)] = ShardedGrad(self, b, ei, shape, p.dtype, p.device)
+            _assign(p, view, shape)
             self._set[id(p)] = view
 
     def forget(self) -> None:
@@ -343,28 +371,41 @@ class GradViews:
 
     def partial_norm(self, g: ShardedGrad, ord_: float) -> _PartialNorm:
         piece = g.piece()
-        device = self._engine().buckets[0].device
+        engine = self._engine()
+        device = engine.buckets[0].device
         if piece is None or not piece.numel():
             term = torch.zeros((), dtype=torch.float32, device=device)
         elif math.isinf(ord_):
             term = piece.detach().abs().max().float()
         else:
             term = torch.linalg.vector_norm(piece.detach(), ord_, dtype=torch.float32) ** ord_
-        return _PartialNorm(term, torch.zeros_like(term), ord_, self)
+        # Each dp rank holds another piece; a tensor-parallel shard is also another piece on each tp rank.
+        kind = PARTIAL_DP | (PARTIAL_TP if engine.buckets[g._bucket].tp_sharded else WHOLE)
+        return _PartialNorm(term, (kind,), ord_, self)
 
     def reduce_norm(self, partial: _PartialNorm) -> torch.Tensor:
-        """The global norm: ONE all-reduce over the data-parallel group (collective)."""
+        """The global norm: ONE all-reduce over the data-parallel group, and with a tensor-parallel
+        model one more over the tensor-parallel group (collective), as opt.clip_grad_norm_ does."""
         engine = self._engine()
-        terms, rep, ord_ = partial._terms, partial._replicated, partial._ord
-        if math.isinf(ord_):
-            local = torch.maximum(terms.max(), rep.max()) if terms.numel() else torch.zeros(())
+        terms, kinds, ord_ = partial._terms.reshape(-1), partial._kinds, partial._ord
+        if math.isinf(ord_):  # a max is a max: whole terms are equal on every rank
+            local = terms.max() if terms.numel() else torch.zeros((), device=terms.device)
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=engine.process_group)
-            total = local
+            if self._tp_group is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._tp_group)
+            return local / self.grad_scale()
+        # A term whole over a dimension is counted on that dimension's rank 0 only.
+        keep = [bool(k & PARTIAL_DP) or engine.rank == 0 for k in kinds]
+        if self._tp_group is not None:
+            keep = [c and (bool(k & PARTIAL_TP) or self._tp_rank == 0) for c, k in zip(keep, kinds)]
+        if all(keep):
+            local = terms.sum()
         else:
-            local = terms.sum() + (rep.sum() if engine.rank == 0 else 0.0)
-            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=engine.process_group)
-            total = local ** (1.0 / ord_)
-        return total / self.grad_scale()
+            local = (terms * torch.tensor(keep, dtype=terms.dtype).to(terms.device, non_blocking=True)).sum()
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=engine.process_group)
+        if self._tp_group is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self._tp_group)
+        return local ** (1.0 / ord_) / self.grad_scale()
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
