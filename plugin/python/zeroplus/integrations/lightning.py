@@ -75,6 +75,16 @@ class ZeroPlusStrategy(DDPStrategy):
         return None
 
     def setup(self, trainer) -> None:
+        # validate/test/predict after fit: DDPStrategy broadcasts rank 0's parameters and buffers
+        # (it has no DDP wrapper to do it). The parameters are the engine's (stage 3: shards
+        # between uses, which a broadcast cannot write into) and the engine keeps every rank's
+        # consistent, so only the buffers are broadcast.
+        module = self.lightning_module
+        engine = getattr(module, "_zeroplus_engine", None) if module is not None else None
+        if trainer.state.fn != TrainerFn.FITTING and engine is not None and engine() is not None:
+            ignored = list(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+            ignored += [n for n, _ in module.named_parameters() if n not in ignored]
+            module._ddp_params_and_buffers_to_ignore = ignored
         super().setup(trainer)
         if self.stage == 3 and self.model is self.lightning_module:
             self.model = _CallThrough(self.model)  # every stage, fit or not (see _CallThrough)
