@@ -4,6 +4,7 @@
 #include <ATen/native/Resize.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <tuple>
@@ -107,12 +108,41 @@ void ShardedParams::showResting(size_t b) {
   for (const Entry& e : buckets_[b].entries) e.param.set_data(base.expand(e.shape));
 }
 
+void ShardedParams::attachStorage(Bucket& bucket) {
+  const size_t bytes = static_cast<size_t>(bucket.numel) * bucket.flat.element_size();
+  liveBytes_ += bytes;
+  peakLive_ = std::max(peakLive_, liveBytes_);
+  auto& pool = freeStorage_[bytes];
+  if (pool.empty()) {
+    setStorageBytes(bucket.flat, bytes);
+    return;
+  }
+  at::StorageImpl* impl = bucket.flat.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(std::move(pool.back()));
+  impl->set_nbytes(bytes);
+  pool.pop_back();
+  pooledBytes_ -= bytes;
+}
+
+void ShardedParams::detachStorage(Bucket& bucket) {
+  at::StorageImpl* impl = bucket.flat.storage().unsafeGetStorageImpl();
+  const size_t bytes = impl->nbytes();
+  if (bytes == 0) return;
+  at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, impl->device()));
+  impl->set_nbytes(0);
+  liveBytes_ -= bytes;
+  if (pooledBytes_ + bytes <= peakLive_) {
+    freeStorage_[bytes].push_back(std::move(old));
+    pooledBytes_ += bytes;
+  }  // else `old` frees it here
+}
+
 void ShardedParams::prefetch(int64_t u) {
   Unit& unit = units_[u];
   if (unit.state != State::kReleased) return;
   for (size_t b : unit.buckets) {
     Bucket& bucket = buckets_[b];
-    setStorageBytes(bucket.flat, static_cast<size_t>(bucket.numel) * bucket.flat.element_size());
+    attachStorage(bucket);
     unit.works.push_back(comm_.allGather(bucket.flat, bucket.shard));
   }
   unit.state = State::kInFlight;
@@ -137,7 +167,7 @@ void ShardedParams::release(int64_t u) {
   for (auto& w : works) w->wait();  // a prefetch still writing into the storage
   for (size_t b : unit.buckets) {
     showResting(b);
-    setStorageBytes(buckets_[b].flat, 0);
+    detachStorage(buckets_[b]);
   }
   unit.state = State::kReleased;
 }

@@ -22,6 +22,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -59,6 +60,9 @@ class ShardedParams : public Placement {
   bool gathered(int64_t u) const { return units_[u].state == State::kGathered; }
   // Bytes of gathered parameter storage held right now (0 between steps).
   int64_t gatheredBytes() const;
+  // Bytes kept for reuse by the next gathers (never more than the most ever gathered at once).
+  int64_t pooledBytes() const { return static_cast<int64_t>(pooledBytes_); }
+  int64_t peakGatheredBytes() const { return static_cast<int64_t>(peakLive_); }
 
  private:
   enum class State { kReleased, kInFlight, kGathered };
@@ -80,6 +84,14 @@ class ShardedParams : public Placement {
   std::vector<Unit> units_;
   std::vector<std::vector<at::Tensor>> fullViews_;  // [bucket][entry]: views of flat, made once
   std::vector<at::Tensor> restingBases_;            // one NaN element per dtype in use
+  // Released gathered storage, by byte size, handed to the next gather of that size: a fresh
+  // allocation per gather would page-fault the whole unit in again (glibc maps large blocks and
+  // unmaps them on free). Bounded by the most ever gathered at once: what a release would push
+  // beyond it is freed.
+  std::map<size_t, std::vector<at::DataPtr>> freeStorage_;
+  size_t pooledBytes_ = 0, liveBytes_ = 0, peakLive_ = 0;
+  void attachStorage(Bucket& bucket);
+  void detachStorage(Bucket& bucket);
 };
 
 }  // namespace zeroplus::zero::engine

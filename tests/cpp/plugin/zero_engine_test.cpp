@@ -234,6 +234,12 @@ TEST(ZeroEngine, Stage3ShardsBetweenUsesAndGathersForFullState) {
     EXPECT_EQ(sharded->unitCount(), 5);
     auto checkAtRest = [&] {
       EXPECT_EQ(sharded->gatheredBytes(), 0);
+      // Buffers kept for the next gathers: never more than was ever gathered at once (prefetch:
+      // about two units), well below the whole model.
+      EXPECT_LE(sharded->pooledBytes(), sharded->peakGatheredBytes());
+      int64_t modelBytes = 0;
+      for (const auto& b : sharded->buckets()) modelBytes += b.numel * 4;
+      EXPECT_LT(sharded->peakGatheredBytes(), modelBytes);
       auto mine = model->parameters(), theirs = reference->parameters();
       for (size_t i = 0; i < mine.size(); ++i) {
         EXPECT_EQ(mine[i].sizes(), theirs[i].sizes());
