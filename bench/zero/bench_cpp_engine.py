@@ -139,8 +139,9 @@ def main() -> None:
         ax.bar([x + 0.2 for x in xs], [r["python_step_s"] * 1e3 for r in rows], 0.4, label="Python (zeroplus.initialize)")
         ax.set_xticks(list(xs), [f"stage {r['stage']}" for r in rows])
         ax.set_ylabel("step time (ms, median)")
+        ax.set_ylim(0, 1.35 * max(max(r["cpp_step_s"], r["python_step_s"]) for r in rows) * 1e3)  # room for the legend
         ax.set_title(f"ZeRO engine front-ends, {params / 1e6:.1f}M params, {a.precision}, 2 CPU ranks")
-        ax.legend()
+        ax.legend(loc="upper left", ncol=2)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=120)
         print(f"wrote {out.with_suffix('.png')}")
