@@ -32,57 +32,66 @@ std::vector<std::pair<int64_t, int64_t>> Bucket::gaps() const {
   return out;
 }
 
-FlatParams::FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
-                       std::optional<at::ScalarType> computeDtype, int64_t reduceBucketElems)
-    : comm_(comm) {
-  // Readiness order: groups from the last, parameters from the last (DDP's heuristic, and the
-  // Python engine's: the same order gives the same buckets).
-  struct Item {
-    int64_t group, index;
-    at::Tensor param;
-  };
-  std::vector<int64_t> firstIndex(groups.size(), 0);
-  for (size_t g = 1; g < groups.size(); ++g) firstIndex[g] = firstIndex[g - 1] + groups[g - 1].size();
-  std::vector<Item> items;
+std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSize, int64_t capElems,
+                                std::vector<std::pair<int64_t, int64_t>>& slots) {
   std::vector<int64_t> numels, segments;
-  std::map<std::tuple<int64_t, int>, int64_t> keys;
-  for (int64_t g = static_cast<int64_t>(groups.size()) - 1; g >= 0; --g) {
-    for (int64_t i = static_cast<int64_t>(groups[g].size()) - 1; i >= 0; --i) {
-      const at::Tensor& p = groups[g][i];
-      const at::ScalarType dtype = computeDtype.value_or(p.scalar_type());
-      const auto key = std::make_tuple(g, static_cast<int>(dtype));
-      const auto seg = keys.emplace(key, static_cast<int64_t>(keys.size())).first->second;
-      items.push_back({g, firstIndex[g] + i, p});
-      numels.push_back(p.numel());
-      segments.push_back(seg);
-    }
+  std::map<std::tuple<int64_t, int64_t, int>, int64_t> keys;
+  for (const PlanItem& item : items) {
+    const auto key = std::make_tuple(item.unit, item.group, static_cast<int>(item.dtype));
+    segments.push_back(keys.emplace(key, static_cast<int64_t>(keys.size())).first->second);
+    numels.push_back(item.param.numel());
   }
-  slots_.resize(items.size());
   optim::FlatPlan plan;
-  const int rc = optim::planFlatBuckets(numels, segments, comm.worldSize(), reduceBucketElems, kAlignElems, &plan);
+  const int rc = optim::planFlatBuckets(numels, segments, worldSize, capElems, kAlignElems, &plan);
   TORCH_CHECK(rc == 0, "zeroplus::zero::initialize: the parameters are too large to plan buckets for (int64 overflow)");
-
-  const int rank = comm.rank();
+  std::vector<Bucket> buckets;
   for (size_t bi = 0; bi < plan.buckets.size(); ++bi) {
     const optim::FlatBucket& fb = plan.buckets[bi];
     Bucket b;
     b.index = static_cast<int64_t>(bi);
     b.numel = fb.numel;
     b.shardNumel = fb.shard_numel;
-    const Item& first = items[fb.entries.front().param];
+    const PlanItem& first = items[fb.entries.front().param];
     b.group = first.group;
-    b.dtype = computeDtype.value_or(first.param.scalar_type());
+    b.unit = first.unit;
+    b.dtype = first.dtype;
     for (const optim::FlatEntry& fe : fb.entries) {
-      const Item& item = items[fe.param];
-      slots_[item.index] = {b.index, static_cast<int64_t>(b.entries.size())};
+      const PlanItem& item = items[fe.param];
+      slots[item.index] = {b.index, static_cast<int64_t>(b.entries.size())};
       b.entries.push_back({item.param, item.index, fe.offset, fe.numel, item.param.sizes().vec()});
     }
-    // Rank 0's values everywhere; staged in fp32 under mixed precision, so the master starts
-    // from the full-precision value and not from the rounded one.
-    const at::ScalarType staging = computeDtype ? at::kFloat : b.dtype;
-    at::Tensor flat = at::zeros({b.numel}, at::TensorOptions().dtype(staging));
-    for (const Entry& e : b.entries) flat.slice(0, e.offset, e.offset + e.numel).copy_(e.param.detach().reshape(-1));
-    comm.broadcastFromZero(flat);
+    buckets.push_back(std::move(b));
+  }
+  return buckets;
+}
+
+at::Tensor stageRankZeroValues(const Bucket& b, bool mixedPrecision, Collectives& comm) {
+  const at::ScalarType staging = mixedPrecision ? at::kFloat : b.dtype;
+  at::Tensor flat = at::zeros({b.numel}, at::TensorOptions().dtype(staging));
+  for (const Entry& e : b.entries) flat.slice(0, e.offset, e.offset + e.numel).copy_(e.param.detach().reshape(-1));
+  comm.broadcastFromZero(flat);
+  return flat;
+}
+
+FlatParams::FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
+                       std::optional<at::ScalarType> computeDtype, int64_t reduceBucketElems)
+    : comm_(comm) {
+  // Readiness order: groups from the last, parameters from the last (DDP's heuristic, and the
+  // Python engine's: the same order gives the same buckets).
+  std::vector<int64_t> firstIndex(groups.size(), 0);
+  for (size_t g = 1; g < groups.size(); ++g) firstIndex[g] = firstIndex[g - 1] + groups[g - 1].size();
+  std::vector<PlanItem> items;
+  for (int64_t g = static_cast<int64_t>(groups.size()) - 1; g >= 0; --g) {
+    for (int64_t i = static_cast<int64_t>(groups[g].size()) - 1; i >= 0; --i) {
+      const at::Tensor& p = groups[g][i];
+      items.push_back({p, firstIndex[g] + i, g, -1, computeDtype.value_or(p.scalar_type())});
+    }
+  }
+  slots_.resize(items.size());
+  buckets_ = planBuckets(items, comm.worldSize(), reduceBucketElems, slots_);
+  const int rank = comm.rank();
+  for (Bucket& b : buckets_) {
+    at::Tensor flat = stageRankZeroValues(b, computeDtype.has_value(), comm);
     const auto [lo, hi] = b.shardRange(rank);
     at::Tensor master;
     if (computeDtype || b.dtype != at::kFloat) {
@@ -98,7 +107,6 @@ FlatParams::FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Colle
       e.param.set_data(flat.slice(0, e.offset, e.offset + e.numel).view(e.shape));
     }
     masters_.push_back(master);
-    buckets_.push_back(std::move(b));
   }
 }
 

@@ -62,6 +62,27 @@ struct Bucket {
   std::vector<std::pair<int64_t, int64_t>> gaps() const;
 };
 
+// Planning shared by both placements (FlatParams, ShardedParams): one parameter as the planner
+// sees it, in the order its gradient is expected to be ready.
+struct PlanItem {
+  at::Tensor param;
+  int64_t index = 0;  // position in the engine's trainable list (groups chained)
+  int64_t group = 0;
+  int64_t unit = -1;  // stage 3's unit (-1 at stages 1-2)
+  at::ScalarType dtype = at::kFloat;  // compute dtype
+};
+
+// Buckets over `items`: consecutive items with the same (unit, group, dtype) may share one, of at
+// most capElems elements (a larger parameter gets its own). Fills slots[index] = (bucket, entry);
+// the buckets' flat/shard tensors are left to the placement.
+std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSize, int64_t capElems,
+                                std::vector<std::pair<int64_t, int64_t>>& slots);
+
+// Bucket b's parameter values as rank 0 has them, flat: in fp32 under mixed precision (a master
+// then starts from the full-precision values, not the rounded ones), else in the bucket's dtype.
+// Collective (a broadcast from rank 0, DDP's rule).
+at::Tensor stageRankZeroValues(const Bucket& b, bool mixedPrecision, Collectives& comm);
+
 class FlatParams : public Placement {
  public:
   // groups[g]: the trainable parameters of param group g (CPU, contiguous, floating point,

@@ -6,10 +6,7 @@
 
 #include <algorithm>
 #include <limits>
-#include <map>
-#include <tuple>
 
-#include "optimizers/core/flat_bucket_planner.hpp"
 
 namespace zeroplus::zero::engine {
 namespace {
@@ -23,59 +20,29 @@ void setStorageBytes(const at::Tensor& t, size_t bytes) {
 ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups, const std::vector<int64_t>& unitOf,
                              int64_t unitCount, Collectives& comm, std::optional<at::ScalarType> computeDtype)
     : comm_(comm), unitOfParam_(unitOf), units_(unitCount) {
-  struct Item {
-    int64_t unit, group, index;
-    at::Tensor param;
-  };
   std::vector<int64_t> firstIndex(groups.size(), 0);
   for (size_t g = 1; g < groups.size(); ++g) firstIndex[g] = firstIndex[g - 1] + groups[g - 1].size();
   // Readiness order: the last unit first; inside a unit, groups and parameters from the last.
-  std::vector<Item> items;
-  std::vector<int64_t> numels, segments;
-  std::map<std::tuple<int64_t, int64_t, int>, int64_t> keys;
+  std::vector<PlanItem> items;
   for (int64_t u = unitCount - 1; u >= 0; --u) {
     for (int64_t g = static_cast<int64_t>(groups.size()) - 1; g >= 0; --g) {
       for (int64_t i = static_cast<int64_t>(groups[g].size()) - 1; i >= 0; --i) {
         const int64_t index = firstIndex[g] + i;
         if (unitOf[index] != u) continue;
         const at::Tensor& p = groups[g][i];
-        const at::ScalarType dtype = computeDtype.value_or(p.scalar_type());
-        const auto seg = keys.emplace(std::make_tuple(u, g, static_cast<int>(dtype)), keys.size()).first->second;
-        items.push_back({u, g, index, p});
-        numels.push_back(p.numel());
-        segments.push_back(seg);
+        items.push_back({p, index, g, u, computeDtype.value_or(p.scalar_type())});
         ++units_[u].params;
       }
     }
   }
   slots_.resize(unitOf.size());
-  optim::FlatPlan plan;
   // One bucket per (unit, group, dtype): a unit is gathered and reduced as a whole.
   constexpr int64_t kUnbounded = int64_t{1} << 56;
-  const int rc = optim::planFlatBuckets(numels, segments, comm.worldSize(), kUnbounded, kAlignElems, &plan);
-  TORCH_CHECK(rc == 0, "zeroplus::zero::initialize: the parameters are too large to plan buckets for (int64 overflow)");
-
+  buckets_ = planBuckets(items, comm.worldSize(), kUnbounded, slots_);
   const int rank = comm.rank();
-  for (size_t bi = 0; bi < plan.buckets.size(); ++bi) {
-    const optim::FlatBucket& fb = plan.buckets[bi];
-    Bucket b;
-    b.index = static_cast<int64_t>(bi);
-    b.numel = fb.numel;
-    b.shardNumel = fb.shard_numel;
-    const Item& first = items[fb.entries.front().param];
-    b.group = first.group;
-    b.unit = first.unit;
-    b.dtype = computeDtype.value_or(first.param.scalar_type());
-    for (const optim::FlatEntry& fe : fb.entries) {
-      const Item& item = items[fe.param];
-      slots_[item.index] = {b.index, static_cast<int64_t>(b.entries.size())};
-      b.entries.push_back({item.param, item.index, fe.offset, fe.numel, item.param.sizes().vec()});
-    }
-    // Rank 0's values, staged in fp32 under mixed precision (the master starts from them).
-    const at::ScalarType staging = computeDtype ? at::kFloat : b.dtype;
-    at::Tensor staged = at::zeros({b.numel}, at::TensorOptions().dtype(staging));
-    for (const Entry& e : b.entries) staged.slice(0, e.offset, e.offset + e.numel).copy_(e.param.detach().reshape(-1));
-    comm.broadcastFromZero(staged);
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    const at::Tensor staged = stageRankZeroValues(b, computeDtype.has_value(), comm);
     const auto [lo, hi] = b.shardRange(rank);
     b.shard = staged.slice(0, lo, hi).to(b.dtype, /*non_blocking=*/false, /*copy=*/true);
     masters_.push_back(b.dtype == at::kFloat ? b.shard : staged.slice(0, lo, hi).to(at::kFloat, false, true));
@@ -86,7 +53,6 @@ ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups,
     fullViews_.push_back(std::move(views));
     setStorageBytes(b.flat, 0);
     units_[b.unit].buckets.push_back(bi);
-    buckets_.push_back(std::move(b));
   }
   for (size_t b = 0; b < buckets_.size(); ++b) showResting(b);
 }

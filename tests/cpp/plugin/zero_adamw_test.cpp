@@ -12,32 +12,14 @@
 
 #include "optimizers/adapter/zero_adamw.hpp"
 #include "process_group/adapter/process_group.hpp"
+#include "tests/cpp/plugin/rank_threads.hpp"
 
 namespace {
 
+using zeroplus::testing::runRanks;
+
 using zeroplus::optim::ZeroAdamW;
 using zeroplus::optim::ZeroAdamWOptions;
-
-void runRanks(int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        zeroplus::pg::BackendConfig config;
-        config.timeout = std::chrono::seconds(30);
-        auto pg = zeroplus::pg::makeProcessGroup(store, rank, world, config);
-        fn(rank, pg);
-        pg->shutdown();
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int rank = 0; rank < world; ++rank) ASSERT_TRUE(errors[rank].empty()) << "rank " << rank << ": " << errors[rank];
-}
 
 // Random values from a private generator: ranks are threads, and the global one is shared.
 at::Tensor randomTensor(int64_t numel, uint64_t seed) {

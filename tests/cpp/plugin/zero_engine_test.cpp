@@ -14,36 +14,15 @@
 #include <thread>
 
 #include "optimizers/adapter/zero/engine.hpp"  // engine().sharded(): the stage-3 placement
+#include "tests/cpp/plugin/rank_threads.hpp"
 #include "zeroplus.hpp"
 
 namespace {
 
+using zeroplus::testing::randomTensor;
+using zeroplus::testing::runRanks;
+
 using zeroplus::zero::Options;
-
-void runRanks(int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        zeroplus::pg::BackendConfig config;
-        config.timeout = std::chrono::seconds(60);
-        auto pg = zeroplus::pg::makeProcessGroup(store, rank, world, config);
-        fn(rank, pg);
-        pg->shutdown();
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int rank = 0; rank < world; ++rank) EXPECT_TRUE(errors[rank].empty()) << "rank " << rank << ": " << errors[rank];
-}
-
-at::Tensor randomTensor(at::IntArrayRef shape, uint64_t seed) {
-  return at::randn(shape, at::detail::createCPUGenerator(seed), at::kFloat);
-}
 
 // A small MLP whose values come from private generators (ranks are threads: the global one is
 // shared). Sizes make buckets and shards cut through parameters at every world size.

@@ -17,33 +17,16 @@
 #include <thread>
 
 #include "optimizers/adapter/zero/engine.hpp"
+#include "tests/cpp/plugin/rank_threads.hpp"
 #include "zeroplus.hpp"
 
 namespace {
 
+using zeroplus::testing::randomTensor;
+using zeroplus::testing::runRanks;
+
 using zeroplus::zero::Options;
 namespace fsys = std::filesystem;
-
-void runRanks(int world, const std::function<void(int, c10::intrusive_ptr<c10d::ProcessGroup>)>& fn) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::string> errors(world);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        zeroplus::pg::BackendConfig config;
-        config.timeout = std::chrono::seconds(60);
-        auto pg = zeroplus::pg::makeProcessGroup(store, rank, world, config);
-        fn(rank, pg);
-        pg->shutdown();
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (int rank = 0; rank < world; ++rank) ASSERT_TRUE(errors[rank].empty()) << "rank " << rank << ": " << errors[rank];
-}
 
 class TempDir {
  public:
@@ -61,10 +44,6 @@ class TempDir {
  private:
   std::string path_;
 };
-
-at::Tensor randomTensor(at::IntArrayRef shape, uint64_t seed) {
-  return at::randn(shape, at::detail::createCPUGenerator(seed), at::kFloat);
-}
 
 torch::nn::Sequential makeModel() {
   torch::nn::Sequential model(torch::nn::Linear(7, 33), torch::nn::Tanh(), torch::nn::Linear(33, 17),
