@@ -1,4 +1,4 @@
-// zeroplus::save_checkpoint and zeroplus::load_checkpoint for the C++ ZeRO engine (stages 1-2):
+// zeroplus::save_checkpoint and zeroplus::load_checkpoint for the C++ ZeRO engine (stages 1-3):
 // the Python package's checkpoint format (docs/checkpoints.md; plugin/python/zeroplus/checkpoint),
 // so a checkpoint saved here loads in Python (zeroplus.load_checkpoint) at any world size and
 // stage, and a Python stage-1/2/3 checkpoint of the same model loads here at any world size.
