@@ -120,10 +120,16 @@ def _train_step_fn(model, opt, tokens, targets):
     return step
 
 
-def _build(variant: str, size: dict, precision: str):
+def _build(variant: str, size: dict, precision: str, compile_blocks: bool = False):
+    """(model, optimizer); compile_blocks: torchtitan's order, every block torch.compile'd in its
+    list before the model is wrapped (each compiled block is then one FSDP2 / zeroplus unit)."""
     import zeroplus
 
     model = _gpt(**size).cuda()
+    if compile_blocks:
+        layers = model.blocks.layers
+        for i, block in enumerate(layers):
+            layers[i] = torch.compile(block)
     kw = dict(lr=1e-4, weight_decay=0.01)
     if variant == "adamw":
         if precision == "bf16":
@@ -168,23 +174,28 @@ def _isolated(job: dict) -> dict:
             "error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]}"}
 
 
+COMPILE_ORDERS = ("after", "blocks")
+
+
 def _stage3_row(variant: str, precision: str, size: dict, batch: int, reps: int, timeout_s: int = 600,
-                compiled: bool = False) -> dict:
-    name = variant + ("+compile" if compiled else "")
+                compiled: str | None = None) -> dict:
+    """compiled: None (eager), "after" (torch.compile of the wrapped model) or "blocks" (each
+    block compiled before wrapping)."""
+    name = variant + {None: "", "after": "+compile", "blocks": "+compile_blocks"}[compiled]
     try:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
         targets = torch.randint(0, size["vocab"], (batch, size["context"]), generator=g).cuda()
         torch.cuda.reset_peak_memory_stats()
-        model, opt = _build(variant, size, precision)
+        model, opt = _build(variant, size, precision, compile_blocks=compiled == "blocks")
         params = sum(p.numel() for p in _gpt(**size).parameters())
         breaks = None
-        if compiled:
-            from torch._dynamo.utils import counters
-
+        if compiled == "after":
             model = torch.compile(model)
         ms = _time_cuda(_train_step_fn(model, opt, tokens, targets), reps)
         if compiled:
+            from torch._dynamo.utils import counters
+
             breaks = sum(counters["graph_break"].values())
         peak = torch.cuda.max_memory_allocated() / 2**30
         return {"part": "stage3", "variant": name, "precision": precision, "step_ms": ms, "peak_gib": peak,
@@ -193,16 +204,16 @@ def _stage3_row(variant: str, precision: str, size: dict, batch: int, reps: int,
         return {"part": "stage3", "variant": name, "precision": precision, "error": repr(e)[:300]}
 
 
-def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
+def bench_stage3(reps: int, size: dict, batch: int, precisions: tuple[str, ...] = ("fp32", "bf16")) -> list[dict]:
     rows = []
-    for precision in ("fp32", "bf16"):
+    for precision in precisions:
         for variant in ("adamw", "fsdp2", "zeroplus_stage3", "zeroplus_stage2"):
             row = _isolated({"part": "stage3", "variant": variant, "precision": precision, "size": size,
                              "batch": batch, "reps": reps})
             print("stage3", json.dumps(row), flush=True)
             rows.append(row)
     by = {(r["variant"], r["precision"]): r for r in rows if "step_ms" in r}
-    for precision in ("fp32", "bf16"):
+    for precision in precisions:
         z, f = by.get(("zeroplus_stage3", precision)), by.get(("fsdp2", precision))
         if z and f:
             print(f"stage3 {precision}: zeroplus stage 3 / FSDP2 step = {z['step_ms'] / f['step_ms']:.2f}, "
@@ -210,14 +221,26 @@ def bench_stage3(reps: int, size: dict, batch: int) -> list[dict]:
     return rows
 
 
-def bench_compile(reps: int, size: dict, batch: int) -> list[dict]:
+def bench_compile(reps: int, size: dict, batch: int, orders: tuple[str, ...] = COMPILE_ORDERS) -> list[dict]:
     rows = []
-    for variant in ("adamw", "fsdp2", "zeroplus_stage3"):
-        row = _isolated({"part": "stage3", "variant": variant, "precision": "bf16", "size": size, "batch": batch,
-                         "reps": reps, "compiled": True, "timeout_s": 900})
-        print("compile", json.dumps(row), flush=True)
-        rows.append(row)
+    for order in orders:
+        for variant in ("adamw", "fsdp2", "zeroplus_stage3"):
+            row = _isolated({"part": "stage3", "variant": variant, "precision": "bf16", "size": size, "batch": batch,
+                             "reps": reps, "compiled": order, "timeout_s": 900})
+            print("compile", json.dumps(row), flush=True)
+            rows.append(row)
     return rows
+
+
+def print_compile_speedups(rows: list[dict]) -> None:
+    """Eager / compiled step per variant (above 1: compiling made it faster), where both ran."""
+    eager = {r["variant"]: r for r in rows if r.get("part") == "stage3" and r.get("precision") == "bf16"
+             and "step_ms" in r}
+    for r in rows:
+        base = eager.get(r["variant"].split("+")[0])
+        if "+compile" in r["variant"] and "step_ms" in r and base:
+            print(f"compile bf16 {r['variant']}: eager {base['step_ms']:.2f} ms / compiled {r['step_ms']:.2f} ms"
+                  f" = {base['step_ms'] / r['step_ms']:.2f}, graph breaks {r['graph_breaks']}", flush=True)
 
 
 # -- offload -----------------------------------------------------------------------------------------
@@ -363,6 +386,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--precisions", default="fp32,bf16", help="the stage3 part's precisions (fp32, bf16)")
+    parser.add_argument("--compile-orders", default=",".join(COMPILE_ORDERS),
+                        help="the compile part's orders: after (torch.compile of the wrapped model), blocks "
+                             "(each block compiled, then wrapped: torchtitan's)")
     parser.add_argument("--offload-runs", default="8:none,8:cpu,8:nvme,8:cpu_param,8:nvme_param,20:cpu",
                         help="LAYERS:DEVICE pairs, DEVICE one of none (the same model in GPU memory), cpu, nvme "
                              "(offload_optimizer), cpu_param, nvme_param (offload_param too)")
@@ -374,6 +401,12 @@ def main() -> None:
         runs = [_offload_run(r) for r in args.offload_runs.split(",")]
     except ValueError as e:
         parser.error(f"--offload-runs: {e}")
+    orders = tuple(args.compile_orders.split(","))
+    if not orders or not set(orders) <= set(COMPILE_ORDERS):
+        parser.error(f"--compile-orders: a comma-separated list of {', '.join(COMPILE_ORDERS)}, got {args.compile_orders!r}")
+    precisions = tuple(args.precisions.split(","))
+    if not precisions or not set(precisions) <= {"fp32", "bf16"}:
+        parser.error(f"--precisions: a comma-separated list of fp32, bf16, got {args.precisions!r}")
     if args.job:
         print("ROW " + json.dumps(_run_job(json.loads(args.job))), flush=True)
         return
@@ -389,10 +422,11 @@ def main() -> None:
         rows += bench_optim(args.reps)
     if "stage3" in parts:
         rows += bench_stage3(max(5, args.reps // 2), dict(dim=args.dim, layers=args.layers, vocab=32000,
-                                                         context=args.context), args.batch)
+                                                         context=args.context), args.batch, precisions)
     if "compile" in parts:
         rows += bench_compile(max(5, args.reps // 2), dict(dim=args.dim, layers=args.layers, vocab=32000,
-                                                           context=args.context), args.batch)
+                                                           context=args.context), args.batch, orders)
+        print_compile_speedups(rows)
     if "offload" in parts:
         rows += bench_offload(3, runs, args.offload_dim, 2, 512, args.nvme_path)
     _write(rows, pathlib.Path(args.out), header)

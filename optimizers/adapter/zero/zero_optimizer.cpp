@@ -166,8 +166,10 @@ void syncUnmanaged(torch::nn::Module& model, engine::Engine& eng) {
 // What the gradient hooks reach: the engine while the optimizer lives (the hooks stay on the
 // parameters' accumulators until the destructor removes them; a weak reference guards the gap).
 struct ZeroOptimizer::HookState {
+  // What grad_accumulator returns: a shared_ptr up to torch 2.12, an intrusive_ptr from 2.13.
+  using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::weak_ptr<engine::Engine> engine;
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> accumulators;
+  std::vector<std::pair<NodeRef, uintptr_t>> accumulators;
   bool callbackQueued = false;
   bool stepSinceZero = false;  // step() ran and zero_grad() has not since
 };
