@@ -72,6 +72,26 @@ void Exchange::failAborted(int peer) const {
                  ": it aborted (failed or was interrupted)");
 }
 
+void Exchange::readAlert(int peer) {
+  // Non-blocking: EINVAL/EAGAIN when no urgent byte is pending, and nothing changes. Linux keeps
+  // a received urgent byte readable after the connection was reset, so an error that reaches
+  // us before poll reported POLLPRI (a write to a peer whose process has since closed the link
+  // fails with EPIPE) can still be told apart from a peer that simply died.
+  char alert = 0;
+  const long got = ::recv(mesh_.fd(peer), &alert, 1, MSG_OOB | MSG_DONTWAIT);  // clears POLLPRI
+  if (got != 1) return;
+  peerAborted_[static_cast<size_t>(peer)] = true;
+  const auto code = static_cast<uint8_t>(alert);
+  if (code != 0xFF && code != 0) peerCulprit_[static_cast<size_t>(peer)] = code - 1;
+}
+
+void Exchange::failLost(int peer, const std::string& why) {
+  // A peer that sent its abort alert before its link failed is a relay: name what it said.
+  readAlert(peer);
+  if (peerAborted_[static_cast<size_t>(peer)]) failAborted(peer);
+  fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) + ": " + why);
+}
+
 void Exchange::activate(int peer) {
   if (peer < 0 || peer >= mesh_.size() || peer == mesh_.rank()) {
     fail(peer, "invalid peer " + std::to_string(peer) + " for world size " + std::to_string(mesh_.size()));
@@ -161,10 +181,7 @@ void Exchange::progressSend(int peer) {
       pe.canWrite = false;
       return;
     }
-    if (n < 0) {
-      fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) + ": " +
-                     errnoString(static_cast<int>(n)));
-    }
+    if (n < 0) failLost(peer, errnoString(static_cast<int>(n)));
     size_t left = static_cast<size_t>(n);
     while (left > 0) {
       Transfer& t = q.items[q.head];
@@ -191,11 +208,7 @@ void Exchange::progressRecv(int peer) {
     pe.canRead = false;
     return;
   }
-  if (n <= 0) {
-    if (peerAborted_[static_cast<size_t>(peer)]) failAborted(peer);
-    fail(peer, "lost peer " + std::to_string(peer) + " after " + fmtSeconds(elapsedSeconds()) + ": " +
-                   (n == 0 ? std::string("connection closed") : errnoString(static_cast<int>(n))));
-  }
+  if (n <= 0) failLost(peer, n == 0 ? std::string("connection closed") : errnoString(static_cast<int>(n)));
   // A short read means the socket is drained: wait for poll rather than paying an EAGAIN.
   if (static_cast<size_t>(n) < want) pe.canRead = false;
   size_t left = static_cast<size_t>(n);
@@ -261,11 +274,8 @@ void Exchange::pollOnce() {
     if (!re) continue;
     const int p = pollPeers_[i];
     if (re & POLLPRI) {
-      char alert = 0;
-      const long got = ::recv(pfds_[i].fd, &alert, 1, MSG_OOB | MSG_DONTWAIT);  // clears POLLPRI
-      peerAborted_[static_cast<size_t>(p)] = true;
-      const auto code = static_cast<uint8_t>(alert);
-      if (got == 1 && code != 0xFF && code != 0) peerCulprit_[static_cast<size_t>(p)] = code - 1;
+      readAlert(p);
+      peerAborted_[static_cast<size_t>(p)] = true;  // also when the byte could not be read
     }
     Peer& pe = peers_[static_cast<size_t>(p)];
     if (!pe.active) continue;

@@ -12,6 +12,8 @@
 // communicator's abort eventfd is in every poll set, and so is every link for POLLPRI: the
 // urgent byte a peer's TcpMesh::abort() sends fails the op at once, unless this rank still has
 // data to read from that peer (it is read first, so a mismatch it reveals is reported as such).
+// A link that fails (EOF, EPIPE, reset) is checked for such a byte before the peer is blamed: a
+// peer that aborted because it lost rank P named P in it, and then this rank names P too.
 // Any failure (deadline, EOF, reset, header mismatch, abort) throws CommError naming the op,
 // this rank, the peer and the elapsed time.
 //
@@ -102,6 +104,11 @@ class Exchange {
   std::vector<bool> peerAborted_;  // the peer sent its abort alert; sticky
   std::vector<int> peerCulprit_;   // the rank that peer lost first, as its alert said (-1: none)
   [[noreturn]] void failAborted(int peer) const;
+  // Reads a pending abort alert from `peer` into peerAborted_/peerCulprit_, if there is one.
+  void readAlert(int peer);
+  // The link to `peer` failed (EOF or an errno, `why`): fails naming the rank the peer's abort
+  // alert named if it sent one (failAborted), else the peer.
+  [[noreturn]] void failLost(int peer, const std::string& why);
 };
 
 }  // namespace zeroplus::pg::detail

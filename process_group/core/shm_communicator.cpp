@@ -30,8 +30,8 @@ struct alignas(64) ShmCommunicator::Control {
   uint64_t chunkBytes;
   alignas(64) std::atomic<uint32_t> phase;  // futex word: last phase this rank published
   alignas(64) std::atomic<uint32_t> waiters;  // peers sleeping (or about to) on `phase`
-  // Set once on abort or error, never cleared: 1, or 2 + the rank this rank lost first (so
-  // peers name that rank rather than this one).
+  // Set once, by the first error or abort (raiseFailed), never changed or cleared: 1, or 2 +
+  // the rank this rank lost first (so peers name that rank rather than this one).
   std::atomic<uint32_t> failed;
   std::atomic<uint64_t> proposal[2];  // agreeMin values, slot = call counter & 1
   // The op descriptor (op_descriptor.hpp: packHead, count, seq) of op k in slot k & 1, and the
@@ -277,11 +277,20 @@ void ShmCommunicator::fail(int peer, const std::string& what) const {
 
 void ShmCommunicator::abort() { abortBecause(-1); }
 
+void ShmCommunicator::raiseFailed(int culprit) {
+  // First cause wins. A rank that failed because it lost rank P says so in its flag; the
+  // abort() that commonly follows (the adapter's shutdown with ops still queued, Ctrl-C, a
+  // markBroken) has no culprit and must not overwrite it: a survivor that only now looks would
+  // blame this rank ("peer Q failed or aborted") instead of P.
+  Control& me = control(rank_);
+  uint32_t none = 0;
+  me.failed.compare_exchange_strong(none, failedCode(culprit), std::memory_order_seq_cst);
+  futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);  // peers sleeping on us
+}
+
 void ShmCommunicator::abortBecause(int culprit) {
   if (aborted_.exchange(true)) return;
-  Control& me = control(rank_);
-  me.failed.store(failedCode(culprit), std::memory_order_seq_cst);
-  futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);  // peers sleeping on us
+  raiseFailed(culprit);
   for (int r = 0; r < size_; ++r) {
     if (r != rank_) futex(&control(r).phase, FUTEX_WAKE, INT_MAX, nullptr);  // our own sleeping worker
   }
@@ -408,9 +417,7 @@ void ShmCommunicator::run(const char* op, OpDescriptor desc, Deadline deadline, 
     brokenWhat_ = e.what();
     const auto* lost = dynamic_cast<const CommError*>(&e);
     const int culprit = lost ? lost->peer() : -1;
-    Control& me = control(rank_);
-    me.failed.store(failedCode(culprit), std::memory_order_seq_cst);
-    futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
+    raiseFailed(culprit);
     inner_->abortBecause(culprit);
     throw;
   }
@@ -423,11 +430,7 @@ void ShmCommunicator::inner(Body&& body) {
   } catch (const CommError& e) {
     // Argument errors leave the inner transport usable; a transport failure does not, and
     // then peers that are (or will be) waiting in a shared-memory op must stop waiting too.
-    if (!inner_->usable()) {
-      Control& me = control(rank_);
-      me.failed.store(failedCode(e.peer()), std::memory_order_seq_cst);
-      futex(&me.phase, FUTEX_WAKE, INT_MAX, nullptr);
-    }
+    if (!inner_->usable()) raiseFailed(e.peer());
     throw;
   }
 }

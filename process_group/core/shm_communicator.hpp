@@ -107,6 +107,9 @@ class ShmCommunicator final : public Communicator {
   template <typename Body>
   void inner(Body&& body);
   [[noreturn]] void fail(int peer, const std::string& what) const;
+  // Raises this rank's failed flag (2 + culprit, or 1 without one) unless an earlier failure
+  // already did (first cause wins), and wakes peers sleeping on this rank's phase.
+  void raiseFailed(int culprit);
 
   Control& control(int r) const;
   uint8_t* inSlot(int r, unsigned slot) const;

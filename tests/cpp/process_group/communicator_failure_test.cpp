@@ -229,6 +229,50 @@ TEST(AbortTest, AbortReachesPeersWaitingOnAnotherPeer) {
   }
 }
 
+TEST(AbortTest, RelayedAbortNamesTheFirstFailureAfterALaterAbort) {
+  // The ordering of test_fault_matrix's SIGKILL trial 8 (world 4, shm), forced: rank 0 stalls
+  // (stands in for the dead rank), rank 1 loses it first (its op times out naming rank 0) and
+  // then aborts again, as the adapter does when it shuts the group down with ops still queued;
+  // only then does rank 2 wait on rank 0. Rank 2 learns of the failure from rank 1 and must
+  // blame rank 0, the rank that failed, not rank 1, which relayed it. Before the fix the later
+  // abort() overwrote rank 1's shared-memory failed flag (2 + culprit) with 1 ("no culprit"),
+  // and rank 2 raised "peer 1 failed or aborted".
+  for (ShmMode mode : {ShmMode::kOff, ShmMode::kOn}) {
+    SCOPED_TRACE(mode == ShmMode::kOn ? "shm" : "tcp");
+    Group g(3, 20s, mode, 128 * 1024);
+    const CommError first = expectCommError([&] { g[1].barrier(in(300ms)); });
+    ASSERT_EQ(first.peer(), 0) << first.what();
+    g[1].abort();
+    const auto start = Clock::now();
+    const CommError relayed = expectCommError([&] { g[2].barrier(in(20s)); });
+    EXPECT_LT(secondsSince(start), 10.0) << relayed.what();  // told by rank 1, not timed out
+    EXPECT_EQ(relayed.peer(), 0) << relayed.what();
+    EXPECT_NE(std::string(relayed.what()).find("lost peer 0 "), std::string::npos) << relayed.what();
+    EXPECT_NE(std::string(relayed.what()).find("(rank 1 lost it first and aborted)"), std::string::npos)
+        << relayed.what();
+  }
+}
+
+TEST(AbortTest, LinkErrorBeforeTheRelayedAlertStillNamesTheFirstFailure) {
+  // TCP: rank 1 loses rank 0 first (times out on it), aborts (urgent byte naming rank 0, then
+  // FIN) and closes its links, as a survivor that exits does. Rank 2's small send to rank 1
+  // completes locally and draws a reset, so rank 2's next op fails its first write with EPIPE
+  // before any poll() reports the alert. Rank 2 must still blame rank 0 (the alert stays
+  // readable after the reset), not rank 1: before the fix it raised "lost peer 1 ...: Broken pipe".
+  Group g(3, 20s, ShmMode::kOff);
+  const CommError first = expectCommError([&] { g[1].barrier(in(300ms)); });
+  ASSERT_EQ(first.peer(), 0) << first.what();
+  g.comms[1].reset();
+  std::vector<uint8_t> buf(64);
+  g[2].send(buf.data(), buf.size(), 1, 0, in(5s));  // buffered locally: rank 1's reset comes back
+  std::this_thread::sleep_for(200ms);
+  const CommError relayed = expectCommError([&] { g[2].barrier(in(20s)); });
+  EXPECT_EQ(relayed.peer(), 0) << relayed.what();
+  EXPECT_NE(std::string(relayed.what()).find("lost peer 0 "), std::string::npos) << relayed.what();
+  EXPECT_NE(std::string(relayed.what()).find("(rank 1 lost it first and aborted)"), std::string::npos)
+      << relayed.what();
+}
+
 TEST(MismatchTest, RecvSizeDifferentFromSendNamesBothSizes) {
   Group g(2);
   std::string what;
