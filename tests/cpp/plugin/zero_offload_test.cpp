@@ -224,7 +224,9 @@ void expectSwappedOut(zeroplus::zero::ZeroOptimizer& opt, const std::string& wha
                    seg.state.max_exp_avg_sq.defined() || seg.state.momentum_buffer.defined())
           << what << ": bucket " << b;
     }
-    if (opt.engine().computeDtype()) EXPECT_EQ(eng.params().master(b).numel(), 0) << what << ": bucket " << b;
+    if (opt.engine().computeDtype()) {
+      EXPECT_EQ(eng.params().master(b).numel(), 0) << what << ": bucket " << b;
+    }
   }
 }
 
@@ -292,6 +294,35 @@ INSTANTIATE_TEST_SUITE_P(Stages, ZeroOffloadCheckpoint,
                            return "stage" + std::to_string(c.stage) + "_" + c.precision + (c.sgd ? "_sgd" : "_adamw") +
                                   "_world" + std::to_string(c.world);
                          });
+
+// A checkpoint taken before any step (masters only, no optimizer state) loaded into an offloaded
+// engine that has state: the records lose their state slots, the next steps create them anew,
+// exactly as a fresh engine's first steps do.
+TEST(ZeroOffloadCheckpointLoad, ACheckpointWithoutStateEmptiesTheRecords) {
+  TempDir nvme, ckpt;
+  runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    const Options base = Options().stage(2).mixed_precision("bf16").reduce_bucket_elems(150);
+    std::map<std::string, at::Tensor> expected;
+    {
+      auto model = makeModel();
+      auto opt = make(model, pg, base, false);
+      zeroplus::save_checkpoint(ckpt.path() + "/step0", model, *opt);
+      trainSteps(model, *opt, rank, 0, 2);
+      expected = fullParams(model, *opt);
+    }
+    auto model = makeModel();
+    scramble(model);
+    auto opt = make(model, pg, Options(base).offload_optimizer("nvme").nvme_path(nvme.path()), false);
+    trainSteps(model, *opt, rank, 5, 2);
+    zeroplus::load_checkpoint(ckpt.path() + "/step0", model, *opt);
+    expectSwappedOut(*opt, "after load");
+    for (const auto& stepper : opt->engine().steppers()) {
+      for (const auto& seg : stepper.segments()) EXPECT_FALSE(seg.state.step.defined());
+    }
+    trainSteps(model, *opt, rank, 0, 2);
+    expectBitIdentical(fullParams(model, *opt), expected, "after the load of a stateless checkpoint");
+  });
+}
 
 // A swap record that fails its check while a save reads it: every rank raises c10::Error naming
 // the file, the checkpoint already at the path is untouched (and still loads), no staging
