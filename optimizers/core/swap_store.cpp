@@ -176,6 +176,7 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
     if (s < 0) return fail(-s, "no buffer for the record");
     Slot& slot = *slots_[s];
     slot.id = key.id;
+    slot.dirty = false;
     if (key.generation == 0) {  // never written: fresh, zero-filled
       std::memset(slot.mem.data(), 0, length);
       slot.state = State::kHeld;
@@ -201,10 +202,12 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
       return fail(EBUSY, "record is already held");
     case State::kWriting:
       finishWrite(s);  // its buffer still holds the record: no read
+      slot.dirty = slot.state == State::kDirty;
       slot.state = State::kHeld;  // written or dirty (a failed write): either way the record is here
       slotOf_[key.id] = s;
       break;
     case State::kDirty:
+      slot.dirty = true;
       slot.state = State::kHeld;
       break;
     case State::kReading: {
@@ -225,6 +228,7 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
         slotOf_.erase(found);
         return fail(EBADMSG, "corrupt record refused: " + why);
       }
+      slot.dirty = false;
       slot.state = State::kHeld;
       break;
     }
@@ -242,6 +246,7 @@ void SwapStore::store(const RecordKey& key) {
     return;
   }
   Slot& slot = *slots_[found->second];
+  slot.dirty = false;
   sealRecord(slot.mem.data(), key);
   slot.length = recordBytes(key.payloadBytes);
   int err = 0;
@@ -266,8 +271,54 @@ void SwapStore::store(const RecordKey& key) {
 void SwapStore::release(uint64_t id) {
   auto found = slotOf_.find(id);
   if (found == slotOf_.end() || slots_[found->second]->state != State::kHeld) return;
-  slots_[found->second]->state = State::kFree;
+  Slot& slot = *slots_[found->second];
+  if (slot.dirty) {  // the file is stale: this buffer is the record until its next store
+    slot.state = State::kDirty;
+    return;
+  }
+  slot.state = State::kFree;
   slotOf_.erase(found);
+}
+
+int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, SwapFault* fault) {
+  auto fail = [&](int err, std::string what) {
+    *fault = {id, pathOf(id), err, std::move(what)};
+    return -err;
+  };
+  const uint64_t length = recordBytes(payloadBytes);
+  if (length > options_.bufferBytes) {
+    return fail(EINVAL, "record of " + std::to_string(length) + " bytes exceeds the pool's buffers of " +
+                            std::to_string(options_.bufferBytes));
+  }
+  size_t s = 0;
+  auto found = slotOf_.find(id);
+  if (found != slotOf_.end()) {
+    s = found->second;
+    Slot& slot = *slots_[s];
+    if (slot.state == State::kHeld) return fail(EBUSY, "record is already held");
+    if (slot.state == State::kReading || slot.state == State::kWriting) {
+      // The buffer is reused: the transfer must end first. Its outcome does not matter (a read's
+      // bytes are discarded, a write's record is superseded by the one the caller stores next).
+      try {
+        slot.ticket.wait();
+        if (slot.state == State::kWriting) stats_.bytesWritten += slot.length;
+      } catch (const aio::IoError&) {
+      }
+      slot.ticket = {};
+    }
+  } else {
+    const int a = acquire(/*mayGrow=*/true, /*mayWait=*/true);
+    if (a < 0) return fail(-a, "no buffer for the record");
+    s = static_cast<size_t>(a);
+    slotOf_[id] = s;
+  }
+  Slot& slot = *slots_[s];
+  slot.id = id;
+  slot.dirty = false;
+  slot.state = State::kHeld;
+  std::memset(slot.mem.data(), 0, length);
+  *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
+  return 0;
 }
 
 std::vector<SwapFault> SwapStore::poll() {

@@ -12,7 +12,9 @@
 //                  the caller works on the payload in place;
 //   store(key)     seals the held buffer as generation key.generation and starts its write
 //                  (write-behind: the buffer stays busy until the write ends);
-//   release(id)    gives a held buffer back unwritten.
+//   release(id)    gives a held buffer back unwritten (a reader that changed nothing);
+//   overwrite(id)  holds a zero-filled buffer for a record the caller replaces whole (no read:
+//                  a checkpoint load), then store()s.
 // The pool holds `bufferCount` buffers of `bufferBytes`, allocated on first use. A buffer needed
 // when none is free waits for the oldest write in flight. A write that fails keeps its buffer
 // (the record stays in memory, "dirty", beyond bufferCount if need be): a fetch of that record
@@ -86,7 +88,15 @@ class SwapStore {
   // Seals the held record of key.id as `key` and starts its write. A record whose file cannot be
   // created stays in memory, dirty, and is reported by the next poll()/drain().
   void store(const RecordKey& key);
+  // Gives the held record of `id` back unwritten. A record whose last write failed stays in its
+  // buffer, dirty (its file is stale: the buffer is the only copy), as before the fetch.
   void release(uint64_t id);
+  // Holds a buffer for record `id` filled with zeros (payloadBytes bytes after the header) without
+  // reading the file: the caller replaces the whole payload and store()s it. A read of `id` in
+  // flight is waited for and discarded; a write in flight is waited for (its failure is not
+  // reported: the record it carried is being replaced). 0, or a negative errno with *fault filled
+  // (-EBUSY: the record is held; -EINVAL: larger than a buffer; -ENOMEM).
+  int overwrite(uint64_t id, uint64_t payloadBytes, void** payload, SwapFault* fault);
   // Failed writes since the last call; drain() first waits for every write in flight.
   std::vector<SwapFault> poll();
   std::vector<SwapFault> drain();
@@ -99,6 +109,7 @@ class SwapStore {
     uint64_t id = 0;
     uint64_t seq = 0;       // write order (the oldest write is waited for first)
     uint64_t length = 0;    // bytes in flight
+    bool dirty = false;     // held, and its last write failed (release() keeps it)
     aio::Ticket ticket;
   };
   // A free buffer: a new one below bufferCount, else the oldest write's once it ended (waited

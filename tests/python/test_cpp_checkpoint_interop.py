@@ -4,6 +4,8 @@ Python package's format, and zeroplus.load_checkpoint reads it at another world 
 (1, 2 and 3); and back: a Python stage-2 checkpoint (AdamW or SGD, fp32 or bf16) loads in C++ at
 world sizes 2 and 3. Both directions then take one more step on the same data and must agree,
 which checks the optimizer state (moments, step counts, momentum buffers) as well as the values.
+The `offload` cases run the C++ engine with its optimizer state on NVMe (the tool's NVME_DIR):
+the checkpoint is read from, or written into, its swap records.
 Python runs at world size 1 in this process (one_rank_group), so every load is a reshard."""
 
 import os
@@ -77,10 +79,20 @@ def test_zeroplus_is_this_worktree():
     assert os.path.abspath(zeroplus.__file__).startswith(here)
 
 
-@pytest.mark.parametrize("opt_name,precision,cpp_world,cpp_stage", [("adamw", "fp32", 2, 2), ("sgd", "fp32", 3, 1),
-                                                                    ("adamw", "bf16", 2, 1)])
-def test_cpp_checkpoint_loads_in_python(one_rank_group, tmp_path, opt_name, precision, cpp_world, cpp_stage):
-    tool("save", tmp_path, cpp_world, cpp_stage, opt_name, precision)
+def nvme_args(tmp_path, offload):
+    if not offload:
+        return ()
+    (tmp_path / "nvme").mkdir()
+    return (tmp_path / "nvme",)
+
+
+@pytest.mark.parametrize("opt_name,precision,cpp_world,cpp_stage,offload",
+                         [("adamw", "fp32", 2, 2, False), ("sgd", "fp32", 3, 1, False), ("adamw", "bf16", 2, 1, False),
+                          ("adamw", "bf16", 2, 3, True), ("sgd", "fp32", 2, 2, True)])
+def test_cpp_checkpoint_loads_in_python(one_rank_group, tmp_path, opt_name, precision, cpp_world, cpp_stage, offload):
+    tool("save", tmp_path, cpp_world, cpp_stage, opt_name, precision, *nvme_args(tmp_path, offload))
+    if offload:
+        assert not any((tmp_path / "nvme").iterdir())  # the swap directory went with the optimizer
     at_save = load_pt(tmp_path / "at_save.pt")
     step3 = load_pt(tmp_path / "step3.pt")
     for stage in (1, 2, 3):
@@ -91,9 +103,10 @@ def test_cpp_checkpoint_loads_in_python(one_rank_group, tmp_path, opt_name, prec
         expect_equal(params(model), step3, 1e-5 if precision == "fp32" else 1e-2, f"stage {stage} step after load")
 
 
-@pytest.mark.parametrize("opt_name,precision,cpp_world", [("adamw", "fp32", 2), ("sgd", "fp32", 3),
-                                                         ("adamw", "bf16", 3)])
-def test_python_checkpoint_loads_in_cpp(one_rank_group, tmp_path, opt_name, precision, cpp_world):
+@pytest.mark.parametrize("opt_name,precision,cpp_world,offload",
+                         [("adamw", "fp32", 2, False), ("sgd", "fp32", 3, False), ("adamw", "bf16", 3, False),
+                          ("adamw", "bf16", 2, True), ("sgd", "fp32", 2, True)])
+def test_python_checkpoint_loads_in_cpp(one_rank_group, tmp_path, opt_name, precision, cpp_world, offload):
     model, opt = make(opt_name, 2, precision)
     for s in range(2):
         step(model, opt, s)
@@ -101,7 +114,10 @@ def test_python_checkpoint_loads_in_cpp(one_rank_group, tmp_path, opt_name, prec
     at_save = params(model)
     step(model, opt, 2)
     step3 = params(model)
-    tool("load", tmp_path / "py", tmp_path, cpp_world, 2, opt_name, precision)  # through `latest`
+    tool("load", tmp_path / "py", tmp_path, cpp_world, 2, opt_name, precision,  # through `latest`
+         *nvme_args(tmp_path, offload))
+    if offload:
+        assert not any((tmp_path / "nvme").iterdir())
     expect_equal(load_pt(tmp_path / "loaded.pt"), at_save, 0.0, "C++ load")
     expect_equal(load_pt(tmp_path / "step3.pt"), step3, 1e-5 if precision == "fp32" else 1e-2,
                  "C++ step after load")

@@ -4,7 +4,8 @@
 // segment (a parameter's piece of this rank's shard) the fp32 master as "param" and each
 // elementwise state tensor under torch's key, Adam's step as a tagged 0-d float32 scalar in the
 // manifest; frozen parameters and buffers whole, from rank 0; param groups with torch's
-// hyperparameter names. The bytes, files and manifest are optimizers/core/checkpoint's.
+// hyperparameter names. The bytes, files and manifest are optimizers/core/checkpoint's; the
+// masters and state are read and replaced through engine::BucketStates (in memory or offloaded).
 #include "optimizers/adapter/zero/checkpoint_io.hpp"
 
 #include <ATen/ATen.h>
@@ -176,11 +177,6 @@ void checkModel(const std::shared_ptr<torch::nn::Module>& model, zero::ZeroOptim
   TORCH_CHECK_VALUE(model != nullptr, op, ": model is null");
   TORCH_CHECK_VALUE(model.get() == opt.model().get(), op,
                     ": optimizer was not initialized with this model (pass the model given to zeroplus::zero::initialize)");
-  // Between steps the optimizer state of an offloaded engine lives in its swap records, which
-  // this writer and reader do not go through yet: refuse rather than save or load empty state.
-  TORCH_CHECK_VALUE(opt.engine().swapper() == nullptr, op, ": the optimizer offloads its state to NVMe "
-                    "(Options::offload_optimizer \"nvme\"), which C++ checkpoints do not read or write yet; "
-                    "zeroplus::zero::full_state_dict gives the model");
 }
 
 }  // namespace
@@ -211,84 +207,94 @@ void save_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
   TORCH_CHECK(msg.rfind("ok:", 0) == 0, kSave, "(\"", path, "\"): ", rank == 0 ? msg.substr(6) : "rank 0: " + msg.substr(6),
               "; nothing was written");
 
-  // This rank's pieces: (tensor, key, lo, hi, contiguous CPU data).
-  struct Piece {
-    std::string tensor, key;
-    int64_t lo, hi;
-    at::Tensor data;
-  };
-  std::vector<Piece> pieces;
+  // Every rank streams its shard into its file, bucket by bucket (an offloaded bucket's state is
+  // in memory only while it is copied out); its index (file record, chunks, state) goes to rank 0.
+  // A failure here (a swap record that cannot be read, a write) becomes the index's error: rank 0
+  // then abandons the save and every rank raises it.
+  Value index = Value::object(), chunks = Value::array();
   Value state = Value::object(), scalars = Value::object();
-  auto& buckets = eng.params().buckets();
-  for (size_t b = 0; b < buckets.size(); ++b) {
-    for (const auto& seg : eng.steppers()[b].segments()) {
-      const auto& entry = buckets[b].entries[seg.entry];
-      const std::string& pname = view.nameOf.at(entry.param.unsafeGetTensorImpl());
-      const auto pc = buckets[b].piece(entry, rank);
-      pieces.push_back({pname, "param", pc.paramLo, pc.paramHi, seg.master.contiguous()});
-      const std::pair<const char*, const at::Tensor*> elementwise[] = {
-          {"exp_avg", &seg.state.exp_avg}, {"exp_avg_sq", &seg.state.exp_avg_sq},
-          {"max_exp_avg_sq", &seg.state.max_exp_avg_sq}, {"momentum_buffer", &seg.state.momentum_buffer}};
-      for (const auto& [key, t] : elementwise) {
-        if (!t->defined()) continue;
-        pieces.push_back({pname, key, pc.paramLo, pc.paramHi, t->contiguous()});
-        Value* s = state.find(pname);
-        if (s == nullptr) s = &state.set(pname, Value::object());
-        s->set(key, Value::string(dtypeName(t->scalar_type())));
-      }
-      if (seg.state.step.defined()) {
-        Value* s = scalars.find(pname);
-        if (s == nullptr) s = &scalars.set(pname, Value::object());
-        s->set("step", tensorScalar(seg.state.step));
-      }
-    }
+  std::string werr;
+  int rc = 0;
+  if (rank != 0) {
+    root.clear();
+    rc = ckpt::splitSavePath(path, &root, &name, &werr);
+    if (rc == 0) rc = ckpt::openStaging(root, name, msg.substr(3), &staging, &werr);
   }
-  if (rank == 0) {  // replicated tensors: written once
-    for (const auto& [pname, p] : view.params) {
-      if (!view.trainable(p, bucketed) && p.numel()) pieces.push_back({pname, "param", 0, p.numel(), p.detach().reshape(-1).contiguous()});
-    }
-    for (const auto& [bname, buf] : view.buffers) {
-      if (buf.numel()) pieces.push_back({bname, "value", 0, buf.numel(), buf.detach().reshape(-1).contiguous()});
-    }
-  }
-
-  // Every rank writes its shard; its index (file record, chunks, state) goes to rank 0.
-  Value index = Value::object();
-  {
-    std::string werr;
-    int rc = 0;
-    if (rank != 0) {
-      root.clear();
-      rc = ckpt::splitSavePath(path, &root, &name, &werr);
-      if (rc == 0) rc = ckpt::openStaging(root, name, msg.substr(3), &staging, &werr);
-    }
-    std::vector<ckpt::ShardPiece> spans;
-    for (const Piece& p : pieces) spans.push_back({p.data.data_ptr(), p.data.numel() * static_cast<int64_t>(p.data.element_size())});
-    ckpt::FileRecord rec;
-    std::vector<int64_t> offsets;
-    if (rc == 0) rc = ckpt::writeShard(staging, rank, spans, ckpt::kBlockBytes, &rec, &offsets, &werr);
-    if (rc < 0) {
-      index.set("error", Value::string(werr));
-    } else {
-      Value& file = index.set("file", Value::object());
-      file.set("name", Value::string(rec.name));
-      file.set("bytes", Value::integer(rec.bytes));
-      Value& crcs = file.set("block_crc32", Value::array());
-      for (uint32_t c : rec.blockCrc32) crcs.push(Value::integer(c));
-      Value& chunks = index.set("chunks", Value::array());
-      for (size_t k = 0; k < pieces.size(); ++k) {
-        Value c = Value::array();
-        c.push(Value::string(pieces[k].tensor));
-        c.push(Value::string(pieces[k].key));
-        c.push(Value::integer(pieces[k].lo));
-        c.push(Value::integer(pieces[k].hi));
-        c.push(Value::string(dtypeName(pieces[k].data.scalar_type())));
-        c.push(Value::integer(offsets[k]));
-        chunks.push(std::move(c));
+  auto writer = std::make_unique<ckpt::ShardWriter>();
+  if (rc == 0) rc = writer->open(staging, rank, ckpt::kBlockBytes, &werr);
+  // One piece: elements [lo, hi) of `tensor`'s value `key`.
+  auto put = [&](const std::string& tensor, const std::string& key, int64_t lo, int64_t hi, const at::Tensor& value) {
+    if (rc < 0) return;
+    const at::Tensor data = value.contiguous();
+    int64_t offset = 0;
+    rc = writer->append(data.data_ptr(), data.numel() * static_cast<int64_t>(data.element_size()), &offset, &werr);
+    Value c = Value::array();
+    c.push(Value::string(tensor));
+    c.push(Value::string(key));
+    c.push(Value::integer(lo));
+    c.push(Value::integer(hi));
+    c.push(Value::string(dtypeName(data.scalar_type())));
+    c.push(Value::integer(offset));
+    chunks.push(std::move(c));
+  };
+  try {
+    auto& buckets = eng.params().buckets();
+    if (rc == 0) eng.states().beginRead();
+    for (size_t b = 0; b < buckets.size() && rc == 0; ++b) {
+      const auto values = eng.states().read(b, kSave);
+      const auto& segs = eng.steppers()[b].segments();
+      for (size_t k = 0; k < segs.size(); ++k) {
+        const auto& entry = buckets[b].entries[segs[k].entry];
+        const std::string& pname = view.nameOf.at(entry.param.unsafeGetTensorImpl());
+        const auto pc = buckets[b].piece(entry, rank);
+        const zero::engine::SegmentState& st = values[k].state;
+        put(pname, "param", pc.paramLo, pc.paramHi, values[k].master);
+        const std::pair<const char*, const at::Tensor*> elementwise[] = {
+            {"exp_avg", &st.exp_avg}, {"exp_avg_sq", &st.exp_avg_sq},
+            {"max_exp_avg_sq", &st.max_exp_avg_sq}, {"momentum_buffer", &st.momentum_buffer}};
+        for (const auto& [key, t] : elementwise) {
+          if (!t->defined()) continue;
+          put(pname, key, pc.paramLo, pc.paramHi, *t);
+          Value* sv = state.find(pname);
+          if (sv == nullptr) sv = &state.set(pname, Value::object());
+          sv->set(key, Value::string(dtypeName(t->scalar_type())));
+        }
+        if (st.step.defined()) {
+          Value* sv = scalars.find(pname);
+          if (sv == nullptr) sv = &scalars.set(pname, Value::object());
+          sv->set("step", tensorScalar(st.step));
+        }
       }
-      index.set("state", state);
-      index.set("scalars", scalars);
     }
+    if (rank == 0) {  // replicated tensors: written once
+      for (const auto& [pname, p] : view.params) {
+        if (!view.trainable(p, bucketed) && p.numel()) put(pname, "param", 0, p.numel(), p.detach().reshape(-1));
+      }
+      for (const auto& [bname, buf] : view.buffers) {
+        if (buf.numel()) put(bname, "value", 0, buf.numel(), buf.detach().reshape(-1));
+      }
+    }
+  } catch (const c10::Error& e) {
+    rc = -1;
+    werr = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    rc = -1;
+    werr = e.what();
+  }
+  ckpt::FileRecord rec;
+  if (rc == 0) rc = writer->finish(&rec, &werr);
+  writer.reset();  // a file left unfinished is removed now, before rank 0 may remove the staging directory
+  if (rc < 0) {
+    index.set("error", Value::string(werr));
+  } else {
+    Value& file = index.set("file", Value::object());
+    file.set("name", Value::string(rec.name));
+    file.set("bytes", Value::integer(rec.bytes));
+    Value& crcs = file.set("block_crc32", Value::array());
+    for (uint32_t c : rec.blockCrc32) crcs.push(Value::integer(c));
+    index.set("chunks", std::move(chunks));
+    index.set("state", state);
+    index.set("scalars", scalars);
   }
   const auto indexes = allGatherStrings(comm, ckpt::json::dump(index));
 
@@ -627,16 +633,18 @@ void load_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
                 "\"): the ranks read different checkpoints (it was replaced, or `latest` moved, during the load); "
                 "nothing was changed");
   }
-  // Change: masters and state, hyperparameters, frozen parameters and buffers, then publish.
+  // Change: masters and state (wherever the engine keeps them; published into the parameters),
+  // hyperparameters, frozen parameters and buffers.
+  std::vector<zero::engine::BucketValues> values(eng.steppers().size());
+  for (size_t b = 0; b < values.size(); ++b) values[b].resize(eng.steppers()[b].segments().size());
   for (auto& s : staged.segments) {
-    auto& seg = eng.steppers()[s.bucket].segments()[s.segment];
-    seg.master.copy_(s.master);
-    seg.state = {};
-    if (s.hasState) seg.state = {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step, s.momentum_buffer};
+    auto& v = values[s.bucket][s.segment];
+    v.master = s.master;
+    if (s.hasState) v.state = {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.step, s.momentum_buffer};
   }
+  eng.writeStates(values, kLoad);
   applyGroups(opt, staged.groups);
   for (auto& [dest, value] : staged.copies) dest.detach().reshape(-1).copy_(value);
-  eng.publishMasters();
 }
 
 }  // namespace zeroplus

@@ -23,6 +23,11 @@
 //    them succeeded. Only then are the masters, optimizer state, group hyperparameters (as
 //    torch's load_state_dict does), frozen parameters and buffers replaced and the masters
 //    all-gathered into every rank's parameters.
+//  * Where the state lives is engine::BucketStates' business (bucket_states.hpp): with
+//    Options::offload_optimizer "nvme" save reads each bucket's record through the swapper and
+//    streams it into the shard file (the same bytes as an in-memory engine's), giving the record
+//    back unchanged; load writes the loaded masters and state into fresh records and waits for
+//    their writes. A record that fails its check during a save fails the save (naming the file).
 //  * Errors: c10::Error / c10::ValueError naming the call and the path; on every rank; nothing is
 //    changed by a failed load and nothing the user owns is removed by a failed save.
 //  * Not thread-safe with training: call between steps.

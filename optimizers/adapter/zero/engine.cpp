@@ -51,6 +51,7 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
   if (options_.offload_optimizer() == "nvme") {
     swapper_ = std::make_unique<OptimizerSwapper>(options_, *placement_, steppers_, comm_.rank());
   }
+  states_ = std::make_unique<BucketStates>(*placement_, steppers_, swapper_.get());
   resetUnitCounts();
 }
 
@@ -203,13 +204,15 @@ void Engine::zeroGrad(bool setToNone) {
   clippedThisStep_ = false;
 }
 
-void Engine::publishMasters() {
+void Engine::writeStates(const std::vector<BucketValues>& values, const char* op) {
   at::NoGradGuard noGrad;
+  TORCH_CHECK(values.size() == placement_->buckets().size(), op, ": values for ", values.size(), " buckets, the "
+              "engine has ", placement_->buckets().size());
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr failure;
   try {
-    for (size_t i = 0; i < placement_->buckets().size(); ++i) {
-      auto work = placement_->publish(i);  // stage 3: the shard only, no collective
+    for (size_t i = 0; i < values.size(); ++i) {
+      auto work = states_->write(i, values[i], op);  // stage 3: the shard only, no collective
       if (work) works.push_back(std::move(work));
     }
   } catch (...) {
@@ -217,6 +220,7 @@ void Engine::publishMasters() {
   }
   for (auto& w : works) w->wait();
   placement_->releaseGatherInputs();
+  states_->finish();
   if (failure) std::rethrow_exception(failure);
 }
 

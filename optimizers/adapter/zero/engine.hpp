@@ -13,9 +13,10 @@
 //   zeroGrad(toNone)    drop (or zero) the gradient shards
 //
 // One owner per concern: a Placement (FlatParams at stages 1-2, ShardedParams at stage 3: where
-// parameters and masters live), GradReducer (where a
-// bucket's gradient lives), BucketStepper (a bucket's optimizer state and kernel call),
-// Collectives (every byte between ranks). The engine only sequences them, as the Python engine's
+// parameters and masters live), GradReducer (where a bucket's gradient lives), BucketStepper (a
+// bucket's optimizer state and kernel call), OptimizerSwapper (NVMe offload of that state),
+// Collectives (every byte between ranks), BucketStates (a bucket's master and optimizer state
+// read or replaced between steps, wherever they live). The engine only sequences them, as the Python engine's
 // ZeroEngine does (zero/engine.py), with the same operations in the same order: the same model,
 // data and bucket size train bit-identically through either front-end.
 //
@@ -31,6 +32,7 @@
 #include <optional>
 #include <vector>
 
+#include "optimizers/adapter/zero/bucket_states.hpp"
 #include "optimizers/adapter/zero/bucket_stepper.hpp"
 #include "optimizers/adapter/zero/collectives.hpp"
 #include "optimizers/adapter/zero/flat_params.hpp"
@@ -82,9 +84,12 @@ class Engine {
   std::vector<at::Tensor> gradientShards();
   // Elements of optimizer state (masters) this rank holds: about 1/world of the model.
   int64_t ownedNumel() const;
-  // Every bucket's master into the parameters on every rank (the all-gathers step() ends with),
-  // after the masters were replaced (load_checkpoint). Collective.
-  void publishMasters();
+  // Reads bucket b's master and optimizer state between steps (BucketStates::read).
+  BucketStates& states() { return *states_; }
+  // Replaces every bucket's master and optimizer state (values[b]: BucketStates::write's) and
+  // publishes the masters into the parameters on every rank (the all-gathers step() ends with);
+  // returns when the offloaded records are written. Collective (load_checkpoint).
+  void writeStates(const std::vector<BucketValues>& values, const char* op);
   // The NVMe optimizer swapper (nullptr unless options.offload_optimizer is "nvme").
   OptimizerSwapper* swapper() { return swapper_.get(); }
 
@@ -102,6 +107,7 @@ class Engine {
   GradReducer reducer_;
   std::vector<BucketStepper> steppers_;
   std::unique_ptr<OptimizerSwapper> swapper_;  // after steppers_: destroyed first
+  std::unique_ptr<BucketStates> states_;
   bool clippedThisStep_ = false;
 };
 

@@ -126,15 +126,19 @@ void OptimizerSwapper::waitForWrites() { noteFaults(store_->drain()); }
 
 void OptimizerSwapper::poll() { noteFaults(store_->poll()); }
 
+void OptimizerSwapper::readAhead(size_t b) {
+  for (size_t n = b + 1; n < homes_.size() && n <= b + kReadAhead; ++n) {
+    const Home& h = homes_[n];
+    store_->prefetch({n, h.generation, payloadBytes(h), layoutTag(h)});
+  }
+}
+
 bool OptimizerSwapper::fetch(size_t b) {
   Home& h = homes_[b];
   void* payload = nullptr;
   swap::SwapFault fault;
   const int rc = store_->fetch({b, h.generation, payloadBytes(h), layoutTag(h)}, &payload, &fault);
-  for (size_t n = b + 1; n < homes_.size() && n <= b + kReadAhead; ++n) {
-    const Home& h2 = homes_[n];
-    store_->prefetch({n, h2.generation, payloadBytes(h2), layoutTag(h2)});
-  }
+  readAhead(b);
   at::Tensor& master = placement_.master(b);
   if (rc != 0) {
     faults_.push_back("bucket " + std::to_string(b) + " (file " + fault.path + "): " + fault.what + " [" +
@@ -146,10 +150,16 @@ bool OptimizerSwapper::fetch(size_t b) {
     }
     return false;
   }
+  bind(b, payload);
+  return true;
+}
+
+void OptimizerSwapper::bind(size_t b, void* payload) {
+  Home& h = homes_[b];
   payloads_[b] = payload;
   h.held = true;
   if (h.masterCopy) {
-    master.set_(slotTensor(b, 0));
+    placement_.master(b).set_(slotTensor(b, 0));
     steppers_[b].rebindMaster();
   }
   auto& segments = steppers_[b].segments();
@@ -159,7 +169,48 @@ bool OptimizerSwapper::fetch(size_t b) {
       segments[s].state.*stateOf(h.slots[k]) = slotTensor(b, k).slice(0, segments[s].lo, segments[s].hi);
     }
   }
-  return true;
+}
+
+void OptimizerSwapper::bindForRead(size_t b, const char* op) {
+  TORCH_CHECK(!homes_[b].held, op, ": bucket ", b, "'s swap record is already held (called during a step?)");
+  Home& h = homes_[b];
+  void* payload = nullptr;
+  swap::SwapFault fault;
+  const int rc = store_->fetch({b, h.generation, payloadBytes(h), layoutTag(h)}, &payload, &fault);
+  TORCH_CHECK(rc == 0, op, ": NVMe optimizer offload (rank ", rank_, "): bucket ", b, " (file ", fault.path, "): ",
+              fault.what, " [", std::strerror(fault.err), "]; the optimizer state in this file is unusable");
+  bind(b, payload);
+  readAhead(b);  // after the check: a failed read leaves nothing started on its behalf
+}
+
+void OptimizerSwapper::unbind(size_t b) {
+  Home& h = homes_[b];
+  if (!h.held) return;
+  for (auto& seg : steppers_[b].segments()) {
+    for (int kind = kExpAvg; kind < kKinds; ++kind) seg.state.*stateOf(kind) = at::Tensor();
+  }
+  if (h.masterCopy) {
+    placement_.master(b).set_(at::empty({0}, at::TensorOptions().dtype(at::kFloat)));
+    steppers_[b].rebindMaster();
+  }
+  h.held = false;
+  payloads_[b] = nullptr;
+  store_->release(b);
+}
+
+void OptimizerSwapper::bindForWrite(size_t b, const char* op) {
+  Home& h = homes_[b];
+  TORCH_CHECK(!h.held, op, ": bucket ", b, "'s swap record is already held (called during a step?)");
+  void* payload = nullptr;
+  swap::SwapFault fault;
+  // Room for every slot the record may get (store() appends the kinds the caller assigns).
+  const int rc = store_->overwrite(b, slotBytes(h) * kMaxSlots, &payload, &fault);
+  TORCH_CHECK(rc == 0, op, ": NVMe optimizer offload (rank ", rank_, "): bucket ", b, " (file ", fault.path, "): ",
+              fault.what, " [", std::strerror(fault.err), "]");
+  h.slots.clear();
+  if (h.masterCopy) h.slots.push_back(kMaster);
+  std::fill(h.has.begin(), h.has.end(), 0);
+  bind(b, payload);  // the master only: no segment has a kind yet
 }
 
 void OptimizerSwapper::store(size_t b) {
@@ -202,20 +253,8 @@ void OptimizerSwapper::store(size_t b) {
 }
 
 void OptimizerSwapper::abandon() {
-  for (size_t b = 0; b < homes_.size(); ++b) {
-    if (!homes_[b].held) continue;
-    // The step raised half way: the record was not changed on disk; forget what was bound.
-    for (auto& seg : steppers_[b].segments()) {
-      for (int kind = kExpAvg; kind < kKinds; ++kind) seg.state.*stateOf(kind) = at::Tensor();
-    }
-    if (homes_[b].masterCopy) {
-      placement_.master(b).set_(at::empty({0}, at::TensorOptions().dtype(at::kFloat)));
-      steppers_[b].rebindMaster();
-    }
-    homes_[b].held = false;
-    payloads_[b] = nullptr;
-    store_->release(b);
-  }
+  // The step raised half way: the records were not changed on disk; forget what was bound.
+  for (size_t b = 0; b < homes_.size(); ++b) unbind(b);
 }
 
 void OptimizerSwapper::endStep() {

@@ -20,6 +20,17 @@
 // The tensors keep their identity (set_ on the same TensorImpl), so placement and stepper see
 // the bound buffer without knowing about swapping.
 //
+// Between steps (checkpoints; engine::BucketStates is the one caller):
+//   bindForRead(b)   as fetch, but a record that cannot be used raises c10::Error naming its file
+//                    and bucket, with nothing bound and nothing kept for endStep;
+//   unbind(b)        gives the record back unchanged (no write; a record whose last write failed
+//                    stays in memory, its only copy): the state tensors become undefined again,
+//                    the master an empty tensor;
+//   bindForWrite(b)  binds a fresh, zero-filled record without reading the file (its content is
+//                    being replaced: a corrupt record does not stand in the way), with no state
+//                    kinds: the caller assigns the master's values and the segments' state
+//                    tensors, then store(b) writes them as the next generation.
+//
 // Lifetime: the swap files live in a private directory under Options::nvme_path created at
 // construction and removed, with its files, by the destructor (which waits for the writes).
 // Not thread-safe: the training thread only.
@@ -60,6 +71,10 @@ class OptimizerSwapper {
   void store(size_t b);
   // Gives back buffers still held (a step that raised half way), without writing.
   void abandon();
+  // Checkpoints (file comment); `op` names the caller in errors.
+  void bindForRead(size_t b, const char* op);
+  void unbind(size_t b);
+  void bindForWrite(size_t b, const char* op);
   void endStep();
   // Collects finished writes without waiting (zero_grad).
   void poll();
@@ -84,6 +99,10 @@ class OptimizerSwapper {
   uint64_t layoutTag(const Home& h) const;
   at::Tensor slotTensor(size_t b, size_t k) const;
   at::Tensor paramsShardAsFp32(size_t b) const;
+  // Points the master (a copy) and the state tensors of the kinds each segment has at the payload.
+  void bind(size_t b, void* payload);
+  // Starts reading the buckets after b (the order every reader visits them in).
+  void readAhead(size_t b);
   void noteFaults(std::vector<swap::SwapFault> faults);
 
   Placement& placement_;

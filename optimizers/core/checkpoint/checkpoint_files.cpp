@@ -203,51 +203,92 @@ int openStaging(const std::string& root, const std::string& name, const std::str
   return 0;
 }
 
+ShardWriter::~ShardWriter() {
+  if (fd_ || (!tmp_.empty() && staging_ != nullptr)) {
+    fd_ = fs::UniqueFd();
+    ::unlinkat(staging_->stagingFd.get(), tmp_.c_str(), 0);
+  }
+}
+
+int ShardWriter::failed(std::string* error) const {
+  *error = error_;
+  return rc_;
+}
+
+int ShardWriter::open(const Staging& s, int rank, int64_t blockBytes, std::string* error) {
+  staging_ = &s;
+  blockBytes_ = blockBytes;
+  final_ = shardFileName(rank);
+  record_ = FileRecord();
+  record_.name = final_;
+  if (const int rc = fs::createTemporary(s.stagingFd.get(), tempPrefix(final_), 0600, 0, &fd_, &tmp_); rc < 0) {
+    rc_ = fail(&error_, rc, "cannot create the shard file in " + s.root + "/" + s.staging);
+    tmp_.clear();
+    return failed(error);
+  }
+  return 0;
+}
+
+int ShardWriter::append(const void* data, int64_t bytes, int64_t* offset, std::string* error) {
+  if (rc_ < 0) return failed(error);
+  *offset = offset_;
+  if (bytes == 0) return 0;
+  if (const int rc = writeAll(fd_.get(), data, bytes, offset_); rc < 0) {
+    rc_ = fail(&error_, rc, "cannot write " + staging_->root + "/" + staging_->staging + "/" + final_);
+    return failed(error);
+  }
+  // Block CRCs as the bytes go out: a piece may end and start anywhere inside a block.
+  const auto* at = static_cast<const uint8_t*>(data);
+  int64_t left = bytes;
+  while (left > 0) {
+    const int64_t take = std::min(left, blockBytes_ - fill_);
+    crc_ = checksum::crc32(crc_, at, static_cast<size_t>(take));
+    at += take, left -= take, fill_ += take;
+    if (fill_ == blockBytes_) {
+      record_.blockCrc32.push_back(crc_);
+      crc_ = 0, fill_ = 0;
+    }
+  }
+  offset_ += bytes;
+  return 0;
+}
+
+int ShardWriter::finish(FileRecord* record, std::string* error) {
+  if (rc_ < 0) return failed(error);
+  if (fill_) record_.blockCrc32.push_back(crc_);
+  fill_ = 0;
+  int rc = 0;
+  if (::fdatasync(fd_.get()) != 0) rc = -errno;
+  struct stat st{};
+  if (rc == 0 && (::fstat(fd_.get(), &st) != 0 || st.st_size != offset_)) rc = -EIO;
+  fd_ = fs::UniqueFd();
+  const int dir = staging_->stagingFd.get();
+  // Never replaces: link fails with EEXIST when the name exists (a planted one included).
+  if (rc == 0 && ::linkat(dir, tmp_.c_str(), dir, final_.c_str(), 0) != 0) rc = -errno;
+  ::unlinkat(dir, tmp_.c_str(), 0);
+  tmp_.clear();
+  if (rc < 0) {
+    rc_ = fail(&error_, rc, "cannot write " + staging_->root + "/" + staging_->staging + "/" + final_);
+    return failed(error);
+  }
+  record_.bytes = offset_;
+  *record = std::move(record_);
+  rc_ = -EALREADY;  // finished: a second finish or append is a caller's error
+  error_ = "shard file " + final_ + " was already finished";
+  return 0;
+}
+
 int writeShard(const Staging& s, int rank, const std::vector<ShardPiece>& pieces, int64_t blockBytes,
                FileRecord* record, std::vector<int64_t>* offsets, std::string* error) {
-  const std::string final = shardFileName(rank);
-  fs::UniqueFd fd;
-  std::string tmp;
-  if (const int rc = fs::createTemporary(s.stagingFd.get(), tempPrefix(final), 0600, 0, &fd, &tmp); rc < 0) {
-    return fail(error, rc, "cannot create the shard file in " + s.root + "/" + s.staging);
-  }
-  FileRecord rec;
-  rec.name = final;
+  ShardWriter w;
   offsets->clear();
-  int64_t offset = 0, fill = 0;
-  uint32_t crc = 0;
-  int rc = 0;
-  for (const ShardPiece& p : pieces) {
-    offsets->push_back(offset);
-    if (p.bytes == 0) continue;
-    rc = writeAll(fd.get(), p.data, p.bytes, offset);
-    if (rc < 0) break;
-    // Block CRCs as the bytes go out: a piece may end and start anywhere inside a block.
-    const auto* at = static_cast<const uint8_t*>(p.data);
-    int64_t left = p.bytes;
-    while (left > 0) {
-      const int64_t take = std::min(left, blockBytes - fill);
-      crc = checksum::crc32(crc, at, static_cast<size_t>(take));
-      at += take, left -= take, fill += take;
-      if (fill == blockBytes) {
-        rec.blockCrc32.push_back(crc);
-        crc = 0, fill = 0;
-      }
-    }
-    offset += p.bytes;
+  int rc = w.open(s, rank, blockBytes, error);
+  for (size_t k = 0; rc == 0 && k < pieces.size(); ++k) {
+    int64_t at = 0;
+    rc = w.append(pieces[k].data, pieces[k].bytes, &at, error);
+    offsets->push_back(at);
   }
-  if (fill) rec.blockCrc32.push_back(crc);
-  if (rc == 0 && ::fdatasync(fd.get()) != 0) rc = -errno;
-  struct stat st{};
-  if (rc == 0 && (::fstat(fd.get(), &st) != 0 || st.st_size != offset)) rc = -EIO;
-  fd = fs::UniqueFd();
-  // Never replaces: link fails with EEXIST when the name exists (a planted one included).
-  if (rc == 0 && ::linkat(s.stagingFd.get(), tmp.c_str(), s.stagingFd.get(), final.c_str(), 0) != 0) rc = -errno;
-  ::unlinkat(s.stagingFd.get(), tmp.c_str(), 0);
-  if (rc < 0) return fail(error, rc, "cannot write " + s.root + "/" + s.staging + "/" + final);
-  rec.bytes = offset;
-  *record = std::move(rec);
-  return 0;
+  return rc == 0 ? w.finish(record, error) : rc;
 }
 
 void abandonSave(Staging& s) {

@@ -54,13 +54,43 @@ int prepareSave(const std::string& root, const std::string& name, Staging* out, 
 int openStaging(const std::string& root, const std::string& name, const std::string& staging, Staging* out,
                 std::string* error);
 
+// One rank's shard file written piece by piece (a writer that cannot hold its whole shard in
+// memory at once: the C++ engine's NVMe-offloaded state, read bucket by bucket): open, append
+// the pieces back to back, finish (fdatasync, then the final rankNNNNN.bin, never replacing
+// anything). A writer destroyed before finish() removes its temporary file. Errors as above; after
+// one, every later call returns it again.
+class ShardWriter {
+ public:
+  ShardWriter() = default;
+  ~ShardWriter();
+  ShardWriter(const ShardWriter&) = delete;
+  ShardWriter& operator=(const ShardWriter&) = delete;
+
+  int open(const Staging& s, int rank, int64_t blockBytes, std::string* error);
+  // Appends `bytes` bytes at `data`; *offset gets their byte offset in the file.
+  int append(const void* data, int64_t bytes, int64_t* offset, std::string* error);
+  // *record: the file's name, size and block CRCs.
+  int finish(FileRecord* record, std::string* error);
+
+ private:
+  int failed(std::string* error) const;
+
+  const Staging* staging_ = nullptr;
+  fs::UniqueFd fd_;
+  std::string tmp_, final_;
+  int64_t blockBytes_ = 0, offset_ = 0, fill_ = 0;
+  uint32_t crc_ = 0;
+  FileRecord record_;
+  int rc_ = 0;
+  std::string error_;
+};
+
 // One piece of a shard file: `bytes` bytes at `data`.
 struct ShardPiece {
   const void* data;
   int64_t bytes;
 };
-// Writes the pieces back to back into staging/rankNNNNN.bin; *offsets gets each piece's byte
-// offset, *record the file's name, size and block CRCs.
+// ShardWriter over pieces held in memory: *offsets gets each piece's byte offset.
 int writeShard(const Staging& s, int rank, const std::vector<ShardPiece>& pieces, int64_t blockBytes,
                FileRecord* record, std::vector<int64_t>* offsets, std::string* error);
 

@@ -1,6 +1,7 @@
 // SwapStore (optimizers/core/swap_store.hpp): records round-trip, corrupt and stale records are
-// refused naming the file, a failing write keeps the record in memory and is retried, and a
-// pool without a free buffer waits for the oldest write.
+// refused naming the file, a failing write keeps the record in memory and is retried (also after
+// a reader released it unchanged), overwrite holds a zero-filled record without reading the file
+// (a corrupt one included), and a pool without a free buffer waits for the oldest write.
 #include "optimizers/core/swap_store.hpp"
 
 #include <fcntl.h>
@@ -160,6 +161,66 @@ TEST(SwapStore, FailingWriteIsKeptInMemoryAndRetried) {
   EXPECT_TRUE(matches(p, 1, 1));
   EXPECT_EQ(store.stats().reads, 1u);
   store.release(1);
+}
+
+TEST(SwapStore, ReleasedDirtyRecordStaysInMemory) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path());
+  o.io.kind = aio::EngineKind::ThreadPool;  // plain pwrite in this process: RLIMIT_FSIZE applies
+  SwapStore store(o);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto* previous = signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  writeOne(store, 1);
+  auto faults = store.drain();
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  signal(SIGXFSZ, previous);
+  ASSERT_EQ(faults.size(), 1u);
+  // A reader (a checkpoint save) fetches the dirty record and gives it back unchanged: the
+  // buffer is still the only copy, so a later fetch finds it without a read.
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(1, 1), &p, &f), 0) << f.what;
+  store.release(1);
+  ASSERT_EQ(store.fetch(key(1, 1), &p, &f), 0) << f.what;
+  EXPECT_TRUE(matches(p, 1, 1));
+  EXPECT_EQ(store.stats().reads, 0u);
+  store.store(key(1, 2));
+  EXPECT_TRUE(store.drain().empty());
+}
+
+TEST(SwapStore, OverwriteHoldsAFreshRecordWithoutReading) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path()));
+  writeOne(store, 4);
+  ASSERT_TRUE(store.drain().empty());
+  // Corrupt the file: a fetch refuses it, an overwrite does not read it.
+  const int fd = ::open(store.pathOf(4).c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char byte = 0;
+  ASSERT_EQ(::pread(fd, &byte, 1, kHeaderBytes + 9), 1);
+  byte ^= 0x01;
+  ASSERT_EQ(::pwrite(fd, &byte, 1, kHeaderBytes + 9), 1);
+  ::close(fd);
+  EXPECT_TRUE(store.prefetch(key(4, 1)));  // a read in flight is waited for and discarded
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.overwrite(4, kPayload, &p, &f), 0) << f.what;
+  for (uint64_t i = 0; i < kPayload; ++i) ASSERT_EQ(static_cast<unsigned char*>(p)[i], 0);
+  EXPECT_EQ(store.overwrite(4, kPayload, &p, &f), -EBUSY);  // already held
+  EXPECT_EQ(store.overwrite(4, kPayload * 2, &p, &f), -EINVAL);
+  fill(p, 4, 2);
+  store.store(key(4, 2));
+  EXPECT_TRUE(store.drain().empty());
+  ASSERT_EQ(store.fetch(key(4, 2), &p, &f), 0) << f.what;  // from the file
+  EXPECT_TRUE(matches(p, 4, 2));
+  store.release(4);
+  // A record never written gets a buffer too.
+  ASSERT_EQ(store.overwrite(7, kPayload, &p, &f), 0) << f.what;
+  store.release(7);
 }
 
 TEST(SwapStore, PoolExhaustionWaitsForTheOldestWrite) {

@@ -3,10 +3,11 @@
 // Sequential(Linear(7,33), Tanh, Linear(33,17), ReLU, Linear(17,3)) on deterministic data both
 // languages compute alike, and writes parameters with torch::pickle_save (name -> tensor).
 //
-//   zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16
+//   zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]
 //       2 steps, save_checkpoint(DIR/ckpt), DIR/at_save.pt, one more step, DIR/step3.pt
-//   zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16
+//   zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]
 //       fresh model, load_checkpoint(CKPT), OUTDIR/loaded.pt, step 3, OUTDIR/step3.pt
+// NVME_DIR: the engine offloads its optimizer state there (Options::offload_optimizer "nvme").
 // Exit status 0 on success; 1 with the error on stderr.
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/serialize.h>
@@ -49,9 +50,12 @@ void step(torch::nn::Sequential& model, zeroplus::zero::ZeroOptimizer& opt, int 
   opt.step();
 }
 
-void writeParams(torch::nn::Sequential& model, const std::string& file) {
+// Collective (stage 3 gathers the parameters); rank 0 writes.
+void writeParams(torch::nn::Sequential& model, zeroplus::zero::ZeroOptimizer& opt, int rank, const std::string& file) {
+  const auto full = zeroplus::zero::full_state_dict(model, opt);
+  if (rank != 0) return;
   c10::Dict<std::string, at::Tensor> d;
-  for (const auto& item : model->named_parameters()) d.insert(item.key(), item.value().detach().clone());
+  for (const auto& item : model->named_parameters()) d.insert(item.key(), full[item.key()]);
   const std::vector<char> bytes = torch::pickle_save(d);
   std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
@@ -61,15 +65,17 @@ void writeParams(torch::nn::Sequential& model, const std::string& file) {
 int main(int argc, char** argv) {
   const std::vector<std::string> a(argv + 1, argv + argc);
   const bool save = !a.empty() && a[0] == "save";
-  if (a.size() != (save ? 6u : 7u)) {
-    std::cerr << "usage: zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16\n"
-                 "       zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16\n";
+  const size_t fixed = save ? 6u : 7u;
+  if (a.size() != fixed && a.size() != fixed + 1) {
+    std::cerr << "usage: zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]\n"
+                 "       zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]\n";
     return 2;
   }
   const size_t o = save ? 2 : 3;
   const int world = std::stoi(a[o]), stage = std::stoi(a[o + 1]);
   const bool sgd = a[o + 2] == "sgd";
   const std::string precision = a[o + 3];
+  const std::string nvme = a.size() > fixed ? a[fixed] : "";
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(world);
   std::vector<std::thread> threads;
@@ -80,20 +86,21 @@ int main(int argc, char** argv) {
         config.timeout = std::chrono::seconds(60);
         auto pg = zeroplus::pg::makeProcessGroup(store, rank, world, config);
         auto model = makeModel();
-        const auto options = zeroplus::zero::Options().stage(stage).mixed_precision(precision).reduce_bucket_elems(200);
+        auto options = zeroplus::zero::Options().stage(stage).mixed_precision(precision).reduce_bucket_elems(200);
+        if (!nvme.empty()) options.offload_optimizer("nvme").nvme_path(nvme);
         auto opt = sgd ? zeroplus::zero::initialize(model, pg, options, torch::optim::SGDOptions(0.05).momentum(0.9))
                        : zeroplus::zero::initialize(model, pg, options,
                                                     zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(0.1));
         if (save) {
           for (int s = 0; s < 2; ++s) step(model, *opt, s, rank, world);
           zeroplus::save_checkpoint(a[1] + "/ckpt", model, *opt);
-          if (rank == 0) writeParams(model, a[1] + "/at_save.pt");
+          writeParams(model, *opt, rank, a[1] + "/at_save.pt");
         } else {
           zeroplus::load_checkpoint(a[1], model, *opt);
-          if (rank == 0) writeParams(model, a[2] + "/loaded.pt");
+          writeParams(model, *opt, rank, a[2] + "/loaded.pt");
         }
         step(model, *opt, 2, rank, world);
-        if (rank == 0) writeParams(model, (save ? a[1] : a[2]) + "/step3.pt");
+        writeParams(model, *opt, rank, (save ? a[1] : a[2]) + "/step3.pt");
         pg->shutdown();
       } catch (const std::exception& e) {
         errors[rank] = e.what();

@@ -4,6 +4,10 @@
 // training; between steps the optimizer state and the masters that are copies live only in
 // their records; the swap files exist in a private directory only while the optimizer lives; a
 // corrupted record raises after the step naming its file and bucket; bad options raise.
+// Checkpoints read and write the state through the records: a save from an offloaded engine
+// loads into in-memory and offloaded engines and every one resumes bit-identically to an engine
+// that never checkpointed (the saving one too); a corrupt record during a save raises naming its
+// file and keeps the previous checkpoint.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -13,7 +17,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <functional>
+#include <iterator>
+#include <map>
 #include <thread>
 
 #include "optimizers/adapter/zero/engine.hpp"
@@ -189,27 +196,190 @@ TEST(ZeroOffloadFaults, BadOptionsRaiseNamingTheField) {
   });
 }
 
-// C++ checkpoints do not go through the swap records yet: they refuse an offloaded engine instead
-// of saving or loading its (swapped-out, empty) state, and write nothing.
-TEST(ZeroOffloadFaults, CheckpointsRefuseAnOffloadedEngine) {
-  TempDir nvme;
-  TempDir ckpt;
-  runRanks(1, [&](int, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    auto model = makeModel();
-    auto opt = make(model, pg, Options().stage(2).offload_optimizer("nvme").nvme_path(nvme.path()), false);
-    for (const auto& call : {std::string("save"), std::string("load")}) {
-      try {
-        if (call == "save") {
-          zeroplus::save_checkpoint(ckpt.path() + "/step1", model, *opt);
-        } else {
-          zeroplus::load_checkpoint(ckpt.path() + "/step1", model, *opt);
-        }
-        ADD_FAILURE() << call << " of an offloaded engine did not raise";
-      } catch (const c10::ValueError& e) {
-        EXPECT_NE(std::string(e.what()).find("offloads its state to NVMe"), std::string::npos) << e.what();
-      }
+std::string readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// The full model (gathered at stage 3: collective), name -> tensor.
+std::map<std::string, at::Tensor> fullParams(torch::nn::Sequential& model, zeroplus::zero::ZeroOptimizer& opt) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : zeroplus::zero::full_state_dict(model, opt)) out[item.key()] = item.value();
+  return out;
+}
+
+void expectBitIdentical(const std::map<std::string, at::Tensor>& got, const std::map<std::string, at::Tensor>& want,
+                        const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (const auto& [name, t] : want) EXPECT_TRUE(torch::equal(got.at(name), t)) << what << ": " << name;
+}
+
+// Between steps an offloaded engine holds no elementwise state, and no master that is a copy, in
+// memory: a checkpoint's reads and writes left nothing bound.
+void expectSwappedOut(zeroplus::zero::ZeroOptimizer& opt, const std::string& what) {
+  auto& eng = opt.engine();
+  for (size_t b = 0; b < eng.steppers().size(); ++b) {
+    for (const auto& seg : eng.steppers()[b].segments()) {
+      EXPECT_FALSE(seg.state.exp_avg.defined() || seg.state.exp_avg_sq.defined() ||
+                   seg.state.max_exp_avg_sq.defined() || seg.state.momentum_buffer.defined())
+          << what << ": bucket " << b;
     }
-    EXPECT_FALSE(std::filesystem::exists(ckpt.path() + "/step1"));
+    if (opt.engine().computeDtype()) {
+      EXPECT_EQ(eng.params().master(b).numel(), 0) << what << ": bucket " << b;
+    }
+  }
+}
+
+void scramble(torch::nn::Sequential& model) {
+  torch::NoGradGuard no_grad;
+  uint64_t seed = 77;
+  for (auto& p : model->parameters()) p.copy_(randomTensor(p.sizes(), seed++));
+}
+
+class ZeroOffloadCheckpoint : public ::testing::TestWithParam<Case> {};
+
+// Save from an offloaded engine after 2 steps; load into an in-memory engine and into an
+// offloaded one: 2 more steps in each, and in the saving engine itself, are bit-identical to 4
+// steps of an engine that never checkpointed.
+TEST_P(ZeroOffloadCheckpoint, SaveAndLoadThroughTheSwapRecordsResumeBitIdentically) {
+  const Case c = GetParam();
+  TempDir nvme, ckpt;
+  const std::string path = ckpt.path() + "/step2";
+  runRanks(c.world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    const Options base = Options().stage(c.stage).mixed_precision(c.precision).reduce_bucket_elems(150);
+    const Options offload = Options(base).offload_optimizer("nvme").nvme_path(nvme.path());
+    std::map<std::string, at::Tensor> expected, atSave;
+    {
+      auto model = makeModel();
+      auto opt = make(model, pg, base, c.sgd);
+      trainSteps(model, *opt, rank, 0, 2);
+      atSave = fullParams(model, *opt);
+      zeroplus::save_checkpoint(ckpt.path() + "/in-memory/step2", model, *opt);
+      trainSteps(model, *opt, rank, 2, 2);
+      expected = fullParams(model, *opt);
+    }
+    {
+      auto model = makeModel();
+      auto opt = make(model, pg, offload, c.sgd);
+      trainSteps(model, *opt, rank, 0, 2);
+      zeroplus::save_checkpoint(path, model, *opt);
+      expectSwappedOut(*opt, "after save");
+      // The same bytes as the in-memory engine's checkpoint of the same training.
+      const std::string shard = "/rank0000" + std::to_string(rank) + ".bin";
+      EXPECT_EQ(readFile(path + shard), readFile(ckpt.path() + "/in-memory/step2" + shard)) << shard;
+      trainSteps(model, *opt, rank, 2, 2);  // the records the save read are still the state
+      expectBitIdentical(fullParams(model, *opt), expected, "the saving engine");
+    }
+    for (const bool offloaded : {false, true}) {
+      const std::string what = offloaded ? "loaded into an offloaded engine" : "loaded into an in-memory engine";
+      auto model = makeModel();
+      scramble(model);  // other values: the load must replace them all
+      auto opt = make(model, pg, offloaded ? offload : base, c.sgd);
+      trainSteps(model, *opt, rank, 5, 1);  // state of its own in the records, replaced by the load
+      zeroplus::load_checkpoint(ckpt.path(), model, *opt);  // through `latest`
+      if (offloaded) expectSwappedOut(*opt, what);
+      expectBitIdentical(fullParams(model, *opt), atSave, what + " (at load)");
+      trainSteps(model, *opt, rank, 2, 2);
+      expectBitIdentical(fullParams(model, *opt), expected, what);
+    }
+  });
+  EXPECT_TRUE(fsys::is_empty(nvme.path()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, ZeroOffloadCheckpoint,
+                         ::testing::Values(Case{2, "fp32", false, 2}, Case{1, "bf16", true, 2},
+                                           Case{3, "bf16", false, 2}, Case{2, "fp32", true, 2}),
+                         [](const auto& info) {
+                           const Case& c = info.param;
+                           return "stage" + std::to_string(c.stage) + "_" + c.precision + (c.sgd ? "_sgd" : "_adamw") +
+                                  "_world" + std::to_string(c.world);
+                         });
+
+// A checkpoint taken before any step (masters only, no optimizer state) loaded into an offloaded
+// engine that has state: the records lose their state slots, the next steps create them anew,
+// exactly as a fresh engine's first steps do.
+TEST(ZeroOffloadCheckpointLoad, ACheckpointWithoutStateEmptiesTheRecords) {
+  TempDir nvme, ckpt;
+  runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    const Options base = Options().stage(2).mixed_precision("bf16").reduce_bucket_elems(150);
+    std::map<std::string, at::Tensor> expected;
+    {
+      auto model = makeModel();
+      auto opt = make(model, pg, base, false);
+      zeroplus::save_checkpoint(ckpt.path() + "/step0", model, *opt);
+      trainSteps(model, *opt, rank, 0, 2);
+      expected = fullParams(model, *opt);
+    }
+    auto model = makeModel();
+    scramble(model);
+    auto opt = make(model, pg, Options(base).offload_optimizer("nvme").nvme_path(nvme.path()), false);
+    trainSteps(model, *opt, rank, 5, 2);
+    zeroplus::load_checkpoint(ckpt.path() + "/step0", model, *opt);
+    expectSwappedOut(*opt, "after load");
+    for (const auto& stepper : opt->engine().steppers()) {
+      for (const auto& seg : stepper.segments()) EXPECT_FALSE(seg.state.step.defined());
+    }
+    trainSteps(model, *opt, rank, 0, 2);
+    expectBitIdentical(fullParams(model, *opt), expected, "after the load of a stateless checkpoint");
+  });
+}
+
+// A swap record that fails its check while a save reads it: every rank raises c10::Error naming
+// the file, the checkpoint already at the path is untouched (and still loads), no staging
+// directory is left, and nothing stays bound in the swapper.
+TEST(ZeroOffloadCheckpointFaults, CorruptRecordDuringSaveRaisesNamingTheFileAndKeepsThePreviousCheckpoint) {
+  TempDir nvme, ckpt;
+  const std::string path = ckpt.path() + "/ck";
+  std::string corrupted;  // rank 1's record file
+  std::map<std::string, at::Tensor> atFirstSave;
+  runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    const Options o = Options().stage(2).reduce_bucket_elems(150).offload_optimizer("nvme").nvme_path(nvme.path());
+    auto model = makeModel();
+    auto opt = make(model, pg, o, false);
+    trainSteps(model, *opt, rank, 0, 2);
+    zeroplus::save_checkpoint(path, model, *opt);
+    if (rank == 0) atFirstSave = fullParams(model, *opt);
+    const std::string manifest = readFile(path + "/manifest.json"), shard = readFile(path + "/rank00001.bin");
+    ASSERT_FALSE(manifest.empty());
+    trainSteps(model, *opt, rank, 2, 1);
+    opt->engine().swapper()->waitForWrites();
+    if (rank == 1) {
+      corrupted = opt->engine().swapper()->pathOf(1);
+      const int fd = ::open(corrupted.c_str(), O_RDWR);
+      ASSERT_GE(fd, 0);
+      unsigned char byte = 0;
+      ASSERT_EQ(::pread(fd, &byte, 1, 4096 + 5), 1);
+      byte ^= 0x40;
+      ASSERT_EQ(::pwrite(fd, &byte, 1, 4096 + 5), 1);
+      ::close(fd);
+    }
+    pg->barrier()->wait();
+    try {
+      zeroplus::save_checkpoint(path, model, *opt);
+      ADD_FAILURE() << "rank " << rank << ": a save over a corrupt swap record succeeded";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("zeroplus::save_checkpoint(\"" + path + "\")"), std::string::npos) << what;
+      EXPECT_NE(what.find(corrupted), std::string::npos) << what;
+      EXPECT_NE(what.find("bucket 1"), std::string::npos) << what;
+      EXPECT_NE(what.find("checksum"), std::string::npos) << what;
+      EXPECT_NE(what.find("an existing one at the path is unchanged"), std::string::npos) << what;
+    }
+    expectSwappedOut(*opt, "after the failed save");
+    EXPECT_EQ(readFile(path + "/manifest.json"), manifest);
+    EXPECT_EQ(readFile(path + "/rank00001.bin"), shard);
+    pg->barrier()->wait();
+    std::vector<std::string> names;
+    for (const auto& e : fsys::directory_iterator(ckpt.path())) names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(names, (std::vector<std::string>{"ck", "latest"}));
+    // The previous checkpoint still loads.
+    auto fresh = makeModel();
+    scramble(fresh);
+    auto freshOpt = make(fresh, pg, Options().stage(2).reduce_bucket_elems(150), false);
+    zeroplus::load_checkpoint(path, fresh, *freshOpt);
+    const auto loaded = fullParams(fresh, *freshOpt);
+    if (rank == 0) expectBitIdentical(loaded, atFirstSave, "the previous checkpoint");
   });
 }
 
