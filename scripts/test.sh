@@ -93,6 +93,11 @@ fi
 if [[ "${ZEROPLUS_SKIP_CUDA_CHECK:-0}" != "1" ]]; then
   # torch CUDA wheel + NCCL, nvcc; nothing runs without a GPU
   stage "CUDA compile check" bash "$repo_root/scripts/cuda_build_check.sh"
+  # The oldest torch the README promises: its C++ API differs (torch 2.11's grad_accumulator
+  # returns a shared_ptr, 2.13's an intrusive_ptr), and the GPU machines run 2.11.
+  stage "CUDA compile check, torch 2.11" env ZEROPLUS_CUDA_TORCH_VERSION=2.11.0 \
+    ZEROPLUS_CUDA_VENV="$repo_root/.venv-cuda-2.11" ZEROPLUS_CUDA_BUILD_DIR="$repo_root/build-cuda-2.11" \
+    bash "$repo_root/scripts/cuda_build_check.sh"
 else
   skipped "CUDA compile check" ZEROPLUS_SKIP_CUDA_CHECK
 fi
