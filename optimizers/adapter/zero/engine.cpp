@@ -30,19 +30,19 @@ at::Tensor localTerm(const at::Tensor& shard, double normType) {
 namespace {
 std::unique_ptr<Placement> makePlacement(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
                                          const Options& options, std::optional<at::ScalarType> dtype,
-                                         const std::vector<int64_t>& unitOf, int64_t unitCount) {
-  if (options.stage() == 3) return std::make_unique<ShardedParams>(groups, unitOf, unitCount, comm, dtype);
+                                         const UnitLayout& units) {
+  if (options.stage() == 3) return std::make_unique<ShardedParams>(groups, units, comm, dtype);
   return std::make_unique<FlatParams>(groups, comm, dtype, options.reduce_bucket_elems());
 }
 }  // namespace
 
 Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-               const Options& options, const std::vector<int64_t>& unitOf, int64_t unitCount)
+               const Options& options, const UnitLayout& units)
     : options_(options),
       stage_(static_cast<int>(options.stage())),
       computeDtype_(computeDtypeOf(options)),
       comm_(std::move(pg)),
-      placement_(makePlacement(groups, comm_, options, computeDtype_, unitOf, unitCount)),
+      placement_(makePlacement(groups, comm_, options, computeDtype_, units)),
       sharded_(dynamic_cast<ShardedParams*>(placement_.get())),
       reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2) {
   for (size_t b = 0; b < placement_->buckets().size(); ++b) {
@@ -78,8 +78,9 @@ void Engine::gradReady(int64_t index) {
   reducer_.onGrad(b, e);
   if (sharded_ != nullptr) {
     // The unit's gradients are all taken: its parameters are not needed by this backward again.
+    // (A persistent parameter, unit -1, is never released.)
     const int64_t unit = sharded_->unitOf(index);
-    if (--unitRemaining_[unit] == 0) sharded_->release(unit);
+    if (unit >= 0 && --unitRemaining_[unit] == 0) sharded_->release(unit);
   }
 }
 

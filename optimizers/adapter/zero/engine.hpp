@@ -46,10 +46,10 @@ namespace zeroplus::zero::engine {
 
 class Engine {
  public:
-  // groups[g]: the trainable parameters of group g. Stage 3: unitOf[i] is the unit of trainable
-  // parameter i (groups chained), unitCount the number of units. Collective.
+  // groups[g]: the trainable parameters of group g. Stage 3: units says which unit each trainable
+  // parameter (groups chained) belongs to, or that it stays whole (sharded_params.hpp). Collective.
   Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-         const Options& options, const std::vector<int64_t>& unitOf = {}, int64_t unitCount = 0);
+         const Options& options, const UnitLayout& units = {});
 
   int stage() const { return stage_; }
   const Options& options() const { return options_; }

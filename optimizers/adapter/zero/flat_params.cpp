@@ -35,9 +35,9 @@ std::vector<std::pair<int64_t, int64_t>> Bucket::gaps() const {
 std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSize, int64_t capElems,
                                 std::vector<std::pair<int64_t, int64_t>>& slots) {
   std::vector<int64_t> numels, segments;
-  std::map<std::tuple<int64_t, int64_t, int>, int64_t> keys;
+  std::map<std::tuple<int64_t, int64_t, int, bool>, int64_t> keys;
   for (const PlanItem& item : items) {
-    const auto key = std::make_tuple(item.unit, item.group, static_cast<int>(item.dtype));
+    const auto key = std::make_tuple(item.unit, item.group, static_cast<int>(item.dtype), item.persistent);
     segments.push_back(keys.emplace(key, static_cast<int64_t>(keys.size())).first->second);
     numels.push_back(item.param.numel());
   }
@@ -55,6 +55,7 @@ std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSiz
     b.group = first.group;
     b.unit = first.unit;
     b.dtype = first.dtype;
+    b.persistent = first.persistent;
     for (const optim::FlatEntry& fe : fb.entries) {
       const PlanItem& item = items[fe.param];
       slots[item.index] = {b.index, static_cast<int64_t>(b.entries.size())};
@@ -84,7 +85,7 @@ FlatParams::FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Colle
   for (int64_t g = static_cast<int64_t>(groups.size()) - 1; g >= 0; --g) {
     for (int64_t i = static_cast<int64_t>(groups[g].size()) - 1; i >= 0; --i) {
       const at::Tensor& p = groups[g][i];
-      items.push_back({p, firstIndex[g] + i, g, -1, computeDtype.value_or(p.scalar_type())});
+      items.push_back({p, firstIndex[g] + i, g, -1, computeDtype.value_or(p.scalar_type()), false});
     }
   }
   slots_.resize(items.size());

@@ -53,8 +53,9 @@ struct Bucket {
   int64_t shardNumel = 0;
   std::vector<Entry> entries;
   at::Tensor flat;                // the parameters' storage (numel elements); stage 3: only while gathered
-  at::Tensor shard;               // stage 3: this rank's persistent slice (shardNumel elements)
-  int64_t unit = -1;              // stage 3: the unit whose forward uses the bucket
+  at::Tensor shard;               // stage 3: this rank's slice (shardNumel elements), kept between uses
+  int64_t unit = -1;              // stage 3: the unit whose forward uses the bucket (-1: persistent)
+  bool persistent = false;        // stage 3: its parameters stay whole on every rank (in no unit)
 
   std::pair<int64_t, int64_t> shardRange(int rank) const { return {rank * shardNumel, (rank + 1) * shardNumel}; }
   Piece piece(const Entry& e, int rank) const;
@@ -68,13 +69,14 @@ struct PlanItem {
   at::Tensor param;
   int64_t index = 0;  // position in the engine's trainable list (groups chained)
   int64_t group = 0;
-  int64_t unit = -1;  // stage 3's unit (-1 at stages 1-2)
+  int64_t unit = -1;  // stage 3's unit (-1 at stages 1-2 and for persistent parameters)
   at::ScalarType dtype = at::kFloat;  // compute dtype
+  bool persistent = false;  // stage 3: kept whole on every rank
 };
 
-// Buckets over `items`: consecutive items with the same (unit, group, dtype) may share one, of at
-// most capElems elements (a larger parameter gets its own). Fills slots[index] = (bucket, entry);
-// the buckets' flat/shard tensors are left to the placement.
+// Buckets over `items`: consecutive items with the same (unit, group, dtype, persistent) may share
+// one, of at most capElems elements (a larger parameter gets its own). Fills slots[index] =
+// (bucket, entry); the buckets' flat/shard tensors are left to the placement.
 std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSize, int64_t capElems,
                                 std::vector<std::pair<int64_t, int64_t>>& slots);
 

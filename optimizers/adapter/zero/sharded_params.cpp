@@ -5,7 +5,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
+#include <tuple>
 
 
 namespace zeroplus::zero::engine {
@@ -17,25 +19,41 @@ void setStorageBytes(const at::Tensor& t, size_t bytes) {
 
 }  // namespace
 
-ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups, const std::vector<int64_t>& unitOf,
-                             int64_t unitCount, Collectives& comm, std::optional<at::ScalarType> computeDtype)
-    : comm_(comm), unitOfParam_(unitOf), units_(unitCount) {
+ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups, const UnitLayout& layout,
+                             Collectives& comm, std::optional<at::ScalarType> computeDtype)
+    : comm_(comm), unitOfParam_(layout.unitOf), units_(layout.unitCount) {
   std::vector<int64_t> firstIndex(groups.size(), 0);
   for (size_t g = 1; g < groups.size(); ++g) firstIndex[g] = firstIndex[g - 1] + groups[g - 1].size();
-  // Readiness order: the last unit first; inside a unit, groups and parameters from the last.
-  std::vector<PlanItem> items;
-  for (int64_t u = unitCount - 1; u >= 0; --u) {
-    for (int64_t g = static_cast<int64_t>(groups.size()) - 1; g >= 0; --g) {
-      for (int64_t i = static_cast<int64_t>(groups[g].size()) - 1; i >= 0; --i) {
-        const int64_t index = firstIndex[g] + i;
-        if (unitOf[index] != u) continue;
-        const at::Tensor& p = groups[g][i];
-        items.push_back({p, index, g, u, computeDtype.value_or(p.scalar_type())});
-        ++units_[u].params;
-      }
+  const auto count = static_cast<int64_t>(layout.unitOf.size());
+  TORCH_CHECK(static_cast<int64_t>(layout.position.size()) == count &&
+                  (groups.empty() || firstIndex.back() + static_cast<int64_t>(groups.back().size()) == count),
+              "zeroplus::zero::initialize: stage-3 unit layout of ", count, " parameters does not match the groups");
+  // Readiness order: the reverse of registration. A unit sits where its first parameter is
+  // registered (its parameters stay together: one bucket per group and dtype); a persistent
+  // parameter where it is. Inside a unit, groups and parameters from the last.
+  std::vector<int64_t> unitAt(layout.unitCount, std::numeric_limits<int64_t>::max());
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t u = layout.unitOf[i];
+    TORCH_CHECK(u >= -1 && u < layout.unitCount, "zeroplus::zero::initialize: unit ", u, " of parameter ", i,
+                " is out of range [-1, ", layout.unitCount, ")");
+    if (u >= 0) unitAt[u] = std::min(unitAt[u], layout.position[i]);
+  }
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> order;  // (place, unit, group, index in group)
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].size(); ++i) {
+      const int64_t index = firstIndex[g] + static_cast<int64_t>(i);
+      const int64_t u = layout.unitOf[index];
+      order.emplace_back(u >= 0 ? unitAt[u] : layout.position[index], u, g, i);
     }
   }
-  slots_.resize(unitOf.size());
+  std::sort(order.begin(), order.end(), std::greater<>());
+  std::vector<PlanItem> items;
+  for (const auto& [place, u, g, i] : order) {
+    const at::Tensor& p = groups[g][i];
+    items.push_back({p, firstIndex[g] + i, g, u, computeDtype.value_or(p.scalar_type()), u < 0});
+    if (u >= 0) ++units_[u].params;
+  }
+  slots_.resize(count);
   // One bucket per (unit, group, dtype): a unit is gathered and reduced as a whole.
   constexpr int64_t kUnbounded = int64_t{1} << 56;
   buckets_ = planBuckets(items, comm.worldSize(), kUnbounded, slots_);
@@ -44,6 +62,16 @@ ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups,
     Bucket& b = buckets_[bi];
     const at::Tensor staged = stageRankZeroValues(b, computeDtype.has_value(), comm);
     const auto [lo, hi] = b.shardRange(rank);
+    if (b.persistent) {  // FlatParams' placement: whole, the parameters view it for good
+      b.flat = staged.scalar_type() == b.dtype ? staged : staged.to(b.dtype);
+      b.shard = b.flat.slice(0, lo, hi);
+      masters_.push_back(b.flat.scalar_type() == at::kFloat && staged.scalar_type() == at::kFloat
+                             ? b.shard
+                             : staged.slice(0, lo, hi).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+      fullViews_.emplace_back();
+      for (const Entry& e : b.entries) e.param.set_data(b.flat.slice(0, e.offset, e.offset + e.numel).view(e.shape));
+      continue;
+    }
     b.shard = staged.slice(0, lo, hi).to(b.dtype, /*non_blocking=*/false, /*copy=*/true);
     masters_.push_back(b.dtype == at::kFloat ? b.shard : staged.slice(0, lo, hi).to(at::kFloat, false, true));
     b.flat = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype));
@@ -54,7 +82,9 @@ ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups,
     setStorageBytes(b.flat, 0);
     units_[b.unit].buckets.push_back(bi);
   }
-  for (size_t b = 0; b < buckets_.size(); ++b) showResting(b);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!buckets_[b].persistent) showResting(b);
+  }
 }
 
 at::Tensor ShardedParams::restingBase(at::ScalarType dtype) {
@@ -144,13 +174,20 @@ void ShardedParams::releaseAll() {
 
 int64_t ShardedParams::gatheredBytes() const {
   int64_t n = 0;
-  for (const Bucket& b : buckets_) n += static_cast<int64_t>(b.flat.storage().nbytes());
+  for (const Bucket& b : buckets_) {
+    if (!b.persistent) n += static_cast<int64_t>(b.flat.storage().nbytes());
+  }
   return n;
 }
 
 c10::intrusive_ptr<c10d::Work> ShardedParams::publish(size_t b) {
-  if (masters_[b].data_ptr() != buckets_[b].shard.data_ptr()) buckets_[b].shard.copy_(masters_[b]);
-  return {};
+  Bucket& bucket = buckets_[b];
+  if (masters_[b].data_ptr() != bucket.shard.data_ptr()) bucket.shard.copy_(masters_[b]);
+  if (!bucket.persistent) return {};
+  // A separate input: backends differ on whether an all-gather input may alias its output.
+  at::Tensor input = bucket.shard.clone();
+  gatherInputs_.push_back(input);
+  return comm_.allGather(bucket.flat, input);
 }
 
 const Entry* ShardedParams::strayParam() const {
@@ -159,6 +196,10 @@ const Entry* ShardedParams::strayParam() const {
     const at::StorageImpl* flat = bucket.flat.storage().unsafeGetStorageImpl();
     for (const Entry& e : bucket.entries) {
       const at::StorageImpl* home = e.param.storage().unsafeGetStorageImpl();
+      if (bucket.persistent) {
+        if (home != flat) return &e;
+        continue;
+      }
       bool resting = false;
       for (const auto& base : restingBases_) resting = resting || base.storage().unsafeGetStorageImpl() == home;
       if (home != flat && !resting) return &e;

@@ -2,9 +2,17 @@
 // shard of each bucket; a unit's buckets are all-gathered just before the unit runs (forward, and
 // again before its backward) and freed right after.
 //
-// Buckets: one per (unit, param group, dtype), planned in readiness order (the last unit first),
-// so gradients are reduce-scattered unit by unit as backward produces them. Each bucket keeps
-//   shard   this rank's slice, in the compute dtype (persistent);
+// Persistent parameters (unit -1: in no unit, so nothing gathers them around their use; the
+// front-end decides which, units.hpp) are placed as at stage 2: whole on every rank in a flat
+// buffer they view for good, gradients reduce-scattered, this rank's shard stepped, and the
+// bucket all-gathered after the step (publish returns that work). The Python engine keeps its
+// param_persistence_threshold and persistent_modules parameters the same way.
+//
+// Buckets: one per (unit, param group, dtype), and per run of consecutive persistent parameters
+// of a group and dtype, planned in readiness order: the reverse of the model's registration order
+// (a unit sits where its first parameter is registered), so gradients are reduce-scattered unit by
+// unit as backward produces them. Each sharded bucket keeps
+//   shard   this rank's slice, in the compute dtype (kept between uses);
 //   master  its fp32 copy (the shard itself without mixed precision);
 //   flat    the gathered buffer. Its storage is freed (resized to 0 bytes) when the unit is
 //           released and re-filled in place when gathered again, so tensors autograd saved in
@@ -12,7 +20,9 @@
 //           storage object is the same, only its bytes come and go.
 // A parameter at rest shows a stride-0 expansion of one NaN element of its dtype: its shape,
 // numel and dtype are the full parameter's (what the model reports is what DDP reports), it holds
-// no memory, a read gives NaN and a write raises. Gathered, it views `flat`.
+// no memory, a read gives NaN and a write raises. Gathered, it views `flat`. A persistent bucket's
+// flat buffer is never freed, its shard is this rank's slice of it and its master is that slice
+// (fp32) or an fp32 copy (bf16), as FlatParams keeps them.
 //
 // Construction is collective (rank 0's values are broadcast, then each rank keeps its shard).
 // prefetch/gather/release are collective in the sense that every rank must gather the same units
@@ -32,22 +42,31 @@
 
 namespace zeroplus::zero::engine {
 
+// Which unit each trainable parameter belongs to (groups chained), from the front-end.
+struct UnitLayout {
+  int64_t unitCount = 0;
+  std::vector<int64_t> unitOf;    // -1 (persistent: kept whole) or 0 <= unitOf[i] < unitCount
+  std::vector<int64_t> position;  // where the model registers parameter i (readiness: the reverse)
+};
+
 class ShardedParams : public Placement {
  public:
-  // groups[g]: the trainable parameters of group g; unitOf[i]: the unit of trainable parameter i
-  // (groups chained), 0 <= unitOf[i] < unitCount.
-  ShardedParams(const std::vector<std::vector<at::Tensor>>& groups, const std::vector<int64_t>& unitOf,
-                int64_t unitCount, Collectives& comm, std::optional<at::ScalarType> computeDtype);
+  // groups[g]: the trainable parameters of group g; layout: one entry per trainable parameter.
+  ShardedParams(const std::vector<std::vector<at::Tensor>>& groups, const UnitLayout& layout, Collectives& comm,
+                std::optional<at::ScalarType> computeDtype);
 
   std::vector<Bucket>& buckets() override { return buckets_; }
   const std::vector<Bucket>& buckets() const override { return buckets_; }
   at::Tensor& master(size_t b) override { return masters_[b]; }
   const std::vector<at::Tensor>& masters() const override { return masters_; }
   std::pair<int64_t, int64_t> slot(int64_t index) const override { return slots_[index]; }
-  c10::intrusive_ptr<c10d::Work> publish(size_t b) override;  // master -> shard; no collective
+  // master -> shard, no collective; a persistent bucket's shard is then all-gathered (the work).
+  c10::intrusive_ptr<c10d::Work> publish(size_t b) override;
+  void releaseGatherInputs() override { gatherInputs_.clear(); }
   const Entry* strayParam() const override;
 
   int64_t unitCount() const { return static_cast<int64_t>(units_.size()); }
+  // The unit of trainable parameter `index`, or -1 when it is persistent.
   int64_t unitOf(int64_t index) const { return unitOfParam_[index]; }
   int64_t paramsOf(int64_t unit) const { return units_[unit].params; }
   // Starts unit u's all-gathers (nothing when it is gathered or on its way).
@@ -58,7 +77,8 @@ class ShardedParams : public Placement {
   void release(int64_t u);
   void releaseAll();
   bool gathered(int64_t u) const { return units_[u].state == State::kGathered; }
-  // Bytes of gathered parameter storage held right now (0 between steps).
+  // Bytes of gathered parameter storage held right now (0 between steps; persistent buckets not
+  // counted: they are never released).
   int64_t gatheredBytes() const;
   // Bytes kept for reuse by the next gathers (never more than the most ever gathered at once).
   int64_t pooledBytes() const { return static_cast<int64_t>(pooledBytes_); }
@@ -84,6 +104,7 @@ class ShardedParams : public Placement {
   std::vector<Unit> units_;
   std::vector<std::vector<at::Tensor>> fullViews_;  // [bucket][entry]: views of flat, made once
   std::vector<at::Tensor> restingBases_;            // one NaN element per dtype in use
+  std::vector<at::Tensor> gatherInputs_;            // persistent publishes' inputs, until their works end
   // Released gathered storage, by byte size, handed to the next gather of that size: a fresh
   // allocation per gather would page-fault the whole unit in again (glibc maps large blocks and
   // unmaps them on free). Bounded by the most ever gathered at once: what a release would push

@@ -8,8 +8,6 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/nn/modules/container/any.h>
-#include <torch/nn/modules/container/sequential.h>
 #include <torch/serialize/archive.h>
 
 #include <sys/stat.h>
@@ -23,6 +21,7 @@
 #include <unordered_set>
 
 #include "optimizers/adapter/zero/engine.hpp"
+#include "optimizers/adapter/zero/units.hpp"
 
 namespace zeroplus::zero {
 namespace {
@@ -120,31 +119,6 @@ std::vector<std::vector<at::Tensor>> trainableGroups(const torch::nn::Module& mo
   return out;
 }
 
-// Stage 3: the units are the children of a torch::nn::Sequential (its forward calls them in
-// order). unitOf[i]: the child holding trainable parameter i (groups chained).
-std::vector<int64_t> unitsOf(torch::nn::Module& model, const std::vector<std::vector<at::Tensor>>& trainable) {
-  auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&model);
-  TORCH_CHECK_VALUE(seq != nullptr, kInit, ": options.stage 3 takes a torch::nn::Sequential model (each child is "
-                    "one unit, gathered around its forward); got a ", model.name(),
-                    ". LibTorch modules have no forward hooks, so other models run at stage 1 or 2 in C++ (or at "
-                    "stage 3 in Python)");
-  std::unordered_map<const void*, int64_t> unitOfImpl;
-  int64_t u = 0;
-  for (auto it = seq->begin(); it != seq->end(); ++it, ++u) {
-    for (const auto& p : it->ptr()->parameters(/*recurse=*/true)) unitOfImpl.emplace(p.unsafeGetTensorImpl(), u);
-  }
-  std::vector<int64_t> out;
-  for (const auto& group : trainable) {
-    for (const auto& p : group) {
-      auto found = unitOfImpl.find(p.unsafeGetTensorImpl());
-      TORCH_CHECK_VALUE(found != unitOfImpl.end(), kInit, ": a trainable parameter of shape ", p.sizes(),
-                        " belongs to no child of the Sequential (stage 3 gathers children)");
-      out.push_back(found->second);
-    }
-  }
-  return out;
-}
-
 // Frozen parameters and buffers: cast to the compute dtype (floating ones), then rank 0's values.
 void syncUnmanaged(torch::nn::Module& model, engine::Engine& eng) {
   const auto dtype = eng.computeDtype();
@@ -174,58 +148,6 @@ struct ZeroOptimizer::HookState {
   bool stepSinceZero = false;  // step() ran and zero_grad() has not since
 };
 
-namespace {
-
-// Stage 3: what the Sequential calls in place of child `unit` (its entry in the Sequential's
-// list of callables is replaced; the registered child, so every parameter name, stays). Gathers
-// the unit's parameters for its forward, releases them after, and arranges for them to be
-// gathered again when autograd reaches the unit's output in backward.
-class UnitForwardImpl : public torch::nn::Module {
- public:
-  UnitForwardImpl(std::weak_ptr<engine::Engine> engine, int64_t unit, torch::nn::AnyModule inner)
-      : engine_(std::move(engine)), unit_(unit), inner_(std::move(inner)) {}
-
-  at::Tensor forward(at::Tensor x) {
-    auto eng = engine_.lock();
-    TORCH_CHECK(eng != nullptr, "zeroplus::zero: the optimizer zeroplus::zero::initialize returned for this stage-3 "
-                "model was destroyed; its parameters are shards only it can gather (keep it alive while the model is "
-                "used, or take zeroplus::zero::full_state_dict before)");
-    eng->unitForwardBegin(unit_);
-    at::Tensor y;
-    try {
-      y = inner_.forward<at::Tensor>(std::move(x));
-    } catch (...) {
-      eng->unitForwardEnd(unit_);
-      throw;
-    }
-    if (y.requires_grad()) {
-      std::weak_ptr<engine::Engine> weak = engine_;
-      const int64_t unit = unit_;
-      y.register_hook([weak, unit](const at::Tensor& grad) {
-        if (auto e = weak.lock()) e->unitBackwardBegin(unit);
-        return grad;
-      });
-    }
-    eng->unitForwardEnd(unit_);
-    return y;
-  }
-
- private:
-  std::weak_ptr<engine::Engine> engine_;
-  int64_t unit_;
-  torch::nn::AnyModule inner_;
-};
-
-void wrapUnits(torch::nn::Module& model, const std::shared_ptr<engine::Engine>& engine) {
-  auto& seq = dynamic_cast<torch::nn::SequentialImpl&>(model);
-  int64_t u = 0;
-  for (auto it = seq.begin(); it != seq.end(); ++it, ++u) {
-    *it = torch::nn::AnyModule(std::make_shared<UnitForwardImpl>(engine, u, std::move(*it)));
-  }
-}
-
-}  // namespace
-
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intrusive_ptr<c10d::ProcessGroup> pg,
                              const Options& options, const std::vector<torch::optim::OptimizerParamGroup>& groups,
                              std::unique_ptr<torch::optim::OptimizerOptions> defaults)
@@ -237,16 +159,12 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intr
   for (size_t g = 0; g < param_groups_.size(); ++g) (void)hyperOf(param_groups_[g].options());
   const auto trainable = trainableGroups(*model_, param_groups_);
   for (const auto& g : param_groups_) groupSizes_.push_back(g.params().size());
-  if (options.stage() == 3) {
-    const auto unitOf = unitsOf(*model_, trainable);
-    const auto units = static_cast<int64_t>(dynamic_cast<torch::nn::SequentialImpl&>(*model_).size());
-    engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, unitOf, units);
-  } else {
-    engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options);
-  }
+  Stage3Units units;  // stage 3: found (and checked) before anything collective
+  if (options.stage() == 3) units = findUnits(model_, trainable);
+  engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, units.layout);
   syncUnmanaged(*model_, *engine_);
   installHooks();
-  if (options.stage() == 3) wrapUnits(*model_, engine_);
+  if (options.stage() == 3) wrapUnits(units, engine_);
 }
 
 ZeroOptimizer::~ZeroOptimizer() {
