@@ -14,6 +14,17 @@ param_persistence_threshold 0; the Sequential's children are the units on both s
 the full parameters after every step; its buckets are cut per unit on each side in its own way,
 so its gradient shards, masters and clip norms (a sum over buckets) are not compared, and its
 cases do not clip.
+
+The "holder" cases train a custom module (_TinyLm: an embedding, a Sequential of blocks, a final
+norm and a head, with its own forward) on token ids. At stage 3 the C++ engine shards the blocks
+(the Sequential's children: the only calls it can intercept) and keeps tok_emb, ln_f and head
+whole on every rank; the Python engine is given the same partitioning: its default units (each
+block; each other child of the root) with persistent_modules=["tok_emb", "ln_f", "head"] and
+param_persistence_threshold 0. Its forward flattens the tokens to 2-D activations
+(rows * length, dim): LibTorch's torch::nn::Linear on an input of more than 2 dimensions computes
+matmul, then adds the bias (torch::nn::functional::linear), rounding twice in bf16, where Python's
+F.linear (at::linear) folds the input into one addmm and rounds once; on 2-D inputs both call
+addmm, so bf16 is compared bit for bit too.
 """
 
 import math
@@ -35,7 +46,7 @@ _REPO = pathlib.Path(__file__).resolve().parents[2]
 ADAMW = {"optimizer": "adamw", "lr": 1e-2, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
 SGD = {"optimizer": "sgd", "lr": 5e-2, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01, "nesterov": False}
 
-# name -> (stage, mixed precision, optimizer, bucket elems, clip per step, gradient_clipping)
+# name -> (stage, mixed precision, optimizer, bucket elems, clip per step, gradient_clipping[, model])
 CASES = {
     "s1_fp32_adamw": (1, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0),
     "s2_fp32_adamw_clip": (2, "fp32", ADAMW, 100, [0.0, 0.05, 0.0, 0.05], 0.0),
@@ -48,22 +59,67 @@ CASES = {
     "s3_fp32_adamw": (3, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0),
     "s3_bf16_adamw": (3, "bf16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0),
     "s3_fp32_sgd": (3, "fp32", {**SGD, "nesterov": True}, 100, [0.0] * STEPS, 0.0),
+    "s3_holder_fp32_adamw": (3, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0, "holder"),
+    "s3_holder_bf16_adamw": (3, "bf16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0, "holder"),
+    "s2_holder_fp32_adamw_clip": (2, "fp32", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
+    "s2_holder_bf16_adamw_clip": (2, "bf16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
 }
+HOLDER_PERSISTENT = ["tok_emb", "ln_f", "head"]  # what the C++ engine keeps whole at stage 3
+VOCAB, DIM, LAYERS, LEN = 13, 12, 3, 5  # as in zero_engine_crosscheck.cpp
 
 
-def _model():
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(DIM)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(DIM, 2 * DIM), torch.nn.Tanh(), torch.nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class _TinyLm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_emb = torch.nn.Embedding(VOCAB, DIM)
+        self.blocks = torch.nn.Sequential(*[_Block() for _ in range(LAYERS)])
+        self.ln_f = torch.nn.LayerNorm(DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids):  # 2-D activations: see the module doc
+        return self.head(self.ln_f(self.blocks(self.tok_emb(ids).reshape(-1, DIM))))
+
+
+def _kind(case) -> str:
+    return case[6] if len(case) > 6 else "mlp"
+
+
+def _model(kind="mlp"):
+    if kind == "holder":
+        return _TinyLm()
     return torch.nn.Sequential(torch.nn.Linear(7, 33), torch.nn.Tanh(), torch.nn.Linear(33, 17), torch.nn.ReLU(),
                                torch.nn.Linear(17, 3))
 
 
+def _loss(kind, out, y):
+    if kind == "holder":
+        return torch.nn.functional.cross_entropy(out.float().reshape(-1, VOCAB), y.reshape(-1))
+    return torch.nn.functional.mse_loss(out.float(), y)
+
+
 def _write_input(path, seed, case):
-    stage, precision, opt, bucket, clip, auto_clip = case
+    stage, precision, opt, bucket, clip, auto_clip = case[:6]
+    kind = _kind(case)
     gen = torch.Generator().manual_seed(seed)
-    params = {name: torch.randn(p.shape, generator=gen) * 0.3 for name, p in _model().named_parameters()}
-    inputs = [[torch.randn(ROWS, 7, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
-    targets = [[torch.randn(ROWS, 3, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
-    torch.save({"params": params, "inputs": inputs, "targets": targets, "stage": stage, "mixed_precision": precision,
-                **opt, "bucket_elems": bucket, "clip": [float(c) for c in clip],
+    params = {name: torch.randn(p.shape, generator=gen) * 0.3 for name, p in _model(kind).named_parameters()}
+    if kind == "holder":
+        inputs = [[torch.randint(VOCAB, (ROWS, LEN), generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
+        targets = [[torch.randint(VOCAB, (ROWS, LEN), generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
+    else:
+        inputs = [[torch.randn(ROWS, 7, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
+        targets = [[torch.randn(ROWS, 3, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
+    torch.save({"model": kind, "params": params, "inputs": inputs, "targets": targets, "stage": stage,
+                "mixed_precision": precision, **opt, "bucket_elems": bucket, "clip": [float(c) for c in clip],
                 "gradient_clipping": float(auto_clip)}, path)
 
 
@@ -75,7 +131,8 @@ def _train_python(rank, world, paths):
     out = {}
     for path in paths:
         cfg = torch.load(path)
-        model = _model()
+        kind = cfg["model"]
+        model = _model(kind)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(cfg["params"][name])
@@ -91,15 +148,21 @@ def _train_python(rank, world, paths):
         if cfg["gradient_clipping"] > 0:
             config["gradient_clipping"] = cfg["gradient_clipping"]
         precision = None if cfg["mixed_precision"] == "fp32" else cfg["mixed_precision"]
+        if kind == "holder" and cfg["stage"] == 3:
+            hyper["persistent_modules"] = HOLDER_PERSISTENT
         model, opt = zeroplus.initialize(model, cls, stage=cfg["stage"], mixed_precision=precision, config=config,
                                          **hyper)
         assert cfg["stage"] == 3 or cfg["bucket_elems"] > 1000 or len(opt.buckets) >= 4, len(opt.buckets)
+        if kind == "holder" and cfg["stage"] == 3:  # the C++ engine's partitioning (it checks its own)
+            name_of = {id(p): n for n, p in model.named_parameters()}
+            whole = sorted(name_of[id(e.param)] for b in opt.buckets if b.persistent for e in b.entries)
+            assert whole == sorted(n for n in name_of.values() if not n.startswith("blocks.")), whole
         norms, trace = [], {}
         for step in range(STEPS):
             x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
             opt.zero_grad()
             # bf16: the engine's forward pre-hook casts x (the C++ program casts it itself)
-            opt.backward(torch.nn.functional.mse_loss(model(x).float(), y))
+            opt.backward(_loss(kind, model(x), y))
             for b, shard in enumerate(opt.gradient_shards()):
                 trace[f"grad.{step}.{b}"] = shard.clone()
             clip = cfg["clip"][step]

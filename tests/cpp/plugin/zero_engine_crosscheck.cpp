@@ -5,10 +5,13 @@
 //   zero_engine_crosscheck IN OUT [IN OUT ...]
 //
 // IN (written by Python's torch.save, read with torch::pickle_load) is a dict:
-//   "params"             {"0.weight": tensor, ...}: the initial values of
-//                        Sequential(Linear(7, 33), Tanh, Linear(33, 17), ReLU, Linear(17, 3))
+//   "model"              "mlp": Sequential(Linear(7, 33), Tanh, Linear(33, 17), ReLU, Linear(17, 3)),
+//                        loss mse_loss(out.float(), target); "holder": TinyLm below (an embedding,
+//                        a Sequential of blocks, a final norm and a head, with its own forward),
+//                        inputs and targets token ids, loss cross_entropy(logits.float(), next)
+//   "params"             {"0.weight": tensor, ...}: the model's initial values
 //   "inputs", "targets"  [step][rank] -> tensor: each rank's batch per step
-//   "stage"              1 | 2
+//   "stage"              1 | 2 | 3
 //   "mixed_precision"    "fp32" | "bf16" (inputs are cast to bf16 as the Python engine's
 //                        forward pre-hook does; the loss is mse_loss(out.float(), target))
 //   "optimizer"          "adamw" (lr, betas, eps, weight_decay) | "sgd" (lr, momentum,
@@ -34,10 +37,12 @@
 
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <iterator>
 #include <limits>
 #include <thread>
+#include <unordered_set>
 
 #include "optimizers/adapter/zero/engine.hpp"  // masters (not in the public API)
 #include "zeroplus.hpp"
@@ -68,14 +73,61 @@ struct Config {
   }
 };
 
-torch::nn::Sequential makeModel() {
+torch::nn::Sequential makeMlp() {
   return torch::nn::Sequential(torch::nn::Linear(7, 33), torch::nn::Tanh(), torch::nn::Linear(33, 17),
                                torch::nn::ReLU(), torch::nn::Linear(17, 3));
 }
 
+// The Python test's _TinyLm, module for module (the same parameter names). At stage 3 the blocks
+// are the units and tok_emb, ln_f and head stay whole (persistent_modules on the Python side).
+constexpr int64_t kVocab = 13, kDim = 12, kLayers = 3;
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl()
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+        mlp(register_module("mlp", torch::nn::Sequential(torch::nn::Linear(kDim, 2 * kDim), torch::nn::Tanh(),
+                                                         torch::nn::Linear(2 * kDim, kDim)))) {}
+  at::Tensor forward(at::Tensor x) { return x + mlp->forward(ln(x)); }
+  torch::nn::LayerNorm ln;
+  torch::nn::Sequential mlp;
+};
+TORCH_MODULE(Block);
+
+struct TinyLmImpl : torch::nn::Module {
+  TinyLmImpl()
+      : tok_emb(register_module("tok_emb", torch::nn::Embedding(kVocab, kDim))),
+        blocks(register_module("blocks", torch::nn::Sequential())),
+        ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+        head(register_module("head", torch::nn::Linear(kDim, kVocab))) {
+    for (int64_t i = 0; i < kLayers; ++i) blocks->push_back(Block());
+  }
+  // 2-D activations (tokens, dim): on more dimensions torch::nn::Linear rounds matmul and bias
+  // separately in bf16, unlike Python's F.linear (tests/python/test_cpp_engine_parity.py).
+  at::Tensor forward(const at::Tensor& ids) { return head(ln_f(blocks->forward(tok_emb(ids).reshape({-1, kDim})))); }
+  torch::nn::Embedding tok_emb;
+  torch::nn::Sequential blocks;
+  torch::nn::LayerNorm ln_f;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(TinyLm);
+
 // One rank's training run; returns the final parameters and the per-step clip norms.
 c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-  auto model = makeModel();
+  const bool holder = cfg.d.contains("model") && cfg.at("model").toStringRef() == "holder";
+  std::shared_ptr<torch::nn::Module> model;
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;
+  if (holder) {
+    TinyLm lm;
+    model = lm.ptr();
+    loss = [lm](const at::Tensor& ids, const at::Tensor& next) mutable {
+      return torch::nn::functional::cross_entropy(lm->forward(ids).to(at::kFloat).reshape({-1, kVocab}),
+                                                  next.reshape(-1));
+    };
+  } else {
+    auto mlp = makeMlp();
+    model = mlp.ptr();
+    loss = [mlp](const at::Tensor& x, const at::Tensor& y) mutable { return torch::mse_loss(mlp->forward(x).to(at::kFloat), y); };
+  }
   {
     torch::NoGradGuard noGrad;
     auto initial = cfg.at("params").toGenericDict();
@@ -106,6 +158,19 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
                                          .weight_decay(cfg.num("weight_decay"))
                                          .nesterov(cfg.at("nesterov").toBool()));
   }
+  if (holder && opt->stage() == 3) {  // the partitioning the Python side is given (persistent_modules)
+    std::unordered_set<const void*> whole;
+    for (const auto& b : opt->engine().sharded()->buckets()) {
+      for (const auto& e : b.entries) {
+        if (b.persistent) whole.insert(e.param.unsafeGetTensorImpl());
+      }
+    }
+    for (const auto& item : model->named_parameters()) {
+      const bool block = item.key().rfind("blocks.", 0) == 0;
+      TORCH_CHECK(whole.count(item.value().unsafeGetTensorImpl()) != block, "zero_engine_crosscheck: ", item.key(),
+                  block ? " is kept whole" : " is sharded", " at stage 3");
+    }
+  }
   auto inputs = cfg.at("inputs").toList();
   auto targets = cfg.at("targets").toList();
   auto clip = cfg.at("clip").toList();
@@ -114,9 +179,10 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   for (size_t step = 0; step < inputs.size(); ++step) {
     at::Tensor x = inputs.get(step).toList().get(rank).toTensor();
     at::Tensor y = targets.get(step).toList().get(rank).toTensor();
-    if (bf16) x = x.to(at::kBFloat16);  // the Python engine's forward pre-hook (precision.install_input_cast)
+    // the Python engine's forward pre-hook (precision.install_input_cast) casts floating inputs
+    if (bf16 && x.is_floating_point()) x = x.to(at::kBFloat16);
     opt->zero_grad();
-    opt->backward(torch::mse_loss(model->forward(x).to(at::kFloat), y));
+    opt->backward(loss(x, y));
     const auto shards = opt->gradient_shards();
     for (size_t b = 0; b < shards.size(); ++b) {
       trace.insert("grad." + std::to_string(step) + "." + std::to_string(b), shards[b].clone());
