@@ -7,7 +7,8 @@
 #      torchrun smoke test (tests/install/smoke_2rank.py), then `pip uninstall` must leave nothing;
 #   3. cmake --install of the build directory into a prefix, then examples/cpp configured with
 #      find_package(zeroplus) against that prefix only, built, and run (2-rank allreduce, aio,
-#      2-rank ZeRO-1 training matched against a single-process run).
+#      2-rank ZeRO-1/2/3 training matched against a single-process run, a 2-rank stage-3 bf16 GPT
+#      with NVMe optimizer offload whose loss must fall).
 # Needs scripts/build.sh to have run (test.sh does). Usage: scripts/package_check.sh [wheel|cmake]...
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -120,6 +121,17 @@ check_cmake() {
     wait "$pid" || { cat "$work/train0.log"; exit 1; }
     cat "$work/train0.log"
   done
+  # A small GPT (embeddings + a Sequential of transformer blocks + head) at stage 3 with bf16 and
+  # the optimizer state on NVMe (swap files under $work/nvme); each rank exits 1 unless the loss
+  # falls to below half of its first value.
+  port="$(free_port)"
+  rm -rf "$work/nvme"
+  "$examples/cpp_train_gpt" 0 2 "$work/nvme" 127.0.0.1 "$port" > "$work/gpt0.log" 2>&1 &
+  pid=$!
+  "$examples/cpp_train_gpt" 1 2 "$work/nvme" 127.0.0.1 "$port" || { cat "$work/gpt0.log"; exit 1; }
+  wait "$pid" || { cat "$work/gpt0.log"; exit 1; }
+  grep -q "ZeRO stage 3, bf16, optimizer state on NVMe" "$work/gpt0.log" || { cat "$work/gpt0.log"; echo "[package] FAILED: cpp_train_gpt" >&2; exit 1; }
+  tail -n 1 "$work/gpt0.log"
   echo "[package] C++ examples ran in $(( $(date +%s) - start )) s"
 }
 
