@@ -19,7 +19,8 @@ namespace zeroplus::zero {
 
 struct Options {
   // ZeRO stage: 1 (optimizer state sharded), 2 (+ gradients sharded), 3 (+ parameters sharded,
-  // gathered unit by unit: a torch::nn::Sequential's children).
+  // gathered unit by unit: the children of the model's torch::nn::Sequentials; the parameters of
+  // no unit stay whole, units.hpp).
   TORCH_ARG(int64_t, stage) = 1;
   // "fp32" (no mixed precision) or "bf16": parameters, gradients and their reduction in
   // bfloat16, fp32 masters and optimizer state. "fp16" (loss scaling) is the Python engine's.

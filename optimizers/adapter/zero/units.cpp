@@ -62,7 +62,9 @@ class UnitForwardImpl : public torch::nn::Module {
 
 const void* keyOf(const at::Tensor& t) { return t.unsafeGetTensorImpl(); }
 
-std::string join(const std::string& prefix, const std::string& name) { return prefix.empty() ? name : prefix + "." + name; }
+std::string join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
 
 // A container whose elements the user's forward calls itself: nothing the engine can wrap.
 struct Container {
@@ -131,7 +133,8 @@ Stage3Units findUnits(const std::shared_ptr<torch::nn::Module>& model,
   for (const auto& group : trainable) {
     for (const auto& p : group) {
       const auto found = search.unitsOf.find(keyOf(p));
-      const bool inOneUnit = found != search.unitsOf.end() && found->second.size() == 1 && !search.outside.count(keyOf(p));
+      const bool inOneUnit =
+          found != search.unitsOf.end() && found->second.size() == 1 && !search.outside.count(keyOf(p));
       out.layout.unitOf.push_back(inOneUnit ? *found->second.begin() : -1);
       out.layout.position.push_back(position.at(keyOf(p)));
       if (inOneUnit) {

@@ -28,11 +28,15 @@
 //  * backward, clip_grad_norm and step are collective. Not thread-safe (one call at a time).
 //  * Errors: c10::ValueError / c10::TypeError / c10::Error naming "zeroplus::zero::initialize" or
 //    the method and the argument, raised before anything changes where the argument is checkable.
-//  * Stage 3 takes a torch::nn::Sequential: each child is one unit, gathered around its forward
-//    and again for its backward, released after (model->forward(x) is unchanged; model[i] is then
-//    zeroplus's wrapper of child i, named_children() and every parameter name are unchanged).
-//    Between uses a parameter has its full shape but holds no memory (reads give NaN): read values
-//    through full_state_dict. Keep the optimizer alive while the model is used.
+//  * Stage 3 takes any module: the children of every outermost torch::nn::Sequential in its tree
+//    (the model itself, or e.g. a GPT holder's `blocks`) are the units, gathered around their
+//    forward and again for their backward, released after (the user's forward is unchanged; seq[i]
+//    is then zeroplus's wrapper of child i, named_children() and every parameter name are
+//    unchanged). Parameters in no unit (embeddings, final norm, head: called by the user's own
+//    forward, which LibTorch gives no hook into) stay whole on every rank, their gradients and
+//    optimizer state sharded as at stage 2. A model with no Sequential holding parameters raises
+//    (units.hpp). Between uses a unit's parameter has its full shape but holds no memory (reads
+//    give NaN): read values through full_state_dict. Keep the optimizer alive while the model is used.
 //  * Options::offload_optimizer "nvme" keeps each bucket's optimizer state on NVMe between steps
 //    (optimizer_swapper.hpp). fp16 and the CPU offload tier are the Python engine's; asking raises.
 #pragma once
@@ -110,7 +114,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   std::vector<size_t> groupSizes_;
 };
 
-// -- initialize: one overload per optimizer kind; the holder forms take torch::nn::Sequential etc.
+// -- initialize: one overload per optimizer kind; the holder forms take torch::nn::Sequential, a
+// TORCH_MODULE holder of your own module, etc.
 std::shared_ptr<ZeroOptimizer> initialize(const std::shared_ptr<torch::nn::Module>& model,
                                           c10::intrusive_ptr<c10d::ProcessGroup> pg, const Options& options,
                                           const optim::ZeroAdamWOptions& optimizer);

@@ -126,7 +126,9 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   } else {
     auto mlp = makeMlp();
     model = mlp.ptr();
-    loss = [mlp](const at::Tensor& x, const at::Tensor& y) mutable { return torch::mse_loss(mlp->forward(x).to(at::kFloat), y); };
+    loss = [mlp](const at::Tensor& x, const at::Tensor& y) mutable {
+      return torch::mse_loss(mlp->forward(x).to(at::kFloat), y);
+    };
   }
   {
     torch::NoGradGuard noGrad;

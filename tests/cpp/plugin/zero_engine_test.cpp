@@ -474,7 +474,8 @@ struct Tokens {
 };
 Tokens tokens(int step, int64_t rows) {
   auto gen = [](uint64_t seed, int64_t rows) {
-    return at::randint(kVocab, {rows, kLen}, at::detail::createCPUGenerator(seed), at::TensorOptions().dtype(at::kLong));
+    return at::randint(kVocab, {rows, kLen}, at::detail::createCPUGenerator(seed),
+                       at::TensorOptions().dtype(at::kLong));
   };
   return {gen(3000 + step, rows), gen(4000 + step, rows)};
 }
@@ -550,7 +551,8 @@ TEST_P(ZeroEngineHolder, Stage3HolderMatchesSingleProcessLibTorch) {
     Options options = Options().stage(3);
     if (c.bf16) options.mixed_precision("bf16");
     if (c.nvme) options.offload_optimizer("nvme").nvme_path(dir.path());
-    auto opt = zeroplus::zero::initialize(model, pg, options, zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(0.1));
+    auto opt =
+        zeroplus::zero::initialize(model, pg, options, zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(0.1));
     TinyLm reference = makeLm();
     torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
     Bf16Reference mixed(makeLm());
@@ -633,8 +635,9 @@ INSTANTIATE_TEST_SUITE_P(PrecisionAndOffload, ZeroEngineHolder,
                          });
 
 // A stage-3 checkpoint of the holder keeps the user's parameter names (the unit wrappers change
-// none): it loads into the same holder at stage 1, whose step then continues identically.
-TEST(ZeroEngine, Stage3HolderCheckpointLoadsAtStage1) {
+// none): it loads into the same holder at stage 1 and at stage 3 (whose persistent buckets are
+// all-gathered by the load), and both continue as the saved run does.
+TEST(ZeroEngine, Stage3HolderCheckpointLoadsAtStages1And3) {
   TempDir dir;
   runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto train = [&](TinyLm& model, zeroplus::zero::ZeroOptimizer& opt, int step) {
@@ -646,15 +649,21 @@ TEST(ZeroEngine, Stage3HolderCheckpointLoadsAtStage1) {
     auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions(1e-2));
     for (int step = 0; step < 2; ++step) train(model, *opt, step);
     zeroplus::save_checkpoint(dir.path() + "/step2", model, *opt);
-    TinyLm other;  // other values: the load replaces them all
-    auto otherOpt = zeroplus::zero::initialize(other, pg, Options().stage(1), zeroplus::optim::ZeroAdamWOptions(1e-2));
-    zeroplus::load_checkpoint(dir.path() + "/step2", other, *otherOpt);
     train(model, *opt, 2);
-    train(other, *otherOpt, 2);
-    const auto a = zeroplus::zero::full_state_dict(model, *opt);
-    const auto b = zeroplus::zero::full_state_dict(other, *otherOpt);
-    ASSERT_EQ(a.size(), b.size());
-    for (const auto& item : a) EXPECT_LE((item.value() - b[item.key()]).abs().max().item<double>(), 1e-6) << item.key();
+    const auto want = zeroplus::zero::full_state_dict(model, *opt);
+    for (int stage : {1, 3}) {
+      TinyLm other;  // other values: the load replaces them all
+      auto otherOpt =
+          zeroplus::zero::initialize(other, pg, Options().stage(stage), zeroplus::optim::ZeroAdamWOptions(1e-2));
+      zeroplus::load_checkpoint(dir.path() + "/step2", other, *otherOpt);
+      train(other, *otherOpt, 2);
+      const auto got = zeroplus::zero::full_state_dict(other, *otherOpt);
+      ASSERT_EQ(got.size(), want.size());
+      for (const auto& item : want) {
+        EXPECT_LE((item.value() - got[item.key()]).abs().max().item<double>(), 1e-6) << "stage " << stage << " "
+                                                                                      << item.key();
+      }
+    }
   });
 }
 
@@ -712,7 +721,8 @@ TEST(ZeroEngine, Stage3ParameterSharedByTwoUnitsStaysWhole) {
 // a torch::nn::ModuleList (the user's forward calls its elements itself). Both raise naming
 // initialize and the remedy instead of silently keeping every parameter whole.
 struct TwoLinearsImpl : torch::nn::Module {
-  TwoLinearsImpl() : a(register_module("a", torch::nn::Linear(4, 4))), b(register_module("b", torch::nn::Linear(4, 2))) {}
+  TwoLinearsImpl()
+      : a(register_module("a", torch::nn::Linear(4, 4))), b(register_module("b", torch::nn::Linear(4, 2))) {}
   at::Tensor forward(const at::Tensor& x) { return b(a(x)); }
   torch::nn::Linear a, b;
 };
@@ -737,15 +747,18 @@ TEST(ZeroEngine, Stage3RefusesModelsWithoutASequential) {
         fn();
         ADD_FAILURE() << "no error";
       } catch (const c10::Error& e) {
-        for (const auto& n : needles) EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << n << " in " << e.what();
+        for (const auto& n : needles) {
+          EXPECT_NE(std::string(e.what()).find(n), std::string::npos) << n << " in " << e.what();
+        }
       }
     };
+    const auto stage3 = Options().stage(3);
     TwoLinears plain;
-    expectError([&] { zeroplus::zero::initialize(plain, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions()); },
+    expectError([&] { zeroplus::zero::initialize(plain, pg, stage3, zeroplus::optim::ZeroAdamWOptions()); },
                 {"zeroplus::zero::initialize", "hold the repeated blocks in a torch::nn::Sequential"});
     RepeatedNet listed;
     const at::Tensor before = listed->parameters()[0].detach().clone();
-    expectError([&] { zeroplus::zero::initialize(listed, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions()); },
+    expectError([&] { zeroplus::zero::initialize(listed, pg, stage3, zeroplus::optim::ZeroAdamWOptions()); },
                 {"zeroplus::zero::initialize", "\"layers\" is a torch::nn::ModuleList",
                  "hold the repeated blocks in a torch::nn::Sequential"});
     EXPECT_TRUE(at::equal(listed->parameters()[0].detach(), before));  // nothing changed
