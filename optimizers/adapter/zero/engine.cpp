@@ -213,7 +213,7 @@ void Engine::writeStates(const std::vector<BucketValues>& values, const char* op
   std::exception_ptr failure;
   try {
     for (size_t i = 0; i < values.size(); ++i) {
-      auto work = states_->write(i, values[i], op);  // stage 3: the shard only, no collective
+      auto work = states_->write(i, values[i], op);  // stage 3: the shard only (a persistent bucket: all-gathered)
       if (work) works.push_back(std::move(work));
     }
   } catch (...) {

@@ -636,9 +636,9 @@ INSTANTIATE_TEST_SUITE_P(PrecisionAndOffload, ZeroEngineHolder,
 
 // A stage-3 checkpoint of the holder keeps the user's parameter names (the unit wrappers change
 // none): it loads into the same holder at stage 1 and at stage 3 (whose persistent buckets are
-// all-gathered by the load), and both continue as the saved run does.
+// all-gathered by the load), in memory and with NVMe offload, and each continues as the saved run.
 TEST(ZeroEngine, Stage3HolderCheckpointLoadsAtStages1And3) {
-  TempDir dir;
+  TempDir dir, nvme;
   runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto train = [&](TinyLm& model, zeroplus::zero::ZeroOptimizer& opt, int step) {
       opt.zero_grad();
@@ -651,17 +651,18 @@ TEST(ZeroEngine, Stage3HolderCheckpointLoadsAtStages1And3) {
     zeroplus::save_checkpoint(dir.path() + "/step2", model, *opt);
     train(model, *opt, 2);
     const auto want = zeroplus::zero::full_state_dict(model, *opt);
-    for (int stage : {1, 3}) {
+    for (const auto& [stage, offload] : {std::pair{1, false}, std::pair{3, false}, std::pair{3, true}}) {
       TinyLm other;  // other values: the load replaces them all
-      auto otherOpt =
-          zeroplus::zero::initialize(other, pg, Options().stage(stage), zeroplus::optim::ZeroAdamWOptions(1e-2));
+      Options options = Options().stage(stage);
+      if (offload) options.offload_optimizer("nvme").nvme_path(nvme.path());
+      auto otherOpt = zeroplus::zero::initialize(other, pg, options, zeroplus::optim::ZeroAdamWOptions(1e-2));
       zeroplus::load_checkpoint(dir.path() + "/step2", other, *otherOpt);
       train(other, *otherOpt, 2);
       const auto got = zeroplus::zero::full_state_dict(other, *otherOpt);
       ASSERT_EQ(got.size(), want.size());
       for (const auto& item : want) {
-        EXPECT_LE((item.value() - got[item.key()]).abs().max().item<double>(), 1e-6) << "stage " << stage << " "
-                                                                                      << item.key();
+        EXPECT_LE((item.value() - got[item.key()]).abs().max().item<double>(), 1e-6)
+            << "stage " << stage << (offload ? " nvme " : " ") << item.key();
       }
     }
   });
