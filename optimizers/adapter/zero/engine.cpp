@@ -213,7 +213,8 @@ void Engine::writeStates(const std::vector<BucketValues>& values, const char* op
   std::exception_ptr failure;
   try {
     for (size_t i = 0; i < values.size(); ++i) {
-      auto work = states_->write(i, values[i], op);  // stage 3: the shard only (a persistent bucket: all-gathered)
+      // stage 3: the shard only, no collective (a persistent bucket is all-gathered)
+      auto work = states_->write(i, values[i], op);
       if (work) works.push_back(std::move(work));
     }
   } catch (...) {

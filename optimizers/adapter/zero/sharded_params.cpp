@@ -54,7 +54,8 @@ ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups,
     if (u >= 0) ++units_[u].params;
   }
   slots_.resize(count);
-  // One bucket per (unit, group, dtype): a unit is gathered and reduced as a whole.
+  // One bucket per (unit, group, dtype), and per run of persistent parameters: a unit is gathered
+  // and reduced as a whole.
   constexpr int64_t kUnbounded = int64_t{1} << 56;
   buckets_ = planBuckets(items, comm.worldSize(), kUnbounded, slots_);
   const int rank = comm.rank();
