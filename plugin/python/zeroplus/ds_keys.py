@@ -3,8 +3,8 @@
 This is the only list of DeepSpeed key names in zeroplus. zero/ds_config.py (prepare: "auto",
 warnings, scheduler and batch keys), zero/config.py (resolve: the engine's settings) and
 offload/policy.py (offload_optimizer, offload_param, aio) derive what they accept from it, and
-docs/zero.md's "Config keys" table is rendered from it (`python -m zeroplus.ds_keys`; a test
-keeps the page equal to the output).
+docs/zero.md's "Config keys" table is rendered from it (`markdown()`; a test keeps the page
+equal to it).
 
 The names are DeepSpeed's own (deepspeed/runtime/config.py, constants.py, precision_config.py,
 zero/config.py, zero/offload_config.py, swap_tensor/aio_config.py): a key DeepSpeed reads is
@@ -96,9 +96,12 @@ ZERO = {
     "stage": _e(COUNT, None, "1, 2 or 3"),
     "reduce_bucket_size": _e(COUNT, 1 << 22, "gradient bucket in elements (the unit of reduce-scatter overlap)",
                              auto=True),
-    "overlap_comm": _e(BOOL, True, "always on: false is refused (not built)", refuse=False),
-    "contiguous_gradients": _e(BOOL, True, "always on: false is refused (not built)", refuse=False),
-    "reduce_scatter": _e(BOOL, True, "always on: false is refused (not built)", refuse=False),
+    "overlap_comm": _e(BOOL, True, "zeroplus always overlaps reduction with backward; false is refused",
+                       refuse=False),
+    "contiguous_gradients": _e(BOOL, True, "zeroplus always packs gradients into buckets; false is refused",
+                               refuse=False),
+    "reduce_scatter": _e(BOOL, True, "zeroplus always reduce-scatters at stages 2-3; false is refused",
+                         refuse=False),
     "stage3_prefetch_bucket_size": _e(COUNT, None, "stage 3: elements gathered ahead (absent: one unit ahead)",
                                       auto=True, keyword="prefetch_bucket_size"),
     "stage3_max_live_parameters": _e(COUNT, 1_000_000_000, "stage 3: prefetch stops at this many gathered elements",
@@ -146,7 +149,7 @@ AIO = {
     "thread_count": _alias("intra_op_parallelism", COUNT),  # DeepSpeed's name before intra_op_parallelism
     "single_submit": _e(BOOL, False, "accepted, no effect"),
     "overlap_events": _e(BOOL, True, "accepted, no effect"),
-    "use_gds": _e(BOOL, False, "true is refused (no GPUDirect Storage path)", refuse=True),
+    "use_gds": _e(BOOL, False, "zeroplus has no GPUDirect Storage path; true is refused", refuse=True),
 }
 DATA_TYPES = {
     "grad_accum_dtype": _e(STRING, None, "`fp32`, `bf16`, `fp16`: gradient shard dtype (absent: compute dtype)"),
@@ -177,11 +180,13 @@ SCHEDULER_PARAMS = {
 }
 SCHEDULER = {"type": _e(STRING, None, "`WarmupLR`, `WarmupDecayLR` or `WarmupCosineLR`"), "params": _e(OBJECT)}
 BATCH = {
-    "gradient_accumulation_steps": Key(COUNT, "loop", 1, "checked (>= 1), read by the framework integrations",
-                                       auto=True),
-    "train_micro_batch_size_per_gpu": Key(COUNT, "loop", None, "checked against train_batch_size; read by the "
-                                          "integrations", auto=True),
-    "train_batch_size": Key(COUNT, "loop", None, "= micro batch x accumulation x data-parallel size", auto=True),
+    "gradient_accumulation_steps": Key(COUNT, "loop", 1, "checked (>= 1), read by the framework integrations; in "
+                                       "your own loop call `opt.step()` every N micro-batches", auto=True),
+    "train_micro_batch_size_per_gpu": Key(COUNT, "loop", None, "checked against `train_batch_size`, read by the "
+                                          "integrations; your loader sets the batch", auto=True),
+    "train_batch_size": Key(COUNT, "loop", None, "checked: micro batch x accumulation x data-parallel size (a "
+                            "missing one of the two is derived as DeepSpeed derives it, so it must divide)",
+                            auto=True),
 }
 _INTERNAL_TOP = (
     "steps_per_print", "wall_clock_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
@@ -257,16 +262,18 @@ def check_value(path: tuple, value, spec: Key, prefix: str = "zeroplus.initializ
         article = "an" if spec.kind[0] in "aeio" else "a"
         raise ValueError(f"{prefix}{where(path)} must be {article} {spec.kind}, got {value!r}")
     if spec.refuse is not None and type(value) is type(spec.refuse) and value == spec.refuse:
-        raise ValueError(f"{prefix}{where(path)}={_json(value)} is not supported: {spec.doc}")
+        raise ValueError(f"{prefix}{where(path)}={json_value(value)} is not supported: {spec.doc}")
 
 
-def _json(value) -> str:
+def json_value(value) -> str:
+    """`value` as JSON writes a scalar (true/false), for messages."""
     return {True: "true", False: "false"}.get(value, repr(value)) if isinstance(value, bool) else repr(value)
 
 
 def canonical(path: tuple, block: dict, section: dict, prefix: str = "zeroplus.initialize: ") -> dict:
     """A copy of `block` with aliases renamed to their targets (deprecated values converted as
-    DeepSpeed converts them); an alias beside its target is a ValueError naming both."""
+    DeepSpeed converts them); an alias beside its target with another value (or a deprecated one
+    beside its replacement, which DeepSpeed refuses too) is a ValueError naming both."""
     out = {}
     for key, value in block.items():
         spec = section.get(key)
@@ -274,9 +281,11 @@ def canonical(path: tuple, block: dict, section: dict, prefix: str = "zeroplus.i
             out[key] = value
             continue
         check_value(path + (key,), value, spec, prefix)
-        if spec.target in block or spec.target in out:
-            raise ValueError(f"{prefix}{where(path + (key,))} and {where(path + (spec.target,))} name the same "
-                             f"setting; give one")
+        if spec.target in block:
+            if spec.convert is None and block[spec.target] == value:
+                continue  # the same value under both names
+            raise ValueError(f"{prefix}{where(path + (key,))}={value!r} and {where(path + (spec.target,))}="
+                             f"{block[spec.target]!r} name the same setting; give one")
         value = spec.convert(value) if spec.convert is not None else value
         if value is not None:
             out[spec.target] = value
@@ -344,16 +353,12 @@ def _rows(section: dict, path: tuple):
             extra = ' (`"auto"` allowed)' if spec.auto else ""
             yield f"| `{dotted}` | {_shown(spec.default)} | {spec.doc}{extra} |"
     if internal:
-        where_ = ".".join(path) + "." if path else ""
         listed = ", ".join(f"`{k}`" for k in internal)
-        yield f"| {where_ or 'top level: '}{listed} | — | tune DeepSpeed's own engine: one `UserWarning` names each; " \
-              f"dropped |"
+        yield f"| {'in `' + '.'.join(path) + '`' if path else 'top level'}: {listed} | — | DeepSpeed's own engine " \
+              f"or features zeroplus does not have: one `UserWarning` names each; dropped |"
 
 
 def markdown() -> str:
     """docs/zero.md's "Config keys" table, rendered from KEYS."""
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(KEYS, ())]) + "\n"
 
-
-if __name__ == "__main__":
-    print(markdown(), end="")

@@ -140,8 +140,7 @@ def _known(what: str, path: tuple, block: dict) -> dict:
     for key, value in block.items():
         spec = section[key]
         if spec.refuse is not None and type(value) is type(spec.refuse) and value == spec.refuse:
-            raise ValueError(f"{what}: {key}={str(value).lower() if isinstance(value, bool) else value!r} is not "
-                             f"supported: {spec.doc}")
+            raise ValueError(f"{what}: {key}={ds_keys.json_value(value)} is not supported: {spec.doc}")
     return {k: v for k, v in block.items() if k not in ignored}
 
 
@@ -152,8 +151,8 @@ def parse_aio(block) -> AioPolicy:
     if not isinstance(block, dict):
         raise TypeError(f"aio: must be a dict, got {type(block).__name__}")
     block = _known("aio", ("aio",), block)
-    for key in ("single_submit", "overlap_events", "use_gds"):
-        if key in block and not isinstance(block[key], bool):
+    for key in (k for k in block if ds_keys.AIO[k].kind == ds_keys.BOOL):
+        if not isinstance(block[key], bool):
             raise TypeError(f"aio: {key} must be true or false, got {block[key]!r}")
     values = {"block_size": block.get("block_size", DEFAULT_BLOCK_SIZE),
               "queue_depth": block.get("queue_depth", DEFAULT_QUEUE_DEPTH),
