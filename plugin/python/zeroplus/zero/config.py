@@ -36,6 +36,9 @@ The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names 
 Stage-3 keyword arguments without a DeepSpeed key (STAGE3_KEYWORDS: None) are keywords only:
 reshard_after_forward, unit_classes, param_init_fn, persistent_modules.
 
+Which keys exist, their types, defaults and DeepSpeed's other names come from the one table,
+zeroplus.ds_keys; resolve checks a config against it (a no-op after ds_config.prepare).
+
 Keys DeepSpeed uses for its own engine's loop (train_batch_size, train_micro_batch_size_per_gpu,
 gradient_accumulation_steps, steps_per_print, wall_clock_breakdown, ...) have no meaning when the
 user owns the loop; they are accepted and ignored. Any other key raises ValueError, so a typo
