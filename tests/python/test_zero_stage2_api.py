@@ -384,3 +384,14 @@ def _module_identity(rank, world):
 def test_stage2_returns_the_users_module_and_a_torch_optimizer():
     for flags in run_pooled(_module_identity, 2, timeout=120):
         assert all(flags), flags
+
+
+def test_engine_lookup_is_explicit():
+    # ZeroRedundancyOptimizer(stage=2) asks zeroplus.zero.stages for its engine; nothing registers one
+    from zeroplus.optim import zero as optim_zero
+    from zeroplus.zero.stages import Stage1Optimizer, Stage2Optimizer, engine_for_stage
+
+    assert not hasattr(optim_zero, "STAGE_ENGINES")
+    assert engine_for_stage(1).args == (Stage1Optimizer,) and engine_for_stage(2).args == (Stage2Optimizer,)
+    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+        engine_for_stage(3)

@@ -18,29 +18,30 @@ Parsed once, from the keyword arguments of zeroplus.initialize (`offload_optimiz
                   than buffer_count records), read ahead in the gatherer's prefetch order
     max_in_cpu    (offload_param) accepted, checked, no effect: every offloaded shard is on disk
 
-A bad value raises ValueError/TypeError naming the key, so a typo never silently changes
-nothing. OffloadPolicy is frozen; defaults are defined here and only here. Nothing in this file
-touches the file system: nvme_store.py creates the directory when an engine is built.
+The keys accepted, their defaults and DeepSpeed's other names for them come from the one table,
+zeroplus.ds_keys (OFFLOAD_OPTIMIZER, OFFLOAD_PARAM, AIO). A bad value raises ValueError/TypeError
+naming the key, so a typo never silently changes nothing; a key that only tunes DeepSpeed's
+engine (super_offload, ...) is dropped with a UserWarning naming it. OffloadPolicy is frozen.
+Nothing in this file touches the file system: nvme_store.py creates the directory when an engine
+is built.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
-DEVICES = ("none", "cpu", "nvme")
-DEFAULT_OPTIMIZER_BUFFERS = 4   # DeepSpeed's offload_optimizer.buffer_count
-DEFAULT_PARAM_BUFFERS = 5       # DeepSpeed's offload_param.buffer_count
-DEFAULT_PARAM_BUFFER_SIZE = 100_000_000  # DeepSpeed's offload_param.buffer_size (elements)
-DEFAULT_BLOCK_SIZE = 1 << 20    # aio.block_size (DeepSpeed's default)
-DEFAULT_QUEUE_DEPTH = 32        # aio.queue_depth (DeepNVMe's tuned optimum; DeepSpeed's config says 8)
+from .. import ds_keys
 
-_COMMON_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory"}
-_OPTIMIZER_KEYS = _COMMON_KEYS | {"pipeline_read", "pipeline_write", "fast_init", "ratio", "pipeline"}
-_PARAM_KEYS = _COMMON_KEYS | {"buffer_size", "max_in_cpu"}
-_AIO_KEYS = {"block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
-             "overlap_events", "use_gds"}
+DEVICES = ("none", "cpu", "nvme")
+_TABLES = {"offload_optimizer": ds_keys.OFFLOAD_OPTIMIZER, "offload_param": ds_keys.OFFLOAD_PARAM}
+DEFAULT_OPTIMIZER_BUFFERS = ds_keys.OFFLOAD_OPTIMIZER["buffer_count"].default  # DeepSpeed's
+DEFAULT_PARAM_BUFFERS = ds_keys.OFFLOAD_PARAM["buffer_count"].default          # DeepSpeed's
+DEFAULT_PARAM_BUFFER_SIZE = ds_keys.OFFLOAD_PARAM["buffer_size"].default       # elements, DeepSpeed's
+DEFAULT_BLOCK_SIZE = ds_keys.AIO["block_size"].default                         # DeepSpeed's
+DEFAULT_QUEUE_DEPTH = ds_keys.AIO["queue_depth"].default  # DeepNVMe's tuned optimum; DeepSpeed's config says 8
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ class OffloadPolicy:
     """Where one kind of state lives between steps. `what` is "offload_optimizer" or
     "offload_param" (used in error messages and to pick the defaults)."""
     what: str = "offload_optimizer"
-    device: str = "none"
+    device: str = ds_keys.OFFLOAD_COMMON["device"].default
     nvme_path: str | None = None
     buffer_count: int = DEFAULT_OPTIMIZER_BUFFERS
     buffer_size: int = DEFAULT_PARAM_BUFFER_SIZE  # elements per parameter buffer (offload_param)
-    pin_memory: bool = False
-    pipeline_read: bool = True
-    pipeline_write: bool = True
+    pin_memory: bool = ds_keys.OFFLOAD_COMMON["pin_memory"].default
+    pipeline_read: bool = ds_keys.OFFLOAD_OPTIMIZER["pipeline_read"].default
+    pipeline_write: bool = ds_keys.OFFLOAD_OPTIMIZER["pipeline_write"].default
     aio: AioPolicy = AioPolicy()
 
     def __post_init__(self):
@@ -122,25 +123,40 @@ def _number(what: str, key: str, value, minimum: float) -> float:
     return value
 
 
+def _known(what: str, path: tuple, block: dict) -> dict:
+    """`block` with DeepSpeed's other names renamed (ds_keys aliases) and the keys that only tune
+    DeepSpeed's engine dropped (one UserWarning names them); an unknown key raises ValueError
+    naming it and the closest known one, a refused value (use_gds: true) ValueError naming it."""
+    section = ds_keys.table(path)
+    unknown = sorted(set(block) - set(section))
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown} (did you mean {ds_keys.closest(unknown[0], section)!r}?); "
+                         f"known: {sorted(section)}")
+    block = ds_keys.canonical(path, block, section, prefix=f"{what}: ")
+    ignored = [k for k in block if section[k].role == "internal"]
+    if ignored:
+        warnings.warn(f"zeroplus: DeepSpeed {what} keys with no effect in zeroplus (they tune DeepSpeed's own engine), "
+                      f"ignored: {', '.join(ignored)}", UserWarning, stacklevel=3)
+    for key, value in block.items():
+        spec = section[key]
+        if spec.refuse is not None and type(value) is type(spec.refuse) and value == spec.refuse:
+            raise ValueError(f"{what}: {key}={ds_keys.json_value(value)} is not supported: {spec.doc}")
+    return {k: v for k, v in block.items() if k not in ignored}
+
+
 def parse_aio(block) -> AioPolicy:
     """The DeepSpeed `aio` block (None: defaults)."""
     if block is None:
         return AioPolicy()
     if not isinstance(block, dict):
         raise TypeError(f"aio: must be a dict, got {type(block).__name__}")
-    unknown = sorted(set(block) - _AIO_KEYS)
-    if unknown:
-        raise ValueError(f"aio: unknown keys {unknown}; known: {sorted(_AIO_KEYS)}")
-    if block.get("use_gds"):
-        raise ValueError("aio: use_gds=true is not supported (zeroplus has no GPUDirect Storage path)")
-    for key in ("single_submit", "overlap_events", "use_gds"):
-        if key in block and not isinstance(block[key], bool):
+    block = _known("aio", ("aio",), block)
+    for key in (k for k in block if ds_keys.AIO[k].kind == ds_keys.BOOL):
+        if not isinstance(block[key], bool):
             raise TypeError(f"aio: {key} must be true or false, got {block[key]!r}")
-    threads = block.get("intra_op_parallelism", block.get("thread_count", 1))
-    if "intra_op_parallelism" in block and "thread_count" in block and block["thread_count"] != threads:
-        raise ValueError(f"aio: intra_op_parallelism={threads!r} conflicts with thread_count={block['thread_count']!r}")
     values = {"block_size": block.get("block_size", DEFAULT_BLOCK_SIZE),
-              "queue_depth": block.get("queue_depth", DEFAULT_QUEUE_DEPTH), "threads": threads}
+              "queue_depth": block.get("queue_depth", DEFAULT_QUEUE_DEPTH),
+              "threads": block.get("intra_op_parallelism", ds_keys.AIO["intra_op_parallelism"].default)}
     for key, value in values.items():
         name = "intra_op_parallelism" if key == "threads" else key
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -165,17 +181,14 @@ def parse_offload(what: str, block, aio: AioPolicy | None = None) -> OffloadPoli
         return block
     if not isinstance(block, dict):
         raise TypeError(f"{what}: must be a dict (DeepSpeed's keys) or None, got {type(block).__name__}")
-    known = _OPTIMIZER_KEYS if what == "offload_optimizer" else _PARAM_KEYS
-    unknown = sorted(set(block) - known)
-    if unknown:
-        raise ValueError(f"{what}: unknown keys {unknown}; known: {sorted(known)}")
-    device = block.get("device", "none")
+    block = _known(what, ("zero_optimization", what), block)
+    device = block.get("device", _TABLES[what]["device"].default)
     if device is None:
         device = "none"
     if not isinstance(device, str):
         raise TypeError(f"{what}: device must be a string, got {device!r}")
     if what == "offload_optimizer":
-        ratio = _number(what, "ratio", block.get("ratio", 1.0), 0.0)
+        ratio = _number(what, "ratio", block.get("ratio", _TABLES[what]["ratio"].default), 0.0)
         if ratio != 1.0:
             raise ValueError(f"{what}: ratio={ratio!r}: partial offload is not built; only 1.0 (everything) is")
         if "fast_init" in block and not isinstance(block["fast_init"], bool):
@@ -183,15 +196,17 @@ def parse_offload(what: str, block, aio: AioPolicy | None = None) -> OffloadPoli
         if "pipeline" in block and not isinstance(block["pipeline"], bool):
             raise TypeError(f"{what}: pipeline must be true or false, got {block['pipeline']!r}")
     else:
-        _number(what, "max_in_cpu", block.get("max_in_cpu", 1e9), 0)
-    pipeline = block.get("pipeline", True)
+        _number(what, "max_in_cpu", block.get("max_in_cpu", _TABLES[what]["max_in_cpu"].default), 0)
+    pipeline = block.get("pipeline")
     try:
         return OffloadPolicy(what=what, device=device.lower(), nvme_path=block.get("nvme_path"),
                              buffer_count=block.get("buffer_count", _default_buffers(what)),
                              buffer_size=block.get("buffer_size", DEFAULT_PARAM_BUFFER_SIZE),
-                             pin_memory=block.get("pin_memory", False),
-                             pipeline_read=block.get("pipeline_read", pipeline),
-                             pipeline_write=block.get("pipeline_write", pipeline), aio=aio)
+                             pin_memory=block.get("pin_memory", OffloadPolicy.pin_memory),
+                             pipeline_read=block.get("pipeline_read", OffloadPolicy.pipeline_read if pipeline is None
+                                                     else pipeline),
+                             pipeline_write=block.get("pipeline_write", OffloadPolicy.pipeline_write if pipeline is None
+                                                      else pipeline), aio=aio)
     except TypeError as e:
         raise TypeError(str(e)) from None
 

@@ -49,9 +49,6 @@ from .fused import fused_class_for
 # the largest single message.
 SYNC_BUCKET_CAP_BYTES = 32 << 20
 
-# stage -> engine class, for ZeroRedundancyOptimizer(..., stage=2). Filled by zeroplus.zero when it
-# is imported (it builds on this package's fused kernels, so this package must not import it).
-STAGE_ENGINES: dict[int, type] = {}
 # Keywords that are options of that engine, not of optimizer_class (offload_param is refused there
 # with its reason: it is stage 3's).
 ENGINE_KEYWORDS = ("mixed_precision", "reduce_bucket_elems", "offload_optimizer", "offload_param")
@@ -92,7 +89,11 @@ class ZeroRedundancyOptimizer(_TorchZeroRedundancyOptimizer):
                              "tensor-parallel (DTensor) params; the ZeRO engine reduces gradients itself")
         # Stage 2, or tensor-parallel params at stage 1 (torch's per-parameter broadcasts have no
         # DTensor rule): the ZeRO engine, over local tensors (docs/tensor_parallel.md).
-        return STAGE_ENGINES[stage](params, optimizer_class, process_group=process_group, **defaults)
+        # zeroplus.zero builds on this package's fused kernels, so it is imported here, when an
+        # engine is asked for, never when this module is.
+        from ..zero.stages import engine_for_stage
+
+        return engine_for_stage(stage)(params, optimizer_class, process_group=process_group, **defaults)
 
     def __init__(
         self,

@@ -36,6 +36,9 @@ The config may be a dict or a path to a JSON file. Keys read (DeepSpeed's names 
 Stage-3 keyword arguments without a DeepSpeed key (STAGE3_KEYWORDS: None) are keywords only:
 reshard_after_forward, unit_classes, param_init_fn, persistent_modules.
 
+Which keys exist, their types, defaults and DeepSpeed's other names come from the one table,
+zeroplus.ds_keys; resolve checks a config against it (a no-op after ds_config.prepare).
+
 Keys DeepSpeed uses for its own engine's loop (train_batch_size, train_micro_batch_size_per_gpu,
 gradient_accumulation_steps, steps_per_print, wall_clock_breakdown, ...) have no meaning when the
 user owns the loop; they are accepted and ignored. Any other key raises ValueError, so a typo
@@ -53,34 +56,18 @@ from typing import Any
 
 import torch
 
+from .. import ds_keys
 from ..offload.policy import parse_aio, parse_offload
 from .loss_scaler import LossScalerOptions
 from .policies import DEFAULT_REDUCE_BUCKET_ELEMS, EngineOptions, PrecisionPolicy, Stage3Policy
 from .precision import COMPUTE_DTYPES
 
-_IGNORED_TOP_LEVEL = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
-    "wall_clock_breakdown", "dump_state", "prescale_gradients", "gradient_predivide_factor",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "memory_breakdown", "tensorboard",
-    "wandb", "csv_monitor", "comms_logger", "flops_profiler", "scheduler", "communication_data_type",
-    "seq_parallel_communication_data_type",
-}
-_KNOWN_TOP_LEVEL = {"optimizer", "zero_optimization", "bf16", "fp16", "gradient_clipping", "data_types", "aio"}
-_ZERO_KEYS = {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-              "reduce_scatter", "allgather_partitions", "round_robin_gradients", "elastic_checkpoint",
-              "load_from_fp32_weights", "ignore_unused_parameters", "sub_group_size",
-              "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_param_persistence_threshold",
-              "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-              "stage3_gather_fp16_weights_on_model_save", "offload_optimizer", "offload_param"}
 # Stage-3 keyword arguments of zeroplus.initialize and their DeepSpeed config names (None: no
 # config name, keyword only).
-STAGE3_KEYWORDS = {"prefetch_bucket_size": "stage3_prefetch_bucket_size",
-                   "max_live_parameters": "stage3_max_live_parameters",
-                   "param_persistence_threshold": "stage3_param_persistence_threshold",
+STAGE3_KEYWORDS = {**{spec.keyword: name for name, spec in ds_keys.ZERO.items()
+                      if isinstance(spec, ds_keys.Key) and spec.keyword is not None},
                    "reshard_after_forward": None, "unit_classes": None, "param_init_fn": None,
                    "persistent_modules": None}
-_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 _DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                 "fp16": torch.float16, "float16": torch.float16}
 
@@ -113,15 +100,8 @@ def load_config(config) -> dict:
     raise TypeError(f"zeroplus.initialize: config must be a dict, a JSON file path or None, got {type(config).__name__}")
 
 
-def _section(cfg: dict, key: str, known: set[str] | None = None) -> dict:
-    value = cfg.get(key, {})
-    if not isinstance(value, dict):
-        raise ValueError(f"zeroplus.initialize: config[{key!r}] must be an object, got {value!r}")
-    if known is not None:
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"zeroplus.initialize: config[{key!r}] has unknown keys {unknown}; known: {sorted(known)}")
-    return value
+def _default(section: dict, key: str):
+    return section[key].default
 
 
 def _merge(name: str, arg_value, cfg_value, cfg_path: str):
@@ -149,15 +129,16 @@ def _is_number(x) -> bool:
 
 
 def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults) -> ZeroSettings:
-    cfg = load_config(config)
-    unknown = sorted(set(cfg) - _KNOWN_TOP_LEVEL - _IGNORED_TOP_LEVEL)
-    if unknown:
-        raise ValueError(f"zeroplus.initialize: config has unknown keys {unknown}")
+    # Checked against the one table (zeroplus.initialize's config was checked by ds_config.prepare
+    # already: this is a no-op there, and the same check for a config given here directly).
+    ignored: list[str] = []
+    cfg = ds_keys.check(load_config(config), ignored)
+    ignored += [k for k in cfg if isinstance(ds_keys.KEYS[k], ds_keys.Key) and ds_keys.KEYS[k].role == "loop"]
 
     offload_args = {k: optimizer_defaults.pop(k) for k in ("offload_optimizer", "offload_param")
                     if k in optimizer_defaults}
     # Optimizer: class and hyperparameters.
-    opt_cfg = _section(cfg, "optimizer", {"type", "params"})
+    opt_cfg = cfg.get("optimizer", {})
     cfg_class = _optimizer_class_from_name(opt_cfg["type"]) if "type" in opt_cfg else None
     if optimizer_class is not None and not (isinstance(optimizer_class, type)
                                             and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -170,17 +151,14 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     if opt_class is None:
         raise ValueError("zeroplus.initialize: no optimizer: pass optimizer_class or config['optimizer']['type']")
     stage3_args = {k: optimizer_defaults.pop(k) for k in list(optimizer_defaults) if k in STAGE3_KEYWORDS}
-    cfg_params = opt_cfg.get("params", {})
-    if not isinstance(cfg_params, dict):
-        raise ValueError(f"zeroplus.initialize: config['optimizer']['params'] must be an object, got {cfg_params!r}")
-    defaults = dict(cfg_params)
+    defaults = dict(opt_cfg.get("params", {}))
     if "betas" in defaults and isinstance(defaults["betas"], list):
         defaults["betas"] = tuple(defaults["betas"])
     for key, value in optimizer_defaults.items():
         defaults[key] = _merge(key, value, defaults.get(key), f"['optimizer']['params'][{key!r}]")
 
     # Stage.
-    zero_cfg = _section(cfg, "zero_optimization", _ZERO_KEYS)
+    zero_cfg = cfg.get("zero_optimization", {})
     stage = _merge("stage", stage, zero_cfg.get("stage"), "['zero_optimization']['stage']")
     if stage is None:
         raise ValueError("zeroplus.initialize: no ZeRO stage: pass stage= or config['zero_optimization']['stage']")
@@ -192,19 +170,16 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
                                       f"['zero_optimization'][{cfg_key!r}]")
     if stage != 3 and stage3_args:
         raise ValueError(f"zeroplus.initialize: {sorted(stage3_args)} apply to stage 3 only, got stage={stage}")
-    for key in ("overlap_comm", "contiguous_gradients", "reduce_scatter"):
-        if zero_cfg.get(key) is False:
-            raise ValueError(f"zeroplus.initialize: config['zero_optimization'][{key!r}]=false is not supported: "
-                             f"zeroplus always overlaps, packs and reduce-scatters gradients")
     bucket = zero_cfg.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_ELEMS)
     if not _is_number(bucket) or bucket < 1:
         raise ValueError(f"zeroplus.initialize: config['zero_optimization']['reduce_bucket_size'] must be a "
                          f"positive number of elements, got {bucket!r}")
 
     # Precision.
-    bf16 = _section(cfg, "bf16", {"enabled", "immediate_grad_update", "check_grad_overflow"}).get("enabled", False)
-    fp16_cfg = _section(cfg, "fp16", _FP16_KEYS)
-    fp16 = fp16_cfg.get("enabled", False)
+    fp16_keys = ds_keys.FP16
+    bf16 = cfg.get("bf16", {}).get("enabled", _default(ds_keys.BF16, "enabled"))
+    fp16_cfg = cfg.get("fp16", {})
+    fp16 = fp16_cfg.get("enabled", _default(fp16_keys, "enabled"))
     if bf16 and fp16:
         raise ValueError("zeroplus.initialize: config enables both bf16 and fp16")
     cfg_precision = "bf16" if bf16 else "fp16" if fp16 else None
@@ -217,23 +192,23 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
 
     loss_scaler, static_loss_scale = None, None
     if precision == "fp16":
-        loss_scale = fp16_cfg.get("loss_scale", 0)
+        loss_scale = fp16_cfg.get("loss_scale", _default(fp16_keys, "loss_scale"))
         if not _is_number(loss_scale) or loss_scale < 0:
             raise ValueError(f"zeroplus.initialize: config['fp16']['loss_scale'] must be >= 0, got {loss_scale!r}")
         if loss_scale > 0:
             static_loss_scale = float(loss_scale)
         else:
-            power = fp16_cfg.get("initial_scale_power", 16)
+            power = fp16_cfg.get("initial_scale_power", _default(fp16_keys, "initial_scale_power"))
             if not _is_number(power) or not 0 <= power <= 64:
                 raise ValueError(f"zeroplus.initialize: config['fp16']['initial_scale_power'] must be in [0, 64], "
                                  f"got {power!r}")
-            loss_scaler = LossScalerOptions(
-                init_scale=2.0 ** power, scale_window=fp16_cfg.get("loss_scale_window", 1000),
-                hysteresis=fp16_cfg.get("hysteresis", 2), min_scale=fp16_cfg.get("min_loss_scale", 1),
-                consecutive_hysteresis=fp16_cfg.get("consecutive_hysteresis", False))
+            given = {field: fp16_cfg[key] for key, field in (
+                ("loss_scale_window", "scale_window"), ("hysteresis", "hysteresis"), ("min_loss_scale", "min_scale"),
+                ("consecutive_hysteresis", "consecutive_hysteresis")) if key in fp16_cfg}
+            loss_scaler = LossScalerOptions(init_scale=2.0 ** power, **given)
             loss_scaler.validate()
 
-    clip = cfg.get("gradient_clipping", 0.0)
+    clip = cfg.get("gradient_clipping", _default(ds_keys.KEYS, "gradient_clipping"))
     if not _is_number(clip) or clip < 0:
         raise ValueError(f"zeroplus.initialize: config['gradient_clipping'] must be >= 0, got {clip!r}")
 
@@ -255,7 +230,7 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     if offload["offload_param"].enabled and stage != 3:
         raise ValueError(f"zeroplus.initialize: offload_param applies to stage 3 only, got stage={stage}")
 
-    accum = _section(cfg, "data_types", {"grad_accum_dtype"}).get("grad_accum_dtype")
+    accum = cfg.get("data_types", {}).get("grad_accum_dtype")
     if accum is not None and accum not in _DTYPE_NAMES:
         raise ValueError(f"zeroplus.initialize: config['data_types']['grad_accum_dtype'] must be one of "
                          f"{sorted(_DTYPE_NAMES)}, got {accum!r}")
@@ -270,4 +245,4 @@ def resolve(optimizer_class, stage, mixed_precision, config, optimizer_defaults)
     except (TypeError, ValueError) as e:
         raise type(e)(f"zeroplus.initialize: {e}") from e
     return ZeroSettings(stage=stage, optimizer_class=opt_class, optimizer_defaults=defaults, options=options,
-                        ignored_keys=sorted(set(cfg) & _IGNORED_TOP_LEVEL))
+                        ignored_keys=sorted(ignored))

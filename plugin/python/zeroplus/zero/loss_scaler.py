@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, asdict
 
+from ..ds_keys import FP16 as _FP16  # the fp16 block's defaults (DeepSpeed's) are defined there
+
 
 class LossScaleAtMinimumError(RuntimeError):
     """An overflow happened while the scale was already at its minimum."""
@@ -20,11 +22,11 @@ class LossScaleAtMinimumError(RuntimeError):
 
 @dataclass
 class LossScalerOptions:
-    init_scale: float = 2.0 ** 16
-    scale_window: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    consecutive_hysteresis: bool = False
+    init_scale: float = 2.0 ** _FP16["initial_scale_power"].default
+    scale_window: int = _FP16["loss_scale_window"].default
+    hysteresis: int = _FP16["hysteresis"].default
+    min_scale: float = float(_FP16["min_loss_scale"].default)
+    consecutive_hysteresis: bool = _FP16["consecutive_hysteresis"].default
     scale_factor: float = 2.0
     raise_error_at_min_scale: bool = True
 

@@ -3,7 +3,8 @@
 zeroplus.initialize builds them from its arguments and the DeepSpeed-style config
 (config.resolve); the engines read them and never take their fields as a dozen keyword
 arguments. Each policy checks its own fields when it is created (ValueError/TypeError naming the
-field), so an engine only ever sees valid settings. Defaults are defined here and only here.
+field), so an engine only ever sees valid settings. Defaults are defined here and only here, except
+those of settings with a DeepSpeed config key, which zeroplus.ds_keys defines beside the key.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from typing import Any, Callable
 
 import torch
 
+from ..ds_keys import ZERO as _ZERO
 from ..offload.policy import DEFAULT_PARAM_BUFFERS, OffloadPolicy
 from .loss_scaler import LossScalerOptions
 from .precision import COMPUTE_DTYPES
 
-DEFAULT_REDUCE_BUCKET_ELEMS = 1 << 22        # 16 MiB of fp32: large enough to be bandwidth-bound
-DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters
-DEFAULT_PERSISTENCE_THRESHOLD = 100_000      # DeepSpeed's stage3_param_persistence_threshold
+# The defaults of the settings that have a DeepSpeed config key live in zeroplus.ds_keys, beside
+# the key (reduce_bucket_size: 16 MiB of fp32, large enough to be bandwidth-bound).
+DEFAULT_REDUCE_BUCKET_ELEMS = _ZERO["reduce_bucket_size"].default
+DEFAULT_MAX_LIVE_PARAMETERS = _ZERO["stage3_max_live_parameters"].default
+DEFAULT_PERSISTENCE_THRESHOLD = _ZERO["stage3_param_persistence_threshold"].default
 
 
 def _count(owner: str, key: str, value, minimum: int) -> int:
