@@ -6,7 +6,10 @@ $ZEROPLUS_BUILD_DIR/bin/zero_engine_crosscheck, tests/cpp/plugin/zero_engine_cro
 Each case writes one input file (torch.save: the initial parameters, each rank's batches, the
 configuration); both sides train on it and the final parameters, every rank's fp32 master shards
 and the clip_grad_norm results must be equal (torch.equal; where they are not, the message names
-the first gradient shard or parameter that differs, step by step). Cases cover stages 1 and 2, fp32 and bf16, AdamW and SGD with
+the first gradient shard or parameter that differs, step by step), and so must the loss scale
+after every step. Cases cover stages 1 and 2, fp32, bf16 and fp16 (dynamic and static loss
+scaling, with an inf injected into one rank's input at some steps: an overflow both engines must
+skip on every rank, halving the scale, which then grows back), AdamW and SGD with
 momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option, and a
 bucket size (100 elements) that makes 4 buckets (a parameter is never split between buckets),
 each of whose 2 shards cuts through parameters. Stage 3 (every parameter sharded:
@@ -63,6 +66,26 @@ CASES = {
     "s3_holder_bf16_adamw": (3, "bf16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0, "holder"),
     "s2_holder_fp32_adamw_clip": (2, "fp32", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
     "s2_holder_bf16_adamw_clip": (2, "bf16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
+    "s1_fp16_adamw_clip_overflow": (1, "fp16", ADAMW, 100, [0.0, 0.05, 0.05, 0.0], 0.0),
+    "s2_fp16_adamw_auto_clip_overflow": (2, "fp16", ADAMW, 100, [0.0] * STEPS, 0.05),
+    "s2_fp16_sgd_static_overflow": (2, "fp16", SGD, 100, [0.1] * STEPS, 0.0),
+    "s3_fp16_adamw_overflow": (3, "fp16", ADAMW, 100, [0.0] * STEPS, 0.0),
+    "s3_holder_fp16_adamw": (3, "fp16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0, "holder"),
+    "s2_holder_fp16_adamw_clip": (2, "fp16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
+}
+# fp16 cases: (DeepSpeed fp16 block beside "enabled", [step] -> the rank whose first input element
+# is inf at that step (an overflow every rank must skip), or -1, the loss scale after each step
+# or None). A window of 2 with hysteresis 1 halves the scale at the overflow and doubles it two
+# clean steps after it; hysteresis 2 absorbs the first of two overflows.
+_DYN = {"initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}
+FP16 = {
+    "s1_fp16_adamw_clip_overflow": (_DYN, [-1, 1, -1, -1], [256, 128, 128, 256]),
+    "s2_fp16_adamw_auto_clip_overflow": (_DYN, [-1, -1, 0, -1], [256, 512, 256, 256]),
+    "s2_fp16_sgd_static_overflow": ({"loss_scale": 128}, [-1, 0, -1, -1], [128] * STEPS),
+    "s3_fp16_adamw_overflow": ({"initial_scale_power": 8, "loss_scale_window": 2}, [-1, 1, 1, -1],
+                               [256, 256, 128, 128]),
+    "s3_holder_fp16_adamw": ({"initial_scale_power": 10}, [-1] * STEPS, None),
+    "s2_holder_fp16_adamw_clip": ({"initial_scale_power": 10, "loss_scale_window": 3}, [-1] * STEPS, None),
 }
 HOLDER_PERSISTENT = ["tok_emb", "ln_f", "head"]  # what the C++ engine keeps whole at stage 3
 VOCAB, DIM, LAYERS, LEN = 13, 12, 3, 5  # as in zero_engine_crosscheck.cpp
@@ -107,7 +130,7 @@ def _loss(kind, out, y):
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def _write_input(path, seed, case):
+def _write_input(path, seed, case, fp16=None):
     stage, precision, opt, bucket, clip, auto_clip = case[:6]
     kind = _kind(case)
     gen = torch.Generator().manual_seed(seed)
@@ -118,7 +141,14 @@ def _write_input(path, seed, case):
     else:
         inputs = [[torch.randn(ROWS, 7, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
         targets = [[torch.randn(ROWS, 3, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
-    torch.save({"model": kind, "params": params, "inputs": inputs, "targets": targets, "stage": stage,
+    extra = {}
+    if fp16 is not None:
+        knobs, inject, _ = fp16
+        extra["fp16"] = dict(knobs)
+        for step, rank in enumerate(inject):
+            if rank >= 0:
+                inputs[step][rank][0, 0] = float("inf")
+    torch.save({**extra, "model": kind, "params": params, "inputs": inputs, "targets": targets, "stage": stage,
                 "mixed_precision": precision, **opt, "bucket_elems": bucket, "clip": [float(c) for c in clip],
                 "gradient_clipping": float(auto_clip)}, path)
 
@@ -147,6 +177,8 @@ def _train_python(rank, world, paths):
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         if cfg["gradient_clipping"] > 0:
             config["gradient_clipping"] = cfg["gradient_clipping"]
+        if cfg["mixed_precision"] == "fp16":
+            config["fp16"] = {"enabled": True, **cfg.get("fp16", {})}
         precision = None if cfg["mixed_precision"] == "fp32" else cfg["mixed_precision"]
         if kind == "holder" and cfg["stage"] == 3:
             hyper["persistent_modules"] = HOLDER_PERSISTENT
@@ -157,7 +189,7 @@ def _train_python(rank, world, paths):
             name_of = {id(p): n for n, p in model.named_parameters()}
             whole = sorted(name_of[id(e.param)] for b in opt.buckets if b.persistent for e in b.entries)
             assert whole == sorted(n for n in name_of.values() if not n.startswith("blocks.")), whole
-        norms, trace = [], {}
+        norms, trace, scales = [], {}, []
         for step in range(STEPS):
             x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
             opt.zero_grad()
@@ -168,11 +200,12 @@ def _train_python(rank, world, paths):
             clip = cfg["clip"][step]
             norms.append(opt.clip_grad_norm_(clip).item() if clip > 0 else math.nan)
             opt.step()
+            scales.append(float(opt.loss_scale))
             # full_state_dict: at stage 3 the parameters are shards between uses
             for n, p in zeroplus.full_state_dict(model, rank0_only=False).items():
                 trace[f"param.{step}.{n}"] = p.detach().clone()
         masters = {f"{rank}.{b}": m.detach().clone() for b, m in enumerate(opt.masters)}
-        out[path] = (dict(zeroplus.full_state_dict(model, rank0_only=False)), norms, trace, masters)
+        out[path] = (dict(zeroplus.full_state_dict(model, rank0_only=False)), norms, trace, masters, scales)
     return out
 
 
@@ -211,7 +244,7 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
     for seed, (name, case) in enumerate(CASES.items()):
         paths[name] = str(tmp_path / f"{name}.in.pt")
         outs[name] = str(tmp_path / f"{name}.out.pt")
-        _write_input(paths[name], seed, case)
+        _write_input(paths[name], seed, case, FP16.get(name))
     argv = [str(program)]
     for name in CASES:
         argv += [paths[name], outs[name]]
@@ -222,7 +255,7 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
 
     mismatches = []
     for name in CASES:
-        py_params, py_norms, py_trace, py_masters = python[paths[name]]
+        py_params, py_norms, py_trace, py_masters, py_scales = python[paths[name]]
         py_masters = {k: v for r in ranks for k, v in r[paths[name]][3].items()}
         # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
         with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
@@ -250,5 +283,9 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
         same_norms = all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(py_norms, cpp_norms))
         if len(py_norms) != len(cpp_norms) or not same_norms:
             mismatches.append(f"{name}: clip norms differ: python {py_norms}, C++ {cpp_norms}")
+        if result["scales"].tolist() != py_scales:
+            mismatches.append(f"{name}: loss scales differ: python {py_scales}, C++ {result['scales'].tolist()}")
+        if name in FP16 and FP16[name][2] is not None:  # the injected overflows were skipped, the scale moved
+            assert py_scales == [float(x) for x in FP16[name][2]], (name, py_scales)
         assert any(not math.isnan(n) for n in py_norms) == any(c > 0 for c in CASES[name][4])
     assert not mismatches, "\n".join(mismatches)

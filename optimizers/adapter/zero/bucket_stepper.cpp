@@ -39,10 +39,11 @@ void BucketStepper::check(const StepHyper& hyper, int64_t group) {
 }
 
 void BucketStepper::step(const at::Tensor& gradShard, const std::vector<uint8_t>& stepped, int64_t flagBase,
-                         const StepHyper& hyper) {
+                         const StepHyper& hyper, double invScale) {
   if (segments_.empty()) return;
-  const at::Tensor grad = gradShard.scalar_type() == master_.scalar_type() ? gradShard
-                                                                           : gradShard.to(master_.scalar_type());
+  at::Tensor grad = gradShard.scalar_type() == master_.scalar_type() ? gradShard : gradShard.to(master_.scalar_type());
+  // fp16: unscaled in fp32 after the cast, in place on the copy (the Python engine's BucketOptimizer.step)
+  if (invScale != 1.0) grad = grad.is_same(gradShard) ? grad.mul(invScale) : grad.mul_(invScale);
   std::vector<Segment*> live;
   for (Segment& s : segments_) {
     if (stepped[flagBase + s.entry]) live.push_back(&s);

@@ -41,9 +41,10 @@ class BucketStepper {
   static void check(const StepHyper& hyper, int64_t group);
 
   // One step of this rank's shard. gradShard: the bucket's gradient shard (any float dtype);
-  // stepped[flagBase + entry]: whether that parameter is updated.
+  // stepped[flagBase + entry]: whether that parameter is updated. invScale: 1 / the fp16 loss
+  // scale the shard holds (1: nothing to unscale), applied after the cast to fp32.
   void step(const at::Tensor& gradShard, const std::vector<uint8_t>& stepped, int64_t flagBase,
-            const StepHyper& hyper);
+            const StepHyper& hyper, double invScale = 1.0);
 
   std::vector<Segment>& segments() { return segments_; }
   const std::vector<Segment>& segments() const { return segments_; }

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -171,6 +172,33 @@ Value tensorScalar(const at::Tensor& t) {
   v.set("shape", Value::array());
   v.set("data", Value::array()).push(Value::number(t.item<double>()));
   return v;
+}
+
+// The loss scaler as the Python engine's scaler.state_dict() writes it into the manifest's
+// "optimizer" (checkpoint/adapters.py optimizer_meta): a dynamic scaler's full state and options;
+// a static one (fp32, bf16, fp16 with loss_scale > 0) {"scale": 1.0}, as Python's StaticLossScaler.
+Value scalerState(const zero::engine::LossScaler& scaler) {
+  Value out = Value::object();
+  if (!scaler.dynamic()) {
+    out.set("scale", Value::number(1.0));
+    return out;
+  }
+  const auto& st = scaler.state();
+  const auto& o = scaler.settings();
+  out.set("scale", Value::number(st.scale));
+  out.set("hysteresis_left", Value::integer(st.hysteresisLeft));
+  out.set("iteration", Value::integer(st.iteration));
+  out.set("last_overflow_iteration", Value::integer(st.lastOverflowIteration));
+  Value opts = Value::object();
+  opts.set("init_scale", Value::number(o.initScale));
+  opts.set("scale_window", Value::integer(o.scaleWindow));
+  opts.set("hysteresis", Value::integer(o.hysteresis));
+  opts.set("min_scale", Value::number(o.minScale));
+  opts.set("consecutive_hysteresis", Value::boolean(o.consecutiveHysteresis));
+  opts.set("scale_factor", Value::number(o.scaleFactor));
+  opts.set("raise_error_at_min_scale", Value::boolean(o.raiseErrorAtMinScale));
+  out.set("options", opts);
+  return out;
 }
 
 void checkModel(const std::shared_ptr<torch::nn::Module>& model, zero::ZeroOptimizer& opt, const char* op) {
@@ -377,10 +405,8 @@ void save_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
           }
         }
       }
-      Value scaler = Value::object();
-      scaler.set("scale", Value::number(1.0));
-      m.optimizer.set("loss_scaler", scaler);
-      m.optimizer.set("skipped_steps", Value::integer(0));
+      m.optimizer.set("loss_scaler", scalerState(eng.scaler()));
+      m.optimizer.set("skipped_steps", Value::integer(eng.skippedSteps()));
       m.saveId = staging.staging;
       std::string cerr;
       if (ckpt::commitSave(staging, ckpt::encodeManifest(m), &cerr) < 0) failure = cerr;
@@ -412,7 +438,54 @@ struct Staged {
   std::vector<Segment> segments;
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination, value): frozen params, buffers
   std::vector<Value> groups;                                 // the checkpoint's hyperparameters per group
+  std::optional<zero::engine::LossScaler::State> scaler;    // a dynamic scaler's saved state
+  int64_t skippedSteps = 0;
 };
+
+// The manifest's engine state (the Python adapter's check_optimizer_meta and stage_optimizer):
+// a saved scaler whose keys are this run's scaler's keys is loaded (dynamic into dynamic: scale,
+// hysteresis, iteration, last overflow; a static one has nothing to load); another precision's
+// is ignored and this run keeps its own. skipped_steps is always loaded.
+void stageScaler(const ckpt::Manifest& m, Engine& eng, Staged* out) {
+  auto refuse = [](const std::string& field, const std::string& expected) {
+    TORCH_CHECK_VALUE(false, "checkpoint: optimizer.", field, " is not ", expected);
+  };
+  const Value* skipped = m.optimizer.find("skipped_steps");
+  if (skipped != nullptr) {
+    if (!skipped->isInt() || skipped->i < 0) refuse("skipped_steps", "an int >= 0");
+    out->skippedSteps = skipped->i;
+  }
+  const Value* saved = m.optimizer.find("loss_scaler");
+  const Value mine = scalerState(eng.scaler());
+  if (saved == nullptr || !saved->isObject() || saved->keys.size() != mine.keys.size()) return;
+  for (const auto& k : mine.keys) {
+    if (saved->find(k) == nullptr) return;  // another precision saved it: keep this run's scaler
+  }
+  for (size_t k = 0; k < mine.keys.size(); ++k) {
+    const std::string& key = mine.keys[k];
+    const Value& v = *saved->find(key);
+    switch (mine.items[k].kind) {
+      case Value::Kind::Bool:
+        if (v.kind != Value::Kind::Bool) refuse("loss_scaler." + key, "a bool");
+        break;
+      case Value::Kind::Int:
+        if (!v.isInt()) refuse("loss_scaler." + key, "an int");
+        break;
+      case Value::Kind::Float:
+        if (!v.isNumber() || !std::isfinite(v.asDouble()) || (key == "scale" && v.asDouble() <= 0)) {
+          refuse("loss_scaler." + key, key == "scale" ? "a finite number > 0" : "a finite number");
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  if (eng.scaler().dynamic()) {
+    out->scaler = zero::engine::LossScaler::State{saved->find("scale")->asDouble(), saved->find("hysteresis_left")->i,
+                                                 saved->find("iteration")->i,
+                                                 saved->find("last_overflow_iteration")->i};
+  }
+}
 
 std::string torchShape(const std::vector<int64_t>& s) {
   std::string out = "torch.Size([";
@@ -542,6 +615,7 @@ void stage(ckpt::CheckpointReader& reader, const ModelView& view, zero::ZeroOpti
   checkKeys(m, view);
   stageGroups(m, opt, view, out);
   Engine& eng = opt.engine();
+  stageScaler(m, eng, out);
   const int rank = eng.comm().rank();
   const auto bucketed = bucketedParams(eng);
   auto& buckets = eng.params().buckets();
@@ -644,6 +718,8 @@ void load_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
   }
   eng.writeStates(values, kLoad);
   applyGroups(opt, staged.groups);
+  if (staged.scaler) eng.scaler().load(*staged.scaler);
+  eng.setSkippedSteps(staged.skippedSteps);
   for (auto& [dest, value] : staged.copies) dest.detach().reshape(-1).copy_(value);
 }
 

@@ -11,6 +11,7 @@ namespace {
 
 std::optional<at::ScalarType> computeDtypeOf(const Options& o) {
   if (o.mixed_precision() == "bf16") return at::kBFloat16;
+  if (o.mixed_precision() == "fp16") return at::kHalf;
   return std::nullopt;
 }
 
@@ -44,7 +45,8 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
       comm_(std::move(pg)),
       placement_(makePlacement(groups, comm_, options, computeDtype_, units)),
       sharded_(dynamic_cast<ShardedParams*>(placement_.get())),
-      reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2) {
+      reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2),
+      scaler_(options) {
   for (size_t b = 0; b < placement_->buckets().size(); ++b) {
     steppers_.emplace_back(placement_->buckets()[b], placement_->master(b), comm_.rank());
   }
@@ -126,10 +128,15 @@ at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNon
     comm_.allReduceSum(parts);
     total = at::pow(parts.sum(), 1.0 / normType);
   }
+  if (fp16()) total = total.div(scaler_.scale());  // the shards hold loss-scaled values
   if (!std::isfinite(total.item<float>()) && errorIfNonfinite) {
     TORCH_CHECK(false, "The total norm of order ", normType, " for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`");
+  }
+  if (fp16() && !std::isfinite(total.item<float>())) {  // an overflow: step() skips this step
+    clippedThisStep_ = true;
+    return total;
   }
   // Python's `max_norm / (total + 1e-6)` is reciprocal() * max_norm (Tensor.__rtruediv__): the same bits.
   at::Tensor coef = at::clamp(total.add(1e-6).reciprocal().mul(maxNorm), std::nullopt, 1.0);
@@ -167,9 +174,17 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
   bool any = false;
   for (uint8_t s : stepped) any = any || s;
   if (!any) return;  // every grad None: torch's step changes nothing either
+  if (fp16() && overflow()) {  // every rank skips it: the gradients become zeros, the scale drops
+    scaler_.update(true);
+    ++skippedSteps_;
+    reducer_.zero(/*setToNone=*/false);
+    clippedThisStep_ = false;
+    return;
+  }
   if (options_.gradient_clipping() > 0 && !clippedThisStep_) {
     clipGradNorm(options_.gradient_clipping(), 2.0, false);
   }
+  const double invScale = fp16() ? 1.0 / scaler_.scale() : 1.0;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::exception_ptr failure;
   try {
@@ -179,7 +194,7 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
     for (size_t i = 0; i < buckets.size(); ++i) {
       // A record that cannot be read leaves its bucket unstepped; its publish still runs (collective).
       const bool live = !swapper_ || swapper_->fetch(i);
-      if (live) steppers_[i].step(reducer_.shard(i), stepped, reducer_.flagBase(i), hyper[buckets[i].group]);
+      if (live) steppers_[i].step(reducer_.shard(i), stepped, reducer_.flagBase(i), hyper[buckets[i].group], invScale);
       auto work = placement_->publish(i);  // stages 1-2: the all-gather runs while the next bucket steps
       if (work) works.push_back(std::move(work));
       if (swapper_) swapper_->store(i);  // publish has copied the master: write it behind
@@ -192,7 +207,16 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
   placement_->releaseGatherInputs();
   clippedThisStep_ = false;
   if (failure) std::rethrow_exception(failure);
+  scaler_.update(false);
   if (swapper_) swapper_->endStep();
+}
+
+bool Engine::overflow() {
+  // Inf/NaN in any rank's gradient shard, agreed across ranks (one all-reduce of one fp32).
+  at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+  if (!reducer_.allFinite()) local.fill_(1.0);
+  comm_.allReduceMax(local);
+  return local.item<float>() != 0;
 }
 
 void Engine::zeroGrad(bool setToNone) {

@@ -37,6 +37,7 @@
 #include "optimizers/adapter/zero/collectives.hpp"
 #include "optimizers/adapter/zero/flat_params.hpp"
 #include "optimizers/adapter/zero/grad_reducer.hpp"
+#include "optimizers/adapter/zero/loss_scaler.hpp"
 #include "optimizers/adapter/zero/optimizer_swapper.hpp"
 #include "optimizers/adapter/zero/options.hpp"
 #include "optimizers/adapter/zero/placement.hpp"
@@ -69,11 +70,23 @@ class Engine {
   bool hasGradients() const { return reducer_.hasGrads(); }
 
   // Clips the global gradient norm across all shards to maxNorm; returns the norm before
-  // clipping (0-d fp32). Collective.
+  // clipping (0-d fp32), of the unscaled gradients under fp16, where a non-finite norm (an
+  // overflow: step() skips the step) clips nothing. Collective.
   at::Tensor clipGradNorm(double maxNorm, double normType, bool errorIfNonfinite);
-  // One optimizer step with these per-group hyperparameters. Collective.
+  // One optimizer step with these per-group hyperparameters. Collective. fp16: a step whose
+  // gradients overflowed on any rank is skipped on every rank (the gradients become zeros, the
+  // loss scale drops); otherwise the gradients are unscaled as each bucket steps.
   void step(const std::vector<StepHyper>& hyper);
   void zeroGrad(bool setToNone);
+
+  // -- fp16 loss scaling (loss_scaler.hpp) --
+  bool fp16() const { return computeDtype_ == at::kHalf; }
+  // What backward multiplies the loss by (1 unless fp16).
+  double lossScale() const { return scaler_.scale(); }
+  LossScaler& scaler() { return scaler_; }
+  // Steps skipped on an fp16 overflow (checkpointed as Python's skipped_steps).
+  int64_t skippedSteps() const { return skippedSteps_; }
+  void setSkippedSteps(int64_t n) { skippedSteps_ = n; }
 
   // -- state (front-ends, full_state_dict, checkpoints) --
   Placement& params() { return *placement_; }
@@ -95,6 +108,7 @@ class Engine {
 
  private:
   void checkParamHomes() const;
+  bool overflow();
   void resetUnitCounts();
 
   Options options_;
@@ -109,6 +123,8 @@ class Engine {
   std::unique_ptr<OptimizerSwapper> swapper_;  // after steppers_: destroyed first
   std::unique_ptr<BucketStates> states_;
   bool clippedThisStep_ = false;
+  LossScaler scaler_;
+  int64_t skippedSteps_ = 0;
 };
 
 }  // namespace zeroplus::zero::engine

@@ -45,7 +45,8 @@ bool GradReducer::directPass() {
 }
 
 double GradReducer::scaleOf(int64_t b) {
-  return directPass() ? 1.0 : 1.0 / comm_.worldSize();
+  // fp16 buckets were divided before the sum (launch): nothing is left to apply.
+  return directPass() || buckets_[b].dtype == at::kHalf ? 1.0 : 1.0 / comm_.worldSize();
 }
 
 at::Tensor& GradReducer::accum(int64_t b) {
@@ -120,6 +121,9 @@ void GradReducer::launch(int64_t b) {
   const Bucket& bucket = buckets_[b];
   at::Tensor buf = buffer(b);
   InFlight f{b, nullptr, at::Tensor(), at::Tensor()};
+  // fp16: divided before the sum (DDP and DeepSpeed do too): the sum of averaged gradients cannot
+  // overflow where the sum of raw ones might. Others: 1/N is applied when accumulating.
+  if (!directPass() && comm_.worldSize() > 1 && bucket.dtype == at::kHalf) buf.div_(comm_.worldSize());
   if (directPass()) {
     f.work = comm_.allReduce(buf);
     f.out = buf;  // the accumulator itself: not an input to drop
@@ -245,6 +249,17 @@ void GradReducer::scale(const at::Tensor& coef) {
     at::Tensor g = shard(b);
     g.mul_(coef.to(g.scalar_type()));
   }
+}
+
+bool GradReducer::allFinite() {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    at::Tensor g = shard(b);
+    if (g.numel() == 0) continue;
+    // max |g| is finite exactly when every element is (the Python engine's clipping.all_finite)
+    auto [lo, hi] = at::aminmax(g);
+    if (!at::isfinite(at::maximum(lo.neg(), hi)).item<bool>()) return false;
+  }
+  return true;
 }
 
 std::vector<uint8_t> GradReducer::agree() {

@@ -4,6 +4,8 @@
 //
 // The math is the Python engine's (zero/grad_reducer.py), operation for operation, so both
 // front-ends produce the same bits:
+//  * fp16 buckets are divided by N before the sum (DDP's and DeepSpeed's order: the sum cannot
+//    overflow) and accumulated without a further 1/N; the first stage-1 pass is as below.
 //  * stage 2: a bucket's buffer (the gradients, zeros for parameters without one and for gaps) is
 //    reduce-scattered with SUM; the first pass since zero() takes the result into the
 //    accumulator and multiplies it by 1/N; a later pass adds it with alpha 1/N.
@@ -53,6 +55,8 @@ class GradReducer {
   bool hasGrads() const { return hasGrads_; }
   // This rank's gradient shard of bucket b (a zero tensor where no gradient exists yet).
   at::Tensor shard(size_t b);
+  // No inf or NaN in any of this rank's shards (the fp16 overflow check; local).
+  bool allFinite();
   // Multiply every shard by coef (a 0-d tensor), in place.
   void scale(const at::Tensor& coef);
   // Agree on which parameters had a gradient (collective); per trainable flag (bucket order),

@@ -22,9 +22,23 @@ struct Options {
   // gathered unit by unit: the children of the model's torch::nn::Sequentials; the parameters of
   // no unit stay whole, units.hpp).
   TORCH_ARG(int64_t, stage) = 1;
-  // "fp32" (no mixed precision) or "bf16": parameters, gradients and their reduction in
-  // bfloat16, fp32 masters and optimizer state. "fp16" (loss scaling) is the Python engine's.
+  // "fp32" (no mixed precision), "bf16" or "fp16": parameters, gradients and their reduction in
+  // the 16-bit dtype, fp32 masters and optimizer state. fp16 scales the loss (backward), unscales
+  // at the step and skips a step whose gradients overflowed on any rank (loss_scaler.hpp).
   TORCH_ARG(std::string, mixed_precision) = "fp32";
+  // fp16 loss scaling: DeepSpeed's fp16 keys, the Python engine's defaults (ds_keys.py FP16).
+  // loss_scale > 0: a static scale (the dynamic knobs below are unused); 0: dynamic.
+  TORCH_ARG(double, loss_scale) = 0.0;
+  // The dynamic scale starts at 2^initial_scale_power (0..64).
+  TORCH_ARG(double, initial_scale_power) = 16.0;
+  // Clean steps since the last overflow before the scale doubles (>= 1).
+  TORCH_ARG(int64_t, loss_scale_window) = 1000;
+  // Overflows absorbed before the scale halves (>= 1).
+  TORCH_ARG(int64_t, hysteresis) = 2;
+  // Refill hysteresis after every clean step (not only when the scale grows).
+  TORCH_ARG(bool, consecutive_hysteresis) = false;
+  // Floor of the dynamic scale (> 0); an overflow at the floor raises.
+  TORCH_ARG(double, min_loss_scale) = 1.0;
   // Elements per gradient bucket (DeepSpeed's reduce_bucket_size); the Python default.
   TORCH_ARG(int64_t, reduce_bucket_elems) = int64_t{1} << 22;
   // > 0: step() clips the global gradient norm to this unless clip_grad_norm ran this step.

@@ -51,9 +51,10 @@ engine::StepHyper hyperOf(const torch::optim::OptimizerOptions& o) {
 
 void checkOptions(const Options& o) {
   TORCH_CHECK_VALUE(o.stage() >= 1 && o.stage() <= 3, kInit, ": options.stage must be 1, 2 or 3, got ", o.stage());
-  TORCH_CHECK_VALUE(o.mixed_precision() == "fp32" || o.mixed_precision() == "bf16", kInit,
-                    ": options.mixed_precision must be \"fp32\" or \"bf16\", got \"", o.mixed_precision(), "\"",
-                    o.mixed_precision() == "fp16" ? " (fp16 with loss scaling runs in the Python engine)" : "");
+  TORCH_CHECK_VALUE(o.mixed_precision() == "fp32" || o.mixed_precision() == "bf16" || o.mixed_precision() == "fp16",
+                    kInit, ": options.mixed_precision must be \"fp32\", \"bf16\" or \"fp16\", got \"",
+                    o.mixed_precision(), "\"");
+  if (o.mixed_precision() == "fp16") engine::LossScaler::check(o, kInit);
   TORCH_CHECK_VALUE(o.reduce_bucket_elems() >= 1, kInit, ": options.reduce_bucket_elems must be >= 1, got ",
                     o.reduce_bucket_elems());
   TORCH_CHECK_VALUE(o.gradient_clipping() >= 0, kInit, ": options.gradient_clipping must be >= 0, got ",
@@ -220,7 +221,12 @@ void ZeroOptimizer::backward(const at::Tensor& loss) {
   TORCH_CHECK_VALUE(loss.numel() == 1, "zeroplus::zero::ZeroOptimizer::backward: loss must have one element, got "
                     "shape ", loss.sizes());
   hooks_->callbackQueued = false;  // a backward that raised dropped its queued callback
-  loss.backward();
+  if (engine_->fp16()) {
+    // The Python engine's (loss.float() * scale).backward(): the fp32 loss times the scale.
+    loss.to(at::kFloat).mul(engine_->lossScale()).backward();
+  } else {
+    loss.backward();
+  }
 }
 
 double ZeroOptimizer::clip_grad_norm(double max_norm, double norm_type, bool error_if_nonfinite) {
@@ -263,6 +269,8 @@ ZeroOptimizer::NoSyncGuard::NoSyncGuard(ZeroOptimizer& opt) : opt_(opt), previou
 ZeroOptimizer::NoSyncGuard::~NoSyncGuard() { opt_.engine_->setNoSync(previous_); }
 
 int64_t ZeroOptimizer::stage() const { return engine_->stage(); }
+double ZeroOptimizer::loss_scale() const { return engine_->lossScale(); }
+int64_t ZeroOptimizer::skipped_steps() const { return engine_->skippedSteps(); }
 std::vector<at::Tensor> ZeroOptimizer::gradient_shards() { return engine_->gradientShards(); }
 int64_t ZeroOptimizer::owned_numel() const { return engine_->ownedNumel(); }
 

@@ -38,7 +38,12 @@
 //    (units.hpp). Between uses a unit's parameter has its full shape but holds no memory (reads
 //    give NaN): read values through full_state_dict. Keep the optimizer alive while the model is used.
 //  * Options::offload_optimizer "nvme" keeps each bucket's optimizer state on NVMe between steps
-//    (optimizer_swapper.hpp). fp16 and the CPU offload tier are the Python engine's; asking raises.
+//    (optimizer_swapper.hpp). The CPU offload tier is the Python engine's; asking raises.
+//  * Options::mixed_precision "fp16": fp16 parameters with fp32 masters, and dynamic loss scaling
+//    with the Python engine's (DeepSpeed's) rules and knobs (options.hpp, loss_scaler.hpp): use
+//    opt->backward(loss) (it multiplies by loss_scale(); a plain loss.backward() is not scaled);
+//    clip_grad_norm returns the unscaled norm (inf/NaN on an overflow step, clipping nothing);
+//    step() skips a step whose gradients overflowed on any rank, on every rank, and zeroes them.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -70,7 +75,8 @@ class ZeroOptimizer : public torch::optim::Optimizer {
                 std::unique_ptr<torch::optim::OptimizerOptions> defaults);
   ~ZeroOptimizer() override;
 
-  // loss.backward() (loss: a defined one-element tensor). Collective.
+  // loss.backward() (loss: a defined one-element tensor); under fp16 the fp32 loss times
+  // loss_scale() (the Python engine's opt.backward). Collective.
   void backward(const at::Tensor& loss);
   // Clips the global gradient norm across every rank's shards to max_norm; returns the norm
   // before clipping (what torch::nn::utils::clip_grad_norm_ returns on the unsharded model).
@@ -96,6 +102,11 @@ class ZeroOptimizer : public torch::optim::Optimizer {
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   int64_t stage() const;
+  // What backward multiplies the loss by: the fp16 loss scale (dynamic: it halves after
+  // overflows, doubles after Options::loss_scale_window clean steps); 1 for fp32 and bf16.
+  double loss_scale() const;
+  // Steps skipped because the fp16 gradients overflowed on some rank.
+  int64_t skipped_steps() const;
   // This rank's gradient shard per bucket (after backward).
   std::vector<at::Tensor> gradient_shards();
   // Elements of fp32 master / optimizer state held by this rank (about numel / world).

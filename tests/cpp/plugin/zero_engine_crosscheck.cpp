@@ -12,8 +12,10 @@
 //   "params"             {"0.weight": tensor, ...}: the model's initial values
 //   "inputs", "targets"  [step][rank] -> tensor: each rank's batch per step
 //   "stage"              1 | 2 | 3
-//   "mixed_precision"    "fp32" | "bf16" (inputs are cast to bf16 as the Python engine's
-//                        forward pre-hook does; the loss is mse_loss(out.float(), target))
+//   "mixed_precision"    "fp32" | "bf16" | "fp16" (inputs are cast to bf16/fp16 as the Python
+//                        engine's forward pre-hook does; the loss is mse_loss(out.float(), target))
+//   "fp16"               (fp16 only) the loss-scaler knobs: {"initial_scale_power", "loss_scale_window",
+//                        "hysteresis", "loss_scale"}, DeepSpeed's fp16 block as the Python side passes it
 //   "optimizer"          "adamw" (lr, betas, eps, weight_decay) | "sgd" (lr, momentum,
 //                        dampening, weight_decay, nesterov)
 //   "bucket_elems"       reduce_bucket_elems
@@ -22,8 +24,8 @@
 // OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
 // module holds it}, "trace" {"grad.STEP.BUCKET": rank 0's gradient shard after backward,
 // "param.STEP.NAME": the parameter after the step}, "masters" {"RANK.BUCKET": that rank's
-// final fp32 master shard of that bucket} and "norms" (fp64 tensor) [step] -> clip_grad_norm's
-// result (NaN where there was no call).
+// final fp32 master shard of that bucket}, "norms" (fp64 tensor) [step] -> clip_grad_norm's
+// result (NaN where there was no call) and "scales" (fp64) [step] -> the loss scale after the step.
 //
 // Ranks are threads over one c10d::HashStore, each with a zeroplus process group (the Python
 // side runs 2 processes on backend "zeroplus"): with 2 ranks every sum is a + b, so the transport
@@ -137,12 +139,25 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
       item.value().copy_(initial.at(item.key()).toTensor());
     }
   }
-  const bool bf16 = cfg.at("mixed_precision").toStringRef() == "bf16";
-  const auto options = zeroplus::zero::Options()
-                           .stage(cfg.at("stage").toInt())
-                           .mixed_precision(bf16 ? "bf16" : "fp32")
-                           .reduce_bucket_elems(cfg.at("bucket_elems").toInt())
-                           .gradient_clipping(cfg.num("gradient_clipping"));
+  const std::string precision = cfg.at("mixed_precision").toStringRef();
+  const bool lowPrecision = precision == "bf16" || precision == "fp16";
+  auto options = zeroplus::zero::Options()
+                     .stage(cfg.at("stage").toInt())
+                     .mixed_precision(precision)
+                     .reduce_bucket_elems(cfg.at("bucket_elems").toInt())
+                     .gradient_clipping(cfg.num("gradient_clipping"));
+  if (precision == "fp16" && cfg.d.contains("fp16")) {
+    for (const auto& kv : cfg.at("fp16").toGenericDict()) {
+      const std::string& key = kv.key().toStringRef();
+      const c10::IValue& v = kv.value();
+      const double x = v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+      if (key == "initial_scale_power") options.initial_scale_power(x);
+      else if (key == "loss_scale_window") options.loss_scale_window(static_cast<int64_t>(x));
+      else if (key == "hysteresis") options.hysteresis(static_cast<int64_t>(x));
+      else if (key == "loss_scale") options.loss_scale(x);
+      else TORCH_CHECK(false, "zero_engine_crosscheck: unknown fp16 key ", key);
+    }
+  }
   std::shared_ptr<zeroplus::zero::ZeroOptimizer> opt;
   const std::string kind = cfg.at("optimizer").toStringRef();
   if (kind == "adamw") {
@@ -176,13 +191,13 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   auto inputs = cfg.at("inputs").toList();
   auto targets = cfg.at("targets").toList();
   auto clip = cfg.at("clip").toList();
-  std::vector<double> norms;
+  std::vector<double> norms, scales;
   c10::Dict<std::string, at::Tensor> trace;  // where the two engines part: see the Python test
   for (size_t step = 0; step < inputs.size(); ++step) {
     at::Tensor x = inputs.get(step).toList().get(rank).toTensor();
     at::Tensor y = targets.get(step).toList().get(rank).toTensor();
     // the Python engine's forward pre-hook (precision.install_input_cast) casts floating inputs
-    if (bf16 && x.is_floating_point()) x = x.to(at::kBFloat16);
+    if (lowPrecision && x.is_floating_point()) x = x.to(precision == "bf16" ? at::kBFloat16 : at::kHalf);
     opt->zero_grad();
     opt->backward(loss(x, y));
     const auto shards = opt->gradient_shards();
@@ -193,6 +208,7 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
     const double maxNorm = c.isDouble() ? c.toDouble() : static_cast<double>(c.toInt());
     norms.push_back(maxNorm > 0 ? opt->clip_grad_norm(maxNorm) : std::numeric_limits<double>::quiet_NaN());
     opt->step();
+    scales.push_back(opt->loss_scale());
     // full_state_dict: at stage 3 the parameters are shards between uses
     for (const auto& item : zeroplus::zero::full_state_dict(model, *opt)) {
       trace.insert("param." + std::to_string(step) + "." + item.key(), item.value());
@@ -208,6 +224,7 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   out.insert("params", params);
   out.insert("trace", trace);
   out.insert("norms", at::tensor(norms, at::kDouble));  // a tensor: torch.load's weights_only reads it
+  out.insert("scales", at::tensor(scales, at::kDouble));
   return out;
 }
 
