@@ -5,9 +5,13 @@ Python package's format, and zeroplus.load_checkpoint reads it at another world 
 world sizes 2 and 3. Both directions then take one more step on the same data and must agree,
 which checks the optimizer state (moments, step counts, momentum buffers) as well as the values.
 The `offload` cases run the C++ engine with its optimizer state on NVMe (the tool's NVME_DIR):
-the checkpoint is read from, or written into, its swap records.
+the checkpoint is read from, or written into, its swap records. The fp16 cases carry the dynamic
+loss scaler (the manifest's optimizer.loss_scaler, skipped_steps) across in both directions:
+with an initial scale of 2^19 and hysteresis 1 (FP16, as the tool's) the first step overflows
+and is skipped, so the state moved.
 Python runs at world size 1 in this process (one_rank_group), so every load is a reshard."""
 
+import json
 import os
 import subprocess
 
@@ -20,6 +24,7 @@ import zeroplus
 BUILD = os.environ.get("ZEROPLUS_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 TOOL = os.path.join(BUILD, "bin", "zero_checkpoint_tool")
 ROWS = 12
+FP16 = {"initial_scale_power": 19, "hysteresis": 1}  # zero_checkpoint_tool's fp16 knobs
 
 pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason=f"{TOOL} is not built")
 
@@ -43,8 +48,9 @@ def make(opt_name, stage, precision):
             p.copy_((torch.sin(torch.arange(p.numel(), dtype=torch.float32) * 0.7 + k) * 0.3).reshape(p.shape))
     kwargs = dict(lr=0.05, momentum=0.9) if opt_name == "sgd" else dict(lr=1e-2, weight_decay=0.1)
     cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
+    config = {"fp16": {"enabled": True, **FP16}} if precision == "fp16" else None
     return zeroplus.initialize(model, cls, stage=stage, mixed_precision=None if precision == "fp32" else precision,
-                               **kwargs)
+                               config=config, **kwargs)
 
 
 def step(model, opt, s):
@@ -52,7 +58,7 @@ def step(model, opt, s):
     dtype = next(model.parameters()).dtype
     loss = torch.nn.functional.mse_loss(model(x.to(dtype)).float(), y)
     opt.zero_grad()
-    loss.backward()
+    opt.backward(loss)  # fp16: scaled by the loss scale
     opt.step()
 
 
@@ -121,3 +127,41 @@ def test_python_checkpoint_loads_in_cpp(one_rank_group, tmp_path, opt_name, prec
     expect_equal(load_pt(tmp_path / "loaded.pt"), at_save, 0.0, "C++ load")
     expect_equal(load_pt(tmp_path / "step3.pt"), step3, 1e-5 if precision == "fp32" else 1e-2,
                  "C++ step after load")
+
+
+@pytest.mark.parametrize("cpp_world,cpp_stage", [(2, 2), (3, 3)])
+def test_cpp_fp16_checkpoint_loads_in_python_with_its_loss_scaler(one_rank_group, tmp_path, cpp_world, cpp_stage):
+    tool("save", tmp_path, cpp_world, cpp_stage, "adamw", "fp16")
+    at_save, step3, scaler = (load_pt(tmp_path / f) for f in ("at_save.pt", "step3.pt", "scaler.pt"))
+    with open(tmp_path / "ckpt" / "manifest.json") as f:
+        meta = json.load(f)["optimizer"]
+    saved = meta["loss_scaler"]  # where and as the Python engine keeps it
+    assert set(saved) == {"scale", "hysteresis_left", "iteration", "last_overflow_iteration", "options"}, saved
+    assert saved["scale"] == scaler["scale"].item() and meta["skipped_steps"] == scaler["skipped_steps"].item()
+    assert meta["skipped_steps"] >= 1 and saved["iteration"] == 2 and saved["scale"] < 2.0 ** 19, meta  # it moved
+    for stage in (1, 2, 3):
+        model, opt = make("adamw", stage, "fp16")
+        assert opt.scaler.state_dict() != saved
+        zeroplus.load_checkpoint(str(tmp_path / "ckpt"), model, opt)
+        assert opt.scaler.state_dict() == saved, stage
+        assert opt.skipped_steps == meta["skipped_steps"]
+        expect_equal(params(model), at_save, 0.0, f"stage {stage} load")
+        step(model, opt, 2)
+        expect_equal(params(model), step3, 1e-2, f"stage {stage} step after load")
+
+
+@pytest.mark.parametrize("cpp_world", [2, 3])
+def test_python_fp16_checkpoint_loads_in_cpp_with_its_loss_scaler(one_rank_group, tmp_path, cpp_world):
+    model, opt = make("adamw", 2, "fp16")
+    for s in range(2):
+        step(model, opt, s)
+    assert opt.skipped_steps >= 1 and opt.loss_scale < 2.0 ** 19  # the state moved
+    zeroplus.save_checkpoint(str(tmp_path / "py" / "ckpt"), model, opt)
+    at_save, scale, skipped = params(model), opt.loss_scale, opt.skipped_steps
+    step(model, opt, 2)
+    step3 = params(model)
+    tool("load", tmp_path / "py", tmp_path, cpp_world, 2, "adamw", "fp16")
+    expect_equal(load_pt(tmp_path / "loaded.pt"), at_save, 0.0, "C++ load")
+    scaler = load_pt(tmp_path / "scaler.pt")
+    assert (scaler["scale"].item(), scaler["skipped_steps"].item()) == (scale, skipped)
+    expect_equal(load_pt(tmp_path / "step3.pt"), step3, 1e-2, "C++ step after load")

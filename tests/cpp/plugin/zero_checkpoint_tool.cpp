@@ -3,10 +3,13 @@
 // Sequential(Linear(7,33), Tanh, Linear(33,17), ReLU, Linear(17,3)) on deterministic data both
 // languages compute alike, and writes parameters with torch::pickle_save (name -> tensor).
 //
-//   zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]
+//   zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16|fp16 [NVME_DIR]
 //       2 steps, save_checkpoint(DIR/ckpt), DIR/at_save.pt, one more step, DIR/step3.pt
-//   zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]
+//   zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16|fp16 [NVME_DIR]
 //       fresh model, load_checkpoint(CKPT), OUTDIR/loaded.pt, step 3, OUTDIR/step3.pt
+// Beside at_save.pt / loaded.pt, scaler.pt holds the loss scale and skipped steps there (fp64
+// tensors "scale", "skipped_steps"); fp16 runs with initial_scale_power 19 and hysteresis 1 (the
+// Python test's knobs): the first step overflows and is skipped, the scale halves.
 // NVME_DIR: the engine offloads its optimizer state there (Options::offload_optimizer "nvme").
 // Exit status 0 on success; 1 with the error on stderr.
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -60,6 +63,15 @@ void writeParams(torch::nn::Sequential& model, zeroplus::zero::ZeroOptimizer& op
   std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
+void writeScaler(zeroplus::zero::ZeroOptimizer& opt, int rank, const std::string& file) {
+  if (rank != 0) return;
+  c10::Dict<std::string, at::Tensor> d;
+  d.insert("scale", at::tensor(opt.loss_scale(), at::kDouble));
+  d.insert("skipped_steps", at::tensor(static_cast<double>(opt.skipped_steps()), at::kDouble));
+  const std::vector<char> bytes = torch::pickle_save(d);
+  std::ofstream(file, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -67,8 +79,8 @@ int main(int argc, char** argv) {
   const bool save = !a.empty() && a[0] == "save";
   const size_t fixed = save ? 6u : 7u;
   if (a.size() != fixed && a.size() != fixed + 1) {
-    std::cerr << "usage: zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]\n"
-                 "       zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16 [NVME_DIR]\n";
+    std::cerr << "usage: zero_checkpoint_tool save DIR WORLD STAGE adamw|sgd fp32|bf16|fp16 [NVME_DIR]\n"
+                 "       zero_checkpoint_tool load CKPT OUTDIR WORLD STAGE adamw|sgd fp32|bf16|fp16 [NVME_DIR]\n";
     return 2;
   }
   const size_t o = save ? 2 : 3;
@@ -88,6 +100,7 @@ int main(int argc, char** argv) {
         auto model = makeModel();
         auto options = zeroplus::zero::Options().stage(stage).mixed_precision(precision).reduce_bucket_elems(200);
         if (!nvme.empty()) options.offload_optimizer("nvme").nvme_path(nvme);
+        if (precision == "fp16") options.initial_scale_power(19).hysteresis(1);
         auto opt = sgd ? zeroplus::zero::initialize(model, pg, options, torch::optim::SGDOptions(0.05).momentum(0.9))
                        : zeroplus::zero::initialize(model, pg, options,
                                                     zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(0.1));
@@ -95,9 +108,11 @@ int main(int argc, char** argv) {
           for (int s = 0; s < 2; ++s) step(model, *opt, s, rank, world);
           zeroplus::save_checkpoint(a[1] + "/ckpt", model, *opt);
           writeParams(model, *opt, rank, a[1] + "/at_save.pt");
+          writeScaler(*opt, rank, a[1] + "/scaler.pt");
         } else {
           zeroplus::load_checkpoint(a[1], model, *opt);
           writeParams(model, *opt, rank, a[2] + "/loaded.pt");
+          writeScaler(*opt, rank, a[2] + "/scaler.pt");
         }
         step(model, *opt, 2, rank, world);
         writeParams(model, *opt, rank, (save ? a[1] : a[2]) + "/step3.pt");
