@@ -132,7 +132,8 @@ TEST_P(ZeroFp16, TrainsAsTheSingleProcessReference) {
     EXPECT_EQ(opt->skipped_steps(), 0);
     const auto full = zeroplus::zero::full_state_dict(model, *opt);
     for (const auto& item : ref.model->named_parameters()) {
-      const double diff = (full[item.key()].to(at::kFloat) - item.value().detach().to(at::kFloat)).abs().max().item<double>();
+      const at::Tensor want = item.value().detach().to(at::kFloat);
+      const double diff = (full[item.key()].to(at::kFloat) - want).abs().max().item<double>();
       EXPECT_LE(diff, 2e-3) << item.key();
     }
   });
@@ -144,7 +145,8 @@ INSTANTIATE_TEST_SUITE_P(Stages, ZeroFp16,
                                            Case{1, true, true}, Case{2, true, false}, Case{3, true, true}),
                          [](const auto& info) {
                            return "stage" + std::to_string(info.param.stage) +
-                                  (info.param.staticScale ? "_static" : "_dynamic") + (info.param.sgd ? "_sgd" : "_adamw");
+                                  (info.param.staticScale ? "_static" : "_dynamic") +
+                                  (info.param.sgd ? "_sgd" : "_adamw");
                          });
 
 // An inf in rank 1's input at steps 1 and 2 (its gradients overflow; rank 0's do not): both
@@ -279,7 +281,8 @@ TEST(ZeroFp16Overflow, NvmeOffloadTrainsAsInMemory) {
       auto model = makeModel();
       auto swapped = makeModel();
       auto opt = zeroplus::zero::initialize(model, pg, base, zeroplus::optim::ZeroAdamWOptions(1e-2));
-      auto opt2 = zeroplus::zero::initialize(swapped, pg, Options(base).offload_optimizer("nvme").nvme_path(dir.string()),
+      const Options nvme = Options(base).offload_optimizer("nvme").nvme_path(dir.string());
+      auto opt2 = zeroplus::zero::initialize(swapped, pg, nvme,
                                              zeroplus::optim::ZeroAdamWOptions(1e-2));
       for (int step = 0; step < 5; ++step) {
         at::Tensor x = inputOf(step, rank);
@@ -291,7 +294,8 @@ TEST(ZeroFp16Overflow, NvmeOffloadTrainsAsInMemory) {
           (*o)->step();
         }
         EXPECT_EQ(opt->loss_scale(), opt2->loss_scale()) << "step " << step;
-        EXPECT_TRUE(at::equal(flatParams(model, *opt), flatParams(swapped, *opt2))) << "stage " << stage << " step " << step;
+        EXPECT_TRUE(at::equal(flatParams(model, *opt), flatParams(swapped, *opt2)))
+            << "stage " << stage << " step " << step;
       }
       EXPECT_EQ(opt2->skipped_steps(), 1);
     });
@@ -321,7 +325,8 @@ TEST(ZeroFp16Options, BadKnobsRaiseNamingTheOption) {
     expectError(Options(fp16).min_loss_scale(0), "options.min_loss_scale");
     expectError(Options(fp16).initial_scale_power(2).min_loss_scale(8), "options.min_loss_scale");
     // fp32/bf16 do not read the fp16 knobs; a static scale does not read the dynamic ones
-    EXPECT_NO_THROW(zeroplus::zero::initialize(model, pg, Options().hysteresis(0), zeroplus::optim::ZeroAdamWOptions()));
+    EXPECT_NO_THROW(
+        zeroplus::zero::initialize(model, pg, Options().hysteresis(0), zeroplus::optim::ZeroAdamWOptions()));
     EXPECT_NO_THROW(zeroplus::zero::initialize(model, pg, Options(fp16).loss_scale(4).hysteresis(0),
                                                zeroplus::optim::ZeroAdamWOptions()));
   });
