@@ -4,7 +4,9 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <utility>
@@ -12,6 +14,14 @@
 #include "aio/core/io_error.hpp"
 
 namespace zeroplus::swap {
+namespace {
+
+uint64_t nowNs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+}  // namespace
 
 SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
   if (options_.bufferBytes < kHeaderBytes || options_.bufferCount == 0) {
@@ -93,10 +103,18 @@ std::shared_ptr<aio::File> SwapStore::fileFor(uint64_t id, int* err) {
   }
 }
 
+void SwapStore::noteInFlight() {
+  size_t n = 0;
+  for (const auto& slot : slots_) n += slot->state == State::kReading || slot->state == State::kWriting;
+  stats_.maxInFlight = std::max(stats_.maxInFlight, n);
+}
+
 void SwapStore::finishWrite(size_t s) {
   Slot& slot = *slots_[s];
   try {
+    const uint64_t t0 = nowNs();
     slot.ticket.wait();
+    stats_.writeWaitNs += nowNs() - t0;
     stats_.bytesWritten += slot.length;
     slot.state = State::kFree;
     slotOf_.erase(slot.id);
@@ -146,7 +164,10 @@ bool SwapStore::prefetch(const RecordKey& key) {
   auto it = files_.find(key.id);
   if (it == files_.end()) return false;  // fetch reports the missing file
   const int s = acquire(/*mayGrow=*/false, /*mayWait=*/false);
-  if (s < 0) return false;
+  if (s < 0) {
+    ++stats_.prefetchesRefused;
+    return false;
+  }
   Slot& slot = *slots_[s];
   slot.id = key.id;
   slot.length = recordBytes(key.payloadBytes);
@@ -157,6 +178,8 @@ bool SwapStore::prefetch(const RecordKey& key) {
   }
   slot.state = State::kReading;
   slotOf_[key.id] = static_cast<size_t>(s);
+  ++stats_.readsAhead;
+  noteInFlight();
   return true;
 }
 
@@ -194,6 +217,10 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
     }
     slot.state = State::kReading;
     found = slotOf_.emplace(key.id, static_cast<size_t>(s)).first;
+    ++stats_.readsOnDemand;
+    noteInFlight();
+  } else if (slots_[found->second]->state == State::kWriting || slots_[found->second]->state == State::kDirty) {
+    ++stats_.fetchesInBuffer;
   }
   const size_t s = found->second;
   Slot& slot = *slots_[s];
@@ -211,9 +238,12 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
       slot.state = State::kHeld;
       break;
     case State::kReading: {
+      const uint64_t t0 = nowNs();
       try {
         slot.ticket.wait();
+        stats_.readWaitNs += nowNs() - t0;
       } catch (const aio::IoError& e) {
+        stats_.readWaitNs += nowNs() - t0;
         slot.ticket = {};
         slot.state = State::kFree;
         slotOf_.erase(found);
@@ -223,7 +253,10 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
       ++stats_.reads;
       stats_.bytesRead += length;
       std::string why;
-      if (checkRecord(slot.mem.data(), key, &why) != 0) {
+      const uint64_t t1 = nowNs();
+      const int bad = checkRecord(slot.mem.data(), key, &why);
+      stats_.checksumNs += nowNs() - t1;
+      if (bad != 0) {
         slot.state = State::kFree;
         slotOf_.erase(found);
         return fail(EBADMSG, "corrupt record refused: " + why);
@@ -247,7 +280,9 @@ void SwapStore::store(const RecordKey& key) {
   }
   Slot& slot = *slots_[found->second];
   slot.dirty = false;
+  const uint64_t t0 = nowNs();
   sealRecord(slot.mem.data(), key);
+  stats_.checksumNs += nowNs() - t0;
   slot.length = recordBytes(key.payloadBytes);
   int err = 0;
   auto file = fileFor(key.id, &err);
@@ -266,6 +301,7 @@ void SwapStore::store(const RecordKey& key) {
   slot.state = State::kWriting;
   slot.seq = ++seq_;
   ++stats_.writes;
+  noteInFlight();
 }
 
 void SwapStore::release(uint64_t id) {

@@ -61,10 +61,20 @@ struct SwapFault {
   std::string what;      // what failed and why
 };
 
+// Counters since construction (a profiler reads differences between two points). Times are
+// the caller's thread blocked (or busy) in the store, in nanoseconds of a monotonic clock.
 struct SwapStats {
   uint64_t reads = 0, writes = 0, bytesRead = 0, bytesWritten = 0;
   uint64_t waitsForWrite = 0;   // buffers that had to wait for the oldest write
   size_t buffers = 0;           // buffers allocated
+  uint64_t readsAhead = 0;      // reads started by prefetch()
+  uint64_t readsOnDemand = 0;   // reads started by fetch() itself (nothing read ahead)
+  uint64_t fetchesInBuffer = 0; // fetches of a record still in a buffer (being written, dirty): no read
+  uint64_t prefetchesRefused = 0;  // prefetch() found no free buffer
+  uint64_t readWaitNs = 0;      // fetch() waiting for its read
+  uint64_t writeWaitNs = 0;     // waiting for writes: drain(), a buffer from the oldest write, a fetch of a record being written
+  uint64_t checksumNs = 0;      // CRC-32 of records read (checkRecord) and written (sealRecord)
+  size_t maxInFlight = 0;       // the most transfers (reads + writes) in flight at once
 };
 
 class SwapStore {
@@ -116,6 +126,7 @@ class SwapStore {
   // for only with mayWait), else (mayGrow) one past the pool; a negative errno otherwise.
   int acquire(bool mayGrow, bool mayWait);
   void finishWrite(size_t s);
+  void noteInFlight();
   void noteFault(uint64_t id, int err, std::string what);
   std::shared_ptr<aio::File> fileFor(uint64_t id, int* err);
 

@@ -83,6 +83,7 @@ std::string OptimizerSwapper::directory() const { return store_->directory(); }
 std::string OptimizerSwapper::pathOf(size_t b) const { return store_->pathOf(b); }
 uint64_t OptimizerSwapper::bytesRead() const { return store_->stats().bytesRead; }
 uint64_t OptimizerSwapper::bytesWritten() const { return store_->stats().bytesWritten; }
+const swap::SwapStats& OptimizerSwapper::stats() const { return store_->stats(); }
 
 uint64_t OptimizerSwapper::slotBytes(const Home& h) const {
   const uint64_t bytes = static_cast<uint64_t>(h.shardNumel) * sizeof(float);

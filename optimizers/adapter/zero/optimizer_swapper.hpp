@@ -50,6 +50,7 @@
 namespace zeroplus::swap {
 class SwapStore;
 struct SwapFault;
+struct SwapStats;
 }  // namespace zeroplus::swap
 
 namespace zeroplus::zero::engine {
@@ -83,6 +84,9 @@ class OptimizerSwapper {
   std::string pathOf(size_t b) const;
   uint64_t bytesRead() const;
   uint64_t bytesWritten() const;
+  // The store's counters (swap_store.hpp SwapStats): reads ahead and on demand, time blocked on
+  // reads and writes, checksum time; a profiler (bench/zero/bench_cpp_offload.cpp) takes differences.
+  const swap::SwapStats& stats() const;
 
  private:
   enum Kind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentum, kKinds };
