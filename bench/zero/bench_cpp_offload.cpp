@@ -2,7 +2,7 @@
 // offload (Options::offload_optimizer "nvme"), ranks as threads on zeroplus process groups.
 //
 //   build/bin/bench_cpp_offload --nvme DIR [--layers 12] [--width 2048] [--worlds 1,2]
-//                               [--reps 3] [--steps 5] [--stage 2] [--precision fp32] --json OUT
+//                               [--reps 3] [--steps 5] [--stage 2] [--precision fp32] [--buffers N] --json OUT
 //
 // Model: a Sequential of `layers` Linear(width, width) layers with ReLU between them (12 x 2048
 // ~ 50M parameters). Each repetition builds a fresh model and optimizer per mode, runs two
@@ -31,7 +31,7 @@ namespace {
 
 struct Args {
   std::string nvme, json = "bench_cpp_offload.json", precision = "fp32";
-  int layers = 12, width = 2048, reps = 3, steps = 5, stage = 2;
+  int layers = 12, width = 2048, reps = 3, steps = 5, stage = 2, buffers = 0;  // 0: the engine's default pool
   std::vector<int> worlds = {1, 2};
 };
 
@@ -68,6 +68,7 @@ Times runOnce(const Args& a, int world, bool offload) {
         }
         auto o = zeroplus::zero::Options().stage(a.stage).mixed_precision(a.precision);
         if (offload) o.offload_optimizer("nvme").nvme_path(a.nvme);
+        if (offload && a.buffers > 0) o.offload_buffer_count(a.buffers);
         auto opt = zeroplus::zero::initialize(model, pg, o, zeroplus::optim::ZeroAdamWOptions(1e-4));
         at::Tensor x = torch::randn({8, a.width}), y = torch::randn({8, a.width});
         auto* swapper = opt->engine().swapper();
@@ -88,7 +89,7 @@ Times runOnce(const Args& a, int world, bool offload) {
             steps.push_back(std::chrono::duration<double>(t2 - t1).count());
             fwdbwds.push_back(std::chrono::duration<double>(t1 - t0).count());
             if (swapper) {
-              const auto& now = swapper->stats();
+              const auto now = swapper->stats();
               readWait.push_back((now.readWaitNs - last.readWaitNs) * 1e-9);
               writeWait.push_back((now.writeWaitNs - last.writeWaitNs) * 1e-9);
               checksum.push_back((now.checksumNs - last.checksumNs) * 1e-9);
@@ -115,7 +116,7 @@ Times runOnce(const Args& a, int world, bool offload) {
           t.refused = median(refused);
           t.bytesRead = median(bytesRead);
           t.bytesWritten = median(bytesWritten);
-          const auto& st = swapper->stats();
+          const auto st = swapper->stats();
           t.maxInFlight = static_cast<double>(st.maxInFlight);
           t.buffers = static_cast<double>(st.buffers);
           t.records = static_cast<double>(opt->engine().steppers().size());
@@ -150,6 +151,7 @@ int main(int argc, char** argv) {
     else if (k == "--reps") a.reps = std::stoi(v);
     else if (k == "--steps") a.steps = std::stoi(v);
     else if (k == "--stage") a.stage = std::stoi(v);
+    else if (k == "--buffers") a.buffers = std::stoi(v);
     else if (k == "--worlds") {
       a.worlds.clear();
       std::stringstream ss(v);
