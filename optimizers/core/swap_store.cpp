@@ -56,8 +56,8 @@ SwapStore::~SwapStore() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
+    wakePump();
   }
-  pumpCv_.notify_all();
   if (pump_.joinable()) pump_.join();  // it returns once no transfer is in flight
   engine_.reset();
   files_.clear();
@@ -114,9 +114,11 @@ void SwapStore::noteInFlight() {
   stats_.maxInFlight = std::max(stats_.maxInFlight, n);
 }
 
-void SwapStore::wakePump() {
-  wake_ = true;
-  pumpCv_.notify_one();
+void SwapStore::wakePump() { waker_->wake(); }
+
+aio::Ticket SwapStore::submit(aio::OpKind op, std::shared_ptr<aio::File> file, Slot& slot) {
+  // The callback shares the waker: safe should it run after the store is gone.
+  return engine_->submit({op, std::move(file), slot.mem.data(), 0, slot.length}, [w = waker_] { w->wake(); });
 }
 
 // -- buffers --
@@ -192,7 +194,7 @@ int SwapStore::startRead(size_t s, const RecordKey& key, bool ahead, std::string
   slot.err = 0;
   slot.why.clear();
   try {
-    slot.ticket = engine_->submit({aio::OpKind::Read, files_.at(key.id), slot.mem.data(), 0, slot.length});
+    slot.ticket = submit(aio::OpKind::Read, files_.at(key.id), slot);
   } catch (const aio::IoError& e) {
     if (why != nullptr) *why = std::string("read failed: ") + e.what();
     return -e.error();
@@ -321,7 +323,7 @@ void SwapStore::pump() {
       stats_.checksumNs += ns;
       Slot& sealed = *slots_[seal];
       try {
-        sealed.ticket = engine_->submit({aio::OpKind::Write, sealed.file, sealed.mem.data(), 0, sealed.length});
+        sealed.ticket = submit(aio::OpKind::Write, sealed.file, sealed);
         sealed.state = State::kWriting;
         sealed.seq = ++seq_;
         ++stats_.writes;
@@ -339,27 +341,14 @@ void SwapStore::pump() {
       ownerCv_.notify_all();
       continue;
     }
-    // 4. Wait: for the oldest transfer in flight (aio's queue is first in, first out), else for
-    // the owner (a store, a read started, a plan, stop).
-    int oldest = -1;
-    for (size_t s = 0; s < slots_.size(); ++s) {
-      if (inFlight(slots_[s]->state) && (oldest < 0 || slots_[s]->seq < slots_[oldest]->seq)) {
-        oldest = static_cast<int>(s);
-      }
-    }
-    if (oldest >= 0) {
-      const aio::Ticket ticket = slots_[oldest]->ticket;
-      lk.unlock();
-      try {
-        ticket.wait();
-      } catch (...) {  // step 1 takes the outcome
-      }
-      lk.lock();
-      continue;
-    }
-    if (stop_) return;  // nothing in flight; stored records not yet submitted are dropped
-    pumpCv_.wait(lk, [&] { return wake_ || stop_; });
-    wake_ = false;
+    // 4. Sleep until a transfer ends (aio's onDone) or the owner hands over work. A wake between
+    // the checks above and the wait is not lost: the flag stays set.
+    bool busy = false;
+    for (const auto& slot : slots_) busy = busy || inFlight(slot->state);
+    if (stop_ && !busy) return;  // stored records not yet submitted are dropped
+    lk.unlock();
+    waker_->sleep();
+    lk.lock();
   }
 }
 

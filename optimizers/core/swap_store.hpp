@@ -28,8 +28,8 @@
 // next planned read at once, not when the owner next calls in; and the CRC-32s (one pass over
 // every record read and written, swap_record.hpp) run on that thread, not the owner's. The
 // store's pump thread seals stored records and submits their writes, checks finished reads, and
-// starts planned reads; it waits on the oldest transfer in flight (aio's queue is FIFO) or, with
-// none, for the owner. The owner never waits on a ticket, only for the pump to move a slot on.
+// starts planned reads; it sleeps until a transfer ends (aio's onDone callback) or the owner
+// hands it work. The owner never waits on a ticket, only for the pump to move a slot on.
 //
 // Errors are values (liburing style): fetch returns a negative errno and fills a SwapFault
 // naming the file; failed writes are reported by poll()/drain(). Only the constructor throws
@@ -175,6 +175,8 @@ class SwapStore {
   std::shared_ptr<aio::File> fileFor(uint64_t id, int* err);
   void pump();
   void wakePump();
+  // Submits the slot's transfer (slot.length bytes at offset 0) with the pump's waker as onDone.
+  aio::Ticket submit(aio::OpKind op, std::shared_ptr<aio::File> file, Slot& slot);
   // Owner: waits until record `id` is in neither a transfer nor the pump's hands; keeps it in
   // its buffer when a write is in flight. Returns its slot, or -1 when it is not in a buffer.
   int settle(Lock& lk, uint64_t id);
@@ -184,9 +186,28 @@ class SwapStore {
   fs::UniqueFd parentFd_, dirFd_;
   std::unique_ptr<aio::Engine> engine_;
   mutable std::mutex mu_;
-  std::condition_variable pumpCv_;   // the pump: work arrived (a seal, a read, a plan) or stop
+  // Wakes the pump: a transfer ended, the owner handed work over, or stop. Shared with the
+  // transfers' onDone callbacks, which may run on an aio worker after the store is gone.
+  struct Waker {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool flag = false;
+    void wake() {
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        flag = true;
+      }
+      cv.notify_one();
+    }
+    void sleep() {
+      std::unique_lock<std::mutex> lk(mu);
+      cv.wait(lk, [&] { return flag; });
+      flag = false;
+    }
+  };
+  std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::condition_variable ownerCv_;  // the owner: a slot moved on
-  bool wake_ = false, stop_ = false;
+  bool stop_ = false;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::map<uint64_t, size_t> slotOf_;  // id -> slot, while the record is in a buffer
   std::map<uint64_t, std::shared_ptr<aio::File>> files_;
