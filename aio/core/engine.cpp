@@ -52,7 +52,9 @@ std::unique_ptr<Engine> Engine::create(const EngineOptions& options) {
   return std::make_unique<detail::ThreadPoolEngine>(options);
 }
 
-Ticket Engine::submit(const Transfer& t) {
+Ticket Engine::submit(const Transfer& t) { return submit(t, nullptr); }
+
+Ticket Engine::submit(const Transfer& t, std::function<void()> onDone) {
   if (!t.file) throw std::invalid_argument("zeroplus.aio: Transfer.file is null");
   const char* op = t.op == OpKind::Read ? "read" : "write";
   if (t.length > 0 && t.buf == nullptr) {
@@ -81,7 +83,7 @@ Ticket Engine::submit(const Transfer& t) {
                     "O_DIRECT buffer address must be a multiple of " + std::to_string(ma));
     }
   }
-  auto job = std::make_shared<detail::Job>(t, options_.block_size);
+  auto job = std::make_shared<detail::Job>(t, options_.block_size, std::move(onDone));
   if (job->requestCount() > 0) queue_->push(job);
   return Ticket(std::move(job));
 }

@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -97,6 +98,10 @@ class Engine {
   const EngineOptions& options() const noexcept { return options_; }
 
   Ticket submit(const Transfer& transfer);
+  // As submit(transfer); `onDone` is called once the transfer ended (Ticket::ready() is true by
+  // then), on the aio worker that finished it, or inside this call for a transfer done
+  // synchronously. It must not block or call into the Engine: a waker (set a flag, notify).
+  Ticket submit(const Transfer& transfer, std::function<void()> onDone);
   void run(const Transfer& transfer) { submit(transfer).wait(); }
 
   // Returns true when the region is now registered with every ring. The caller must not

@@ -31,12 +31,13 @@ int64_t fullPio(OpKind op, int fd, char* buf, uint64_t length, uint64_t offset) 
   return 0;
 }
 
-Job::Job(const Transfer& t, uint64_t block_size)
+Job::Job(const Transfer& t, uint64_t block_size, std::function<void()> onDone)
     : op_(t.op),
       file_(t.file),
       buf_(static_cast<char*>(t.buf)),
       offset_(t.offset),
-      length_(t.length) {
+      length_(t.length),
+      onDone_(std::move(onDone)) {
   const uint64_t align = file_->offsetAlign();
   bulk_ = length_ / align * align;
   // Requests must stay aligned, so the block size is rounded down to the file's alignment.
@@ -109,9 +110,12 @@ void Job::finish() {
     int64_t rc = fullPio(op_, file_->bufferedFd(), buf_ + bulk_, length_ - bulk_, offset_ + bulk_);
     if (rc < 0) fail(static_cast<int>(-rc), offset_ + bulk_, length_ - bulk_, "unaligned tail");
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  complete_ = true;
-  cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    complete_ = true;
+    cv_.notify_all();
+  }
+  if (onDone_) onDone_();  // after ready(): the woken party sees the transfer ended
 }
 
 bool Job::ready() const {

@@ -42,7 +42,8 @@ struct Request {
 
 class Job {
  public:
-  Job(const Transfer& t, uint64_t block_size);
+  // onDone (may be empty): called after the Job completed (Engine::submit's contract).
+  Job(const Transfer& t, uint64_t block_size, std::function<void()> onDone = {});
 
   OpKind op() const noexcept { return op_; }
   const File& file() const noexcept { return *file_; }
@@ -72,6 +73,7 @@ class Job {
   char* buf_;
   uint64_t offset_;
   uint64_t length_;
+  std::function<void()> onDone_;
   uint64_t bulk_;        // bytes moved as requests; the rest is the buffered tail
   uint64_t chunk_;       // bytes per request
   uint64_t n_requests_;  // ceil(bulk_ / chunk_)

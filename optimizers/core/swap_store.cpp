@@ -4,7 +4,9 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <utility>
@@ -12,6 +14,14 @@
 #include "aio/core/io_error.hpp"
 
 namespace zeroplus::swap {
+namespace {
+
+uint64_t nowNs() {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+}
+
+}  // namespace
 
 SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
   if (options_.bufferBytes < kHeaderBytes || options_.bufferCount == 0) {
@@ -34,21 +44,21 @@ SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
   (void)flock(dirFd_.get(), LOCK_EX | LOCK_NB);
   try {
     engine_ = aio::Engine::create(options_.io);
+    pump_ = std::thread([this] { pump(); });
   } catch (...) {
+    engine_.reset();
     unlinkat(parentFd_.get(), dirName_.c_str(), AT_REMOVEDIR);
     throw;
   }
 }
 
 SwapStore::~SwapStore() {
-  for (auto& slot : slots_) {
-    if (slot->state == State::kReading || slot->state == State::kWriting) {
-      try {
-        slot->ticket.wait();
-      } catch (...) {  // nothing to report to: the files are removed next
-      }
-    }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+    wakePump();
   }
+  if (pump_.joinable()) pump_.join();  // it returns once no transfer is in flight
   engine_.reset();
   files_.clear();
   char name[32];
@@ -93,74 +103,311 @@ std::shared_ptr<aio::File> SwapStore::fileFor(uint64_t id, int* err) {
   }
 }
 
-void SwapStore::finishWrite(size_t s) {
-  Slot& slot = *slots_[s];
-  try {
-    slot.ticket.wait();
-    stats_.bytesWritten += slot.length;
-    slot.state = State::kFree;
-    slotOf_.erase(slot.id);
-  } catch (const aio::IoError& e) {
-    slot.state = State::kDirty;  // the record stays in memory; its next store writes it again
-    noteFault(slot.id, e.error(), std::string("write failed: ") + e.what());
-  }
-  slot.ticket = {};
+SwapStats SwapStore::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_;
 }
 
-int SwapStore::acquire(bool mayGrow, bool mayWait) {
+void SwapStore::noteInFlight() {
+  size_t n = 0;
+  for (const auto& slot : slots_) n += inFlight(slot->state);
+  stats_.maxInFlight = std::max(stats_.maxInFlight, n);
+}
+
+void SwapStore::wakePump() { waker_->wake(); }
+
+aio::Ticket SwapStore::submit(aio::OpKind op, std::shared_ptr<aio::File> file, Slot& slot) {
+  // The callback shares the waker: safe should it run after the store is gone.
+  return engine_->submit({op, std::move(file), slot.mem.data(), 0, slot.length}, [w = waker_] { w->wake(); });
+}
+
+// -- buffers --
+
+int SwapStore::newSlot() {
+  auto slot = std::make_unique<Slot>();
+  try {
+    slot->mem = aio::AlignedBuffer(options_.bufferBytes);
+  } catch (const std::bad_alloc&) {
+    return -ENOMEM;
+  }
+  slots_.push_back(std::move(slot));
+  stats_.buffers = slots_.size();
+  return static_cast<int>(slots_.size() - 1);
+}
+
+int SwapStore::freeSlot() {
+  for (size_t s = 0; s < slots_.size(); ++s) {
+    if (slots_[s]->state == State::kFree) return static_cast<int>(s);
+  }
+  size_t inPool = 0;  // dirty buffers are kept beyond the pool's count
+  for (const auto& slot : slots_) inPool += slot->state != State::kDirty;
+  if (inPool < options_.bufferCount) return newSlot();
+  return -EBUSY;
+}
+
+int SwapStore::acquireForOwner(Lock& lk, uint64_t keepId) {
   for (;;) {
-    for (size_t s = 0; s < slots_.size(); ++s) {
-      if (slots_[s]->state == State::kFree) return static_cast<int>(s);
-    }
-    size_t inPool = 0;  // dirty buffers are kept beyond the pool's count
-    for (const auto& slot : slots_) inPool += slot->state != State::kDirty;
-    int oldest = -1;
-    for (size_t s = 0; s < slots_.size(); ++s) {
-      if (slots_[s]->state == State::kWriting && (oldest < 0 || slots_[s]->seq < slots_[oldest]->seq)) {
-        oldest = static_cast<int>(s);
+    const int s = freeSlot();
+    if (s != -EBUSY) return s;
+    bool writing = false, reading = false;
+    int evict = -1;
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const Slot& slot = *slots_[i];
+      if (slot.state == State::kSeal || slot.state == State::kSealing || slot.state == State::kWriting) {
+        writing = writing || !slot.keep;
+      }
+      if ((slot.state == State::kReading || slot.state == State::kChecking) && slot.ahead) reading = true;
+      // The record read ahead last is the one needed last: drop it first.
+      if (slot.state == State::kReady && slot.ahead && slot.key.id != keepId &&
+          (evict < 0 || slot.seq > slots_[evict]->seq)) {
+        evict = static_cast<int>(i);
       }
     }
-    if (inPool >= options_.bufferCount && oldest >= 0 && (mayWait || slots_[oldest]->ticket.ready())) {
-      // Pool exhausted: wait for the oldest write in flight, whose buffer is then free (or
-      // dirty, when the write failed: look again).
+    if (writing) {  // pool exhausted: the oldest write frees a buffer (or leaves it dirty: look again)
       ++stats_.waitsForWrite;
-      finishWrite(static_cast<size_t>(oldest));
+      const uint64_t t0 = nowNs();
+      ownerCv_.wait(lk);
+      stats_.writeWaitNs += nowNs() - t0;
       continue;
     }
-    if (inPool >= options_.bufferCount && !mayGrow) return -EBUSY;  // every buffer held or being read
-    auto slot = std::make_unique<Slot>();
-    try {
-      slot->mem = aio::AlignedBuffer(options_.bufferBytes);
-    } catch (const std::bad_alloc&) {
-      return -ENOMEM;
+    if (evict >= 0) {
+      Slot& slot = *slots_[evict];
+      slotOf_.erase(slot.key.id);
+      slot.state = State::kFree;
+      ++stats_.evictions;
+      return evict;
     }
-    slots_.push_back(std::move(slot));
-    stats_.buffers = slots_.size();
-    return static_cast<int>(slots_.size() - 1);
+    if (reading) {  // a read ahead becomes evictable when it ends
+      ownerCv_.wait(lk);
+      continue;
+    }
+    return newSlot();  // every buffer held or dirty: grow past the pool
   }
+}
+
+int SwapStore::startRead(size_t s, const RecordKey& key, bool ahead, std::string* why) {
+  Slot& slot = *slots_[s];
+  slot.key = key;
+  slot.length = recordBytes(key.payloadBytes);
+  slot.dirty = slot.keep = false;
+  slot.ahead = ahead;
+  slot.err = 0;
+  slot.why.clear();
+  try {
+    slot.ticket = submit(aio::OpKind::Read, files_.at(key.id), slot);
+  } catch (const aio::IoError& e) {
+    if (why != nullptr) *why = std::string("read failed: ") + e.what();
+    return -e.error();
+  }
+  slot.state = State::kReading;
+  slot.seq = ++seq_;
+  slotOf_[key.id] = s;
+  ++(ahead ? stats_.readsAhead : stats_.readsOnDemand);
+  noteInFlight();
+  wakePump();
+  return 0;
+}
+
+void SwapStore::startPlannedReads() {
+  for (auto it = plan_.begin(); it != plan_.end();) {
+    const RecordKey key = *it;
+    auto found = slotOf_.find(key.id);
+    if (found != slotOf_.end()) {
+      const State st = slots_[found->second]->state;
+      // Being written: read after its write, in its turn (the file is not final yet).
+      if (st == State::kSeal || st == State::kSealing || st == State::kWriting) {
+        ++it;
+        continue;
+      }
+      it = plan_.erase(it);  // in a buffer already
+      continue;
+    }
+    if (key.generation == 0 || recordBytes(key.payloadBytes) > options_.bufferBytes || files_.count(key.id) == 0) {
+      it = plan_.erase(it);  // fetch makes it, or reports it
+      continue;
+    }
+    const int s = freeSlot();
+    if (s < 0) return;  // none free: the next write that ends frees one
+    (void)startRead(static_cast<size_t>(s), key, /*ahead=*/true, nullptr);  // a refused read: fetch reports it
+    it = plan_.erase(it);
+  }
+}
+
+// -- the pump thread --
+
+void SwapStore::completeWrite(size_t s) {
+  Slot& slot = *slots_[s];
+  try {
+    slot.ticket.wait();  // ready: does not block
+    stats_.bytesWritten += slot.length;
+    if (slot.keep) {  // the owner wants this record: it stays, sealed, as if read
+      slot.state = State::kReady;
+      slot.err = 0;
+      slot.ahead = false;
+    } else {
+      slot.state = State::kFree;
+      slotOf_.erase(slot.key.id);
+    }
+  } catch (const aio::IoError& e) {
+    slot.state = State::kDirty;  // the record stays in memory; its next store writes it again
+    noteFault(slot.key.id, e.error(), std::string("write failed: ") + e.what());
+  }
+  slot.keep = false;
+  slot.ticket = {};
+  slot.file.reset();
+}
+
+void SwapStore::pump() {
+  Lock lk(mu_);
+  for (;;) {
+    bool moved = false;
+    // 1. Transfers that ended. A read is checked here (its CRC-32, unlocked: the slot is the
+    // pump's while kChecking, and the owner waits for kReady).
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      Slot& slot = *slots_[s];
+      if (!inFlight(slot.state) || !slot.ticket.ready()) continue;
+      moved = true;
+      if (slot.state == State::kWriting) {
+        completeWrite(s);
+        continue;
+      }
+      slot.state = State::kChecking;
+      const aio::Ticket ticket = slot.ticket;
+      const RecordKey key = slot.key;
+      void* mem = slot.mem.data();
+      int err = 0;
+      std::string why;
+      uint64_t ns = 0;
+      lk.unlock();
+      try {
+        ticket.wait();
+        const uint64_t t0 = nowNs();
+        if (checkRecord(mem, key, &why) != 0) {
+          err = EBADMSG;
+          why = "corrupt record refused: " + why;
+        }
+        ns = nowNs() - t0;
+      } catch (const aio::IoError& e) {
+        err = e.error();
+        why = std::string("read failed: ") + e.what();
+      }
+      lk.lock();
+      Slot& done = *slots_[s];
+      done.ticket = {};
+      done.err = err;
+      done.why = std::move(why);
+      done.state = State::kReady;
+      stats_.checksumNs += ns;
+      if (err == 0 || err == EBADMSG) {
+        ++stats_.reads;
+        stats_.bytesRead += done.length;
+      }
+    }
+    // 2. One stored record: seal it (CRC-32, unlocked: the slot is the pump's while kSealing) and
+    // start its write. The oldest first.
+    int seal = -1;
+    for (size_t s = 0; s < slots_.size() && !stop_; ++s) {
+      if (slots_[s]->state == State::kSeal && (seal < 0 || slots_[s]->seq < slots_[seal]->seq)) seal = static_cast<int>(s);
+    }
+    if (seal >= 0) {
+      moved = true;
+      Slot& slot = *slots_[seal];
+      slot.state = State::kSealing;
+      void* mem = slot.mem.data();
+      const RecordKey key = slot.key;
+      lk.unlock();
+      const uint64_t t0 = nowNs();
+      sealRecord(mem, key);
+      const uint64_t ns = nowNs() - t0;
+      lk.lock();
+      stats_.checksumNs += ns;
+      Slot& sealed = *slots_[seal];
+      try {
+        sealed.ticket = submit(aio::OpKind::Write, sealed.file, sealed);
+        sealed.state = State::kWriting;
+        sealed.seq = ++seq_;
+        ++stats_.writes;
+        noteInFlight();
+      } catch (const aio::IoError& e) {
+        sealed.state = State::kDirty;
+        sealed.keep = false;
+        sealed.file.reset();
+        noteFault(key.id, e.error(), std::string("write failed: ") + e.what());
+      }
+    }
+    // 3. Planned reads into the buffers that are free now.
+    if (!stop_) startPlannedReads();
+    if (moved) {
+      ownerCv_.notify_all();
+      continue;
+    }
+    // 4. Sleep until a transfer ends (aio's onDone) or the owner hands over work. A wake between
+    // the checks above and the wait is not lost: the flag stays set.
+    bool busy = false;
+    for (const auto& slot : slots_) busy = busy || inFlight(slot->state);
+    if (stop_ && !busy) return;  // stored records not yet submitted are dropped
+    lk.unlock();
+    waker_->sleep();
+    lk.lock();
+  }
+}
+
+// -- the owner --
+
+int SwapStore::settle(Lock& lk, uint64_t id) {
+  for (;;) {
+    auto found = slotOf_.find(id);
+    if (found == slotOf_.end()) return -1;
+    Slot& slot = *slots_[found->second];
+    switch (slot.state) {
+      case State::kReading:
+      case State::kChecking:
+        ownerCv_.wait(lk);
+        break;
+      case State::kSeal:
+      case State::kSealing:
+      case State::kWriting: {
+        slot.keep = true;
+        const uint64_t t0 = nowNs();
+        ownerCv_.wait(lk);
+        stats_.writeWaitNs += nowNs() - t0;
+        break;
+      }
+      default:
+        return static_cast<int>(found->second);
+    }
+  }
+}
+
+void SwapStore::planReads(std::vector<RecordKey> keys) {
+  std::lock_guard<std::mutex> lk(mu_);
+  plan_.assign(keys.begin(), keys.end());
+  startPlannedReads();
+  wakePump();
 }
 
 bool SwapStore::prefetch(const RecordKey& key) {
+  std::lock_guard<std::mutex> lk(mu_);
   if (key.generation == 0 || slotOf_.count(key.id) != 0) return false;
   if (recordBytes(key.payloadBytes) > options_.bufferBytes) return false;
-  auto it = files_.find(key.id);
-  if (it == files_.end()) return false;  // fetch reports the missing file
-  const int s = acquire(/*mayGrow=*/false, /*mayWait=*/false);
-  if (s < 0) return false;
-  Slot& slot = *slots_[s];
-  slot.id = key.id;
-  slot.length = recordBytes(key.payloadBytes);
-  try {
-    slot.ticket = engine_->submit({aio::OpKind::Read, it->second, slot.mem.data(), 0, slot.length});
-  } catch (const aio::IoError&) {
-    return false;  // fetch reads again and reports
+  if (files_.count(key.id) == 0) return false;  // fetch reports the missing file
+  const int s = freeSlot();
+  if (s < 0) {
+    ++stats_.prefetchesRefused;
+    return false;
   }
-  slot.state = State::kReading;
-  slotOf_[key.id] = static_cast<size_t>(s);
-  return true;
+  return startRead(static_cast<size_t>(s), key, /*ahead=*/true, nullptr) == 0;  // fetch reads again and reports
 }
 
+namespace {
+bool sameKey(const RecordKey& a, const RecordKey& b) {
+  return a.id == b.id && a.generation == b.generation && a.payloadBytes == b.payloadBytes &&
+         a.layoutTag == b.layoutTag;
+}
+}  // namespace
+
 int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
+  Lock lk(mu_);
   auto fail = [&](int err, std::string what) {
     *fault = {key.id, pathOf(key.id), err, std::move(what)};
     return -err;
@@ -170,76 +417,86 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
     return fail(EINVAL, "record of " + std::to_string(length) + " bytes exceeds the pool's buffers of " +
                             std::to_string(options_.bufferBytes));
   }
-  auto found = slotOf_.find(key.id);
-  if (found == slotOf_.end()) {
-    const int s = acquire(/*mayGrow=*/true, /*mayWait=*/true);
-    if (s < 0) return fail(-s, "no buffer for the record");
-    Slot& slot = *slots_[s];
-    slot.id = key.id;
-    slot.dirty = false;
-    if (key.generation == 0) {  // never written: fresh, zero-filled
-      std::memset(slot.mem.data(), 0, length);
-      slot.state = State::kHeld;
-      slotOf_[key.id] = static_cast<size_t>(s);
-      *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
-      return 0;
-    }
-    auto it = files_.find(key.id);
-    if (it == files_.end()) return fail(ENOENT, "record file missing");
-    slot.length = length;
-    try {
-      slot.ticket = engine_->submit({aio::OpKind::Read, it->second, slot.mem.data(), 0, length});
-    } catch (const aio::IoError& e) {
-      return fail(e.error(), std::string("read failed: ") + e.what());
-    }
-    slot.state = State::kReading;
-    found = slotOf_.emplace(key.id, static_cast<size_t>(s)).first;
-  }
-  const size_t s = found->second;
-  Slot& slot = *slots_[s];
-  switch (slot.state) {
-    case State::kHeld:
-      return fail(EBUSY, "record is already held");
-    case State::kWriting:
-      finishWrite(s);  // its buffer still holds the record: no read
-      slot.dirty = slot.state == State::kDirty;
-      slot.state = State::kHeld;  // written or dirty (a failed write): either way the record is here
-      slotOf_[key.id] = s;
-      break;
-    case State::kDirty:
-      slot.dirty = true;
-      slot.state = State::kHeld;
-      break;
-    case State::kReading: {
-      try {
-        slot.ticket.wait();
-      } catch (const aio::IoError& e) {
-        slot.ticket = {};
-        slot.state = State::kFree;
-        slotOf_.erase(found);
-        return fail(e.error(), std::string("read failed: ") + e.what());
+  for (auto it = plan_.begin(); it != plan_.end();) it = it->id == key.id ? plan_.erase(it) : it + 1;
+  bool counted = false;
+  for (;;) {
+    auto found = slotOf_.find(key.id);
+    if (found == slotOf_.end()) {
+      const int a = acquireForOwner(lk, key.id);
+      if (a < 0) return fail(-a, "no buffer for the record");
+      if (slotOf_.count(key.id) != 0) continue;  // cannot happen (only the owner reads it now): look again
+      Slot& slot = *slots_[a];
+      if (key.generation == 0) {  // never written: fresh, zero-filled
+        std::memset(slot.mem.data(), 0, length);
+        slot.key = key;
+        slot.dirty = slot.keep = slot.ahead = false;
+        slot.state = State::kHeld;
+        slotOf_[key.id] = static_cast<size_t>(a);
+        *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
+        return 0;
       }
-      slot.ticket = {};
-      ++stats_.reads;
-      stats_.bytesRead += length;
+      if (files_.count(key.id) == 0) return fail(ENOENT, "record file missing");
       std::string why;
-      if (checkRecord(slot.mem.data(), key, &why) != 0) {
-        slot.state = State::kFree;
-        slotOf_.erase(found);
-        return fail(EBADMSG, "corrupt record refused: " + why);
-      }
-      slot.dirty = false;
-      slot.state = State::kHeld;
-      break;
+      const int rc = startRead(static_cast<size_t>(a), key, /*ahead=*/false, &why);
+      if (rc < 0) return fail(-rc, why);
+      continue;
     }
-    case State::kFree:
-      break;
+    const size_t s = found->second;
+    Slot& slot = *slots_[s];
+    switch (slot.state) {
+      case State::kHeld:
+        return fail(EBUSY, "record is already held");
+      case State::kReading:
+      case State::kChecking: {
+        const uint64_t t0 = nowNs();
+        ownerCv_.wait(lk);
+        stats_.readWaitNs += nowNs() - t0;
+        continue;
+      }
+      case State::kSeal:
+      case State::kSealing:
+      case State::kWriting: {  // its buffer holds the record: no read once the write ended
+        if (!counted) ++stats_.fetchesInBuffer;
+        counted = true;
+        slot.keep = true;
+        const uint64_t t0 = nowNs();
+        ownerCv_.wait(lk);
+        stats_.writeWaitNs += nowNs() - t0;
+        continue;
+      }
+      case State::kDirty:  // its last write failed: the buffer is the record
+        if (!counted) ++stats_.fetchesInBuffer;
+        slot.dirty = true;
+        slot.state = State::kHeld;
+        break;
+      case State::kReady:
+        if (!sameKey(slot.key, key)) {  // read for another generation (a stale plan): read again
+          slot.state = State::kFree;
+          slotOf_.erase(found);
+          continue;
+        }
+        if (slot.err != 0) {
+          const int err = slot.err;
+          std::string why = std::move(slot.why);
+          slot.state = State::kFree;
+          slotOf_.erase(found);
+          return fail(err, std::move(why));
+        }
+        slot.dirty = false;
+        slot.ahead = false;
+        slot.state = State::kHeld;
+        break;
+      case State::kFree:
+        slotOf_.erase(found);
+        continue;
+    }
+    *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
+    return 0;
   }
-  *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
-  return 0;
 }
 
 void SwapStore::store(const RecordKey& key) {
+  std::lock_guard<std::mutex> lk(mu_);
   auto found = slotOf_.find(key.id);
   if (found == slotOf_.end() || slots_[found->second]->state != State::kHeld) {
     noteFault(key.id, EINVAL, "store of a record that is not held");
@@ -247,7 +504,7 @@ void SwapStore::store(const RecordKey& key) {
   }
   Slot& slot = *slots_[found->second];
   slot.dirty = false;
-  sealRecord(slot.mem.data(), key);
+  slot.key = key;
   slot.length = recordBytes(key.payloadBytes);
   int err = 0;
   auto file = fileFor(key.id, &err);
@@ -256,19 +513,14 @@ void SwapStore::store(const RecordKey& key) {
     noteFault(key.id, err, std::string("create failed: ") + std::strerror(err));
     return;
   }
-  try {
-    slot.ticket = engine_->submit({aio::OpKind::Write, file, slot.mem.data(), 0, slot.length});
-  } catch (const aio::IoError& e) {
-    slot.state = State::kDirty;
-    noteFault(key.id, e.error(), std::string("write failed: ") + e.what());
-    return;
-  }
-  slot.state = State::kWriting;
+  slot.file = std::move(file);
+  slot.state = State::kSeal;  // the pump seals it and starts the write
   slot.seq = ++seq_;
-  ++stats_.writes;
+  wakePump();
 }
 
 void SwapStore::release(uint64_t id) {
+  std::lock_guard<std::mutex> lk(mu_);
   auto found = slotOf_.find(id);
   if (found == slotOf_.end() || slots_[found->second]->state != State::kHeld) return;
   Slot& slot = *slots_[found->second];
@@ -281,6 +533,7 @@ void SwapStore::release(uint64_t id) {
 }
 
 int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, SwapFault* fault) {
+  Lock lk(mu_);
   auto fail = [&](int err, std::string what) {
     *fault = {id, pathOf(id), err, std::move(what)};
     return -err;
@@ -290,31 +543,25 @@ int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, Swa
     return fail(EINVAL, "record of " + std::to_string(length) + " bytes exceeds the pool's buffers of " +
                             std::to_string(options_.bufferBytes));
   }
-  size_t s = 0;
+  for (auto it = plan_.begin(); it != plan_.end();) it = it->id == id ? plan_.erase(it) : it + 1;
   auto found = slotOf_.find(id);
-  if (found != slotOf_.end()) {
-    s = found->second;
-    Slot& slot = *slots_[s];
-    if (slot.state == State::kHeld) return fail(EBUSY, "record is already held");
-    if (slot.state == State::kReading || slot.state == State::kWriting) {
-      // The buffer is reused: the transfer must end first. Its outcome does not matter (a read's
-      // bytes are discarded, a write's record is superseded by the one the caller stores next).
-      try {
-        slot.ticket.wait();
-        if (slot.state == State::kWriting) stats_.bytesWritten += slot.length;
-      } catch (const aio::IoError&) {
-      }
-      slot.ticket = {};
-    }
-  } else {
-    const int a = acquire(/*mayGrow=*/true, /*mayWait=*/true);
-    if (a < 0) return fail(-a, "no buffer for the record");
-    s = static_cast<size_t>(a);
-    slotOf_[id] = s;
+  if (found != slotOf_.end() && slots_[found->second]->state == State::kHeld) return fail(EBUSY, "record is already held");
+  // The buffer is reused: a transfer in flight must end first. Its outcome does not matter (a
+  // read's bytes are discarded, a write's record is superseded by the one the caller stores next,
+  // so its failure is not reported).
+  const size_t faultsBefore = faults_.size();
+  int s = settle(lk, id);
+  for (size_t i = faults_.size(); i > faultsBefore; --i) {
+    if (faults_[i - 1].id == id) faults_.erase(faults_.begin() + static_cast<std::ptrdiff_t>(i - 1));
+  }
+  if (s < 0) {
+    s = acquireForOwner(lk, id);
+    if (s < 0) return fail(-s, "no buffer for the record");
+    slotOf_[id] = static_cast<size_t>(s);
   }
   Slot& slot = *slots_[s];
-  slot.id = id;
-  slot.dirty = false;
+  slot.key = {id, 0, payloadBytes, 0};
+  slot.dirty = slot.keep = slot.ahead = false;
   slot.state = State::kHeld;
   std::memset(slot.mem.data(), 0, length);
   *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
@@ -322,15 +569,22 @@ int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, Swa
 }
 
 std::vector<SwapFault> SwapStore::poll() {
-  for (size_t s = 0; s < slots_.size(); ++s) {
-    if (slots_[s]->state == State::kWriting && slots_[s]->ticket.ready()) finishWrite(s);
-  }
+  std::lock_guard<std::mutex> lk(mu_);  // the pump has taken the writes that ended
   return std::exchange(faults_, {});
 }
 
 std::vector<SwapFault> SwapStore::drain() {
-  for (size_t s = 0; s < slots_.size(); ++s) {
-    if (slots_[s]->state == State::kWriting) finishWrite(s);
+  Lock lk(mu_);
+  for (;;) {
+    bool writing = false;
+    for (const auto& slot : slots_) {
+      writing = writing || slot->state == State::kSeal || slot->state == State::kSealing ||
+                slot->state == State::kWriting;
+    }
+    if (!writing) break;
+    const uint64_t t0 = nowNs();
+    ownerCv_.wait(lk);
+    stats_.writeWaitNs += nowNs() - t0;
   }
   return std::exchange(faults_, {});
 }

@@ -91,7 +91,8 @@ void Engine::endBackward() {
     sharded_->releaseAll();  // units whose parameters got no gradient (unused this pass)
     resetUnitCounts();
   }
-  // The step reads buckets 0, 1, ...: their records are read while the reduction settles.
+  // The step reads buckets 0, 1, ...: reads not started since zero_grad (no zero_grad between
+  // accumulation steps) start now, while the reduction settles.
   if (swapper_) swapper_->prefetchAhead();
   reducer_.endBackward();
 }
@@ -221,7 +222,12 @@ bool Engine::overflow() {
 
 void Engine::zeroGrad(bool setToNone) {
   reducer_.zero(setToNone);
-  if (swapper_) swapper_->poll();  // writes finish during forward and backward; the next step waits
+  if (swapper_) {
+    swapper_->poll();  // writes finish during forward and backward; the next step waits
+    // The next step's records are read from here on, into the buffers as the writes free them:
+    // forward and backward hide up to offload_buffer_count reads.
+    swapper_->prefetchAhead();
+  }
   if (sharded_ != nullptr) {
     sharded_->releaseAll();  // a backward that raised left units gathered
     resetUnitCounts();

@@ -14,8 +14,6 @@
 namespace zeroplus::zero::engine {
 namespace {
 
-constexpr size_t kBuffers = 6;        // records in memory at once: read ahead, stepping, writing
-constexpr size_t kReadAhead = 3;      // buckets read ahead of the one stepping
 constexpr size_t kMaxSlots = 4;       // a master copy + Adam's three moments (amsgrad)
 constexpr uint64_t kSlotAlign = 64;   // the SIMD kernels' width
 
@@ -38,6 +36,8 @@ bool isCopy(const at::Tensor& master, const Bucket& b) {
 OptimizerSwapper::OptimizerSwapper(const Options& options, Placement& placement, std::vector<BucketStepper>& steppers,
                                    int rank)
     : placement_(placement), steppers_(steppers), rank_(rank) {
+  TORCH_CHECK_VALUE(options.offload_buffer_count() >= 1, "zeroplus::zero::initialize: options.offload_buffer_count "
+                    "must be >= 1, got ", options.offload_buffer_count());
   const auto& buckets = placement_.buckets();
   uint64_t largest = 0;
   for (size_t b = 0; b < buckets.size(); ++b) {
@@ -55,7 +55,7 @@ OptimizerSwapper::OptimizerSwapper(const Options& options, Placement& placement,
   so.prefix = "zeroplus-cswap-" + std::to_string(::getpid()) + "-rank" + std::to_string(rank) + "-";
   so.stem = "optimizer-b";
   so.bufferBytes = swap::recordBytes(largest);
-  so.bufferCount = kBuffers;
+  so.bufferCount = static_cast<size_t>(options.offload_buffer_count());
   try {
     store_ = std::make_unique<swap::SwapStore>(so);
   } catch (const aio::IoError& e) {
@@ -83,6 +83,7 @@ std::string OptimizerSwapper::directory() const { return store_->directory(); }
 std::string OptimizerSwapper::pathOf(size_t b) const { return store_->pathOf(b); }
 uint64_t OptimizerSwapper::bytesRead() const { return store_->stats().bytesRead; }
 uint64_t OptimizerSwapper::bytesWritten() const { return store_->stats().bytesWritten; }
+swap::SwapStats OptimizerSwapper::stats() const { return store_->stats(); }
 
 uint64_t OptimizerSwapper::slotBytes(const Home& h) const {
   const uint64_t bytes = static_cast<uint64_t>(h.shardNumel) * sizeof(float);
@@ -115,22 +116,21 @@ void OptimizerSwapper::noteFaults(std::vector<swap::SwapFault> faults) {
   }
 }
 
-void OptimizerSwapper::prefetchAhead() {
-  for (size_t b = 0; b < homes_.size() && b <= kReadAhead; ++b) {
-    const Home& h = homes_[b];
-    store_->prefetch({b, h.generation, payloadBytes(h), layoutTag(h)});
-  }
-}
+void OptimizerSwapper::prefetchAhead() { readAhead(0); }
 
 void OptimizerSwapper::waitForWrites() { noteFaults(store_->drain()); }
 
 void OptimizerSwapper::poll() { noteFaults(store_->poll()); }
 
-void OptimizerSwapper::readAhead(size_t b) {
-  for (size_t n = b + 1; n < homes_.size() && n <= b + kReadAhead; ++n) {
+void OptimizerSwapper::readAhead(size_t first) {
+  // Every reader visits the buckets in order: the store reads them as its buffers free up, while
+  // the caller computes (swap_store.hpp: a plan never waits, grows the pool or evicts).
+  std::vector<swap::RecordKey> plan;
+  for (size_t n = first; n < homes_.size(); ++n) {
     const Home& h = homes_[n];
-    store_->prefetch({n, h.generation, payloadBytes(h), layoutTag(h)});
+    if (!h.held) plan.push_back({n, h.generation, payloadBytes(h), layoutTag(h)});
   }
+  store_->planReads(std::move(plan));
 }
 
 bool OptimizerSwapper::fetch(size_t b) {
@@ -138,7 +138,6 @@ bool OptimizerSwapper::fetch(size_t b) {
   void* payload = nullptr;
   swap::SwapFault fault;
   const int rc = store_->fetch({b, h.generation, payloadBytes(h), layoutTag(h)}, &payload, &fault);
-  readAhead(b);
   at::Tensor& master = placement_.master(b);
   if (rc != 0) {
     faults_.push_back("bucket " + std::to_string(b) + " (file " + fault.path + "): " + fault.what + " [" +
@@ -180,7 +179,7 @@ void OptimizerSwapper::bindForRead(size_t b, const char* op) {
   TORCH_CHECK(rc == 0, op, ": NVMe optimizer offload (rank ", rank_, "): bucket ", b, " (file ", fault.path, "): ",
               fault.what, " [", std::strerror(fault.err), "]; the optimizer state in this file is unusable");
   bind(b, payload);
-  readAhead(b);  // after the check: a failed read leaves nothing started on its behalf
+  readAhead(b + 1);  // after the check: a failed read leaves nothing started on its behalf
 }
 
 void OptimizerSwapper::unbind(size_t b) {
@@ -254,6 +253,7 @@ void OptimizerSwapper::store(size_t b) {
 
 void OptimizerSwapper::abandon() {
   // The step raised half way: the records were not changed on disk; forget what was bound.
+  store_->planReads({});
   for (size_t b = 0; b < homes_.size(); ++b) unbind(b);
 }
 

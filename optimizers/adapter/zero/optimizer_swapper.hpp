@@ -5,14 +5,17 @@
 // each segment has. The Python engine's offload/swapper.py, on the shared substrate.
 //
 // The engine drives it (engine.cpp):
-//   prefetchAhead()  end of backward: start reading the first buckets' records (the step visits
-//                    buckets 0, 1, ... : the order is known), as many as the pool has buffers;
+//   prefetchAhead()  zero_grad and end of backward: plans the reads of every bucket's record in
+//                    the order the step visits them (0, 1, ...); the store reads them into its
+//                    buffers as they free up, on its own thread, with no further call: up to
+//                    offload_buffer_count records before the step, the rest as the step's
+//                    writes end;
 //   beginStep()      waits for the previous step's writes (they ran during forward/backward);
-//   fetch(b)         waits for bucket b's record, checks it and points the stepper's state
-//                    tensors (and the master) at it; starts reading bucket b + 1;
+//   fetch(b)         waits for bucket b's record (read and CRC-checked on the store's thread)
+//                    and points the stepper's state tensors (and the master) at it;
 //   store(b)         after the bucket's publish: copies state the stepper created into the
-//                    record, seals it and starts its write (write-behind); the state tensors
-//                    become undefined again, the master an empty tensor;
+//                    record and hands it back (the store seals and writes it behind, on its
+//                    thread); the state tensors become undefined again, the master an empty tensor;
 //   endStep()        after the step's last collective: raises c10::Error naming every file and
 //                    bucket that failed this step (a failed read or a corrupt record: that bucket
 //                    was not stepped; a failed write: its record stays in memory and is written
@@ -50,6 +53,7 @@
 namespace zeroplus::swap {
 class SwapStore;
 struct SwapFault;
+struct SwapStats;
 }  // namespace zeroplus::swap
 
 namespace zeroplus::zero::engine {
@@ -83,6 +87,9 @@ class OptimizerSwapper {
   std::string pathOf(size_t b) const;
   uint64_t bytesRead() const;
   uint64_t bytesWritten() const;
+  // The store's counters (swap_store.hpp SwapStats): reads ahead and on demand, time blocked on
+  // reads and writes, checksum time; a profiler (bench/zero/bench_cpp_offload.cpp) takes differences.
+  swap::SwapStats stats() const;
 
  private:
   enum Kind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentum, kKinds };
@@ -101,8 +108,8 @@ class OptimizerSwapper {
   at::Tensor paramsShardAsFp32(size_t b) const;
   // Points the master (a copy) and the state tensors of the kinds each segment has at the payload.
   void bind(size_t b, void* payload);
-  // Starts reading the buckets after b (the order every reader visits them in).
-  void readAhead(size_t b);
+  // Plans the reads of buckets first, first + 1, ... (the order every reader visits them in).
+  void readAhead(size_t first);
   void noteFaults(std::vector<swap::SwapFault> faults);
 
   Placement& placement_;

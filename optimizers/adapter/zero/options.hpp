@@ -45,11 +45,16 @@ struct Options {
   TORCH_ARG(double, gradient_clipping) = 0.0;
   // "none", or "nvme": between steps each bucket's optimizer state (and its fp32 master when the
   // master is a copy, as under bf16) lives only in a swap record under nvme_path, read ahead
-  // at the end of backward and written behind the step (docs/offload.md, "The C++ engine").
+  // from zero_grad on and written behind the step (docs/offload.md, "The C++ engine").
   TORCH_ARG(std::string, offload_optimizer) = "none";
   // An existing, writable directory; the engine makes a private subdirectory in it (0700) and
   // removes it, with its files, when the optimizer is destroyed. Required with "nvme".
   TORCH_ARG(std::string, nvme_path) = "";
+  // With "nvme": records in memory at once (DeepSpeed's offload_optimizer.buffer_count), each a
+  // buffer sized for the largest bucket's record: the read-ahead holds at most this many
+  // records before the step, so more buffers hide more reads behind forward/backward for more
+  // memory. >= 1.
+  TORCH_ARG(int64_t, offload_buffer_count) = 6;
 };
 
 namespace engine {

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "optimizers/adapter/zero/engine.hpp"
+#include "optimizers/core/swap_store.hpp"
 #include "tests/cpp/plugin/rank_threads.hpp"
 #include "zeroplus.hpp"
 
@@ -175,6 +176,44 @@ TEST(ZeroOffloadFaults, CorruptRecordRaisesNamingItsFileAndBucket) {
   });
 }
 
+TEST(ZeroOffloadOrdering, ZeroGradStartsReadingTheNextStepsRecordsBeforeForward) {
+  TempDir nvme;
+  runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto model = makeModel();
+    auto opt = make(model, pg, Options().stage(2).reduce_bucket_elems(150).offload_optimizer("nvme").nvme_path(nvme.path()),
+                    false);
+    trainSteps(model, *opt, rank, 0, 2);
+    auto* swapper = opt->engine().swapper();
+    swapper->waitForWrites();  // every buffer free
+    const auto before = swapper->stats();
+    opt->zero_grad();
+    // Before any forward or backward: one read per bucket, up to the pool's buffers, is under way.
+    const uint64_t buckets = opt->engine().steppers().size();
+    EXPECT_EQ(swapper->stats().readsAhead - before.readsAhead, std::min<uint64_t>(buckets, 6));
+    opt->backward(torch::mse_loss(model->forward(input(2, rank)), target(2, rank)));
+    opt->step();
+    EXPECT_EQ(swapper->stats().reads - before.reads, buckets);  // each record read once
+  });
+}
+
+TEST(ZeroOffloadOrdering, OneBufferPoolTrainsBitIdentically) {
+  TempDir nvme;
+  runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    Options base = Options().stage(2).reduce_bucket_elems(150);
+    auto plainModel = makeModel();
+    auto plain = make(plainModel, pg, base, false);
+    auto swapModel = makeModel();
+    // One buffer: every read waits for the write before it; fetches evict reads ahead or grow.
+    auto swapped = make(swapModel, pg, Options(base).offload_optimizer("nvme").nvme_path(nvme.path()).offload_buffer_count(1),
+                        false);
+    trainSteps(plainModel, *plain, rank, 0, 4);
+    trainSteps(swapModel, *swapped, rank, 0, 4);
+    const auto a = zeroplus::zero::full_state_dict(plainModel, *plain);
+    const auto b = zeroplus::zero::full_state_dict(swapModel, *swapped);
+    for (const auto& item : a) EXPECT_TRUE(torch::equal(item.value(), b[item.key()])) << item.key();
+  });
+}
+
 TEST(ZeroOffloadFaults, BadOptionsRaiseNamingTheField) {
   TempDir nvme;
   const std::string file = nvme.path() + "/plain-file";
@@ -193,6 +232,8 @@ TEST(ZeroOffloadFaults, BadOptionsRaiseNamingTheField) {
     expectValueError(Options().offload_optimizer("nvme"), "options.nvme_path");
     expectValueError(Options().offload_optimizer("nvme").nvme_path(nvme.path() + "/missing"), "options.nvme_path");
     expectValueError(Options().offload_optimizer("nvme").nvme_path(file), "not a directory");
+    expectValueError(Options().offload_optimizer("nvme").nvme_path(nvme.path()).offload_buffer_count(0),
+                     "options.offload_buffer_count");
   });
 }
 
