@@ -2,7 +2,7 @@
 # Sanitizer stage of scripts/test.sh: builds the torch-free cores and their GoogleTests twice,
 # with g++'s sanitizers, each in its own build directory, and runs them through ctest:
 #   build-asan  -DZEROPLUS_SANITIZE=address,undefined  every torch-free GoogleTest
-#   build-tsan  -DZEROPLUS_SANITIZE=thread              process-group and aio core tests
+#   build-tsan  -DZEROPLUS_SANITIZE=thread              process-group, aio and optimizer core tests
 # Any report aborts the test that made it (halt_on_error=1, -fno-sanitize-recover=all).
 # Usage: scripts/sanitizers.sh [asan|tsan]... (default: both). Environment: ZEROPLUS_JOBS,
 # ZEROPLUS_ASAN_BUILD_DIR (build-asan), ZEROPLUS_TSAN_BUILD_DIR (build-tsan).
@@ -48,7 +48,9 @@ for f in "${flavours[@]}"; do
     # collectives_test (every dtype x op through instrumented reduction loops, ~80x slower): they
     # test arithmetic, which the ASan build covers. The other ~1M-element cases (multi-segment
     # pipelines, every algorithm, 2-4 ranks) stay.
-    tsan) run_flavour "TSan" "${ZEROPLUS_TSAN_BUILD_DIR:-$repo_root/build-tsan}" "thread" "process_group;aio" \
+    # optimizers: the swap store's pump thread (records read, checked, sealed and written off
+    # the training thread); its kernel tests are small and fast even instrumented.
+    tsan) run_flavour "TSan" "${ZEROPLUS_TSAN_BUILD_DIR:-$repo_root/build-tsan}" "thread" "process_group;aio;optimizers" \
             "-*EveryTypeAndOp*countLarge" ;;
     *) echo "scripts/sanitizers.sh: unknown flavour '$f' (asan, tsan)" >&2; exit 2 ;;
   esac
