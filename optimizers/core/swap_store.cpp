@@ -146,9 +146,14 @@ int SwapStore::freeSlot() {
 }
 
 int SwapStore::acquireForOwner(Lock& lk, uint64_t keepId) {
+  struct NeedsBuffer {  // set while this call may wait; cleared on every return
+    bool& flag;
+    ~NeedsBuffer() { flag = false; }
+  } needs{ownerNeedsBuffer_};
   for (;;) {
     const int s = freeSlot();
     if (s != -EBUSY) return s;
+    ownerNeedsBuffer_ = true;
     bool writing = false, reading = false;
     int evict = -1;
     for (size_t i = 0; i < slots_.size(); ++i) {
@@ -209,6 +214,7 @@ int SwapStore::startRead(size_t s, const RecordKey& key, bool ahead, std::string
 }
 
 void SwapStore::startPlannedReads() {
+  if (ownerNeedsBuffer_) return;  // the next free buffer is the owner's (acquireForOwner)
   for (auto it = plan_.begin(); it != plan_.end();) {
     const RecordKey key = *it;
     auto found = slotOf_.find(key.id);

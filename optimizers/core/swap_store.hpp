@@ -208,6 +208,10 @@ class SwapStore {
   std::shared_ptr<Waker> waker_ = std::make_shared<Waker>();
   std::condition_variable ownerCv_;  // the owner: a slot moved on
   bool stop_ = false;
+  // The owner waits in fetch/overwrite for a buffer: a buffer a write frees goes to it, not to a
+  // planned read of a record needed after the one it waits for (that read would then be evicted
+  // and done again: the owner's record first).
+  bool ownerNeedsBuffer_ = false;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::map<uint64_t, size_t> slotOf_;  // id -> slot, while the record is in a buffer
   std::map<uint64_t, std::shared_ptr<aio::File>> files_;

@@ -2,7 +2,8 @@
 // refused naming the file, a failing write keeps the record in memory and is retried (also after
 // a reader released it unchanged), overwrite holds a zero-filled record without reading the file
 // (a corrupt one included), a pool without a free buffer waits for the oldest write, planned
-// reads start as writes free buffers (no call from the owner needed) and are checked before use.
+// reads start as writes free buffers (no call from the owner needed) and are checked before use,
+// and a fetch waiting for a buffer gets the next one a write frees before any planned read.
 #include "optimizers/core/swap_store.hpp"
 
 #include <fcntl.h>
@@ -267,6 +268,44 @@ TEST(SwapStore, PlannedReadStartsWhenAWriteFreesABufferWithoutTheOwner) {
   EXPECT_EQ(store.stats().readsOnDemand, 0u);
   EXPECT_EQ(store.stats().buffers, 1u);
   store.release(0);
+  EXPECT_TRUE(store.drain().empty());
+}
+
+TEST(SwapStore, AFetchWaitingForABufferGetsTheOneAWriteFreesBeforeAPlannedRead) {
+  // One buffer. The owner stores record 0 (its write holds the buffer), the plan wants record 2,
+  // and the owner fetches record 1 meanwhile: the buffer the write frees goes to record 1. Before,
+  // the store's thread started the planned read of record 2 first, and the fetch then evicted it
+  // and read record 1 on demand (record 2 read twice: the stage-2 offload slowdown).
+  TempDir dir;
+  constexpr uint64_t kBig = 16ull << 20;  // a write of milliseconds: the fetch waits for it
+  SwapStoreOptions o;
+  o.parent = dir.path();
+  o.bufferBytes = recordBytes(kBig);
+  o.bufferCount = 1;
+  SwapStore store(o);
+  auto big = [](uint64_t id, uint64_t gen) { return RecordKey{id, gen, kBig, 0x99}; };
+  void* p = nullptr;
+  SwapFault f;
+  for (uint64_t id = 0; id < 3; ++id) {
+    ASSERT_EQ(store.fetch(big(id, 0), &p, &f), 0) << f.what;
+    std::memset(p, static_cast<int>(id + 1), kBig);
+    store.store(big(id, 1));
+  }
+  ASSERT_TRUE(store.drain().empty());
+  ASSERT_EQ(store.fetch(big(0, 1), &p, &f), 0) << f.what;
+  store.planReads({big(2, 1)});  // cannot start: the one buffer is held
+  store.store(big(0, 2));
+  const SwapStats before = store.stats();
+  ASSERT_EQ(store.fetch(big(1, 1), &p, &f), 0) << f.what;
+  EXPECT_EQ(static_cast<const unsigned char*>(p)[kBig - 1], 2);
+  const SwapStats after = store.stats();
+  EXPECT_EQ(after.evictions - before.evictions, 0u);
+  EXPECT_EQ(after.readsAhead - before.readsAhead, 0u);
+  EXPECT_EQ(after.readsOnDemand - before.readsOnDemand, 1u);
+  store.release(1);
+  ASSERT_EQ(store.fetch(big(2, 1), &p, &f), 0) << f.what;  // the plan's record, read in its turn
+  EXPECT_EQ(static_cast<const unsigned char*>(p)[0], 3);
+  store.release(2);
   EXPECT_TRUE(store.drain().empty());
 }
 
