@@ -18,30 +18,15 @@
 
 #include "aio/core/aligned_buffer.hpp"
 #include "aio/core/engine.hpp"
+#include "tests/cpp/temp_dir.hpp"
 #include "aio/core/file.hpp"
 #include "aio/core/io_error.hpp"
 
 namespace zeroplus::aio::test {
 
+using zeroplus::test_util::TempDir;
+
 // mkdtemp under $TMPDIR (or /tmp); removed with its contents on destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "zeroplus-aio-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
 inline void fillRandom(void* p, size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   auto* b = static_cast<unsigned char*>(p);

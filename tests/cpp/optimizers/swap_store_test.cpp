@@ -19,26 +19,12 @@
 #include <string>
 
 #include "aio/core/io_error.hpp"
+#include "tests/cpp/temp_dir.hpp"
 
 namespace zeroplus::swap {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "zeroplus-swap-test-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using zeroplus::test_util::TempDir;
 
 constexpr uint64_t kPayload = 3 * 4096 + 100;  // not a multiple of a block: the buffered tail too
 

@@ -26,32 +26,17 @@
 #include "optimizers/adapter/zero/engine.hpp"
 #include "optimizers/core/swap_store.hpp"
 #include "tests/cpp/plugin/rank_threads.hpp"
+#include "tests/cpp/temp_dir.hpp"
 #include "zeroplus.hpp"
 
 namespace {
 
 using zeroplus::testing::randomTensor;
 using zeroplus::testing::runRanks;
+using zeroplus::test_util::TempDir;
 
 using zeroplus::zero::Options;
 namespace fsys = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fsys::temp_directory_path() / "zeroplus-offload-test-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fsys::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 torch::nn::Sequential makeModel() {
   torch::nn::Sequential model(torch::nn::Linear(7, 33), torch::nn::Tanh(), torch::nn::Linear(33, 17),

@@ -17,12 +17,14 @@
 
 #include "optimizers/adapter/zero/engine.hpp"  // engine().sharded(): the stage-3 placement
 #include "tests/cpp/plugin/rank_threads.hpp"
+#include "tests/cpp/temp_dir.hpp"
 #include "zeroplus.hpp"
 
 namespace {
 
 using zeroplus::testing::randomTensor;
 using zeroplus::testing::runRanks;
+using zeroplus::test_util::TempDir;
 
 using zeroplus::zero::Options;
 
@@ -84,23 +86,6 @@ at::Tensor lmLoss(TinyLm& model, const Tokens& t) {
   return torch::nn::functional::cross_entropy(model->forward(t.ids).reshape({-1, kVocab}).to(at::kFloat),
                                              t.next.reshape(-1));
 }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "zeroplus-engine-test-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // The single-process reference with the engine's mixed precision: bf16 parameters for forward and
 // backward, fp32 masters stepped by torch's AdamW. Each rank's gradient is computed on its own
