@@ -66,7 +66,7 @@ Times runOnce(const Args& a, int world, bool offload) {
           model->push_back(torch::nn::Linear(a.width, a.width));
           if (l + 1 < a.layers) model->push_back(torch::nn::ReLU());
         }
-        auto o = zeroplus::zero::Options().stage(a.stage).mixed_precision(a.precision);
+        auto o = zeroplus::zero::Options().stage(a.stage).param_persistence_threshold(0).mixed_precision(a.precision);
         if (offload) o.offload_optimizer("nvme").nvme_path(a.nvme);
         if (offload && a.buffers > 0) o.offload_buffer_count(a.buffers);
         auto opt = zeroplus::zero::initialize(model, pg, o, zeroplus::optim::ZeroAdamWOptions(1e-4));

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
           model->push_back(torch::nn::GELU());
         }
         auto opt = zeroplus::zero::initialize(model, pg,
-                                              zeroplus::zero::Options().stage(stage).mixed_precision(precision),
+                                              zeroplus::zero::Options().stage(stage).param_persistence_threshold(0).mixed_precision(precision),
                                               zeroplus::optim::ZeroAdamWOptions(3e-4).weight_decay(0.01));
         const auto gen = at::detail::createCPUGenerator(100 + rank);
         at::Tensor x = at::randn({batch, dim}, gen, at::kFloat), y = at::randn({batch, dim}, gen, at::kFloat);

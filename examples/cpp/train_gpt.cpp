@@ -144,6 +144,10 @@ int main(int argc, char** argv) {
   auto opt = zeroplus::zero::initialize(model, pg,
                                         zeroplus::zero::Options()
                                             .stage(3)
+                                            // the norms and biases stay whole (the default, DeepSpeed's
+                                            // 100000 elements, would keep every weight of so small a
+                                            // model whole too)
+                                            .param_persistence_threshold(4 * kDim)
                                             .mixed_precision("bf16")
                                             .offload_optimizer("nvme")
                                             .nvme_path(nvme),

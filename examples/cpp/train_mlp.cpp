@@ -66,7 +66,9 @@ int main(int argc, char** argv) {
   auto model = makeMlp();
   auto reference = makeMlp();
   // Collective: rank 0's weights everywhere, parameters flattened into buckets, hooks installed.
-  auto opt = zeroplus::zero::initialize(model, pg, zeroplus::zero::Options().stage(stage),
+  // At stage 3 every parameter is sharded: the default param_persistence_threshold (100000
+  // elements, DeepSpeed's) would keep all of this toy model's parameters whole.
+  auto opt = zeroplus::zero::initialize(model, pg, zeroplus::zero::Options().stage(stage).param_persistence_threshold(0),
                                         zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(1e-2));
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(1e-2));
   torch::optim::StepLR schedule(*opt, /*step_size=*/10, /*gamma=*/0.5);  // a LibTorch scheduler on it

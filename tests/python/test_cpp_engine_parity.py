@@ -13,7 +13,8 @@ skip on every rank, halving the scale, which then grows back), AdamW and SGD wit
 momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option, and a
 bucket size (100 elements) that makes 4 buckets (a parameter is never split between buckets),
 each of whose 2 shards cuts through parameters. Stage 3 (every parameter sharded:
-param_persistence_threshold 0; the Sequential's children are the units on both sides) compares
+param_persistence_threshold 0, or, in the PERSIST cases, the small ones kept whole by the same
+threshold on both sides; the Sequential's children are the units on both sides) compares
 the full parameters after every step; its buckets are cut per unit on each side in its own way,
 so its gradient shards, masters and clip norms (a sum over buckets) are not compared, and its
 cases do not clip.
@@ -72,7 +73,14 @@ CASES = {
     "s3_fp16_adamw_overflow": (3, "fp16", ADAMW, 100, [0.0] * STEPS, 0.0),
     "s3_holder_fp16_adamw": (3, "fp16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0, "holder"),
     "s2_holder_fp16_adamw_clip": (2, "fp16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
+    "s3_fp32_adamw_persist": (3, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0),
+    "s3_holder_bf16_adamw_persist": (3, "bf16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0, "holder"),
 }
+# Stage-3 cases with a param_persistence_threshold above 0 (default 0: every parameter a unit holds
+# is sharded): the parameters of a unit with at most this many elements stay whole on both sides,
+# laid out with their unit. mlp: the biases and the last Linear's weight (51); holder: the norms
+# and the biases of the blocks.
+PERSIST = {"s3_fp32_adamw_persist": 60, "s3_holder_bf16_adamw_persist": 24}
 # fp16 cases: (DeepSpeed fp16 block beside "enabled", [step] -> the rank whose first input element
 # is inf at that step (an overflow every rank must skip), or -1, the loss scale after each step
 # or None). A window of 2 with hysteresis 1 halves the scale at the overflow and doubles it two
@@ -130,7 +138,7 @@ def _loss(kind, out, y):
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def _write_input(path, seed, case, fp16=None):
+def _write_input(path, seed, case, fp16=None, persist=0):
     stage, precision, opt, bucket, clip, auto_clip = case[:6]
     kind = _kind(case)
     gen = torch.Generator().manual_seed(seed)
@@ -150,7 +158,7 @@ def _write_input(path, seed, case, fp16=None):
                 inputs[step][rank][0, 0] = float("inf")
     torch.save({**extra, "model": kind, "params": params, "inputs": inputs, "targets": targets, "stage": stage,
                 "mixed_precision": precision, **opt, "bucket_elems": bucket, "clip": [float(c) for c in clip],
-                "gradient_clipping": float(auto_clip)}, path)
+                "gradient_clipping": float(auto_clip), "persistence_threshold": persist}, path)
 
 
 def _train_python(rank, world, paths):
@@ -174,7 +182,7 @@ def _train_python(rank, world, paths):
                                                weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"])
         config = {"zero_optimization": {"reduce_bucket_size": cfg["bucket_elems"]}}
         if cfg["stage"] == 3:
-            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = cfg["persistence_threshold"]
         if cfg["gradient_clipping"] > 0:
             config["gradient_clipping"] = cfg["gradient_clipping"]
         if cfg["mixed_precision"] == "fp16":
@@ -188,7 +196,8 @@ def _train_python(rank, world, paths):
         if kind == "holder" and cfg["stage"] == 3:  # the C++ engine's partitioning (it checks its own)
             name_of = {id(p): n for n, p in model.named_parameters()}
             whole = sorted(name_of[id(e.param)] for b in opt.buckets if b.persistent for e in b.entries)
-            assert whole == sorted(n for n in name_of.values() if not n.startswith("blocks.")), whole
+            assert whole == sorted(n for n in name_of.values() if not n.startswith("blocks.")
+                                   or cfg["params"][n].numel() <= cfg["persistence_threshold"]), whole
         norms, trace, scales = [], {}, []
         for step in range(STEPS):
             x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
@@ -244,7 +253,7 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
     for seed, (name, case) in enumerate(CASES.items()):
         paths[name] = str(tmp_path / f"{name}.in.pt")
         outs[name] = str(tmp_path / f"{name}.out.pt")
-        _write_input(paths[name], seed, case, FP16.get(name))
+        _write_input(paths[name], seed, case, FP16.get(name), PERSIST.get(name, 0))
     argv = [str(program)]
     for name in CASES:
         argv += [paths[name], outs[name]]

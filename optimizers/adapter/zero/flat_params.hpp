@@ -54,8 +54,9 @@ struct Bucket {
   std::vector<Entry> entries;
   at::Tensor flat;                // the parameters' storage (numel elements); stage 3: only while gathered
   at::Tensor shard;               // stage 3: this rank's slice (shardNumel elements), kept between uses
-  int64_t unit = -1;              // stage 3: the unit whose forward uses the bucket (-1: persistent)
-  bool persistent = false;        // stage 3: its parameters stay whole on every rank (in no unit)
+  int64_t unit = -1;              // stage 3: the unit whose forward uses the bucket (-1: in no unit)
+  bool persistent = false;        // stage 3: its parameters stay whole on every rank (in no unit, or
+                                  // small: param_persistence_threshold; never gathered or released)
 
   std::pair<int64_t, int64_t> shardRange(int rank) const { return {rank * shardNumel, (rank + 1) * shardNumel}; }
   Piece piece(const Entry& e, int rank) const;
@@ -69,7 +70,7 @@ struct PlanItem {
   at::Tensor param;
   int64_t index = 0;  // position in the engine's trainable list (groups chained)
   int64_t group = 0;
-  int64_t unit = -1;  // stage 3's unit (-1 at stages 1-2 and for persistent parameters)
+  int64_t unit = -1;  // stage 3's unit, kept whole or not (-1 at stages 1-2 and for parameters in no unit)
   at::ScalarType dtype = at::kFloat;  // compute dtype
   bool persistent = false;  // stage 3: kept whole on every rank
 };

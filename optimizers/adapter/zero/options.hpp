@@ -39,6 +39,13 @@ struct Options {
   TORCH_ARG(bool, consecutive_hysteresis) = false;
   // Floor of the dynamic scale (> 0); an overflow at the floor raises.
   TORCH_ARG(double, min_loss_scale) = 1.0;
+  // Stage 3: a parameter of a unit with at most this many elements stays whole on every rank
+  // (handled as at stage 2: no gather around its use, its gradient reduce-scattered, its optimizer
+  // state sharded), as DeepSpeed's stage3_param_persistence_threshold and the Python engine's
+  // param_persistence_threshold keep small ones (biases, norms): gathering them costs more in
+  // latency than their shards save. Same default as both (100000 elements); 0 shards every
+  // parameter a unit holds. >= 0.
+  TORCH_ARG(int64_t, param_persistence_threshold) = 100000;
   // Elements per gradient bucket (DeepSpeed's reduce_bucket_size); the Python default.
   TORCH_ARG(int64_t, reduce_bucket_elems) = int64_t{1} << 22;
   // > 0: step() clips the global gradient norm to this unless clip_grad_norm ran this step.

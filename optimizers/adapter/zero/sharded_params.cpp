@@ -25,32 +25,38 @@ ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups,
   std::vector<int64_t> firstIndex(groups.size(), 0);
   for (size_t g = 1; g < groups.size(); ++g) firstIndex[g] = firstIndex[g - 1] + groups[g - 1].size();
   const auto count = static_cast<int64_t>(layout.unitOf.size());
+  const std::vector<int64_t>& homeUnit = layout.homeUnit.empty() ? layout.unitOf : layout.homeUnit;
   TORCH_CHECK(static_cast<int64_t>(layout.position.size()) == count &&
+                  static_cast<int64_t>(homeUnit.size()) == count &&
                   (groups.empty() || firstIndex.back() + static_cast<int64_t>(groups.back().size()) == count),
               "zeroplus::zero::initialize: stage-3 unit layout of ", count, " parameters does not match the groups");
   // Readiness order: the reverse of registration. A unit sits where its first parameter is
-  // registered (its parameters stay together: one bucket per group and dtype); a persistent
-  // parameter where it is. Inside a unit, groups and parameters from the last.
+  // registered (its parameters stay together: one bucket per group and dtype, and one per run of
+  // those kept whole by the persistence threshold); a parameter in no unit where it is. Inside a
+  // unit, groups and parameters from the last.
   std::vector<int64_t> unitAt(layout.unitCount, std::numeric_limits<int64_t>::max());
   for (int64_t i = 0; i < count; ++i) {
-    const int64_t u = layout.unitOf[i];
-    TORCH_CHECK(u >= -1 && u < layout.unitCount, "zeroplus::zero::initialize: unit ", u, " of parameter ", i,
+    const int64_t u = layout.unitOf[i], home = homeUnit[i];
+    TORCH_CHECK(u >= -1 && u < layout.unitCount && home >= -1 && home < layout.unitCount && (u < 0 || u == home),
+                "zeroplus::zero::initialize: unit ", u, " (home ", home, ") of parameter ", i,
                 " is out of range [-1, ", layout.unitCount, ")");
-    if (u >= 0) unitAt[u] = std::min(unitAt[u], layout.position[i]);
+    if (home >= 0) unitAt[home] = std::min(unitAt[home], layout.position[i]);
   }
-  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> order;  // (place, unit, group, index in group)
+  std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> order;  // (place, home unit, group, index in group)
   for (size_t g = 0; g < groups.size(); ++g) {
     for (size_t i = 0; i < groups[g].size(); ++i) {
       const int64_t index = firstIndex[g] + static_cast<int64_t>(i);
-      const int64_t u = layout.unitOf[index];
-      order.emplace_back(u >= 0 ? unitAt[u] : layout.position[index], u, g, i);
+      const int64_t home = homeUnit[index];
+      order.emplace_back(home >= 0 ? unitAt[home] : layout.position[index], home, g, i);
     }
   }
   std::sort(order.begin(), order.end(), std::greater<>());
   std::vector<PlanItem> items;
-  for (const auto& [place, u, g, i] : order) {
+  for (const auto& [place, home, g, i] : order) {
     const at::Tensor& p = groups[g][i];
-    items.push_back({p, firstIndex[g] + i, g, u, computeDtype.value_or(p.scalar_type()), u < 0});
+    const int64_t u = layout.unitOf[firstIndex[g] + i];
+    // The bucket key carries the home unit: a unit's persistent run is its own bucket.
+    items.push_back({p, firstIndex[g] + i, g, home, computeDtype.value_or(p.scalar_type()), u < 0});
     if (u >= 0) ++units_[u].params;
   }
   slots_.resize(count);

@@ -46,6 +46,11 @@ namespace zeroplus::zero::engine {
 struct UnitLayout {
   int64_t unitCount = 0;
   std::vector<int64_t> unitOf;    // -1 (persistent: kept whole) or 0 <= unitOf[i] < unitCount
+  // The unit whose place in the readiness order and whose buckets parameter i joins: unitOf[i],
+  // or for a parameter of a unit kept whole by param_persistence_threshold that unit (its own
+  // bucket run beside the unit's sharded ones, as the Python engine lays it out); -1 for one in
+  // no unit (placed where it is registered). Empty: unitOf.
+  std::vector<int64_t> homeUnit;
   std::vector<int64_t> position;  // where the model registers parameter i (readiness: the reverse)
 };
 

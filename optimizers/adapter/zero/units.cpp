@@ -120,7 +120,7 @@ std::string describe(const Container& c, int64_t elements) {
 }  // namespace
 
 Stage3Units findUnits(const std::shared_ptr<torch::nn::Module>& model,
-                      const std::vector<std::vector<at::Tensor>>& trainable) {
+                      const std::vector<std::vector<at::Tensor>>& trainable, int64_t persistenceThreshold) {
   Search search;
   search.visit(model, "");
   Stage3Units& out = search.out;
@@ -135,10 +135,13 @@ Stage3Units findUnits(const std::shared_ptr<torch::nn::Module>& model,
       const auto found = search.unitsOf.find(keyOf(p));
       const bool inOneUnit =
           found != search.unitsOf.end() && found->second.size() == 1 && !search.outside.count(keyOf(p));
-      out.layout.unitOf.push_back(inOneUnit ? *found->second.begin() : -1);
+      const int64_t home = inOneUnit ? *found->second.begin() : -1;
+      const bool small = p.numel() <= persistenceThreshold;
+      out.layout.unitOf.push_back(inOneUnit && !small ? home : -1);
+      out.layout.homeUnit.push_back(home);
       out.layout.position.push_back(position.at(keyOf(p)));
       if (inOneUnit) {
-        sharded += p.numel();
+        sharded += p.numel();  // a unit holds it (the error below is about units, not the threshold)
       } else {
         persistent.insert(keyOf(p));
       }

@@ -11,6 +11,8 @@
 //    block's unit), numbered in registration order across the tree;
 //  * a trainable parameter in exactly one unit's subtree and registered by no module outside the
 //    units is sharded with that unit;
+//  * a parameter of a unit with at most options.param_persistence_threshold elements is
+//    persistent too (below), but keeps its unit's place in the bucket order (UnitLayout::homeUnit);
 //  * every other trainable parameter is persistent: whole on every rank, its gradient
 //    reduce-scattered and its optimizer state sharded as at stage 2 (a holder's embedding, final
 //    norm and head, which its own forward calls; a module shared by two units, as tied weights).
@@ -49,11 +51,13 @@ struct Stage3Units {
   std::vector<std::string> names;
 };
 
-// The units of `model` for these trainable parameters (groups chained). Changes nothing; raises
-// c10::ValueError naming zeroplus::zero::initialize when no unit holds a trainable parameter or
+// The units of `model` for these trainable parameters (groups chained); parameters of a unit with
+// at most persistenceThreshold elements stay whole. Changes nothing; raises c10::ValueError
+// naming zeroplus::zero::initialize when no unit holds a trainable parameter (whatever the
+// threshold: a model whose units are all small trains with them whole) or
 // the model's Sequentials were already wrapped by an earlier initialize.
 Stage3Units findUnits(const std::shared_ptr<torch::nn::Module>& model,
-                      const std::vector<std::vector<at::Tensor>>& trainable);
+                      const std::vector<std::vector<at::Tensor>>& trainable, int64_t persistenceThreshold);
 
 // Replaces each unit's entry in its Sequential by the wrapper that gathers it through `engine`.
 // The registered children (named_children, every parameter name) stay; seq[i] is the wrapper.

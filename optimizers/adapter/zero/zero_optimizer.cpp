@@ -57,6 +57,8 @@ void checkOptions(const Options& o) {
   if (o.mixed_precision() == "fp16") engine::LossScaler::check(o, kInit);
   TORCH_CHECK_VALUE(o.reduce_bucket_elems() >= 1, kInit, ": options.reduce_bucket_elems must be >= 1, got ",
                     o.reduce_bucket_elems());
+  TORCH_CHECK_VALUE(o.param_persistence_threshold() >= 0, kInit,
+                    ": options.param_persistence_threshold must be >= 0, got ", o.param_persistence_threshold());
   TORCH_CHECK_VALUE(o.gradient_clipping() >= 0, kInit, ": options.gradient_clipping must be >= 0, got ",
                     o.gradient_clipping());
   TORCH_CHECK_VALUE(o.offload_optimizer() == "none" || o.offload_optimizer() == "nvme", kInit,
@@ -161,7 +163,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intr
   const auto trainable = trainableGroups(*model_, param_groups_);
   for (const auto& g : param_groups_) groupSizes_.push_back(g.params().size());
   Stage3Units units;  // stage 3: found (and checked) before anything collective
-  if (options.stage() == 3) units = findUnits(model_, trainable);
+  if (options.stage() == 3) units = findUnits(model_, trainable, options.param_persistence_threshold());
   engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, units.layout);
   syncUnmanaged(*model_, *engine_);
   installHooks();
@@ -337,7 +339,7 @@ torch::OrderedDict<std::string, at::Tensor> full_state_dict(const std::shared_pt
     for (int64_t u = 0; u < sharded->unitCount(); ++u) {
       sharded->gather(u);
       for (const auto& b : sharded->buckets()) {
-        if (b.unit != u) continue;
+        if (b.unit != u || b.persistent) continue;  // persistent ones are whole: cloned below
         for (const auto& e : b.entries) full.emplace(e.param.unsafeGetTensorImpl(), e.param.detach().clone());
       }
       sharded->release(u);

@@ -44,7 +44,7 @@ void trainStep(torch::nn::Sequential& model, zeroplus::zero::ZeroOptimizer& opt,
 std::shared_ptr<zeroplus::zero::ZeroOptimizer> makeOpt(torch::nn::Sequential& model,
                                                        c10::intrusive_ptr<c10d::ProcessGroup> pg, int stage, bool sgd,
                                                        int64_t bucket) {
-  const Options options = Options().stage(stage).reduce_bucket_elems(bucket);
+  const Options options = Options().stage(stage).param_persistence_threshold(0).reduce_bucket_elems(bucket);
   if (sgd) return zeroplus::zero::initialize(model, pg, options, torch::optim::SGDOptions(0.05).momentum(0.9));
   return zeroplus::zero::initialize(model, pg, options, zeroplus::optim::ZeroAdamWOptions(1e-2).weight_decay(0.1));
 }

@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
         config.timeout = std::chrono::seconds(60);
         auto pg = zeroplus::pg::makeProcessGroup(store, rank, world, config);
         auto model = makeModel();
-        auto options = zeroplus::zero::Options().stage(stage).mixed_precision(precision).reduce_bucket_elems(200);
+        auto options = zeroplus::zero::Options().stage(stage).param_persistence_threshold(0).mixed_precision(precision).reduce_bucket_elems(200);
         if (!nvme.empty()) options.offload_optimizer("nvme").nvme_path(nvme);
         if (precision == "fp16") options.initial_scale_power(19).hysteresis(1);
         auto opt = sgd ? zeroplus::zero::initialize(model, pg, options, torch::optim::SGDOptions(0.05).momentum(0.9))

@@ -84,7 +84,7 @@ TEST_P(ZeroEngineParity, MatchesSingleProcessLibTorch) {
     auto reference = makeModel();
     std::shared_ptr<zeroplus::zero::ZeroOptimizer> opt;
     std::unique_ptr<torch::optim::Optimizer> ref;
-    const Options options = Options().stage(c.stage).reduce_bucket_elems(c.bucketElems);
+    const Options options = Options().stage(c.stage).param_persistence_threshold(0).reduce_bucket_elems(c.bucketElems);
     if (c.sgd) {
       opt = zeroplus::zero::initialize(model, pg, options, torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
       ref = std::make_unique<torch::optim::SGD>(reference->parameters(),
@@ -207,7 +207,7 @@ TEST(ZeroEngine, Stage3ShardsBetweenUsesAndGathersForFullState) {
     auto reference = makeModel();
     std::vector<std::string> names;
     for (const auto& item : model->named_parameters()) names.push_back(item.key());
-    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions(1e-2));
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3).param_persistence_threshold(0), zeroplus::optim::ZeroAdamWOptions(1e-2));
     torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2));
     auto* sharded = opt->engine().sharded();
     ASSERT_NE(sharded, nullptr);
@@ -266,7 +266,7 @@ TEST_P(ZeroEngineBf16, TrainsCloseToFp32) {
   runRanks(2, [stage](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto model = makeModel();
     auto reference = makeModel();
-    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(stage).mixed_precision("bf16"),
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(stage).param_persistence_threshold(0).mixed_precision("bf16"),
                                           zeroplus::optim::ZeroAdamWOptions(1e-2));
     torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2));
     EXPECT_EQ(model->parameters()[0].scalar_type(), at::kBFloat16);
@@ -329,7 +329,7 @@ TEST_P(ZeroEngineFaults, BackwardFailingHalfWayLeavesTheEngineAsBefore) {
     Injector injector, refInjector;
     auto model = build(injector);
     auto reference = build(refInjector);
-    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(stage).reduce_bucket_elems(64),
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(stage).param_persistence_threshold(0).reduce_bucket_elems(64),
                                           zeroplus::optim::ZeroAdamWOptions(1e-2));
     torch::optim::AdamW ref(reference->parameters(), torch::optim::AdamWOptions(1e-2));
     for (int step = 0; step < 4; ++step) {

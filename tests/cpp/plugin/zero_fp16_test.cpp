@@ -103,7 +103,7 @@ TEST_P(ZeroFp16, TrainsAsTheSingleProcessReference) {
   const Case c = GetParam();
   runRanks(kWorld, [c](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     auto model = makeModel();
-    Options options = Options().stage(c.stage).mixed_precision("fp16").reduce_bucket_elems(100);
+    Options options = Options().stage(c.stage).param_persistence_threshold(0).mixed_precision("fp16").reduce_bucket_elems(100);
     if (c.staticScale) {
       options.loss_scale(512);
     } else {
@@ -157,7 +157,7 @@ TEST(ZeroFp16Overflow, SkippedOnEveryRankScaleHalvesAndGrowsBack) {
     runRanks(kWorld, [stage](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
       auto model = makeModel();
       const Options options =
-          Options().stage(stage).mixed_precision("fp16").initial_scale_power(8).loss_scale_window(2).hysteresis(2);
+          Options().stage(stage).param_persistence_threshold(0).mixed_precision("fp16").initial_scale_power(8).loss_scale_window(2).hysteresis(2);
       auto opt = zeroplus::zero::initialize(model, pg, options, zeroplus::optim::ZeroAdamWOptions(1e-2));
       const std::vector<double> scales{256, 256, 128, 128, 256};
       for (int step = 0; step < 5; ++step) {
@@ -276,7 +276,7 @@ TEST(ZeroFp16Overflow, NvmeOffloadTrainsAsInMemory) {
   std::filesystem::create_directories(dir);
   for (int stage : {2, 3}) {
     runRanks(kWorld, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-      const Options base = Options().stage(stage).mixed_precision("fp16").initial_scale_power(8).loss_scale_window(2)
+      const Options base = Options().stage(stage).param_persistence_threshold(0).mixed_precision("fp16").initial_scale_power(8).loss_scale_window(2)
                                .hysteresis(1).reduce_bucket_elems(100);
       auto model = makeModel();
       auto swapped = makeModel();

@@ -80,7 +80,7 @@ TEST_P(ZeroOffload, BitIdenticalToInMemoryTraining) {
   TempDir nvme;
   runRanks(c.world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     // Small buckets: several records per rank, shards cutting through parameters.
-    Options base = Options().stage(c.stage).mixed_precision(c.precision).reduce_bucket_elems(150);
+    Options base = Options().stage(c.stage).param_persistence_threshold(0).mixed_precision(c.precision).reduce_bucket_elems(150);
     auto plainModel = makeModel();
     auto plain = make(plainModel, pg, base, c.sgd);
     auto swapModel = makeModel();
@@ -272,7 +272,7 @@ TEST_P(ZeroOffloadCheckpoint, SaveAndLoadThroughTheSwapRecordsResumeBitIdentical
   TempDir nvme, ckpt;
   const std::string path = ckpt.path() + "/step2";
   runRanks(c.world, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-    const Options base = Options().stage(c.stage).mixed_precision(c.precision).reduce_bucket_elems(150);
+    const Options base = Options().stage(c.stage).param_persistence_threshold(0).mixed_precision(c.precision).reduce_bucket_elems(150);
     const Options offload = Options(base).offload_optimizer("nvme").nvme_path(nvme.path());
     std::map<std::string, at::Tensor> expected, atSave;
     {

@@ -3,7 +3,8 @@
 // holder with its own forward (an embedding, a Sequential of blocks, a final norm, a head) has its
 // blocks sharded and released between uses and the rest whole on every rank, and trains equal to
 // single-process LibTorch AdamW on the whole batch (fp32; bf16 against the same mixed-precision
-// math; NVMe offload; no_sync; clipping); its checkpoint keeps the parameter names and loads at
+// math; NVMe offload; no_sync; clipping; the blocks' norms and biases kept whole by
+// param_persistence_threshold, and by default every parameter of so small a model); its checkpoint keeps the parameter names and loads at
 // stages 1 and 3; a module shared by two units stays whole; a ModuleList's inner Sequentials are
 // found and the list warned about; models without a Sequential raise naming the remedy.
 #include <gtest/gtest.h>
@@ -118,6 +119,9 @@ struct Bf16Reference {
 struct HolderCase {
   bool bf16;
   bool nvme;
+  // options.param_persistence_threshold; -1: the default (100000, DeepSpeed's and the Python
+  // engine's), which keeps every parameter of this small model whole.
+  int64_t persist = 0;
 };
 
 class ZeroUnitsHolder : public ::testing::TestWithParam<HolderCase> {};
@@ -133,6 +137,8 @@ TEST_P(ZeroUnitsHolder, Stage3HolderMatchesSingleProcessLibTorch) {
     std::vector<std::string> names;
     for (const auto& item : model->named_parameters()) names.push_back(item.key());
     Options options = Options().stage(3);
+    if (c.persist >= 0) options.param_persistence_threshold(c.persist);
+    const int64_t persist = c.persist >= 0 ? c.persist : options.param_persistence_threshold();
     if (c.bf16) options.mixed_precision("bf16");
     if (c.nvme) options.offload_optimizer("nvme").nvme_path(dir.path());
     auto opt =
@@ -152,6 +158,13 @@ TEST_P(ZeroUnitsHolder, Stage3HolderMatchesSingleProcessLibTorch) {
     int64_t total = 0;
     for (auto& p : model->parameters()) total += p.numel();
     EXPECT_LE(opt->owned_numel(), total / 2 + 128);
+    // Sharded: a block's parameter larger than the persistence threshold; every other one whole.
+    auto isSharded = [&](const std::string& name, const at::Tensor& p) {
+      return isUnitParam(name) && p.numel() > persist;
+    };
+    int64_t shardedParams = 0;
+    for (const auto& item : model->named_parameters()) shardedParams += isSharded(item.key(), item.value());
+    EXPECT_EQ(shardedParams, c.persist == 0 ? 6 * kLayers : c.persist > 0 ? 2 * kLayers : 0);
 
     auto checkAtRest = [&](const char* when) {
       EXPECT_EQ(sharded->gatheredBytes(), 0) << when;
@@ -159,7 +172,7 @@ TEST_P(ZeroUnitsHolder, Stage3HolderMatchesSingleProcessLibTorch) {
       for (const auto& item : model->named_parameters()) {
         const at::Tensor p = item.value().detach();
         EXPECT_EQ(p.sizes(), want[item.key()].sizes()) << item.key();
-        if (isUnitParam(item.key())) {
+        if (isSharded(item.key(), p)) {
           EXPECT_TRUE(p.isnan().all().item<bool>()) << when << ": " << item.key() << " holds values at rest";
         } else {  // persistent: whole, with the trained values
           const double diff = (p.to(at::kFloat) - want[item.key()].detach().to(at::kFloat)).abs().max().item<double>();
@@ -213,9 +226,15 @@ TEST_P(ZeroUnitsHolder, Stage3HolderMatchesSingleProcessLibTorch) {
 
 INSTANTIATE_TEST_SUITE_P(PrecisionAndOffload, ZeroUnitsHolder,
                          ::testing::Values(HolderCase{false, false}, HolderCase{true, false}, HolderCase{false, true},
-                                           HolderCase{true, true}),
+                                           HolderCase{true, true},
+                                           // norms and biases (at most 2 * kDim elements) whole, the weights sharded
+                                           HolderCase{false, false, 2 * kDim}, HolderCase{true, true, 2 * kDim},
+                                           HolderCase{false, false, -1}),
                          [](const auto& info) {
-                           return std::string(info.param.bf16 ? "bf16" : "fp32") + (info.param.nvme ? "_nvme" : "");
+                           const int64_t persist = info.param.persist;
+                           return std::string(info.param.bf16 ? "bf16" : "fp32") + (info.param.nvme ? "_nvme" : "") +
+                                  (persist > 0 ? "_persist" + std::to_string(persist)
+                                               : persist < 0 ? "_default_persistence" : "");
                          });
 
 // A stage-3 checkpoint of the holder keeps the user's parameter names (the unit wrappers change
@@ -230,14 +249,14 @@ TEST(ZeroUnits, Stage3HolderCheckpointLoadsAtStages1And3) {
       opt.step();
     };
     auto model = makeLm();
-    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions(1e-2));
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3).param_persistence_threshold(0), zeroplus::optim::ZeroAdamWOptions(1e-2));
     for (int step = 0; step < 2; ++step) train(model, *opt, step);
     zeroplus::save_checkpoint(dir.path() + "/step2", model, *opt);
     train(model, *opt, 2);
     const auto want = zeroplus::zero::full_state_dict(model, *opt);
     for (const auto& [stage, offload] : {std::pair{1, false}, std::pair{3, false}, std::pair{3, true}}) {
       TinyLm other;  // other values: the load replaces them all
-      Options options = Options().stage(stage);
+      Options options = Options().stage(stage).param_persistence_threshold(0);
       if (offload) options.offload_optimizer("nvme").nvme_path(nvme.path());
       auto otherOpt = zeroplus::zero::initialize(other, pg, options, zeroplus::optim::ZeroAdamWOptions(1e-2));
       zeroplus::load_checkpoint(dir.path() + "/step2", other, *otherOpt);
@@ -275,7 +294,7 @@ TEST(ZeroUnits, Stage3ParameterSharedByTwoUnitsStaysWhole) {
     torch::nn::Linear shared{nullptr}, refShared{nullptr};
     auto model = build(shared);
     auto reference = build(refShared);
-    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions(1e-2));
+    auto opt = zeroplus::zero::initialize(model, pg, Options().stage(3).param_persistence_threshold(0), zeroplus::optim::ZeroAdamWOptions(1e-2));
     // LibTorch lists the shared parameters under both names: step each tensor once.
     std::vector<at::Tensor> unique;
     for (const auto& p : reference->parameters()) {
@@ -347,6 +366,11 @@ TEST(ZeroUnits, Stage3RefusesModelsWithoutASequential) {
                 {"zeroplus::zero::initialize", "\"layers\" is a torch::nn::ModuleList",
                  "hold the repeated blocks in a torch::nn::Sequential"});
     EXPECT_TRUE(at::equal(listed->parameters()[0].detach(), before));  // nothing changed
+    TinyLm lm = makeLm();
+    expectError([&] {
+      zeroplus::zero::initialize(lm, pg, Options().stage(3).param_persistence_threshold(-1),
+                                 zeroplus::optim::ZeroAdamWOptions());
+    }, {"zeroplus::zero::initialize", "options.param_persistence_threshold must be >= 0, got -1"});
     // Stages 1 and 2 take any model.
     auto opt = zeroplus::zero::initialize(listed, pg, Options().stage(2), zeroplus::optim::ZeroAdamWOptions());
     EXPECT_EQ(opt->stage(), 2);
@@ -389,7 +413,7 @@ TEST(ZeroUnits, Stage3ModuleListShardsInnerSequentialsAndWarns) {
     std::shared_ptr<zeroplus::zero::ZeroOptimizer> opt;
     {
       c10::WarningUtils::WarningHandlerGuard guard(&warnings);  // per thread: this rank's
-      opt = zeroplus::zero::initialize(model, pg, Options().stage(3), zeroplus::optim::ZeroAdamWOptions(1e-2));
+      opt = zeroplus::zero::initialize(model, pg, Options().stage(3).param_persistence_threshold(0), zeroplus::optim::ZeroAdamWOptions(1e-2));
     }
     ASSERT_EQ(warnings.messages.size(), 1u);
     EXPECT_NE(warnings.messages[0].find("\"layers\" is a torch::nn::ModuleList"), std::string::npos)
