@@ -1,13 +1,19 @@
 // Registers the fused optimizer ops (zeroplus::adam_step, adamw_step, sgd_step, cpu_isa,
-// partition_params) and the torchbind class zeroplus.ZeroParamSync (ZeRO's post-step broadcasts).
+// partition_params) and the torchbind classes zeroplus.ZeroParamSync (ZeRO's post-step
+// broadcasts) and zeroplus.LossScaler (the core's fp16 loss scaler for the Python engine,
+// wrapped by plugin/python/zeroplus/zero/loss_scaler.py).
 // Schemas mark params and state as mutated (Tensor(a!)[]) so torch.compile / functionalization
 // and the dispatcher know they are updated in place; the CPU kernels are bound with
 // TORCH_LIBRARY_IMPL so a CUDA implementation can be added under its own dispatch key.
+#include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include <tuple>
 
 #include "optimizers/adapter/flat_plan_op.hpp"
 #include "optimizers/adapter/fused_optimizer_ops.hpp"
 #include "optimizers/adapter/zero_param_sync.hpp"
+#include "optimizers/core/loss_scaler.hpp"
 #ifdef ZEROPLUS_WITH_CUDA
 #include "optimizers/adapter/fused_optimizer_cuda_ops.hpp"
 #endif
@@ -67,6 +73,53 @@ void sgdStepOp(const std::vector<at::Tensor>& params, const std::vector<at::Tens
               oa::SgdArgs{lr, momentum, dampening, weight_decay, nesterov, maximize, threads});
 }
 
+// torch.classes.zeroplus.LossScaler: a dynamic optim::LossScaler (TorchScript classes derive
+// from CustomClassHolder; the core class stays plain). Its settings are checked here, worded
+// with the Python names (LossScalerOptions' fields): c10::ValueError reaches Python as ValueError.
+class LossScalerHolder : public torch::CustomClassHolder {
+ public:
+  LossScalerHolder(double initScale, int64_t scaleWindow, int64_t hysteresis, double minScale,
+                   bool consecutiveHysteresis, double scaleFactor, bool raiseErrorAtMinScale)
+      : scaler(checked({initScale, scaleWindow, hysteresis, minScale, consecutiveHysteresis, scaleFactor,
+                        raiseErrorAtMinScale})) {}
+
+  // (scale, hysteresis_left, iteration, last_overflow_iteration): Python's state_dict fields.
+  std::tuple<double, int64_t, int64_t, int64_t> state() const {
+    const auto& st = scaler.state();
+    return {st.scale, st.hysteresisLeft, st.iteration, st.lastOverflowIteration};
+  }
+  void load(double scale, int64_t hysteresisLeft, int64_t iteration, int64_t lastOverflowIteration) {
+    scaler.load({scale, hysteresisLeft, iteration, lastOverflowIteration});
+  }
+  // False: an overflow at the minimum scale (nothing changed); Python raises
+  // LossScaleAtMinimumError with atMinimumMessage(), an exception type c10 cannot name.
+  bool update(bool overflow) { return scaler.update(overflow) == 0; }
+
+  optim::LossScaler scaler;
+
+ private:
+  static optim::LossScaler checked(const optim::LossScalerSettings& s) {
+    optim::LossScalerProblem problem;
+    if (optim::checkLossScalerSettings(s, &problem) == 0) return optim::LossScaler(s);
+    using Field = optim::LossScalerProblem::Field;
+    switch (problem.field) {
+      case Field::kInitScale:
+        TORCH_CHECK_VALUE(false, "loss scaler: init_scale must be ", problem.rule, ", got ", s.initScale);
+      case Field::kMinScale:
+        TORCH_CHECK_VALUE(false, "loss scaler: min_scale must be ", problem.rule, ", got ", s.minScale);
+      case Field::kScaleFactor:
+        TORCH_CHECK_VALUE(false, "loss scaler: scale_factor must be ", problem.rule, ", got ", s.scaleFactor);
+      case Field::kScaleWindow:
+        TORCH_CHECK_VALUE(false, "loss scaler: scale_window must be ", problem.rule, ", got ", s.scaleWindow);
+      case Field::kHysteresis:
+        TORCH_CHECK_VALUE(false, "loss scaler: hysteresis must be ", problem.rule, ", got ", s.hysteresis);
+      case Field::kInitBelowMin:
+        TORCH_CHECK_VALUE(false, "loss scaler: init_scale (", s.initScale, ") is below min_scale (", s.minScale, ")");
+    }
+    TORCH_CHECK_VALUE(false, "loss scaler: settings refused");
+  }
+};
+
 }  // namespace
 }  // namespace zeroplus::registration
 
@@ -99,6 +152,15 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
       .def("num_devices", &ZeroParamSync::numDevices)
       .def("num_broadcasts", &ZeroParamSync::numBroadcasts)
       .def("owners", &ZeroParamSync::owners);
+  using zeroplus::registration::LossScalerHolder;
+  using LossScalerRef = c10::intrusive_ptr<LossScalerHolder>;
+  m.class_<LossScalerHolder>("LossScaler")
+      .def(torch::init<double, int64_t, int64_t, double, bool, double, bool>())
+      .def("scale", [](const LossScalerRef& s) { return s->scaler.scale(); })
+      .def("state", &LossScalerHolder::state)
+      .def("load", &LossScalerHolder::load)
+      .def("update", &LossScalerHolder::update)
+      .def("at_minimum_message", [](const LossScalerRef& s) { return s->scaler.atMinimumMessage(); });
 }
 
 TORCH_LIBRARY_IMPL(zeroplus, CPU, m) {

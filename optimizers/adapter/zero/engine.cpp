@@ -46,7 +46,7 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
       placement_(makePlacement(groups, comm_, options, computeDtype_, units)),
       sharded_(dynamic_cast<ShardedParams*>(placement_.get())),
       reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2),
-      scaler_(options) {
+      scaler_(makeLossScaler(options)) {
   for (size_t b = 0; b < placement_->buckets().size(); ++b) {
     steppers_.emplace_back(placement_->buckets()[b], placement_->master(b), comm_.rank());
   }
@@ -176,7 +176,7 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
   for (uint8_t s : stepped) any = any || s;
   if (!any) return;  // every grad None: torch's step changes nothing either
   if (fp16() && overflow()) {  // every rank skips it: the gradients become zeros, the scale drops
-    scaler_.update(true);
+    updateLossScale(scaler_, true);
     ++skippedSteps_;
     reducer_.zero(/*setToNone=*/false);
     clippedThisStep_ = false;
@@ -208,7 +208,7 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
   placement_->releaseGatherInputs();
   clippedThisStep_ = false;
   if (failure) std::rethrow_exception(failure);
-  scaler_.update(false);
+  updateLossScale(scaler_, false);
   if (swapper_) swapper_->endStep();
 }
 

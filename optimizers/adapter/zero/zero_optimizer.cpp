@@ -54,7 +54,7 @@ void checkOptions(const Options& o) {
   TORCH_CHECK_VALUE(o.mixed_precision() == "fp32" || o.mixed_precision() == "bf16" || o.mixed_precision() == "fp16",
                     kInit, ": options.mixed_precision must be \"fp32\", \"bf16\" or \"fp16\", got \"",
                     o.mixed_precision(), "\"");
-  if (o.mixed_precision() == "fp16") engine::LossScaler::check(o, kInit);
+  if (o.mixed_precision() == "fp16") engine::checkLossScaling(o, kInit);
   TORCH_CHECK_VALUE(o.reduce_bucket_elems() >= 1, kInit, ": options.reduce_bucket_elems must be >= 1, got ",
                     o.reduce_bucket_elems());
   TORCH_CHECK_VALUE(o.param_persistence_threshold() >= 0, kInit,

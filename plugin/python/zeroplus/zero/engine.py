@@ -7,7 +7,7 @@ ZeroEngine is composed of one owner per concern; the stage classes (stages.py) o
     sharded_params.py    stage 3: parameters sharded, gathered unit by unit (param_gatherer.py)
     grad_reducer.py      hooks + overlapped reduce-scatter (all-reduce at stage 1); gradient shards
     backward_pass.py     the one owner of backward hooks and of the end-of-backward callback
-    loss_scaler.py       fp16 dynamic loss scaling (DeepSpeed rules)
+    loss_scaler.py       fp16 dynamic loss scaling (DeepSpeed rules, the C++ core's scaler)
     clipping.py          global norm across shards
     grad_views.py        p.grad after backward (views of the reduced gradient for torch's clip functions)
     usage.py             which parameters had a gradient (agreed at step)

@@ -1,19 +1,25 @@
-"""Dynamic loss scaling for fp16, with DeepSpeed's rules (torch-free, pure Python).
+"""fp16 dynamic loss scaling: the Python engine's front-end of the C++ core's scaler.
+
+The rules (DeepSpeed's: initial scale, growth window, hysteresis, consecutive hysteresis, minimum
+scale, raising at the minimum) and the checks of their settings live once, in
+optimizers/core/loss_scaler.hpp, which the C++ engine drives too; this module holds it through
+``torch.classes.zeroplus.LossScaler`` (registration/optim_registration.cpp) and keeps what is
+Python's: the options record, the state_dict format of checkpoints, and the exception type.
 
 DeepSpeed defaults (its fp16 config): initial scale 2**16, growth window 1000, hysteresis 2,
-minimum scale 1. An overflow consumes one unit of hysteresis; only when hysteresis is down to
-one does an overflow halve the scale (never below the minimum). Every `scale_window` clean
-steps since the last overflow the scale doubles and hysteresis is refilled (after any clean
-step with `consecutive_hysteresis`). The overflow decision itself is made elsewhere: the engine
-agrees on it across ranks before calling `update`, so every rank's scaler stays identical.
+minimum scale 1. The overflow decision is made elsewhere: the engine agrees on it across ranks
+before calling `update`, so every rank's scaler stays identical.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
+
+import torch
 
 from ..ds_keys import FP16 as _FP16  # the fp16 block's defaults (DeepSpeed's) are defined there
+
+_STATE_KEYS = ("scale", "hysteresis_left", "iteration", "last_overflow_iteration")
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -31,72 +37,81 @@ class LossScalerOptions:
     raise_error_at_min_scale: bool = True
 
     def validate(self) -> None:
-        def positive(name, value):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"loss scaler: {name} must be a positive finite number, got {value!r}")
+        """TypeError for a value C++ cannot take; ValueError (the core's rules) for one it refuses."""
+        _core(self)
 
-        positive("init_scale", self.init_scale)
-        positive("min_scale", self.min_scale)
-        if not (isinstance(self.scale_factor, (int, float)) and self.scale_factor > 1):
-            raise ValueError(f"loss scaler: scale_factor must be > 1, got {self.scale_factor!r}")
+    def _arguments(self) -> tuple:
+        # Python's types are checked here (the C++ side sees double / int64 only); the values'
+        # rules are the core's.
+        for name in ("init_scale", "min_scale", "scale_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"loss scaler: {name} must be a number, got {value!r}")
         for name in ("scale_window", "hysteresis"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"loss scaler: {name} must be an integer >= 1, got {value!r}")
-        if self.init_scale < self.min_scale:
-            raise ValueError(f"loss scaler: init_scale ({self.init_scale}) is below min_scale ({self.min_scale})")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"loss scaler: {name} must be an int, got {value!r}")
+        return (float(self.init_scale), self.scale_window, self.hysteresis, float(self.min_scale),
+                bool(self.consecutive_hysteresis), float(self.scale_factor), bool(self.raise_error_at_min_scale))
+
+
+def _core(options: LossScalerOptions):
+    return torch.classes.zeroplus.LossScaler(*options._arguments())
 
 
 class DynamicLossScaler:
     def __init__(self, options: LossScalerOptions | None = None):
         self.options = options or LossScalerOptions()
-        self.options.validate()
-        self.scale = float(self.options.init_scale)
-        self.hysteresis_left = self.options.hysteresis
-        self.iteration = 0
-        self.last_overflow_iteration = -1
+        self._core = _core(self.options)
+
+    @property
+    def scale(self) -> float:
+        return self._core.scale()
+
+    @property
+    def hysteresis_left(self) -> int:
+        return self._core.state()[1]
+
+    @property
+    def iteration(self) -> int:
+        return self._core.state()[2]
+
+    @property
+    def last_overflow_iteration(self) -> int:
+        return self._core.state()[3]
 
     def update(self, overflow: bool) -> None:
-        o = self.options
-        if overflow:
-            if o.hysteresis == 1 or self.hysteresis_left == 1:
-                if self.scale <= o.min_scale and o.raise_error_at_min_scale:
-                    raise LossScaleAtMinimumError(
-                        f"fp16 loss scale is already at its minimum ({o.min_scale}) and gradients still "
-                        f"overflow; lower the learning rate or train in bf16")
-                self.scale = max(self.scale / o.scale_factor, o.min_scale)
-            else:
-                self.hysteresis_left -= 1
-            self.last_overflow_iteration = self.iteration
-        else:
-            if o.consecutive_hysteresis:
-                self.hysteresis_left = o.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % o.scale_window == 0:
-                if not o.consecutive_hysteresis:
-                    self.hysteresis_left = o.hysteresis
-                self.scale *= o.scale_factor
-        self.iteration += 1
+        """After every step that had gradients. Raises LossScaleAtMinimumError (nothing changed)
+        when an overflow finds the scale at its minimum and options.raise_error_at_min_scale."""
+        if not self._core.update(bool(overflow)):
+            raise LossScaleAtMinimumError(self._core.at_minimum_message())
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "hysteresis_left": self.hysteresis_left, "iteration": self.iteration,
-                "last_overflow_iteration": self.last_overflow_iteration, "options": asdict(self.options)}
+        return {**dict(zip(_STATE_KEYS, self._core.state())), "options": asdict(self.options)}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("scale", "hysteresis_left", "iteration", "last_overflow_iteration"):
+        """Loads the four state fields; this run's options stay (a saved "options" is ignored)."""
+        for key in _STATE_KEYS:
             if key not in state:
                 raise KeyError(f"loss scaler state_dict: missing key {key!r}")
-        self.scale = float(state["scale"])
-        self.hysteresis_left = int(state["hysteresis_left"])
-        self.iteration = int(state["iteration"])
-        self.last_overflow_iteration = int(state["last_overflow_iteration"])
+        self._core.load(float(state["scale"]), int(state["hysteresis_left"]), int(state["iteration"]),
+                        int(state["last_overflow_iteration"]))
+
+    def __deepcopy__(self, memo) -> DynamicLossScaler:
+        # The engine checks a checkpoint's scaler state on a copy (zero/state.py); a TorchScript
+        # object cannot be deep-copied, so the copy is a new core with this one's state.
+        copy = DynamicLossScaler(LossScalerOptions(**asdict(self.options)))
+        copy.load_state_dict(self.state_dict())
+        return copy
 
 
 class StaticLossScaler:
-    """Scale 1 (fp32 and bf16): nothing is scaled, nothing is skipped."""
+    """A fixed scale (1 for fp32 and bf16; fp16's configured loss_scale): nothing to scale
+    dynamically, nothing is skipped, so no core is needed."""
 
     scale = 1.0
 
-    def update(self, overflow: bool) -> None:  # bf16/fp32 never skip a step
+    def update(self, overflow: bool) -> None:  # a static scale never changes
         pass
 
     def state_dict(self) -> dict:
