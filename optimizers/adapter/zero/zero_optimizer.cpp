@@ -61,9 +61,12 @@ void checkOptions(const Options& o) {
                     ": options.param_persistence_threshold must be >= 0, got ", o.param_persistence_threshold());
   TORCH_CHECK_VALUE(o.gradient_clipping() >= 0, kInit, ": options.gradient_clipping must be >= 0, got ",
                     o.gradient_clipping());
-  TORCH_CHECK_VALUE(o.offload_optimizer() == "none" || o.offload_optimizer() == "nvme", kInit,
-                    ": options.offload_optimizer must be \"none\" or \"nvme\", got \"", o.offload_optimizer(), "\"",
-                    o.offload_optimizer() == "cpu" ? " (the CPU tier runs in the Python engine)" : "");
+  // "cpu" is DeepSpeed's ZeRO-Offload: state and step in host memory. The C++ engine trains CPU
+  // parameters only, whose state is there already, so it is accepted and changes nothing, as the
+  // Python engine does on CPU training (a DeepSpeed config carries over unchanged).
+  TORCH_CHECK_VALUE(o.offload_optimizer() == "none" || o.offload_optimizer() == "cpu" || o.offload_optimizer() == "nvme",
+                    kInit, ": options.offload_optimizer must be \"none\", \"cpu\" or \"nvme\", got \"",
+                    o.offload_optimizer(), "\"");
   if (o.offload_optimizer() == "nvme") {
     const std::string& path = o.nvme_path();
     TORCH_CHECK_VALUE(!path.empty(), kInit, ": options.nvme_path must name a directory when offload_optimizer is "

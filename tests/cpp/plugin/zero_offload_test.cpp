@@ -181,6 +181,27 @@ TEST(ZeroOffloadOrdering, ZeroGradStartsReadingTheNextStepsRecordsBeforeForward)
   });
 }
 
+// offload_optimizer("cpu") (a DeepSpeed config's ZeRO-Offload) on CPU training: the state is in
+// host memory already, so it is accepted, swaps nothing, and trains bit-identically to "none".
+TEST(ZeroOffloadCpu, CpuDeviceIsAcceptedAndChangesNothingOnCpuTraining) {
+  for (int stage = 1; stage <= 3; ++stage) {
+    runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      const Options base = Options().stage(stage).param_persistence_threshold(0).reduce_bucket_elems(150);
+      auto plainModel = makeModel();
+      auto plain = make(plainModel, pg, base, false);
+      auto cpuModel = makeModel();
+      auto cpu = make(cpuModel, pg, Options(base).offload_optimizer("cpu"), false);
+      EXPECT_EQ(cpu->engine().swapper(), nullptr);
+      trainSteps(plainModel, *plain, rank, 0, 3);
+      trainSteps(cpuModel, *cpu, rank, 0, 3);
+      const auto a = zeroplus::zero::full_state_dict(plainModel, *plain);
+      const auto b = zeroplus::zero::full_state_dict(cpuModel, *cpu);
+      for (const auto& item : a) EXPECT_TRUE(torch::equal(item.value(), b[item.key()])) << stage << " " << item.key();
+      EXPECT_EQ(cpu->owned_numel(), plain->owned_numel());
+    });
+  }
+}
+
 TEST(ZeroOffloadOrdering, OneBufferPoolTrainsBitIdentically) {
   TempDir nvme;
   runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
@@ -213,7 +234,8 @@ TEST(ZeroOffloadFaults, BadOptionsRaiseNamingTheField) {
         EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
       }
     };
-    expectValueError(Options().offload_optimizer("disk"), "options.offload_optimizer");
+    expectValueError(Options().offload_optimizer("disk"),
+                     "options.offload_optimizer must be \"none\", \"cpu\" or \"nvme\", got \"disk\"");
     expectValueError(Options().offload_optimizer("nvme"), "options.nvme_path");
     expectValueError(Options().offload_optimizer("nvme").nvme_path(nvme.path() + "/missing"), "options.nvme_path");
     expectValueError(Options().offload_optimizer("nvme").nvme_path(file), "not a directory");
