@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,11 @@
 namespace zeroplus::swap {
 namespace {
 
+bool sameKey(const RecordKey& a, const RecordKey& b) {
+  return a.id == b.id && a.generation == b.generation && a.payloadBytes == b.payloadBytes &&
+         a.layoutTag == b.layoutTag;
+}
+
 uint64_t nowNs() {
   return static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
@@ -23,7 +29,7 @@ uint64_t nowNs() {
 
 }  // namespace
 
-SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
+SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options), bufferBytes_(options.bufferBytes) {
   if (options_.bufferBytes < kHeaderBytes || options_.bufferCount == 0) {
     throw aio::IoError("swap store", options_.parent, 0, options_.bufferBytes, EINVAL,
                        "bufferBytes must hold a header and bufferCount must be >= 1");
@@ -32,22 +38,28 @@ SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options) {
   if (faccessat(parentFd_.get(), ".", W_OK | X_OK, AT_EACCESS) != 0) {
     throw aio::IoError("swap store: directory not writable", options_.parent, 0, 0, errno);
   }
-  int rc = -EEXIST;
-  for (int attempt = 0; attempt < 8 && rc == -EEXIST; ++attempt) {
-    dirName_ = options_.prefix + fs::randomSuffix();
-    rc = fs::createPrivateDirectory(parentFd_.get(), dirName_, &dirFd_);
+  if (options_.inPlace) {  // the caller's private directory (its owner sweeps and locks it)
+    dirPath_ = options_.parent;
+    dirFd_ = fs::UniqueFd(::dup(parentFd_.get()));
+    if (dirFd_.get() < 0) throw aio::IoError("swap store: dup", options_.parent, 0, 0, errno);
+  } else {
+    int rc = -EEXIST;
+    for (int attempt = 0; attempt < 8 && rc == -EEXIST; ++attempt) {
+      dirName_ = options_.prefix + fs::randomSuffix();
+      rc = fs::createPrivateDirectory(parentFd_.get(), dirName_, &dirFd_);
+    }
+    aio::checkErrno(rc, "swap store: create private directory", options_.parent + "/" + dirName_);
+    dirPath_ = options_.parent + "/" + dirName_;
+    // Liveness, as nvme_store.py: the lock is held while this store lives and dropped by the
+    // kernel however the process ends, so a later sweep can tell a live directory from a crashed one.
+    (void)flock(dirFd_.get(), LOCK_EX | LOCK_NB);
   }
-  aio::checkErrno(rc, "swap store: create private directory", options_.parent + "/" + dirName_);
-  dirPath_ = options_.parent + "/" + dirName_;
-  // Liveness, as nvme_store.py: the lock is held while this store lives and dropped by the
-  // kernel however the process ends, so a later sweep can tell a live directory from a crashed one.
-  (void)flock(dirFd_.get(), LOCK_EX | LOCK_NB);
   try {
     engine_ = aio::Engine::create(options_.io);
     pump_ = std::thread([this] { pump(); });
   } catch (...) {
     engine_.reset();
-    unlinkat(parentFd_.get(), dirName_.c_str(), AT_REMOVEDIR);
+    if (!options_.inPlace) unlinkat(parentFd_.get(), dirName_.c_str(), AT_REMOVEDIR);
     throw;
   }
 }
@@ -61,6 +73,7 @@ SwapStore::~SwapStore() {
   if (pump_.joinable()) pump_.join();  // it returns once no transfer is in flight
   engine_.reset();
   files_.clear();
+  for (auto& slot : slots_) deallocate(&slot->mem);
   char name[32];
   // Every id that ever got a file is in files_ until here; remove by name (the directory is
   // ours and private, so the names are the files we created).
@@ -68,7 +81,7 @@ SwapStore::~SwapStore() {
     std::snprintf(name, sizeof(name), "%05llu.swp", static_cast<unsigned long long>(id));
     unlinkat(dirFd_.get(), (options_.stem + name).c_str(), 0);
   }
-  unlinkat(parentFd_.get(), dirName_.c_str(), AT_REMOVEDIR);
+  if (!options_.inPlace) unlinkat(parentFd_.get(), dirName_.c_str(), AT_REMOVEDIR);
 }
 
 std::string SwapStore::pathOf(uint64_t id) const {
@@ -81,24 +94,61 @@ void SwapStore::noteFault(uint64_t id, int err, std::string what) {
   faults_.push_back({id, pathOf(id), err, std::move(what)});
 }
 
-std::shared_ptr<aio::File> SwapStore::fileFor(uint64_t id, int* err) {
+namespace {
+
+// Preallocates `bytes` of fd (a full disk shows here, not in a later write); a file system
+// without fallocate gets its size set instead. 0 or a positive errno.
+int reserveBytes(int fd, uint64_t bytes) {
+  const int rc = posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (rc == 0) return 0;
+  if (rc != EOPNOTSUPP && rc != EINVAL) return rc;
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return errno;
+  if (static_cast<uint64_t>(st.st_size) < bytes && ftruncate(fd, static_cast<off_t>(bytes)) != 0) return errno;
+  return 0;
+}
+
+}  // namespace
+
+std::shared_ptr<aio::File> SwapStore::fileFor(uint64_t id, uint64_t bytes, int* err, std::string* what) {
   auto it = files_.find(id);
-  if (it != files_.end()) return it->second;
+  if (it != files_.end()) {
+    uint64_t& reserved = reserved_[id];
+    if (bytes > reserved) {  // the record grew
+      const int rc = reserveBytes(it->second->fd(), bytes);
+      if (rc != 0) {
+        *err = rc;
+        *what = "create failed: cannot reserve " + std::to_string(bytes) + " bytes: " + std::strerror(rc);
+        return nullptr;
+      }
+      reserved = bytes;
+    }
+    return it->second;
+  }
   const std::string path = pathOf(id);
   fs::UniqueFd fd;
   const std::string name = path.substr(dirPath_.size() + 1);
   const int rc = fs::createExclusive(dirFd_.get(), name, 0600, 0, &fd);
   if (rc < 0) {
     *err = -rc;
+    *what = std::string("create failed: ") + std::strerror(-rc);
+    return nullptr;
+  }
+  if (const int r = reserveBytes(fd.get(), bytes); r != 0) {
+    unlinkat(dirFd_.get(), name.c_str(), 0);  // created again at the next store
+    *err = r;
+    *what = "create failed: cannot reserve " + std::to_string(bytes) + " bytes: " + std::strerror(r);
     return nullptr;
   }
   createdIds_.push_back(id);
   try {
     auto file = aio::File::adopt(fd.release(), path, options_.direct);
     files_[id] = file;
+    reserved_[id] = bytes;
     return file;
   } catch (const aio::IoError& e) {
     *err = e.error();
+    *what = std::string("create failed: ") + e.what();
     return nullptr;
   }
 }
@@ -123,26 +173,62 @@ aio::Ticket SwapStore::submit(aio::OpKind op, std::shared_ptr<aio::File> file, S
 
 // -- buffers --
 
-int SwapStore::newSlot() {
-  auto slot = std::make_unique<Slot>();
+int SwapStore::allocate(aio::AlignedBuffer* mem, size_t bytes) {
   try {
-    slot->mem = aio::AlignedBuffer(options_.bufferBytes);
+    *mem = aio::AlignedBuffer(bytes);
   } catch (const std::bad_alloc&) {
     return -ENOMEM;
   }
+  if (options_.onAllocate) options_.onAllocate(mem->data(), mem->size());
+  stats_.bufferBytes += mem->size();
+  stats_.peakBufferBytes = std::max(stats_.peakBufferBytes, stats_.bufferBytes);
+  return 0;
+}
+
+void SwapStore::deallocate(aio::AlignedBuffer* mem) {
+  if (mem->data() == nullptr) return;
+  if (options_.onFree) options_.onFree(mem->data(), mem->size());
+  stats_.bufferBytes -= mem->size();
+  *mem = aio::AlignedBuffer();
+}
+
+int SwapStore::fit(size_t s, size_t bytes) {
+  aio::AlignedBuffer& mem = slots_[s]->mem;
+  if (mem.size() >= bytes) return 0;
+  deallocate(&mem);  // first: the pool never holds both (peakBufferBytes)
+  return allocate(&mem, bytes);
+}
+
+int SwapStore::newSlot() {
+  auto slot = std::make_unique<Slot>();
+  if (const int rc = allocate(&slot->mem, bufferBytes_); rc < 0) return rc;
   slots_.push_back(std::move(slot));
   stats_.buffers = slots_.size();
   return static_cast<int>(slots_.size() - 1);
 }
 
 int SwapStore::freeSlot() {
-  for (size_t s = 0; s < slots_.size(); ++s) {
-    if (slots_[s]->state == State::kFree) return static_cast<int>(s);
+  int found = -1;
+  for (size_t s = 0; s < slots_.size() && found < 0; ++s) {
+    if (slots_[s]->state == State::kFree) found = static_cast<int>(s);
   }
-  size_t inPool = 0;  // dirty buffers are kept beyond the pool's count
-  for (const auto& slot : slots_) inPool += slot->state != State::kDirty;
-  if (inPool < options_.bufferCount) return newSlot();
-  return -EBUSY;
+  if (found < 0) {
+    size_t inPool = 0;  // dirty buffers are kept beyond the pool's count
+    for (const auto& slot : slots_) inPool += slot->state != State::kDirty;
+    if (inPool < options_.bufferCount) return newSlot();
+    // The least recently written cached record gives its buffer up (it is in its file).
+    for (size_t s = 0; s < slots_.size(); ++s) {
+      const Slot& slot = *slots_[s];
+      if (slot.state == State::kCached && !slot.linger && (found < 0 || slot.seq < slots_[found]->seq)) {
+        found = static_cast<int>(s);
+      }
+    }
+    if (found < 0) return -EBUSY;
+    slotOf_.erase(slots_[found]->key.id);
+    slots_[found]->state = State::kFree;
+  }
+  if (const int rc = fit(static_cast<size_t>(found), bufferBytes_); rc < 0) return rc;
+  return found;
 }
 
 int SwapStore::acquireForOwner(Lock& lk, uint64_t keepId) {
@@ -163,7 +249,7 @@ int SwapStore::acquireForOwner(Lock& lk, uint64_t keepId) {
       }
       if ((slot.state == State::kReading || slot.state == State::kChecking) && slot.ahead) reading = true;
       // The record read ahead last is the one needed last: drop it first.
-      if (slot.state == State::kReady && slot.ahead && slot.key.id != keepId &&
+      if (slot.state == State::kReady && slot.ahead && !slot.linger && slot.key.id != keepId &&
           (evict < 0 || slot.seq > slots_[evict]->seq)) {
         evict = static_cast<int>(i);
       }
@@ -180,6 +266,7 @@ int SwapStore::acquireForOwner(Lock& lk, uint64_t keepId) {
       slotOf_.erase(slot.key.id);
       slot.state = State::kFree;
       ++stats_.evictions;
+      if (const int rc = fit(static_cast<size_t>(evict), bufferBytes_); rc < 0) return rc;
       return evict;
     }
     if (reading) {  // a read ahead becomes evictable when it ends
@@ -194,7 +281,7 @@ int SwapStore::startRead(size_t s, const RecordKey& key, bool ahead, std::string
   Slot& slot = *slots_[s];
   slot.key = key;
   slot.length = recordBytes(key.payloadBytes);
-  slot.dirty = slot.keep = false;
+  slot.dirty = slot.keep = slot.linger = slot.fromWrite = false;
   slot.ahead = ahead;
   slot.err = 0;
   slot.why.clear();
@@ -225,10 +312,21 @@ void SwapStore::startPlannedReads() {
         ++it;
         continue;
       }
+      Slot& slot = *slots_[found->second];
+      if (st == State::kCached && sameKey(slot.key, key)) {  // wanted again: protect it as a read ahead
+        slot.state = State::kReady;
+        slot.ahead = true;
+        slot.err = 0;
+        slot.seq = ++seq_;
+      } else if (st == State::kCached && !slot.linger) {  // another generation: read it anew
+        slotOf_.erase(found);
+        slot.state = State::kFree;
+        continue;
+      }
       it = plan_.erase(it);  // in a buffer already
       continue;
     }
-    if (key.generation == 0 || recordBytes(key.payloadBytes) > options_.bufferBytes || files_.count(key.id) == 0) {
+    if (key.generation == 0 || recordBytes(key.payloadBytes) > bufferBytes_ || files_.count(key.id) == 0) {
       it = plan_.erase(it);  // fetch makes it, or reports it
       continue;
     }
@@ -249,6 +347,11 @@ void SwapStore::completeWrite(size_t s) {
     if (slot.keep) {  // the owner wants this record: it stays, sealed, as if read
       slot.state = State::kReady;
       slot.err = 0;
+      slot.ahead = false;
+      slot.fromWrite = false;
+    } else if (options_.keepWritten || slot.linger) {  // cached: the buffer equals the file
+      slot.state = State::kCached;
+      slot.fromWrite = true;
       slot.ahead = false;
     } else {
       slot.state = State::kFree;
@@ -405,13 +508,6 @@ bool SwapStore::prefetch(const RecordKey& key) {
   return startRead(static_cast<size_t>(s), key, /*ahead=*/true, nullptr) == 0;  // fetch reads again and reports
 }
 
-namespace {
-bool sameKey(const RecordKey& a, const RecordKey& b) {
-  return a.id == b.id && a.generation == b.generation && a.payloadBytes == b.payloadBytes &&
-         a.layoutTag == b.layoutTag;
-}
-}  // namespace
-
 int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
   Lock lk(mu_);
   auto fail = [&](int err, std::string what) {
@@ -419,9 +515,9 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
     return -err;
   };
   const uint64_t length = recordBytes(key.payloadBytes);
-  if (length > options_.bufferBytes) {
+  if (length > bufferBytes_) {
     return fail(EINVAL, "record of " + std::to_string(length) + " bytes exceeds the pool's buffers of " +
-                            std::to_string(options_.bufferBytes));
+                            std::to_string(bufferBytes_));
   }
   for (auto it = plan_.begin(); it != plan_.end();) it = it->id == key.id ? plan_.erase(it) : it + 1;
   bool counted = false;
@@ -435,7 +531,7 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
       if (key.generation == 0) {  // never written: fresh, zero-filled
         std::memset(slot.mem.data(), 0, length);
         slot.key = key;
-        slot.dirty = slot.keep = slot.ahead = false;
+        slot.dirty = slot.keep = slot.ahead = slot.linger = slot.fromWrite = false;
         slot.state = State::kHeld;
         slotOf_[key.id] = static_cast<size_t>(a);
         *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
@@ -473,14 +569,20 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
       case State::kDirty:  // its last write failed: the buffer is the record
         if (!counted) ++stats_.fetchesInBuffer;
         slot.dirty = true;
+        slot.linger = false;
         slot.state = State::kHeld;
         break;
+      case State::kCached:
       case State::kReady:
-        if (!sameKey(slot.key, key)) {  // read for another generation (a stale plan): read again
+        if (!sameKey(slot.key, key)) {  // read or written for another generation: read again
+          if (slot.linger) return fail(EBUSY, "record is still read by its owner (stored with linger)");
           slot.state = State::kFree;
           slotOf_.erase(found);
           continue;
         }
+        if (slot.fromWrite) ++stats_.cacheHits;
+        slot.fromWrite = false;
+        slot.linger = false;
         if (slot.err != 0) {
           const int err = slot.err;
           std::string why = std::move(slot.why);
@@ -501,7 +603,7 @@ int SwapStore::fetch(const RecordKey& key, void** payload, SwapFault* fault) {
   }
 }
 
-void SwapStore::store(const RecordKey& key) {
+void SwapStore::store(const RecordKey& key, bool linger) {
   std::lock_guard<std::mutex> lk(mu_);
   auto found = slotOf_.find(key.id);
   if (found == slotOf_.end() || slots_[found->second]->state != State::kHeld) {
@@ -512,11 +614,13 @@ void SwapStore::store(const RecordKey& key) {
   slot.dirty = false;
   slot.key = key;
   slot.length = recordBytes(key.payloadBytes);
+  slot.linger = linger;
   int err = 0;
-  auto file = fileFor(key.id, &err);
+  std::string what;
+  auto file = fileFor(key.id, slot.length, &err, &what);
   if (!file) {
     slot.state = State::kDirty;
-    noteFault(key.id, err, std::string("create failed: ") + std::strerror(err));
+    noteFault(key.id, err, std::move(what));
     return;
   }
   slot.file = std::move(file);
@@ -528,10 +632,28 @@ void SwapStore::store(const RecordKey& key) {
 void SwapStore::release(uint64_t id) {
   std::lock_guard<std::mutex> lk(mu_);
   auto found = slotOf_.find(id);
-  if (found == slotOf_.end() || slots_[found->second]->state != State::kHeld) return;
+  if (found == slotOf_.end()) return;
   Slot& slot = *slots_[found->second];
+  if (slot.state != State::kHeld) {  // the end of a linger
+    if (slot.linger) {
+      slot.linger = false;
+      if (slot.state == State::kCached && !options_.keepWritten) {
+        slot.state = State::kFree;
+        slotOf_.erase(found);
+      }
+      wakePump();  // a planned read may take the buffer now
+    }
+    return;
+  }
   if (slot.dirty) {  // the file is stale: this buffer is the record until its next store
     slot.state = State::kDirty;
+    return;
+  }
+  if (options_.keepWritten && slot.key.generation != 0) {  // unchanged: still equals its file
+    slot.state = State::kCached;
+    slot.fromWrite = true;
+    slot.seq = ++seq_;
+    wakePump();
     return;
   }
   slot.state = State::kFree;
@@ -545,9 +667,9 @@ int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, Swa
     return -err;
   };
   const uint64_t length = recordBytes(payloadBytes);
-  if (length > options_.bufferBytes) {
+  if (length > bufferBytes_) {
     return fail(EINVAL, "record of " + std::to_string(length) + " bytes exceeds the pool's buffers of " +
-                            std::to_string(options_.bufferBytes));
+                            std::to_string(bufferBytes_));
   }
   for (auto it = plan_.begin(); it != plan_.end();) it = it->id == id ? plan_.erase(it) : it + 1;
   auto found = slotOf_.find(id);
@@ -565,9 +687,14 @@ int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, Swa
     if (s < 0) return fail(-s, "no buffer for the record");
     slotOf_[id] = static_cast<size_t>(s);
   }
+  if (const int rc = fit(static_cast<size_t>(s), length); rc < 0) {  // a buffer of before a reserve()
+    slotOf_.erase(id);
+    slots_[s]->state = State::kFree;
+    return fail(-rc, "no buffer for the record");
+  }
   Slot& slot = *slots_[s];
   slot.key = {id, 0, payloadBytes, 0};
-  slot.dirty = slot.keep = slot.ahead = false;
+  slot.dirty = slot.keep = slot.ahead = slot.linger = slot.fromWrite = false;
   slot.state = State::kHeld;
   std::memset(slot.mem.data(), 0, length);
   *payload = static_cast<char*>(slot.mem.data()) + kHeaderBytes;
@@ -593,6 +720,75 @@ std::vector<SwapFault> SwapStore::drain() {
     stats_.writeWaitNs += nowNs() - t0;
   }
   return std::exchange(faults_, {});
+}
+
+}  // namespace zeroplus::swap
+
+namespace zeroplus::swap {
+
+void SwapStore::reserve(size_t bytes) {
+  std::lock_guard<std::mutex> lk(mu_);
+  bufferBytes_ = std::max(bufferBytes_, bytes);
+}
+
+size_t SwapStore::bufferBytes() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return bufferBytes_;
+}
+
+const char* SwapStore::engineName() const { return aio::toString(engine_->kind()); }
+
+int SwapStore::drop(Lock& lk, uint64_t id) {
+  for (auto it = plan_.begin(); it != plan_.end();) it = it->id == id ? plan_.erase(it) : it + 1;
+  auto found = slotOf_.find(id);
+  if (found != slotOf_.end() && slots_[found->second]->state == State::kHeld) return -EBUSY;
+  const int s = settle(lk, id);  // a transfer of the old record ends first (its outcome is moot)
+  if (s >= 0) {
+    Slot& slot = *slots_[s];
+    if (slot.state == State::kHeld) return -EBUSY;
+    slot.state = State::kFree;
+    slot.dirty = slot.keep = slot.linger = slot.fromWrite = false;
+    slotOf_.erase(id);
+  }
+  for (size_t i = faults_.size(); i > 0; --i) {
+    if (faults_[i - 1].id == id) faults_.erase(faults_.begin() + static_cast<std::ptrdiff_t>(i - 1));
+  }
+  wakePump();
+  return 0;
+}
+
+void SwapStore::forget(uint64_t id) {
+  Lock lk(mu_);
+  (void)drop(lk, id);
+}
+
+int SwapStore::adopt(uint64_t id, SwapFault* fault) {
+  Lock lk(mu_);
+  const std::string path = pathOf(id);
+  if (drop(lk, id) < 0) {
+    *fault = {id, path, EBUSY, "record is held"};
+    return -EBUSY;
+  }
+  files_.erase(id);  // the old file (its descriptor names the replaced inode)
+  reserved_.erase(id);
+  const std::string name = path.substr(dirPath_.size() + 1);
+  const int fd = ::openat(dirFd_.get(), name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  struct stat st {};
+  const int err = fd < 0 ? errno : (fstat(fd, &st) != 0 ? errno : (S_ISREG(st.st_mode) ? 0 : EINVAL));
+  if (err != 0) {
+    if (fd >= 0) ::close(fd);
+    *fault = {id, path, err, std::string("open failed: ") + std::strerror(err)};
+    return -err;
+  }
+  if (std::find(createdIds_.begin(), createdIds_.end(), id) == createdIds_.end()) createdIds_.push_back(id);
+  try {
+    files_[id] = aio::File::adopt(fd, path, options_.direct);
+  } catch (const aio::IoError& e) {
+    *fault = {id, path, e.error(), std::string("open failed: ") + e.what()};
+    return -e.error();
+  }
+  reserved_[id] = static_cast<uint64_t>(st.st_size);
+  return 0;
 }
 
 }  // namespace zeroplus::swap

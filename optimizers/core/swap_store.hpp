@@ -16,13 +16,27 @@
 //                  written (write-behind: the buffer stays busy until the write ends);
 //   release(id)    gives a held buffer back unwritten (a reader that changed nothing);
 //   overwrite(id)  holds a zero-filled buffer for a record the caller replaces whole (no read:
-//                  a checkpoint load), then store()s.
-// The pool holds `bufferCount` buffers of `bufferBytes`, allocated on first use. A planned read
-// never waits, never grows the pool and never evicts. A fetch that needs a buffer when none is
-// free waits for the oldest write in flight, else evicts a record read ahead but not yet
-// fetched, else grows the pool. A write that fails keeps its buffer (the record stays in memory,
-// "dirty", beyond bufferCount if need be): a fetch of that record uses it without a read and its
-// next store writes it again.
+//                  a checkpoint load), then store()s;
+//   adopt(id)      the caller replaced the record's file (a rename over it: a crash-consistent
+//                  load): the store drops what it buffered of the old one and opens the new one;
+//   forget(id)     drops what the store buffered of the record (its file stays).
+// The pool holds `bufferCount` buffers of `bufferBytes`, allocated on first use. reserve() raises
+// bufferBytes (records that grow: state an optimizer creates later); a free buffer smaller than
+// that is replaced when it is next used, so the pool never holds more than bufferCount buffers of
+// the largest size reserved. A planned read never waits, never grows the pool past bufferCount
+// and never evicts a record read ahead. A fetch that needs a buffer when none is free waits for
+// the oldest write in flight, else evicts a record read ahead but not yet fetched, else grows the
+// pool. A write that fails keeps its buffer (the record stays in memory, "dirty", beyond
+// bufferCount if need be): a fetch of that record uses it without a read and its next store
+// writes it again.
+//
+// keepWritten (an owner that visits its records in alternating orders: the Python engine): a
+// record whose write ended stays in its buffer, "cached", and a fetch of that generation takes
+// it without a read (stats().cacheHits), as does one released unchanged (release(id) promises
+// the payload was not written); the least recently written cached record is the first
+// buffer a read or a fetch takes. store(key, linger) keeps the payload readable by the owner
+// after the store (a master the owner publishes after the step) until release(id): the buffer
+// is not reused before that.
 //
 // Why a thread: a write that ends during the owner's forward/backward frees its buffer for the
 // next planned read at once, not when the owner next calls in; and the CRC-32s (one pass over
@@ -39,14 +53,15 @@
 // Threading: the public methods are for one owner thread (the training thread; not re-entrant),
 // and take the store's mutex; the pump thread and the aio workers do the rest. Lifetime: the
 // destructor stops the pump (stored records not yet submitted are dropped), waits for every
-// transfer in flight, unlinks the files it made and removes the directory (errors there are
-// ignored: nothing to report them to).
+// transfer in flight, unlinks the files it made and removes the directory (inPlace: the files
+// only; errors there are ignored: nothing to report them to).
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -63,12 +78,20 @@ namespace zeroplus::swap {
 
 struct SwapStoreOptions {
   std::string parent;                 // an existing, writable directory
+  // true: `parent` IS the store's directory, private and owned by the caller (the Python
+  // engine's SwapDirectory: its stale-directory sweep and liveness lock); the store creates no
+  // directory there and removes only the files it created.
+  bool inPlace = false;
   std::string prefix = "zeroplus-swap-";
   std::string stem = "record-";       // file names: stem + 5-digit id + ".swp"
   size_t bufferBytes = 0;             // capacity of one pooled buffer: the largest record
   size_t bufferCount = 4;
   aio::EngineOptions io;
   aio::DirectMode direct = aio::DirectMode::Auto;
+  bool keepWritten = false;           // cache records whose write ended (see above)
+  // Called with every pool buffer right after it is allocated and right before it is freed,
+  // under the store's mutex (an adapter pins them for CUDA copies: cudaHostRegister). Optional.
+  std::function<void(void*, size_t)> onAllocate, onFree;
 };
 
 struct SwapFault {
@@ -93,6 +116,9 @@ struct SwapStats {
   uint64_t checksumNs = 0;      // CRC-32 of records read (checkRecord) and written (sealRecord), on the pump thread
   uint64_t evictions = 0;       // records read ahead, dropped unfetched for a fetch that needed a buffer
   size_t maxInFlight = 0;       // the most transfers (reads + writes) in flight at once
+  uint64_t cacheHits = 0;       // fetches of a record cached since its write (keepWritten): no read
+  uint64_t bufferBytes = 0;     // bytes of the buffers allocated now
+  uint64_t peakBufferBytes = 0; // the most bytes of buffers allocated at once
 };
 
 class SwapStore {
@@ -120,12 +146,28 @@ class SwapStore {
   // with *fault filled (the buffer is given back; the record is unusable).
   int fetch(const RecordKey& key, void** payload, SwapFault* fault);
   // Seals the held record of key.id as `key` and starts its write (the pump thread does both:
-  // the call does not wait). A record whose file cannot be created stays in memory, dirty, and
-  // is reported by the next poll()/drain().
-  void store(const RecordKey& key);
+  // the call does not wait). A record whose file cannot be created (or reserved: the file is
+  // preallocated to the record's size, so a full disk shows here) stays in memory, dirty, and
+  // is reported by the next poll()/drain() with a `what` starting "create failed". linger: the
+  // owner still reads the payload (never writes it) until release(id).
+  void store(const RecordKey& key, bool linger = false);
   // Gives the held record of `id` back unwritten. A record whose last write failed stays in its
-  // buffer, dirty (its file is stale: the buffer is the only copy), as before the fetch.
+  // buffer, dirty (its file is stale: the buffer is the only copy), as before the fetch. On a
+  // record stored with linger: the owner no longer reads its payload.
   void release(uint64_t id);
+  // Raises bufferBytes to at least `bytes` (never lowers it). Buffers in use keep their size.
+  void reserve(size_t bytes);
+  size_t bufferBytes() const;
+  // The file of `id` (pathOf(id)) was replaced by the caller: waits for transfers of the record,
+  // drops its buffered copy (dirty or not: the file is the record now) and its unreported write
+  // faults, and opens the file found there (which the destructor removes). 0, or a negative
+  // errno with *fault filled (-EBUSY: held; the file cannot be opened: the next fetch reports
+  // it missing, the next store creates it).
+  int adopt(uint64_t id, SwapFault* fault);
+  // As adopt, keeping the file as it is: the caller no longer wants the buffered copy.
+  void forget(uint64_t id);
+  // "io_uring" or "threads": the engine moving the bytes.
+  const char* engineName() const;
   // Holds a buffer for record `id` filled with zeros (payloadBytes bytes after the header) without
   // reading the file: the caller replaces the whole payload and store()s it. A read of `id` in
   // flight is waited for and discarded; a write in flight is waited for (its failure is not
@@ -141,8 +183,9 @@ class SwapStore {
   // kFree: nothing; kReading: read in flight; kChecking: read ended, the pump is checking it
   // (unlocked); kReady: read and checked (verdict in err/why), not yet fetched; kHeld: the owner
   // works on it; kSeal: stored, waiting for the pump; kSealing: the pump seals it (unlocked);
-  // kWriting: write in flight; kDirty: its last write failed, the buffer is the only copy.
-  enum class State { kFree, kReading, kChecking, kReady, kHeld, kSeal, kSealing, kWriting, kDirty };
+  // kWriting: write in flight; kDirty: its last write failed, the buffer is the only copy;
+  // kCached: written, the buffer equals the file (keepWritten, or a linger not yet released).
+  enum class State { kFree, kReading, kChecking, kReady, kHeld, kSeal, kSealing, kWriting, kDirty, kCached };
   struct Slot {
     aio::AlignedBuffer mem;
     State state = State::kFree;
@@ -152,6 +195,8 @@ class SwapStore {
     bool dirty = false;     // held, and its last write failed (release() keeps it)
     bool keep = false;      // the owner waits for this record's write: keep it in the buffer (kReady)
     bool ahead = false;     // read for a plan or prefetch (evictable while kReady)
+    bool linger = false;    // stored with linger, not released: the owner reads the payload
+    bool fromWrite = false; // kReady/kCached: the buffer holds what this store wrote (no read)
     int err = 0;            // kReady: 0, or the positive errno of a read that failed or was refused
     std::string why;
     aio::Ticket ticket;
@@ -159,8 +204,17 @@ class SwapStore {
   };
   using Lock = std::unique_lock<std::mutex>;
   bool inFlight(State s) const { return s == State::kReading || s == State::kWriting; }
-  // A free buffer without waiting: kFree, or a new one below bufferCount; -1 if none.
+  // A free buffer without waiting: kFree, a new one below bufferCount, or the least recently
+  // written cached record's; -EBUSY if none. Sized to bufferBytes_ (fit).
   int freeSlot();
+  // Replaces slot s's buffer by one of bufferBytes_ if it is smaller; negative errno on failure.
+  int fit(size_t s, size_t bytes);
+  int allocate(aio::AlignedBuffer* mem, size_t bytes);
+  void deallocate(aio::AlignedBuffer* mem);
+  // Owner: waits for the record's transfers and drops its buffered copy and faults (adopt/forget).
+  int drop(Lock& lk, uint64_t id);
+  // Creates the record's file or grows its reservation to `bytes`.
+  std::shared_ptr<aio::File> fileFor(uint64_t id, uint64_t bytes, int* err, std::string* what);
   // A buffer for the owner: freeSlot(), else wait for the oldest write, else evict a record read
   // ahead, else grow the pool. Negative errno on allocation failure.
   int acquireForOwner(Lock& lk, uint64_t keepId);
@@ -172,7 +226,6 @@ class SwapStore {
   void completeWrite(size_t s);
   void noteInFlight();
   void noteFault(uint64_t id, int err, std::string what);
-  std::shared_ptr<aio::File> fileFor(uint64_t id, int* err);
   void pump();
   void wakePump();
   // Submits the slot's transfer (slot.length bytes at offset 0) with the pump's waker as onDone.
@@ -215,6 +268,8 @@ class SwapStore {
   std::vector<std::unique_ptr<Slot>> slots_;
   std::map<uint64_t, size_t> slotOf_;  // id -> slot, while the record is in a buffer
   std::map<uint64_t, std::shared_ptr<aio::File>> files_;
+  std::map<uint64_t, uint64_t> reserved_;  // bytes preallocated per file
+  size_t bufferBytes_ = 0;             // options_.bufferBytes, raised by reserve()
   std::vector<uint64_t> createdIds_;   // files this store created (removed by the destructor)
   std::deque<RecordKey> plan_;
   std::vector<SwapFault> faults_;

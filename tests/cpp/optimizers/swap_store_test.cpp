@@ -4,6 +4,12 @@
 // (a corrupt one included), a pool without a free buffer waits for the oldest write, planned
 // reads start as writes free buffers (no call from the owner needed) and are checked before use,
 // and a fetch waiting for a buffer gets the next one a write frees before any planned read.
+// The Python engine's uses: a store in the caller's own directory (inPlace), records cached after
+// their write (keepWritten) and evicted least recently written first, a payload kept readable
+// after its store until released (linger), buffers that grow with reserve() (replaced, never
+// added: the pool's bytes stay bufferCount x the largest record), a full disk reported when the
+// file is created (preallocation), and a record file replaced by a rename (adopt) or dropped from
+// the buffers (forget).
 #include "optimizers/core/swap_store.hpp"
 
 #include <fcntl.h>
@@ -339,6 +345,202 @@ TEST(SwapStore, ReadAheadOfAnOlderGenerationIsReadAgain) {
   ASSERT_EQ(store.fetch(key(6, 2), &p, &f), 0) << f.what;
   EXPECT_TRUE(matches(p, 6, 2));
   store.release(6);
+}
+
+TEST(SwapStore, InPlaceUsesTheCallersDirectoryAndLeavesIt) {
+  TempDir dir;
+  {
+    SwapStoreOptions o = optionsFor(dir.path());
+    o.inPlace = true;
+    o.stem = "optimizer-b";
+    SwapStore store(o);
+    EXPECT_EQ(store.directory(), dir.path());
+    EXPECT_EQ(store.pathOf(3), dir.path() + "/optimizer-b00003.swp");
+    writeOne(store, 3);
+    ASSERT_TRUE(store.drain().empty());
+    EXPECT_EQ(std::filesystem::status(store.pathOf(3)).permissions() & std::filesystem::perms::all,
+              std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir.path()));  // the caller's: only the files go
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+TEST(SwapStore, WrittenRecordsStayCachedAndTheLeastRecentlyWrittenGoesFirst) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path(), /*count=*/2);
+  o.keepWritten = true;
+  SwapStore store(o);
+  writeOne(store, 0);
+  writeOne(store, 1);
+  ASSERT_TRUE(store.drain().empty());
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(1, 1), &p, &f), 0) << f.what;  // cached: no read
+  EXPECT_TRUE(matches(p, 1, 1));
+  EXPECT_EQ(store.stats().cacheHits, 1u);
+  EXPECT_EQ(store.stats().reads, 0u);
+  store.release(1);
+  // A third record takes the buffer of record 0 (written before record 1).
+  writeOne(store, 2);
+  ASSERT_TRUE(store.drain().empty());
+  EXPECT_EQ(store.stats().buffers, 2u);
+  ASSERT_EQ(store.fetch(key(2, 1), &p, &f), 0) << f.what;
+  store.release(2);
+  EXPECT_EQ(store.stats().cacheHits, 2u);
+  ASSERT_EQ(store.fetch(key(0, 1), &p, &f), 0) << f.what;  // evicted: read from its file
+  EXPECT_TRUE(matches(p, 0, 1));
+  EXPECT_EQ(store.stats().reads, 1u);
+  store.release(0);
+  // A cached copy of another generation is not taken for the one asked (a stale file is refused).
+  EXPECT_EQ(store.fetch(key(2, 2), &p, &f), -EBADMSG);
+  EXPECT_NE(f.what.find("generation"), std::string::npos) << f.what;
+}
+
+TEST(SwapStore, CachedRecordsInThePlanAreNotEvictedByItsReads) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path(), /*count=*/2);
+  o.keepWritten = true;
+  SwapStore store(o);
+  for (uint64_t id = 0; id < 3; ++id) writeOne(store, id);  // cached now: records 1 and 2
+  ASSERT_TRUE(store.drain().empty());
+  store.planReads({key(2, 1), key(0, 1), key(1, 1)});  // record 2 first: cached, kept for its fetch
+  for (int i = 0; i < 10000 && store.stats().readsAhead == 0; ++i) ::usleep(1000);
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(2, 1), &p, &f), 0) << f.what;
+  EXPECT_TRUE(matches(p, 2, 1));
+  EXPECT_EQ(store.stats().cacheHits, 1u);
+  store.release(2);
+  ASSERT_EQ(store.fetch(key(0, 1), &p, &f), 0) << f.what;
+  EXPECT_TRUE(matches(p, 0, 1));
+  store.release(0);
+  EXPECT_EQ(store.stats().readsOnDemand, 0u);  // record 2 was kept, record 0 read ahead in record 1's buffer
+  EXPECT_EQ(store.stats().evictions, 0u);
+}
+
+TEST(SwapStore, ALingeringPayloadIsNotReusedUntilReleased) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/1));
+  writeOne(store, 0);
+  ASSERT_TRUE(store.drain().empty());
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(1, 0), &p, &f), 0) << f.what;
+  fill(p, 1, 1);
+  store.store(key(1, 1), /*linger=*/true);
+  store.planReads({key(0, 1)});
+  ASSERT_TRUE(store.drain().empty());
+  ::usleep(20000);  // the pump had every chance to read record 0 into the one buffer
+  EXPECT_EQ(store.stats().readsAhead, 0u);
+  EXPECT_TRUE(matches(p, 1, 1));  // still the owner's to read
+  store.release(1);               // the end of the linger: the plan goes on
+  for (int i = 0; i < 10000 && store.stats().readsAhead == 0; ++i) ::usleep(1000);
+  EXPECT_EQ(store.stats().readsAhead, 1u);
+  ASSERT_EQ(store.fetch(key(0, 1), &p, &f), 0) << f.what;
+  EXPECT_TRUE(matches(p, 0, 1));
+  store.release(0);
+  EXPECT_EQ(store.stats().buffers, 1u);
+}
+
+TEST(SwapStore, ReserveGrowsBuffersByReplacingThem) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/2));
+  writeOne(store, 0);
+  writeOne(store, 1);
+  ASSERT_TRUE(store.drain().empty());
+  const uint64_t small = recordBytes(kPayload);
+  EXPECT_EQ(store.stats().bufferBytes, 2 * small);
+  constexpr uint64_t kLarger = 3 * kPayload;
+  void* p = nullptr;
+  SwapFault f;
+  EXPECT_EQ(store.overwrite(0, kLarger, &p, &f), -EINVAL);  // not reserved
+  store.reserve(recordBytes(kLarger));
+  ASSERT_EQ(store.overwrite(0, kLarger, &p, &f), 0) << f.what;
+  auto* bytes = static_cast<unsigned char*>(p);
+  for (uint64_t i = 0; i < kLarger; ++i) bytes[i] = static_cast<unsigned char>(i * 3);
+  store.store({0, 2, kLarger, 0x77});
+  ASSERT_TRUE(store.drain().empty());
+  EXPECT_GE(std::filesystem::file_size(store.pathOf(0)), recordBytes(kLarger));  // the reservation grew
+  ASSERT_EQ(store.fetch({0, 2, kLarger, 0x77}, &p, &f), 0) << f.what;
+  bytes = static_cast<unsigned char*>(p);
+  bool same = true;
+  for (uint64_t i = 0; i < kLarger; ++i) same = same && bytes[i] == static_cast<unsigned char>(i * 3);
+  EXPECT_TRUE(same);
+  store.release(0);
+  ASSERT_EQ(store.fetch(key(1, 1), &p, &f), 0) << f.what;  // the small record in a grown buffer
+  EXPECT_TRUE(matches(p, 1, 1));
+  store.release(1);
+  const SwapStats st = store.stats();
+  EXPECT_EQ(st.buffers, 2u);
+  EXPECT_LE(st.peakBufferBytes, 2 * recordBytes(kLarger));
+  EXPECT_LE(st.bufferBytes, 2 * recordBytes(kLarger));
+}
+
+TEST(SwapStore, AFullDiskShowsWhenTheFileIsCreatedAndTheRecordIsKept) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path());
+  o.inPlace = true;
+  SwapStore store(o);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto* previous = signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 4096;  // the preallocation of the whole record fails: EFBIG
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  writeOne(store, 2);
+  auto faults = store.drain();
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &old), 0);
+  signal(SIGXFSZ, previous);
+  ASSERT_EQ(faults.size(), 1u);
+  EXPECT_EQ(faults[0].err, EFBIG);
+  EXPECT_EQ(faults[0].what.rfind("create failed", 0), 0u) << faults[0].what;
+  EXPECT_FALSE(std::filesystem::exists(store.pathOf(2)));  // no half-reserved file is left
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(2, 1), &p, &f), 0) << f.what;  // dirty: in memory
+  EXPECT_TRUE(matches(p, 2, 1));
+  store.store(key(2, 2));
+  EXPECT_TRUE(store.drain().empty());
+  EXPECT_TRUE(std::filesystem::exists(store.pathOf(2)));
+}
+
+TEST(SwapStore, AdoptOpensTheFileRenamedOverTheRecordAndForgetDropsTheCopy) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path());
+  o.inPlace = true;
+  o.keepWritten = true;
+  SwapStore store(o);
+  writeOne(store, 4);
+  ASSERT_TRUE(store.drain().empty());
+  // The caller writes generation 5 of record 4 to a side file and renames it over the record.
+  aio::AlignedBuffer side(recordBytes(kPayload));
+  fill(static_cast<char*>(side.data()) + kHeaderBytes, 4, 5);
+  sealRecord(side.data(), key(4, 5));
+  const std::string sidePath = dir.path() + "/side.new";
+  const int fd = ::open(sidePath.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::pwrite(fd, side.data(), recordBytes(kPayload), 0), static_cast<ssize_t>(recordBytes(kPayload)));
+  ::close(fd);
+  ASSERT_EQ(::rename(sidePath.c_str(), store.pathOf(4).c_str()), 0);
+  SwapFault f;
+  ASSERT_EQ(store.adopt(4, &f), 0) << f.what;
+  void* p = nullptr;
+  EXPECT_EQ(store.fetch(key(4, 1), &p, &f), -EBADMSG);  // the cached generation 1 is gone
+  EXPECT_NE(f.what.find("generation"), std::string::npos) << f.what;
+  ASSERT_EQ(store.fetch(key(4, 5), &p, &f), 0) << f.what;  // read through the new file
+  EXPECT_TRUE(matches(p, 4, 5));
+  EXPECT_EQ(store.adopt(4, &f), -EBUSY);  // held
+  store.release(4);
+  // forget: the next fetch reads the file again.
+  const uint64_t reads = store.stats().reads;
+  store.forget(4);
+  ASSERT_EQ(store.fetch(key(4, 5), &p, &f), 0) << f.what;
+  EXPECT_EQ(store.stats().reads, reads + 1);
+  store.release(4);
+  // A file that is not there: adopt says so naming it, the next store creates it.
+  ASSERT_EQ(::unlink(store.pathOf(4).c_str()), 0);
+  EXPECT_EQ(store.adopt(4, &f), -ENOENT);
+  EXPECT_EQ(f.path, store.pathOf(4));
 }
 
 TEST(SwapStore, BadParentIsRefused) {

@@ -187,6 +187,13 @@ class SwapDirectory:
         os.close(fd)
         return self.io_path(name)
 
+    def track(self, name: str) -> None:
+        """`name` is a file that someone else creates in this directory (the C++ swap store,
+        through its own descriptor of it): counted by disk_bytes, removed by close."""
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"SwapDirectory.track: bad file name {name!r}")
+        self._files.add(name)
+
     def grow(self, name: str, size: int) -> None:
         """Reserves `size` bytes for an existing file of ours (a record that grew)."""
         path = os.path.join(self.path, name)
