@@ -2,8 +2,10 @@
 
     policy.py      OffloadPolicy / AioPolicy: the knobs, parsed from kwargs or a DeepSpeed config
     nvme_store.py  one rank's private swap directory and its exclusively created files
-    record.py      one bucket's swap record: header (generation, checksums) + payload
-    swapper.py     the pipelined NVMe swapper behind BucketOptimizer.fetch/store
+    record.py      the parameter/gradient swap record: header (generation, checksums) + payload;
+                   its Layout (which tensors, where) also lays out the optimizer's records
+    swapper.py     the NVMe optimizer swapper behind BucketOptimizer.fetch/store, on the C++
+                   swap store (torch.classes.zeroplus.SwapStore, optimizers/core/swap_store.hpp)
     host_tier.py   CUDA training (ZeRO-Offload): fp32 masters and state on the host, the step on
                    the CPU, gradients down and parameters up per bucket on a copy stream
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
@@ -12,6 +14,7 @@
     grad_spill.py  gradient shards of NVMe-offloaded parameters, in files between backward and step
                    (CPU training; CUDA training with offload_optimizer)
     io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
+                   (param_swapper.py, grad_spill.py; the optimizer's records use the C++ store)
 
 The ZeRO engines call prepare_optimizer_store() before changing anything (checks, the swap
 directory), make_host_tier() once their masters exist (the host tier replaces them with host

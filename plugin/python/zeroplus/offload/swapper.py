@@ -10,8 +10,8 @@ each segment's elementwise state keys), pointing the optimizer's state tensors a
 held record, the swap directory (nvme_store.SwapDirectory: the store works inside it), loading,
 and the error policy. The engine steps bucket after bucket (fetch -> step -> store):
 
-    begin_step: plans the step's records in the step's order: the store reads them while
-                backward still runs and as buffers free up (issue 41);
+    plan:       (the engine's zero_grad, and begin_step) the next step's records in its order:
+                the store reads them during forward and backward, as buffers free up (issue 41);
     fetch:      takes the bucket's record from the store (read ahead, or read now) and points
                 the optimizer's state tensors (and the master, when the record holds it) at it;
     store:      copies any state tensor that is not already in the record (state the optimizer
@@ -153,6 +153,13 @@ class OptimizerSwapper:
         last step (the last ones written) are used without a read: an engine that alternates the
         order gains them."""
         self._cache = None
+        self.plan(order)
+
+    def plan(self, order: list[int] | None = None) -> None:
+        """The next step will visit the buckets in `order`: the store starts reading their records
+        now, into the buffers free now and as more free up (the engine calls this from zero_grad,
+        so the reads run during forward and backward: issue 41). Replaces the last plan; never
+        blocks."""
         order = list(range(len(self._bos))) if order is None else list(order)
         if not self.policy.pipeline_read:
             return

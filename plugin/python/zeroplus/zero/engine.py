@@ -387,11 +387,7 @@ class ZeroEngine(torch.optim.Optimizer):
         works = []
         order = list(range(len(self.bucket_optimizers)))
         if self.offload is not None:
-            # Every other step in reverse: the records the last step wrote last are still in the
-            # swapper's pool and are the first this step needs (results do not depend on the
-            # order: buckets step independently).
-            if self._offload_steps % 2:
-                order.reverse()
+            order = self._offload_order()
             self._offload_steps += 1
             self.offload.begin_step(order)
         self.step_order = order
@@ -431,6 +427,15 @@ class ZeroEngine(torch.optim.Optimizer):
             finally:
                 self.placement.end_step()
 
+    def _offload_order(self) -> list[int]:
+        """The bucket order of the next step with an offload store. Every other step in reverse:
+        the records the last step wrote last are still in the swapper's pool and are the first
+        this step needs (results do not depend on the order: buckets step independently)."""
+        order = list(range(len(self.bucket_optimizers)))
+        if self._offload_steps % 2:
+            order.reverse()
+        return order
+
     def write_master_into(self, i: int, dst: torch.Tensor) -> None:
         """Bucket i's master into dst, this rank's shard of its parameters (the placements'
         publish): through the host tier (an asynchronous host-to-device copy that the compute
@@ -456,6 +461,8 @@ class ZeroEngine(torch.optim.Optimizer):
             w.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.offload is not None:  # the next step's records are read during forward and backward
+            self.offload.plan(self._offload_order())
         self.backward_pass.close_stale()
         self.reducer.zero(set_to_none)
         self.reducer.usage.clear(set_to_none)
