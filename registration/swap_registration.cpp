@@ -107,14 +107,18 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
       .def("directory", [](const Self& s) { return s->store().directory(); })
       .def("path_of", [](const Self& s, int64_t id) { return s->store().pathOf(static_cast<uint64_t>(id)); })
       .def("engine", [](const Self& s) { return std::string(s->store().engineName()); })
-      .def("reserve", [](const Self& s, int64_t bytes) { s->store().reserve(static_cast<size_t>(std::max<int64_t>(bytes, 0))); })
+      .def("reserve", [](const Self& s, int64_t bytes) {
+        s->store().reserve(static_cast<size_t>(std::max<int64_t>(bytes, 0)));
+      })
       .def("buffer_bytes", [](const Self& s) { return static_cast<int64_t>(s->store().bufferBytes()); })
       // keys: id, generation, payload_bytes, layout_tag for each record, flat.
       .def("plan_reads", [](const Self& s, std::vector<int64_t> keys) {
         TORCH_CHECK_VALUE(keys.size() % 4 == 0, "SwapStore.plan_reads: keys must hold 4 ints per record, got ",
                           keys.size());
         std::vector<sw::RecordKey> plan;
-        for (size_t i = 0; i < keys.size(); i += 4) plan.push_back(sw::keyOf(keys[i], keys[i + 1], keys[i + 2], keys[i + 3]));
+        for (size_t i = 0; i < keys.size(); i += 4) {
+          plan.push_back(sw::keyOf(keys[i], keys[i + 1], keys[i + 2], keys[i + 3]));
+        }
         s->store().planReads(std::move(plan));
       })
       .def("fetch", [](const Self& s, int64_t id, int64_t generation, int64_t payloadBytes, int64_t tag) {
@@ -146,10 +150,11 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
       // the payload) as the store would: a side file written by the caller (a staged load).
       .def("seal", [](const Self&, const at::Tensor& record, int64_t id, int64_t generation, int64_t payloadBytes,
                       int64_t tag) {
+        const auto need = static_cast<int64_t>(sw::recordBytes(static_cast<uint64_t>(std::max<int64_t>(payloadBytes, 0))));
         TORCH_CHECK_VALUE(record.device().is_cpu() && record.scalar_type() == at::kByte && record.is_contiguous() &&
-                              record.numel() >= static_cast<int64_t>(sw::recordBytes(static_cast<uint64_t>(payloadBytes))),
+                              record.numel() >= need,
                           "SwapStore.seal: record must be a contiguous uint8 CPU tensor of at least ",
-                          sw::recordBytes(static_cast<uint64_t>(std::max<int64_t>(payloadBytes, 0))), " bytes, got ",
+                          need, " bytes, got ",
                           record.scalar_type(), " of ", record.numel());
         sw::sealRecord(record.data_ptr(), sw::keyOf(id, generation, payloadBytes, tag));
       })

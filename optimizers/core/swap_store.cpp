@@ -673,7 +673,9 @@ int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, Swa
   }
   for (auto it = plan_.begin(); it != plan_.end();) it = it->id == id ? plan_.erase(it) : it + 1;
   auto found = slotOf_.find(id);
-  if (found != slotOf_.end() && slots_[found->second]->state == State::kHeld) return fail(EBUSY, "record is already held");
+  if (found != slotOf_.end() && slots_[found->second]->state == State::kHeld) {
+    return fail(EBUSY, "record is already held");
+  }
   // The buffer is reused: a transfer in flight must end first. Its outcome does not matter (a
   // read's bytes are discarded, a write's record is superseded by the one the caller stores next,
   // so its failure is not reported).
