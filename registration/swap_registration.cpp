@@ -182,5 +182,6 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
         put("peak_buffer_bytes", st.peakBufferBytes);
         return d;
       })
+      .def("reset_peak", [](const Self& s) { s->store().resetPeak(); })
       .def("close", [](const Self& s) { s->close(); });
 }

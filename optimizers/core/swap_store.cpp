@@ -158,6 +158,11 @@ SwapStats SwapStore::stats() const {
   return stats_;
 }
 
+void SwapStore::resetPeak() {
+  std::lock_guard<std::mutex> lk(mu_);
+  stats_.peakBufferBytes = stats_.bufferBytes;
+}
+
 void SwapStore::noteInFlight() {
   size_t n = 0;
   for (const auto& slot : slots_) n += inFlight(slot->state);

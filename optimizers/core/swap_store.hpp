@@ -132,6 +132,9 @@ class SwapStore {
   std::string pathOf(uint64_t id) const;
   // A copy: the pump thread updates them.
   SwapStats stats() const;
+  // Starts a new peak window: stats().peakBufferBytes becomes the bytes allocated now (a caller
+  // measuring one phase, a checkpoint save, resets it first).
+  void resetPeak();
 
   // Replaces the read plan: the records wanted next, in the order they will be fetched. Each is
   // read as soon as a buffer is free (records in a buffer already, never written or without a

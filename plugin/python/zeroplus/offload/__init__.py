@@ -2,19 +2,19 @@
 
     policy.py      OffloadPolicy / AioPolicy: the knobs, parsed from kwargs or a DeepSpeed config
     nvme_store.py  one rank's private swap directory and its exclusively created files
-    record.py      the parameter/gradient swap record: header (generation, checksums) + payload;
-                   its Layout (which tensors, where) also lays out the optimizer's records
-    swapper.py     the NVMe optimizer swapper behind BucketOptimizer.fetch/store, on the C++
-                   swap store (torch.classes.zeroplus.SwapStore, optimizers/core/swap_store.hpp)
+    record.py      what the swappers keep of a record: its Layout (which tensors, where), the
+                   C++ swap store each swapper opens (torch.classes.zeroplus.SwapStore,
+                   optimizers/core/swap_store.hpp: records, pinned pool, write-behind) and the
+                   error wording
+    swapper.py     the NVMe optimizer swapper behind BucketOptimizer.fetch/store (a store of its own)
     host_tier.py   CUDA training (ZeRO-Offload): fp32 masters and state on the host, the step on
                    the CPU, gradients down and parameters up per bucket on a copy stream
     param_swapper.py  the NVMe parameter-shard swapper behind the stage-3 gatherer and publish
+                   (a store of its own, caching records)
     host_params.py the same interface on CUDA training: shards in host memory ("cpu") or in the
                    NVMe swapper's records ("nvme"), copied up for their gather on a copy stream
     grad_spill.py  gradient shards of NVMe-offloaded parameters, in files between backward and step
-                   (CPU training; CUDA training with offload_optimizer)
-    io_lanes.py    reads that complete one by one (a lane each), checked off the training thread
-                   (param_swapper.py, grad_spill.py; the optimizer's records use the C++ store)
+                   (CPU training; CUDA training with offload_optimizer; a store of its own)
 
 The ZeRO engines call prepare_optimizer_store() before changing anything (checks, the swap
 directory), make_host_tier() once their masters exist (the host tier replaces them with host

@@ -11,11 +11,16 @@ device -> host into the record's page-locked buffer (a synchronous copy: the rec
 written from that buffer next); a loaded one is a host tensor, which the host tier's step reads
 directly. `device` is where the gradients are reduced.
 
-Per bucket two record files, `grad-bNNNNN-0.swp` and `-1.swp` (record.py: generation and
-checksums), used alternately: a backward pass writes its results as the *pending* generation
-into the file the committed one is not in, and only when the whole pass succeeded (commit) does
-the pending generation become the gradient. A pass that fails (discard) leaves the previous
-gradient, and its file, untouched: the reducer's "accumulators as before the pass" contract.
+The records are the C++ swap store's (record.open_store: a 4 KiB header with generation and
+CRC-32s, pooled page-locked buffers, sealed and written by the store's thread, checked there as
+they are read back). The spill has a store of its own, beside the parameter swapper's in the same
+directory: its pool is buffer_count buffers of the largest gradient record, and it caches nothing
+after a write (a gradient is read back once, by the step, which must see what the file holds).
+Per bucket b two records, ids 2b and 2b + 1 (`grad-bNNNNN.swp` with NNNNN the id), used
+alternately: a backward pass writes its results as the *pending* generation into the record the
+committed one is not in, and only when the whole pass succeeded (commit) does the pending
+generation become the gradient. A pass that fails (discard) leaves the previous gradient, and
+its file, untouched: the reducer's "accumulators as before the pass" contract.
 
 What the engine needs without reading every shard back is computed when a shard is staged: the
 per-bucket clipping terms (sum of squares for the 2-norm, max |g| for the inf-norm, exactly as
@@ -30,21 +35,20 @@ Finiteness is kept as a 0-d tensor and read (a device sync) only when asked for.
 Errors are OSError naming the file, the bucket and the rank: a failed write raises from commit()
 (the backward pass fails and is abandoned, the previous gradient intact), a failed read or a bad
 record from load(). Not thread-safe: the autograd thread stages and commits, the training thread
-loads; they never overlap (backward and step alternate).
+loads; they never overlap (backward and step alternate), as the store's one-owner contract asks.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from . import record
-from .io_lanes import IoLanes
 from .nvme_store import SwapDirectory
 from .policy import OffloadPolicy
 
+_STEM = "grad-b"  # file names: grad-bNNNNN.swp (the store's stem + 5-digit record id 2b or 2b + 1)
 _KEY = (-3, "grad")
 
 
@@ -52,18 +56,23 @@ class _Bucket:
     def __init__(self, index: int, layout: record.Layout):
         self.index = index
         self.layout = layout
-        self.io_paths: list[str | None] = [None, None]
         self.generation = 0            # the last committed generation (monotonic: names the record)
         self.valid = False             # a gradient is committed (False: zeros, e.g. after zero_grad)
         self.pending: int | None = None
         self.stats: dict | None = None     # of the committed gradient, before `scales`
         self.pending_stats: dict | None = None
         self.scales: list[torch.Tensor] = []  # applied in order at load
-        self.ahead: tuple | None = None    # (generation, buffer, lane) of a read ahead of its load
-        self.loaned: torch.Tensor | None = None  # the buffer the last load() returned a view of
+        self.loaned: int | None = None  # the record id held for the tensor the last load() returned
+
+    def rid(self, generation: int) -> int:
+        """The store's record id of this generation (two records per bucket, used alternately)."""
+        return 2 * self.index + generation % 2
+
+    def key(self, generation: int) -> tuple[int, int, int, int]:
+        return self.rid(generation), generation, self.layout.payload_bytes, self.layout.digest
 
     def name(self, generation: int) -> str:
-        return f"grad-b{self.index:05d}-{generation % 2}.swp"
+        return f"{_STEM}{self.rid(generation):05d}.swp"
 
 
 def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
@@ -86,21 +95,15 @@ class GradSpill:
         self.device = torch.device(device)
         self.rank = rank
         self.directory = directory
-        self._io = policy.aio.new_handle()
-        self._lanes = IoLanes(policy.aio)
         self._buckets = {b: _Bucket(b, record.Layout.build([(*_KEY, dtype, numel)]))
                          for b, (dtype, numel) in buckets.items()}
-        self._writing: list[tuple[_Bucket, torch.Tensor]] = []  # (bucket, buffer) of writes in flight
+        for h in self._buckets.values():
+            for g in (0, 1):
+                directory.track(h.name(g))  # created by the store: counted by disk_bytes, removed by close
+        largest = max((h.layout.record_bytes for h in self._buckets.values()), default=record.HEADER_BYTES)
+        self._store = record.open_store(directory, _STEM, largest, policy.buffer_count, policy.aio, False)
         self._errors: list[OSError] = []
-        self.bytes_read = 0
-        self.bytes_written = 0
-        self.peak_buffer_bytes = 0
-        self._buffer_bytes = 0
-        self._free: list[torch.Tensor] = []  # pooled record buffers (at most buffer_count kept)
-        self.read_wait_s = 0.0
-        self.write_wait_s = 0.0
-        self.checksum_s = 0.0
-        self.reads_ahead = 0
+        self.checksum_s = 0.0  # the training thread's: none (the store's thread seals and checks)
 
     def spills(self, b: int) -> bool:
         return b in self._buckets
@@ -119,30 +122,21 @@ class GradSpill:
         # Kept as a tensor: reading it would make the CPU wait for the device here.
         h.pending_stats = {"2": local_term(value, 2.0), "inf": inf,
                            "finite": True if inf is None else torch.isfinite(inf)}
-        if len(self._writing) >= self.policy.buffer_count:
-            self._drain()
         generation = h.generation + 1
-        buf = self._take(h.layout.record_bytes)
-        h.layout.view(buf, h.layout.slots[0]).copy_(value.reshape(-1))  # device -> host: synchronous
-        t0 = time.perf_counter()
-        record.seal(buf, h.layout, h.index, self.rank, generation)
-        self.checksum_s += time.perf_counter() - t0
-        h.pending = generation
-        slot = generation % 2
-        try:
-            if h.io_paths[slot] is None:
-                h.io_paths[slot] = self.directory.create(h.name(generation), h.layout.record_bytes)
-            self._io.async_pwrite(buf[:h.layout.record_bytes], h.io_paths[slot])
-        except OSError as e:
-            self._give(buf)
-            self._errors.append(self._named(e, h, generation, "writing"))
+        # A buffer without a read (the store waits for its oldest write when the pool is full).
+        payload, code, what = self._store.overwrite(h.rid(generation), h.layout.payload_bytes)
+        if code:
+            self._errors.append(self._fault(h, generation, code, what, "writing"))
             return
-        self._writing.append((h, buf))
+        h.layout.view(payload, h.layout.slots[0]).copy_(value.reshape(-1))  # device -> host: synchronous
+        del payload  # no view of the buffer outlives the store() below
+        h.pending = generation
+        self._store.store(*h.key(generation), False)
 
     def commit(self) -> None:
         """The pass succeeded everywhere: pending generations become the gradients. Raises the
         pass's write errors (then nothing is committed: call discard)."""
-        self._drain()
+        self._collect(self._store.drain())
         errors, self._errors = self._errors, []
         record.raise_collected(errors)
         for h in self._buckets.values():
@@ -151,14 +145,13 @@ class GradSpill:
                 h.stats, h.pending_stats, h.scales = h.pending_stats, None, []
 
     def discard(self) -> None:
-        try:
-            self._drain()
-        except OSError:
-            pass
+        self._store.drain()
+        self._store.plan_reads([])
         self._errors = []
         for h in self._buckets.values():
+            if h.pending is not None:
+                self._store.forget(h.rid(h.pending))  # a failed write's record is not kept in memory
             h.pending, h.pending_stats = None, None
-            self._drop_ahead(h)
 
     def clear(self) -> None:
         """zero_grad: every gradient is zero again (the files stay, for the next pass)."""
@@ -169,68 +162,38 @@ class GradSpill:
     # -- the step: read back, one bucket at a time --------------------------------------------------
 
     def read_ahead(self, indices, depth: int) -> None:
-        """Start reading the gradients of the first `depth` of these buckets (the step's next
-        ones) into pooled buffers, as far as the pool's budget goes (never waiting)."""
+        """The store reads the gradients of the first `depth` of these buckets (the step's next
+        ones) as its buffers free up (never waiting, never evicting a record read ahead)."""
+        keys = []
         for b in list(indices)[:depth]:
             h = self._buckets.get(b)
-            if h is None or not h.valid or h.ahead is not None:
-                continue
-            buf = self._take(h.layout.record_bytes, wait=False)
-            if buf is None:
-                return
-            try:
-                lane = self._lanes.read(buf[:h.layout.record_bytes], h.io_paths[h.generation % 2],
-                                        self._checker(h, buf, h.generation))
-            except OSError:
-                self._give(buf)  # refused at the call: load() reads again and reports it
-                continue
-            h.ahead = (h.generation, buf, lane)
-            self.reads_ahead += 1
+            if h is not None and h.valid and h.loaned is None:
+                keys.extend(h.key(h.generation))
+        self._store.plan_reads(keys)
 
     def load(self, b: int) -> torch.Tensor | None:
         """Bucket b's gradient shard (scalings applied), or None when it has none (zeros).
-        The tensor is the caller's until it calls give_back(b) (then the buffer is reused);
-        a caller that never gives it back just owns it. Raises OSError naming the file."""
+        The tensor views the store's buffer: valid until give_back(b), the next load(b), discard
+        or clear (then the buffer is reused). Raises OSError naming the file."""
         h = self._buckets[b]
         if not h.valid:
             return None
-        path = h.io_paths[h.generation % 2]
-        ahead, h.ahead = h.ahead, None
-        if ahead is not None and ahead[0] != h.generation:  # read before a newer pass: stale
-            self._lanes.wait_quietly(ahead[2])
-            self._give(ahead[1])
-            ahead = None
-        t0 = time.perf_counter()
-        try:
-            if ahead is not None:
-                buf = ahead[1]
-                try:
-                    self._lanes.wait(ahead[2])
-                finally:
-                    self.read_wait_s += time.perf_counter() - t0
-            else:
-                buf = self._take(h.layout.record_bytes)
-                try:
-                    self._lanes.wait(self._lanes.read(buf[:h.layout.record_bytes], path,
-                                                      self._checker(h, buf, h.generation)))
-                finally:
-                    self.read_wait_s += time.perf_counter() - t0
-        except (OSError, record.RecordError) as e:
-            self._give(buf)
-            raise self._named(e, h, h.generation, "reading") from None
-        self.bytes_read += h.layout.record_bytes
-        value = h.layout.view(buf, h.layout.slots[0])
+        self.give_back(b)
+        payload, code, what = self._store.fetch(*h.key(h.generation))
+        if code:
+            raise self._fault(h, h.generation, code, what, "reading")
+        value = h.layout.view(payload, h.layout.slots[0])
         for coef in h.scales:  # a device coefficient (CUDA clipping) is read once per factor
             value.mul_(coef.to(device=value.device, dtype=value.dtype))
-        h.loaned = buf
+        h.loaned = h.rid(h.generation)
         return value
 
     def give_back(self, b: int) -> None:
         """The caller of load(b) no longer uses the tensor it got: its buffer is reused."""
         h = self._buckets.get(b)
         if h is not None and h.loaned is not None:
-            buf, h.loaned = h.loaned, None
-            self._give(buf)
+            rid, h.loaned = h.loaned, None
+            self._store.release(rid)
 
     def term(self, b: int, norm_type: float) -> torch.Tensor | None:
         """The clipping term of bucket b's gradient (on `device`), or None when it has none
@@ -260,74 +223,58 @@ class GradSpill:
             if h.valid:
                 h.scales.append(coef.detach().clone())
 
-    # -- internals ----------------------------------------------------------------------------------
+    # -- accounting (bench/offload, memory_report) ----------------------------------------------------
 
-    def _checker(self, h: _Bucket, buf: torch.Tensor, generation: int):
-        layout, index, rank = h.layout, h.index, self.rank
-        return lambda: record.check(buf, layout, index, rank, generation)
+    def _stats(self) -> dict:
+        return dict(self._store.stats())
+
+    @property
+    def bytes_read(self) -> int:
+        return self._stats()["bytes_read"]
+
+    @property
+    def bytes_written(self) -> int:
+        return self._stats()["bytes_written"]
+
+    @property
+    def read_wait_s(self) -> float:
+        return self._stats()["read_wait_ns"] * 1e-9
+
+    @property
+    def write_wait_s(self) -> float:
+        return self._stats()["write_wait_ns"] * 1e-9
 
     @property
     def background_check_s(self) -> float:
-        """Seconds spent checking records read, on the lanes' thread (not the training thread's)."""
-        return self._lanes.check_s
+        """Seconds the store's thread spent checking records read and sealing records written."""
+        return self._stats()["checksum_ns"] * 1e-9
 
-    def _take(self, nbytes: int, wait: bool = True) -> torch.Tensor | None:
-        """A pooled page-locked buffer for one record; beyond buffer_count buffers a new one
-        when `wait` (after draining the writes in flight), else None."""
-        nbytes = -(-nbytes // 4096) * 4096
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= nbytes:
-                return self._free.pop(i)
-        if self._in_use() >= self.policy.buffer_count:
-            if not wait:
-                return None
-            self._drain()
-            for i, buf in enumerate(self._free):
-                if buf.numel() >= nbytes:
-                    return self._free.pop(i)
-        buf = self._io.new_cpu_locked_tensor(nbytes, torch.uint8)
-        self._buffer_bytes += buf.numel()
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buffer_bytes)
-        return buf
+    @property
+    def reads_ahead(self) -> int:
+        return self._stats()["reads_ahead"]
 
-    def _in_use(self) -> int:
-        return len(self._writing) + sum((h.ahead is not None) + (h.loaned is not None) for h in self._buckets.values())
+    @property
+    def peak_buffer_bytes(self) -> int:
+        return self._stats()["peak_buffer_bytes"]
 
-    def _give(self, buf: torch.Tensor | None) -> None:
-        if buf is None:
-            return
-        if len(self._free) + self._in_use() >= self.policy.buffer_count:
-            self._buffer_bytes -= buf.numel()  # over the pool's size: let it go
-            return
-        self._free.append(buf)
+    def close(self) -> None:
+        """Waits for the store's transfers and removes its files (the directory is the parameter
+        swapper's). The gradients are gone."""
+        for h in self._buckets.values():
+            h.loaned, h.valid, h.pending = None, False, None
+        self._store.close()
 
-    def _drop_ahead(self, h: _Bucket) -> None:
-        if h.ahead is not None:
-            _, buf, lane = h.ahead
-            h.ahead = None
-            self._lanes.wait_quietly(lane)
-            self._give(buf)
+    # -- errors -------------------------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        if not self._writing:
-            return
-        writing, self._writing = self._writing, []
-        t0 = time.perf_counter()
-        try:
-            self._io.wait()
-        except OSError as e:
-            by_path = {h.io_paths[(h.pending or 0) % 2]: h for h, _ in writing}
-            h = by_path.get(e.filename, writing[0][0])
-            g = h.pending or h.generation + 1
-            self._errors.append(self._named(e, h, g, "writing"))
-        else:
-            self.bytes_written += sum(h.layout.record_bytes for h, _ in writing)
-        finally:
-            self.write_wait_s += time.perf_counter() - t0
-            for _, buf in writing:
-                self._give(buf)
+    def _collect(self, faults: list) -> None:
+        """Write faults the store reported ((id, path, errno, what)) join the pass's errors."""
+        for rid, _path, code, what in faults:
+            h = self._buckets[rid // 2]
+            g = h.pending if h.pending is not None else h.generation + 1
+            doing = "creating" if what.startswith("create failed") else "writing"
+            self._errors.append(self._fault(h, g, code, what, doing))
 
-    def _named(self, e: BaseException, h: _Bucket, generation: int, doing: str) -> OSError:
+    def _fault(self, h: _Bucket, generation: int, code: int, what: str, doing: str) -> OSError:
         path = self.directory.display_path(h.name(generation))
-        return record.swap_error(e, path, f"offload_param: {doing} gradient file {path!r} (gradient bucket "
-                                          f"{h.index}, rank {self.rank})")
+        return record.fault(code, what, path, f"offload_param: {doing} gradient file {path!r} (gradient bucket "
+                                              f"{h.index}, rank {self.rank})")

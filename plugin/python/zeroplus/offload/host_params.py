@@ -245,9 +245,11 @@ class HostParamStore:
             self.device_bytes -= h.device.numel() * h.device.element_size()
             h.device, h.event = None, None  # recorded on the copy stream: not reused before the copy ends
 
-    def read_ahead(self, buckets, depth: int | None = None) -> None:
+    def read_ahead(self, buckets, depth: int | None = None, then=()) -> None:
+        """then: the buckets of the pass after this one (the gatherer's prediction across steps):
+        only the NVMe records are read that far ahead; the copies up stay within this pass."""
         if self.swapper is not None:  # the disk reads run ahead; the copies up are made at the pins
-            wanted = [self._homes[id(b)].proxy for b in buckets if id(b) in self._homes]
+            wanted = [self._homes[id(b)].proxy for b in [*buckets, *then] if id(b) in self._homes]
             self.swapper.read_ahead(wanted, depth)
             return
         ahead = sum(1 for h in self._homes.values() if h.device is not None and h.pins == 0)

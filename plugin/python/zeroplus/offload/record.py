@@ -1,49 +1,29 @@
-"""One bucket's swap record: a 4 KiB header, then the payload (optimizer state tensors).
+"""What the Python swappers keep of a swap record: the layout of its payload, and the error policy.
 
-    bytes [0, 4096)      header: 10 little-endian 64-bit words, the rest zero
-                           0 magic "ZPSWAP01"   1 format version   2 bucket index   3 rank
-                           4 generation (how many times this bucket was written; the
-                             swapper knows which one it expects)
-                           5 payload bytes
-                           6, 7 payload digest: S = sum of the blocks' sums and
-                             W = sum of (block number + 1) x block sum, where a block sum
-                             is the sum of one 4 KiB block's 64-bit words (all mod 2^64)
-                           8 crc32 of the layout (which tensors, in which order)
-                           9 crc32 of words 0-8
-    bytes [4096, ...)    payload: the layout's slots back to back, each 64-byte aligned
+The records themselves (a 4 KiB header with generation, layout tag and CRC-32s, then the payload;
+sealed on write and checked on read) are the C++ swap store's (optimizers/core/swap_record.hpp,
+optimizers/core/swap_store.hpp, torch.classes.zeroplus.SwapStore): every swapper, optimizer,
+parameter and gradient, keeps its records there. Here:
 
-A record is accepted only if every header word matches what the reader expects and the payload's
-digest matches: a torn write (O_DIRECT requests complete in any order, so a stale 4 KiB block
-changes S), a stale file (a write that never happened: the generation), a flipped bit (S), a
-block written at the wrong place (W) or another bucket's file is refused, never read as state.
-The digest is not CRC32 because it runs on every record read and written, inside the step:
-numpy sums run at ~17 GB/s on one core here, zlib's CRC32 at ~4 (docs/offload.md); it is a
-check against faults, not against someone who can write into the 0700 swap directory.
-The header being page-sized keeps the payload page-aligned in the (page-aligned) pool buffer
-and in the file, so one O_DIRECT transfer moves the whole record.
+    Layout     which tensors a payload holds (slots), where, each 64-byte aligned; its digest
+               (a CRC-32 of the slots) is the record's layout tag, so a record of another layout
+               is refused by the store's check;
+    open_store the store of one swapper, in its swap directory;
+    fault      a fault the store reported (errno, what) as the OSError a swapper raises;
+    swap_error / raise_collected  the wording of those errors (file, bucket, rank, consequence).
 """
 
 from __future__ import annotations
 
 import errno
-import struct
+import os
 import zlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 HEADER_BYTES = 4096
-SLOT_ALIGN = 64
-MAGIC = int.from_bytes(b"ZPSWAP01", "little")
-VERSION = 1
-_WORDS = struct.Struct("<9qQ")
-_HEAD = struct.Struct("<9q")
-_BLOCK_WORDS = 512  # 4 KiB
-
-
-class RecordError(ValueError):
-    """A record that fails its checks (the swapper turns it into an OSError naming the file)."""
+SLOT_ALIGN = 64  # slots start 64-byte aligned in the payload (vector loads)
 
 
 @dataclass(frozen=True)
@@ -83,68 +63,39 @@ class Layout:
         text = ";".join(f"{s.segment},{s.key},{s.dtype},{s.numel},{s.offset}" for s in self.slots)
         return zlib.crc32(text.encode())
 
-    def view(self, buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
-        """The slot's tensor inside `buffer` (a uint8 pool buffer holding the record)."""
-        start = HEADER_BYTES + slot.offset
-        return buffer[start:start + slot.nbytes].view(slot.dtype)
+    def view(self, payload: torch.Tensor, slot: Slot) -> torch.Tensor:
+        """The slot's tensor inside `payload` (a uint8 view of a record's payload: the store's)."""
+        return payload[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
 
 
-def _digest(buffer: torch.Tensor, start: int, length: int) -> tuple[int, int]:
-    """(S, W) of the payload (see the module doc); length is a multiple of 8 (slots are 64-byte
-    aligned). Unsigned numpy arithmetic wraps mod 2^64 by definition."""
-    words = buffer.numpy()[start:start + length].view(np.uint64)
-    full = words.size // _BLOCK_WORDS * _BLOCK_WORDS
-    with np.errstate(over="ignore"):
-        sums = words[:full].reshape(-1, _BLOCK_WORDS).sum(axis=1, dtype=np.uint64)
-        if full < words.size:
-            sums = np.append(sums, words[full:].sum(dtype=np.uint64))
-        weights = np.arange(1, sums.size + 1, dtype=np.uint64)
-        return int(sums.sum(dtype=np.uint64)), int((sums * weights).sum(dtype=np.uint64))
+def open_store(directory, stem: str, buffer_bytes: int, buffer_count: int, aio, keep_written: bool):
+    """A torch.classes.zeroplus.SwapStore working inside `directory` (a SwapDirectory: its files
+    are stem + 5-digit record id + ".swp"), with `buffer_count` pooled buffers of `buffer_bytes`
+    (page-locked, and registered with CUDA when CUDA is available: host-to-device copies from a
+    record are asynchronous). keep_written: records stay cached in their buffer after their
+    write (the store's keepWritten). The store's calls release the GIL while they block (a
+    TorchScript method call from Python does), so other Python threads run meanwhile."""
+    return torch.classes.zeroplus.SwapStore(directory.path, stem, -(-buffer_bytes // 4096) * 4096, buffer_count,
+                                            aio.block_size, aio.queue_depth, aio.threads, keep_written,
+                                            torch.cuda.is_available())
 
 
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def seal(buffer: torch.Tensor, layout: Layout, bucket: int, rank: int, generation: int) -> None:
-    """Writes the header of the record held in `buffer` (payload already in place)."""
-    s, w = _digest(buffer, HEADER_BYTES, layout.payload_bytes)
-    words = [MAGIC, VERSION, bucket, rank, generation, layout.payload_bytes, _signed(s), _signed(w), layout.digest]
-    words.append(zlib.crc32(_HEAD.pack(*words)))
-    header = buffer[:HEADER_BYTES].numpy()
-    header[:] = 0
-    header[:_WORDS.size] = memoryview(_WORDS.pack(*words)).cast("B")
-
-
-def check(buffer: torch.Tensor, layout: Layout, bucket: int, rank: int, generation: int) -> None:
-    """Raises RecordError saying what is wrong with the record held in `buffer`."""
-    words = list(_WORDS.unpack(bytes(buffer[:_WORDS.size].numpy())))
-    if words[0] != MAGIC:
-        raise RecordError("not a zeroplus swap record (bad magic): torn, overwritten or never written")
-    if words[9] != zlib.crc32(_HEAD.pack(*words[:9])):
-        raise RecordError("header checksum mismatch (torn or corrupted header)")
-    if words[1] != VERSION:
-        raise RecordError(f"record format version {words[1]}, expected {VERSION}")
-    if words[2] != bucket or words[3] != rank:
-        raise RecordError(f"record of bucket {words[2]} rank {words[3]}, expected bucket {bucket} rank {rank}")
-    if words[4] != generation:
-        raise RecordError(f"record generation {words[4]}, expected {generation} (a stale or lost write)")
-    if words[5] != layout.payload_bytes or words[8] != layout.digest:
-        raise RecordError("record layout differs from the optimizer state's")
-    s, w = _digest(buffer, HEADER_BYTES, layout.payload_bytes)
-    if (_signed(s), _signed(w)) != (words[6], words[7]):
-        raise RecordError("payload checksum mismatch (torn write or corrupted data)")
+def fault(code: int, what: str, path: str, context: str) -> OSError:
+    """The OSError for a fault the store reported: errno `code`, its text `what` ("read
+    refused: ..." for a record that failed its checks: EBADMSG)."""
+    if code == errno.EBADMSG:
+        why = "the record is invalid: " + what.split("refused: ", 1)[-1]
+    else:
+        why = os.strerror(code)
+    return swap_error(OSError(code, why), path, context)
 
 
 def swap_error(e: BaseException, path: str, context: str) -> OSError:
     """The error a swap-file failure raises: `context` (what was being done to which file, for
     which bucket and rank) + " failed: " + why, with e's OSError subclass and errno where it has
-    them (an invalid record is EBADMSG; anything else without an errno, EIO) and the file's path."""
-    if isinstance(e, RecordError):
-        code, why = errno.EBADMSG, f"the record is invalid: {e}"
-    else:
-        code = getattr(e, "errno", None) or errno.EIO
-        why = getattr(e, "strerror", None) or str(e)
+    them (anything without an errno: EIO) and the file's path."""
+    code = getattr(e, "errno", None) or errno.EIO
+    why = getattr(e, "strerror", None) or str(e)
     cls = type(e) if isinstance(e, OSError) else OSError
     msg = f"{context} failed: {why}"
     try:

@@ -388,8 +388,12 @@ class ParameterGatherer:
             self._prefetch(order, position + 1, kind)
             if self.store is not None:
                 # Offloaded shards: read the records of the units predicted next (beyond the
-                # all-gathers just issued) while this one computes, as far as free buffers go.
-                self.store.read_ahead([b for j in order[position + 1:] for b in self.states[j].buckets])
+                # all-gathers just issued) while this one computes, as far as free buffers go:
+                # this pass's rest, then the next pass's (forward -> backward -> the next step's
+                # forward: the store plans across steps, issue 41).
+                then = self._order["backward" if kind == "forward" else "forward"]
+                self.store.read_ahead([b for j in order[position + 1:] for b in self.states[j].buckets],
+                                      then=[b for j in then for b in self.states[j].buckets])
         self._complete(st)
 
     def _prefetch(self, order: list[int], start: int, kind: str) -> None:
