@@ -1,7 +1,8 @@
 // One swap record: a 4 KiB header, then the payload (the bytes a swapper keeps on NVMe for one
 // bucket: optimizer state, a master copy). Torch-free: the C++ engine's optimizer swapper
-// (optimizers/adapter/zero/optimizer_swapper.hpp) and later parameter and gradient swappers
-// all write this one format through SwapStore (swap_store.hpp).
+// (optimizers/adapter/zero/optimizer_swapper.hpp) and the Python engine's optimizer, parameter
+// and gradient swappers (plugin/python/zeroplus/offload/) all write this one format through
+// SwapStore (swap_store.hpp).
 //
 //   bytes [0, 4096)   header: 8 little-endian 64-bit words, the rest zero
 //                       0 magic "ZPCSWP01"  1 format version  2 record id (bucket index)

@@ -9,7 +9,11 @@
 // after its store until released (linger), buffers that grow with reserve() (replaced, never
 // added: the pool's bytes stay bufferCount x the largest record), a full disk reported when the
 // file is created (preallocation), and a record file replaced by a rename (adopt) or dropped from
-// the buffers (forget).
+// the buffers (forget). The parameter swapper's: a record stored while its shard is still read
+// (linger) is held again by a fetch after its write, without a read; a peak window restarts
+// (resetPeak). The gradient spill's (no keepWritten): a record released after its write is read
+// from its file again (a file damaged meanwhile is refused), and a failed write of an abandoned
+// pass is dropped from memory (forget) while the other record of the bucket stays readable.
 #include "optimizers/core/swap_store.hpp"
 
 #include <fcntl.h>
@@ -541,6 +545,101 @@ TEST(SwapStore, AdoptOpensTheFileRenamedOverTheRecordAndForgetDropsTheCopy) {
   ASSERT_EQ(::unlink(store.pathOf(4).c_str()), 0);
   EXPECT_EQ(store.adopt(4, &f), -ENOENT);
   EXPECT_EQ(f.path, store.pathOf(4));
+}
+
+TEST(SwapStore, ALingeringRecordIsHeldAgainByAFetchWithoutARead) {
+  TempDir dir;
+  auto o = optionsFor(dir.path(), /*count=*/2);
+  o.keepWritten = true;
+  SwapStore store(o);
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(0, 0), &p, &f), 0) << f.what;
+  fill(p, 0, 1);
+  store.store(key(0, 1), /*linger=*/true);  // the pinned shard still reads it
+  void* again = nullptr;
+  ASSERT_EQ(store.fetch(key(0, 1), &again, &f), 0) << f.what;  // the step changes it in place: held again
+  EXPECT_EQ(again, p);
+  EXPECT_TRUE(matches(again, 0, 1));
+  EXPECT_EQ(store.stats().reads, 0u);
+  fill(again, 0, 2);
+  store.store(key(0, 2));
+  ASSERT_TRUE(store.drain().empty());
+  store.release(0);  // the end of the linger (a no-op now: it was fetched again)
+  ASSERT_EQ(store.fetch(key(0, 2), &p, &f), 0) << f.what;
+  EXPECT_TRUE(matches(p, 0, 2));
+  EXPECT_EQ(store.stats().reads, 0u);
+  EXPECT_EQ(store.stats().cacheHits, 1u);
+  store.release(0);
+}
+
+TEST(SwapStore, ResetPeakStartsANewWindowAtTheBytesAllocatedNow) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/4));
+  void* p = nullptr;
+  SwapFault f;
+  for (uint64_t id = 0; id < 3; ++id) ASSERT_EQ(store.overwrite(id, kPayload, &p, &f), 0) << f.what;
+  for (uint64_t id = 0; id < 3; ++id) store.release(id);
+  const SwapStats before = store.stats();
+  EXPECT_EQ(before.peakBufferBytes, before.bufferBytes);
+  EXPECT_EQ(before.buffers, 3u);
+  store.resetPeak();
+  EXPECT_EQ(store.stats().peakBufferBytes, before.bufferBytes);  // buffers stay allocated
+  ASSERT_EQ(store.overwrite(7, kPayload, &p, &f), 0) << f.what;  // a free one: no new bytes
+  store.release(7);
+  EXPECT_EQ(store.stats().peakBufferBytes, before.bufferBytes);
+}
+
+TEST(SwapStore, WithoutKeepWrittenARecordIsReadFromItsFileAndADamagedOneIsRefused) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/2));
+  writeOne(store, 4);
+  ASSERT_TRUE(store.drain().empty());
+  {  // damaged between its write and its read (a flipped payload bit)
+    const int fd = ::open(store.pathOf(4).c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    unsigned char byte = 0;
+    ASSERT_EQ(::pread(fd, &byte, 1, kHeaderBytes + 8), 1);
+    byte ^= 1;
+    ASSERT_EQ(::pwrite(fd, &byte, 1, kHeaderBytes + 8), 1);
+    ::close(fd);
+  }
+  void* p = nullptr;
+  SwapFault f;
+  EXPECT_EQ(store.fetch(key(4, 1), &p, &f), -EBADMSG);  // not cached: the file is read, and refused
+  EXPECT_EQ(f.path, store.pathOf(4));
+  EXPECT_NE(f.what.find("payload checksum"), std::string::npos) << f.what;
+  EXPECT_EQ(store.stats().reads, 1u);
+  EXPECT_EQ(store.stats().cacheHits, 0u);
+}
+
+TEST(SwapStore, AFailedWriteOfAnAbandonedPassIsForgottenAndTheOtherRecordStaysReadable) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/2));
+  writeOne(store, 0);  // the committed gradient of bucket 0: record 0
+  ASSERT_TRUE(store.drain().empty());
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.overwrite(1, kPayload, &p, &f), 0) << f.what;  // the pass's pending one: record 1
+  fill(p, 1, 2);
+  struct rlimit old {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto* oldHandler = ::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  store.store({1, 2, kPayload, 0x1234});
+  const auto faults = store.drain();
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  ::signal(SIGXFSZ, oldHandler);
+  ASSERT_EQ(faults.size(), 1u);
+  EXPECT_EQ(faults[0].id, 1u);
+  store.forget(1);  // the pass is abandoned: its record is not kept in memory
+  EXPECT_LT(store.fetch({1, 2, kPayload, 0x1234}, &p, &f), 0) << f.what;  // not served from memory
+  ASSERT_EQ(store.fetch(key(0, 1), &p, &f), 0) << f.what;  // the previous gradient is intact
+  EXPECT_TRUE(matches(p, 0, 1));
+  store.release(0);
+  EXPECT_TRUE(store.poll().empty());
 }
 
 TEST(SwapStore, BadParentIsRefused) {
