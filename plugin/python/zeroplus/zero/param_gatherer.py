@@ -139,7 +139,8 @@ class ParameterGatherer:
                  prefetch_elems: int | None, max_live_elems: int, reshard_after_forward: bool,
                  shard_store=None):
         """shard_store: where offloaded shards live (zeroplus.offload's ParamSwapper: offloads,
-        pin, unpin, read_ahead), or None: every shard is in memory (`bucket.shard`)."""
+        pin, unpin, read_ahead(buckets, then=next pass's buckets)), or None: every shard is in
+        memory (`bucket.shard`)."""
         self.units = units
         self.store = shard_store
         self.group = group
