@@ -38,7 +38,7 @@ std::unique_ptr<Placement> makePlacement(const std::vector<std::vector<at::Tenso
 }  // namespace
 
 Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-               const Options& options, const UnitLayout& units)
+               const Options& options, const std::vector<StepHyper>& groupHyper, const UnitLayout& units)
     : options_(options),
       stage_(static_cast<int>(options.stage())),
       computeDtype_(computeDtypeOf(options)),
@@ -51,7 +51,7 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
     steppers_.emplace_back(placement_->buckets()[b], placement_->master(b), comm_.rank());
   }
   if (options_.offload_optimizer() == "nvme") {
-    swapper_ = std::make_unique<OptimizerSwapper>(options_, *placement_, steppers_, comm_.rank());
+    swapper_ = std::make_unique<OptimizerSwapper>(options_, *placement_, steppers_, groupHyper, comm_.rank());
   }
   states_ = std::make_unique<BucketStates>(*placement_, steppers_, swapper_.get());
   resetUnitCounts();

@@ -49,8 +49,9 @@ class Engine {
  public:
   // groups[g]: the trainable parameters of group g. Stage 3: units says which unit each trainable
   // parameter (groups chained) belongs to, or that it stays whole (sharded_params.hpp). Collective.
+  // groupHyper[g]: group g's hyperparameters at initialize (the NVMe swapper sizes records by them).
   Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusive_ptr<c10d::ProcessGroup> pg,
-         const Options& options, const UnitLayout& units = {});
+         const Options& options, const std::vector<StepHyper>& groupHyper, const UnitLayout& units = {});
 
   int stage() const { return stage_; }
   const Options& options() const { return options_; }

@@ -26,6 +26,13 @@ at::Tensor SegmentState::*stateOf(int kind) {
   }
 }
 
+// State kinds a group with these hyperparameters creates (bucket_stepper.cpp): Adam's two
+// moments (+ max_exp_avg_sq with amsgrad); SGD's momentum buffer when momentum != 0.
+size_t stateKinds(const StepHyper& hyper) {
+  if (const auto* a = std::get_if<AdamHyper>(&hyper)) return a->amsgrad ? 3 : 2;
+  return std::get<SgdHyper>(hyper).momentum != 0 ? 1 : 0;
+}
+
 bool isCopy(const at::Tensor& master, const Bucket& b) {
   if (b.flat.defined() && master.is_alias_of(b.flat)) return false;
   return !(b.shard.defined() && master.is_alias_of(b.shard));
@@ -34,7 +41,7 @@ bool isCopy(const at::Tensor& master, const Bucket& b) {
 }  // namespace
 
 OptimizerSwapper::OptimizerSwapper(const Options& options, Placement& placement, std::vector<BucketStepper>& steppers,
-                                   int rank)
+                                   const std::vector<StepHyper>& groupHyper, int rank)
     : placement_(placement), steppers_(steppers), rank_(rank) {
   TORCH_CHECK_VALUE(options.offload_buffer_count() >= 1, "zeroplus::zero::initialize: options.offload_buffer_count "
                     "must be >= 1, got ", options.offload_buffer_count());
@@ -46,7 +53,13 @@ OptimizerSwapper::OptimizerSwapper(const Options& options, Placement& placement,
     h.masterCopy = isCopy(placement_.master(b), buckets[b]);
     if (h.masterCopy) h.slots.push_back(kMaster);
     h.has.assign(steppers_[b].segments().size(), 0);
-    largest = std::max(largest, slotBytes(h) * kMaxSlots);
+    const size_t group = static_cast<size_t>(buckets[b].group);
+    TORCH_CHECK(group < groupHyper.size(), "zeroplus::zero::initialize: bucket ", b, " of group ", group, " but ",
+                groupHyper.size(), " groups");
+    // At least one slot: a record with an empty payload (fp32 SGD without momentum) is still a
+    // valid record, but one slot keeps every buffer and file non-empty at negligible cost.
+    h.capacity = std::max<size_t>(1, (h.masterCopy ? 1 : 0) + stateKinds(groupHyper[group]));
+    largest = std::max(largest, slotBytes(h) * h.capacity);
     homes_.push_back(std::move(h));
   }
   payloads_.assign(buckets.size(), nullptr);
@@ -83,6 +96,7 @@ std::string OptimizerSwapper::directory() const { return store_->directory(); }
 std::string OptimizerSwapper::pathOf(size_t b) const { return store_->pathOf(b); }
 uint64_t OptimizerSwapper::bytesRead() const { return store_->stats().bytesRead; }
 uint64_t OptimizerSwapper::bytesWritten() const { return store_->stats().bytesWritten; }
+size_t OptimizerSwapper::bufferBytes() const { return store_->bufferBytes(); }
 swap::SwapStats OptimizerSwapper::stats() const { return store_->stats(); }
 
 uint64_t OptimizerSwapper::slotBytes(const Home& h) const {
@@ -203,7 +217,7 @@ void OptimizerSwapper::bindForWrite(size_t b, const char* op) {
   void* payload = nullptr;
   swap::SwapFault fault;
   // Room for every slot the record may get (store() appends the kinds the caller assigns).
-  const int rc = store_->overwrite(b, slotBytes(h) * kMaxSlots, &payload, &fault);
+  const int rc = store_->overwrite(b, slotBytes(h) * h.capacity, &payload, &fault);
   TORCH_CHECK(rc == 0, op, ": NVMe optimizer offload (rank ", rank_, "): bucket ", b, " (file ", fault.path, "): ",
               fault.what, " [", std::strerror(fault.err), "]");
   h.slots.clear();
@@ -223,6 +237,17 @@ void OptimizerSwapper::store(size_t b) {
     return;
   }
   auto& segments = steppers_[b].segments();
+  size_t needed = h.slots.size();  // the record's slots once this step's new kinds join it
+  for (int kind = kExpAvg; kind < kKinds; ++kind) {
+    if (std::find(h.slots.begin(), h.slots.end(), static_cast<Kind>(kind)) != h.slots.end()) continue;
+    for (const auto& seg : segments) {
+      if ((seg.state.*stateOf(kind)).defined()) {
+        ++needed;
+        break;
+      }
+    }
+  }
+  if (needed > h.capacity) grow(b, needed);
   for (size_t s = 0; s < segments.size(); ++s) {
     for (int kind = kExpAvg; kind < kKinds; ++kind) {
       at::Tensor& t = segments[s].state.*stateOf(kind);
@@ -230,8 +255,6 @@ void OptimizerSwapper::store(size_t b) {
       // State the stepper created this step (lazily, at a segment's first step) joins the record.
       auto slot = std::find(h.slots.begin(), h.slots.end(), static_cast<Kind>(kind));
       if (slot == h.slots.end()) {
-        TORCH_CHECK(h.slots.size() < kMaxSlots, "zeroplus::zero step: bucket ", b, " has more optimizer state than "
-                    "its swap record can hold");
         h.slots.push_back(static_cast<Kind>(kind));
         slot = h.slots.end() - 1;
       }
@@ -249,6 +272,32 @@ void OptimizerSwapper::store(size_t b) {
   h.held = false;
   payloads_[b] = nullptr;
   store_->store({b, h.generation, payloadBytes(h), layoutTag(h)});
+}
+
+void OptimizerSwapper::grow(size_t b, size_t slots) {
+  Home& h = homes_[b];
+  TORCH_CHECK(slots <= kMaxSlots, "zeroplus::zero step: bucket ", b, " needs ", slots, " optimizer state slots, more "
+              "than the ", kMaxSlots, " a record holds");
+  const uint64_t bytes = slotBytes(h) * slots;
+  if (swap::recordBytes(bytes) > store_->bufferBytes()) {
+    // The slots bound so far (the master, kinds of earlier steps: updated in place by this step)
+    // move with their values; the old buffer goes back unwritten, its file keeps the last record.
+    const at::Tensor kept =
+        at::from_blob(payloads_[b], {static_cast<int64_t>(payloadBytes(h))}, at::TensorOptions().dtype(at::kByte))
+            .clone();
+    store_->release(b);
+    payloads_[b] = nullptr;
+    h.held = false;
+    store_->reserve(swap::recordBytes(bytes));
+    void* payload = nullptr;
+    swap::SwapFault fault;
+    const int rc = store_->overwrite(b, bytes, &payload, &fault);
+    TORCH_CHECK(rc == 0, "zeroplus::zero step: NVMe optimizer offload (rank ", rank_, "): bucket ", b, " (file ",
+                fault.path, "): ", fault.what, " [", std::strerror(fault.err), "]");
+    std::memcpy(payload, kept.data_ptr(), kept.numel());
+    bind(b, payload);
+  }
+  h.capacity = slots;
 }
 
 void OptimizerSwapper::abandon() {

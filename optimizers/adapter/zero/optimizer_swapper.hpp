@@ -23,6 +23,13 @@
 // The tensors keep their identity (set_ on the same TensorImpl), so placement and stepper see
 // the bound buffer without knowing about swapping.
 //
+// Buffer size: a record holds the kinds its group's optimizer creates (a master copy, then
+// Adam's two moments and max_exp_avg_sq only with amsgrad; SGD's momentum buffer only with
+// momentum), so the pool's buffers are sized for the largest bucket's *actual* record (AdamW
+// fp32: 2 slots, not room for 4). A group whose hyperparameters change so that it needs one
+// more kind (momentum set after the first step, amsgrad switched on) moves its record into a
+// larger buffer at that store (the pool's buffers grow to it as they are reused).
+//
 // Between steps (checkpoints; engine::BucketStates is the one caller):
 //   bindForRead(b)   as fetch, but a record that cannot be used raises c10::Error naming its file
 //                    and bucket, with nothing bound and nothing kept for endStep;
@@ -62,7 +69,9 @@ class OptimizerSwapper {
  public:
   // Creates the private swap directory and writes the masters that are copies into their
   // records. Throws c10::Error naming options.nvme_path when the directory cannot be made.
-  OptimizerSwapper(const Options& options, Placement& placement, std::vector<BucketStepper>& steppers, int rank);
+  // groupHyper[g]: param group g's hyperparameters at initialize (which state kinds it creates).
+  OptimizerSwapper(const Options& options, Placement& placement, std::vector<BucketStepper>& steppers,
+                   const std::vector<StepHyper>& groupHyper, int rank);
   ~OptimizerSwapper();
 
   void prefetchAhead();
@@ -87,6 +96,8 @@ class OptimizerSwapper {
   std::string pathOf(size_t b) const;
   uint64_t bytesRead() const;
   uint64_t bytesWritten() const;
+  // Bytes of one pooled buffer (a record's 4 KiB header + the largest payload planned so far).
+  size_t bufferBytes() const;
   // The store's counters (swap_store.hpp SwapStats): reads ahead and on demand, time blocked on
   // reads and writes, checksum time; a profiler (bench/zero/bench_cpp_offload.cpp) takes differences.
   swap::SwapStats stats() const;
@@ -100,6 +111,7 @@ class OptimizerSwapper {
     std::vector<uint8_t> has;             // [segment]: bitmask of kinds the segment has
     uint64_t generation = 0;
     bool held = false;
+    size_t capacity = 0;                  // slots the record is planned for (grows: grow())
   };
   uint64_t slotBytes(const Home& h) const;
   uint64_t payloadBytes(const Home& h) const { return slotBytes(h) * h.slots.size(); }
@@ -108,6 +120,9 @@ class OptimizerSwapper {
   at::Tensor paramsShardAsFp32(size_t b) const;
   // Points the master (a copy) and the state tensors of the kinds each segment has at the payload.
   void bind(size_t b, void* payload);
+  // Bucket b (held) needs `slots` slots, more than it was planned for: its payload moves into a
+  // buffer of that size (the old one is given back unwritten; the file keeps the last record).
+  void grow(size_t b, size_t slots);
   // Plans the reads of buckets first, first + 1, ... (the order every reader visits them in).
   void readAhead(size_t first);
   void noteFaults(std::vector<swap::SwapFault> faults);

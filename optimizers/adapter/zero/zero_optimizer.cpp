@@ -162,12 +162,13 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intr
   TORCH_CHECK_VALUE(model_ != nullptr, kInit, ": model is null");
   TORCH_CHECK_VALUE(pg, kInit, ": pg is null");
   checkOptions(options);
-  for (size_t g = 0; g < param_groups_.size(); ++g) (void)hyperOf(param_groups_[g].options());
+  std::vector<engine::StepHyper> groupHyper;  // checked here, before anything collective
+  for (size_t g = 0; g < param_groups_.size(); ++g) groupHyper.push_back(hyperOf(param_groups_[g].options()));
   const auto trainable = trainableGroups(*model_, param_groups_);
   for (const auto& g : param_groups_) groupSizes_.push_back(g.params().size());
   Stage3Units units;  // stage 3: found (and checked) before anything collective
   if (options.stage() == 3) units = findUnits(model_, trainable, options.param_persistence_threshold());
-  engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, units.layout);
+  engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, groupHyper, units.layout);
   syncUnmanaged(*model_, *engine_);
   installHooks();
   if (options.stage() == 3) wrapUnits(units, engine_);

@@ -202,6 +202,74 @@ TEST(ZeroOffloadCpu, CpuDeviceIsAcceptedAndChangesNothingOnCpuTraining) {
   }
 }
 
+// The pool's buffers are sized for the records the optimizer really writes: a 4 KiB header and
+// one 64-byte-aligned fp32 slot per kind (a master copy under bf16; Adam's two moments, a third
+// with amsgrad; SGD's momentum buffer), for the largest bucket's shard.
+TEST(ZeroOffloadBuffers, SizedForTheKindsTheOptimizerCreates) {
+  TempDir nvme;
+  struct Sizing {
+    std::string precision;
+    bool sgd;
+    bool amsgrad;
+    size_t slots;
+  };
+  for (const Sizing& c : {Sizing{"fp32", false, false, 2}, Sizing{"bf16", false, false, 3},
+                          Sizing{"fp32", false, true, 3}, Sizing{"fp32", true, false, 1},
+                          Sizing{"bf16", true, false, 2}}) {
+    runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      auto model = makeModel();
+      const Options o = Options().stage(2).mixed_precision(c.precision).reduce_bucket_elems(150)
+                            .offload_optimizer("nvme").nvme_path(nvme.path());
+      auto opt = c.sgd ? zeroplus::zero::initialize(model, pg, o, torch::optim::SGDOptions(0.05).momentum(0.9))
+                       : zeroplus::zero::initialize(model, pg, o, zeroplus::optim::ZeroAdamWOptions(1e-2).amsgrad(c.amsgrad));
+      int64_t largest = 0;
+      for (const auto& b : opt->engine().params().buckets()) largest = std::max(largest, b.shardNumel);
+      const size_t slot = (static_cast<size_t>(largest) * 4 + 63) / 64 * 64;
+      EXPECT_EQ(opt->engine().swapper()->bufferBytes(), 4096 + c.slots * slot)
+          << c.precision << (c.sgd ? " sgd" : " adamw") << (c.amsgrad ? " amsgrad" : "");
+      trainSteps(model, *opt, rank, 0, 2);  // the records fit: no buffer grows
+      EXPECT_EQ(opt->engine().swapper()->bufferBytes(), 4096 + c.slots * slot);
+    });
+  }
+}
+
+// A group that needs one more kind of state after its records were planned (momentum set after
+// the first steps, amsgrad switched on) moves that record into a larger buffer at its store and
+// trains bit-identically to the same change in memory.
+TEST(ZeroOffloadBuffers, ARecordGrowsWhenTheHyperparametersNeedAnotherKind) {
+  TempDir nvme;
+  for (const bool sgd : {true, false}) {
+    runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+      const Options base = Options().stage(2).mixed_precision(sgd ? "bf16" : "fp32").reduce_bucket_elems(150);
+      auto make = [&](torch::nn::Sequential& m, const Options& o) {
+        return sgd ? zeroplus::zero::initialize(m, pg, o, torch::optim::SGDOptions(0.05))
+                   : zeroplus::zero::initialize(m, pg, o, zeroplus::optim::ZeroAdamWOptions(1e-2));
+      };
+      auto plainModel = makeModel();
+      auto plain = make(plainModel, base);
+      auto swapModel = makeModel();
+      auto swapped = make(swapModel, Options(base).offload_optimizer("nvme").nvme_path(nvme.path()));
+      const size_t before = swapped->engine().swapper()->bufferBytes();
+      trainSteps(plainModel, *plain, rank, 0, 2);
+      trainSteps(swapModel, *swapped, rank, 0, 2);
+      for (auto* opt : {plain.get(), swapped.get()}) {
+        auto& options = opt->param_groups()[0].options();
+        if (sgd) {
+          static_cast<torch::optim::SGDOptions&>(options).momentum(0.9);
+        } else {
+          static_cast<zeroplus::optim::ZeroAdamWOptions&>(options).amsgrad(true);
+        }
+      }
+      trainSteps(plainModel, *plain, rank, 2, 3);
+      trainSteps(swapModel, *swapped, rank, 2, 3);
+      EXPECT_GT(swapped->engine().swapper()->bufferBytes(), before);
+      const auto a = zeroplus::zero::full_state_dict(plainModel, *plain);
+      const auto b = zeroplus::zero::full_state_dict(swapModel, *swapped);
+      for (const auto& item : a) EXPECT_TRUE(torch::equal(item.value(), b[item.key()])) << sgd << " " << item.key();
+    });
+  }
+}
+
 TEST(ZeroOffloadOrdering, OneBufferPoolTrainsBitIdentically) {
   TempDir nvme;
   runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
