@@ -49,6 +49,7 @@ struct Times {
   double readWait = 0, writeWait = 0, checksum = 0;
   double readsAhead = 0, readsOnDemand = 0, inBuffer = 0, refused = 0;
   double bytesRead = 0, bytesWritten = 0, maxInFlight = 0, buffers = 0, records = 0, recordBytes = 0;
+  double peakBufferBytes = 0;  // the pool's most bytes at once
 };
 
 Times runOnce(const Args& a, int world, bool offload) {
@@ -119,6 +120,7 @@ Times runOnce(const Args& a, int world, bool offload) {
           const auto st = swapper->stats();
           t.maxInFlight = static_cast<double>(st.maxInFlight);
           t.buffers = static_cast<double>(st.buffers);
+          t.peakBufferBytes = static_cast<double>(st.peakBufferBytes);
           t.records = static_cast<double>(opt->engine().steppers().size());
           t.recordBytes = st.writes ? static_cast<double>(st.bytesWritten) / static_cast<double>(st.writes) : 0;
         }
@@ -188,7 +190,7 @@ int main(int argc, char** argv) {
              << ", \"prefetches_refused\": " << t.refused << ", \"bytes_read\": " << t.bytesRead
              << ", \"bytes_written\": " << t.bytesWritten << ", \"max_in_flight\": " << t.maxInFlight
              << ", \"buffers\": " << t.buffers << ", \"records\": " << t.records << ", \"record_bytes\": "
-             << t.recordBytes << "}";
+             << t.recordBytes << ", \"peak_buffer_bytes\": " << t.peakBufferBytes << "}";
         first = false;
       }
     }
