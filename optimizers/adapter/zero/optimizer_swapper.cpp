@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 #include "aio/core/io_error.hpp"
 #include "optimizers/adapter/zero/flat_params.hpp"
@@ -247,7 +248,7 @@ void OptimizerSwapper::store(size_t b) {
       }
     }
   }
-  if (needed > h.capacity) grow(b, needed);
+  if (needed > h.capacity && !grow(b, needed)) return;  // the fault is kept for endStep
   for (size_t s = 0; s < segments.size(); ++s) {
     for (int kind = kExpAvg; kind < kKinds; ++kind) {
       at::Tensor& t = segments[s].state.*stateOf(kind);
@@ -274,30 +275,48 @@ void OptimizerSwapper::store(size_t b) {
   store_->store({b, h.generation, payloadBytes(h), layoutTag(h)});
 }
 
-void OptimizerSwapper::grow(size_t b, size_t slots) {
+bool OptimizerSwapper::grow(size_t b, size_t slots) {
   Home& h = homes_[b];
   TORCH_CHECK(slots <= kMaxSlots, "zeroplus::zero step: bucket ", b, " needs ", slots, " optimizer state slots, more "
               "than the ", kMaxSlots, " a record holds");
   const uint64_t bytes = slotBytes(h) * slots;
-  if (swap::recordBytes(bytes) > store_->bufferBytes()) {
-    // The slots bound so far (the master, kinds of earlier steps: updated in place by this step)
-    // move with their values; the old buffer goes back unwritten, its file keeps the last record.
-    const at::Tensor kept =
-        at::from_blob(payloads_[b], {static_cast<int64_t>(payloadBytes(h))}, at::TensorOptions().dtype(at::kByte))
-            .clone();
-    store_->release(b);
-    payloads_[b] = nullptr;
-    h.held = false;
-    store_->reserve(swap::recordBytes(bytes));
-    void* payload = nullptr;
-    swap::SwapFault fault;
-    const int rc = store_->overwrite(b, bytes, &payload, &fault);
-    TORCH_CHECK(rc == 0, "zeroplus::zero step: NVMe optimizer offload (rank ", rank_, "): bucket ", b, " (file ",
-                fault.path, "): ", fault.what, " [", std::strerror(fault.err), "]");
-    std::memcpy(payload, kept.data_ptr(), kept.numel());
-    bind(b, payload);
+  // Always into a new buffer of the new size: the held one may predate an earlier reserve() (a
+  // record read ahead while another bucket grew), so the pool's size says nothing about it. The
+  // slots bound so far (the master, kinds of earlier steps: updated in place by this step) move
+  // with their values; the old buffer goes back unwritten, the file keeps the last record.
+  const at::Tensor kept =
+      at::from_blob(payloads_[b], {static_cast<int64_t>(payloadBytes(h))}, at::TensorOptions().dtype(at::kByte))
+          .clone();
+  // State the stepper created this step (kinds not in the record yet): its own tensors, kept
+  // across the unbind and joined to the record by store().
+  auto& segments = steppers_[b].segments();
+  std::vector<std::tuple<size_t, int, at::Tensor>> fresh;
+  for (size_t s = 0; s < segments.size(); ++s) {
+    for (int kind = kExpAvg; kind < kKinds; ++kind) {
+      const at::Tensor& t = segments[s].state.*stateOf(kind);
+      if (t.defined() && std::find(h.slots.begin(), h.slots.end(), static_cast<Kind>(kind)) == h.slots.end()) {
+        fresh.emplace_back(s, kind, t);
+      }
+    }
   }
+  unbind(b);  // gives the old buffer back unwritten; no tensor views it past this point
+  store_->reserve(swap::recordBytes(bytes));
+  void* payload = nullptr;
+  swap::SwapFault fault;
+  const int rc = store_->overwrite(b, bytes, &payload, &fault);
+  if (rc != 0) {
+    // Reported with the step's faults (endStep, after the last collective), not thrown mid-step.
+    faults_.push_back("bucket " + std::to_string(b) + " (file " + fault.path + "): moving its record into a buffer "
+                      "for " + std::to_string(slots) + " slots failed: " + fault.what + " [" + std::strerror(fault.err) +
+                      "]; the parameters were stepped, but this step's optimizer state of the bucket is lost (the file "
+                      "keeps the previous step's): load a checkpoint to continue exactly");
+    return false;
+  }
+  std::memcpy(payload, kept.data_ptr(), static_cast<size_t>(kept.numel()));
   h.capacity = slots;
+  bind(b, payload);
+  for (auto& [s, kind, t] : fresh) segments[s].state.*stateOf(kind) = std::move(t);
+  return true;
 }
 
 void OptimizerSwapper::abandon() {

@@ -121,8 +121,10 @@ class OptimizerSwapper {
   // Points the master (a copy) and the state tensors of the kinds each segment has at the payload.
   void bind(size_t b, void* payload);
   // Bucket b (held) needs `slots` slots, more than it was planned for: its payload moves into a
-  // buffer of that size (the old one is given back unwritten; the file keeps the last record).
-  void grow(size_t b, size_t slots);
+  // new buffer of that size (the old one is given back unwritten; the file keeps the last record)
+  // and the views are bound to it. false: no buffer (the fault is kept for endStep; nothing views
+  // the old buffer; the bucket is not held and its record not written).
+  bool grow(size_t b, size_t slots);
   // Plans the reads of buckets first, first + 1, ... (the order every reader visits them in).
   void readAhead(size_t first);
   void noteFaults(std::vector<swap::SwapFault> faults);
