@@ -71,12 +71,15 @@ class SwapStoreHolder : public torch::CustomClassHolder {
     o.keepWritten = keepWritten;
     if (pin) {
       // Buffers pinned here are unpinned before they are freed (the store calls onFree first).
+      // The callbacks run on the store's pump thread too, whose current device is 0: they make
+      // this (the training thread's) device current, or every rank would create a context on GPU 0.
       auto pinned = std::make_shared<std::set<void*>>();
-      o.onAllocate = [pinned](void* p, size_t n) {
-        if (aio::cudaPinHost(p, n)) pinned->insert(p);
+      const int device = aio::cudaCurrentDevice();
+      o.onAllocate = [pinned, device](void* p, size_t n) {
+        if (aio::cudaPinHostOn(device, p, n)) pinned->insert(p);
       };
-      o.onFree = [pinned](void* p, size_t) {
-        if (pinned->erase(p) != 0) aio::cudaUnpinHost(p);
+      o.onFree = [pinned, device](void* p, size_t) {
+        if (pinned->erase(p) != 0) aio::cudaUnpinHostOn(device, p);
       };
     }
     try {
@@ -138,7 +141,11 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
         s->store().store(sw::keyOf(id, generation, payloadBytes, tag), linger);
       })
       .def("release", [](const Self& s, int64_t id) { s->store().release(static_cast<uint64_t>(id)); })
-      .def("forget", [](const Self& s, int64_t id) { s->store().forget(static_cast<uint64_t>(id)); })
+      // 0, or EBUSY: the record is held or stored with linger and not released (nothing dropped).
+      .def("forget", [](const Self& s, int64_t id) { return static_cast<int64_t>(-s->store().forget(static_cast<uint64_t>(id))); })
+      .def("held_capacity", [](const Self& s, int64_t id) {
+        return static_cast<int64_t>(s->store().heldCapacity(static_cast<uint64_t>(id)));
+      })
       .def("adopt", [](const Self& s, int64_t id) {
         sw::SwapFault fault;
         const int rc = s->store().adopt(static_cast<uint64_t>(id), &fault);

@@ -100,6 +100,58 @@ void cudaUnpinHost(void* ptr) {
 #endif
 }
 
+int cudaCurrentDevice() {
+#ifdef ZEROPLUS_WITH_CUDA
+  // torch's view of the device, not cudaGetDevice: a device guard may have recorded its target
+  // without making it current (c10::cuda::MaybeSetDevice, to create no context).
+  try {
+    if (c10::cuda::device_count() == 0) return -1;
+    return static_cast<int>(c10::cuda::current_device());
+  } catch (const c10::Error&) {
+    return -1;
+  }
+#else
+  return -1;
+#endif
+}
+
+bool cudaPinHostOn(int device, void* ptr, size_t bytes) {
+#ifdef ZEROPLUS_WITH_CUDA
+  if (device < 0) return false;
+  try {
+    // CUDAGuard restores the previous device through c10's MaybeSetDevice: never a new context.
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    const cudaError_t rc = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+    if (rc == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    logOnce("cudaHostRegister", std::string("cudaHostRegister failed: ") + cudaGetErrorString(rc) +
+                                    "; host<->device copies of swap buffers will not be asynchronous");
+  } catch (const c10::Error& e) {
+    logOnce("cudaHostRegister", std::string("cannot select CUDA device ") + std::to_string(device) + ": " +
+                                    e.what_without_backtrace());
+  }
+#else
+  (void)device;
+  (void)ptr;
+  (void)bytes;
+#endif
+  return false;
+}
+
+void cudaUnpinHostOn(int device, void* ptr) {
+#ifdef ZEROPLUS_WITH_CUDA
+  if (device < 0) return;
+  try {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    if (cudaHostUnregister(ptr) != cudaSuccess) (void)cudaGetLastError();
+  } catch (const c10::Error&) {
+  }
+#else
+  (void)device;
+  (void)ptr;
+#endif
+}
+
 StagingExecutor::StagingExecutor(std::shared_ptr<Engine> engine, size_t chunk_bytes)
     : engine_(std::move(engine)), staging_bytes_(chunk_bytes), chunk_(chunk_bytes), thread_([this] { loop(); }) {}
 

@@ -29,6 +29,16 @@ namespace zeroplus::aio {
 // returning false otherwise. Best effort: failures are logged once.
 bool cudaPinHost(void* ptr, size_t bytes);
 void cudaUnpinHost(void* ptr);
+// The calling thread's current CUDA device, or -1 (no CUDA in this build, no GPU, an error).
+int cudaCurrentDevice();
+// As cudaPinHost/cudaUnpinHost, for a thread that is not the caller's training thread (a swap
+// store's pump): `device` (from cudaCurrentDevice() on the training thread; < 0: nothing is
+// done, false) is made current for the call, so that thread never creates a context on GPU 0,
+// which every rank would otherwise do. The previous device is restored only where it already
+// has a context (torch's device guard). Registered cudaHostRegisterPortable: pinned for every
+// context, not only `device`'s.
+bool cudaPinHostOn(int device, void* ptr, size_t bytes);
+void cudaUnpinHostOn(int device, void* ptr);
 
 class Copier;  // tensor <-> host bytes (memcpy, or cudaMemcpyAsync on a side stream)
 

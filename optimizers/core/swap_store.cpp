@@ -40,8 +40,20 @@ SwapStore::SwapStore(const SwapStoreOptions& options) : options_(options), buffe
   }
   if (options_.inPlace) {  // the caller's private directory (its owner sweeps and locks it)
     dirPath_ = options_.parent;
-    dirFd_ = fs::UniqueFd(::dup(parentFd_.get()));
-    if (dirFd_.get() < 0) throw aio::IoError("swap store: dup", options_.parent, 0, 0, errno);
+    // Reopened without following a link (openDirectory follows one the user owns) and checked as
+    // the store's own directory would be: record files hold optimizer state, and a directory
+    // another user owns or can enter lets them read it or plant files under our names.
+    dirFd_ = fs::UniqueFd(::open(options_.parent.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    if (dirFd_.get() < 0) throw aio::IoError("swap store: open directory", options_.parent, 0, 0, errno);
+    struct stat st {};
+    if (fstat(dirFd_.get(), &st) != 0) throw aio::IoError("swap store: stat directory", options_.parent, 0, 0, errno);
+    if (st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+      char mode[8];
+      std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+      throw aio::IoError("swap store: directory not private", options_.parent, 0, 0, EPERM,
+                         "owned by uid " + std::to_string(st.st_uid) + " with mode " + mode + ", expected uid " +
+                             std::to_string(geteuid()) + " and no group/other permissions");
+    }
   } else {
     int rc = -EEXIST;
     for (int attempt = 0; attempt < 8 && rc == -EEXIST; ++attempt) {
@@ -96,6 +108,18 @@ void SwapStore::noteFault(uint64_t id, int err, std::string what) {
 
 namespace {
 
+// Opens the existing record file `name` in dirFd (O_NOFOLLOW: a link is refused): a regular
+// file of this effective uid (nobody else's file becomes a record). 0 or a positive errno.
+int openExisting(int dirFd, const std::string& name, fs::UniqueFd* out, struct stat* st) {
+  fs::UniqueFd fd(::openat(dirFd, name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC));
+  if (fd.get() < 0) return errno;
+  if (fstat(fd.get(), st) != 0) return errno;
+  if (!S_ISREG(st->st_mode)) return EINVAL;
+  if (st->st_uid != geteuid()) return EPERM;
+  *out = std::move(fd);
+  return 0;
+}
+
 // Preallocates `bytes` of fd (a full disk shows here, not in a later write); a file system
 // without fallocate gets its size set instead. 0 or a positive errno.
 int reserveBytes(int fd, uint64_t bytes) {
@@ -128,19 +152,27 @@ std::shared_ptr<aio::File> SwapStore::fileFor(uint64_t id, uint64_t bytes, int* 
   const std::string path = pathOf(id);
   fs::UniqueFd fd;
   const std::string name = path.substr(dirPath_.size() + 1);
-  const int rc = fs::createExclusive(dirFd_.get(), name, 0600, 0, &fd);
+  int rc = fs::createExclusive(dirFd_.get(), name, 0600, 0, &fd);
+  const bool created = rc == 0;
+  if (rc == -EEXIST) {
+    // A file by the record's name that the store has no descriptor for: the caller renamed it
+    // there and its adopt() failed (files_ had already dropped the old one). It is the record's
+    // file now; refusing it would make every later store of the record fail with EEXIST.
+    struct stat st {};
+    rc = -openExisting(dirFd_.get(), name, &fd, &st);
+  }
   if (rc < 0) {
     *err = -rc;
     *what = std::string("create failed: ") + std::strerror(-rc);
     return nullptr;
   }
   if (const int r = reserveBytes(fd.get(), bytes); r != 0) {
-    unlinkat(dirFd_.get(), name.c_str(), 0);  // created again at the next store
+    if (created) unlinkat(dirFd_.get(), name.c_str(), 0);  // created again at the next store
     *err = r;
     *what = "create failed: cannot reserve " + std::to_string(bytes) + " bytes: " + std::strerror(r);
     return nullptr;
   }
-  createdIds_.push_back(id);
+  if (std::find(createdIds_.begin(), createdIds_.end(), id) == createdIds_.end()) createdIds_.push_back(id);
   try {
     auto file = aio::File::adopt(fd.release(), path, options_.direct);
     files_[id] = file;
@@ -503,7 +535,7 @@ void SwapStore::planReads(std::vector<RecordKey> keys) {
 bool SwapStore::prefetch(const RecordKey& key) {
   std::lock_guard<std::mutex> lk(mu_);
   if (key.generation == 0 || slotOf_.count(key.id) != 0) return false;
-  if (recordBytes(key.payloadBytes) > options_.bufferBytes) return false;
+  if (recordBytes(key.payloadBytes) > bufferBytes_) return false;  // raised by reserve()
   if (files_.count(key.id) == 0) return false;  // fetch reports the missing file
   const int s = freeSlot();
   if (s < 0) {
@@ -616,6 +648,14 @@ void SwapStore::store(const RecordKey& key, bool linger) {
     return;
   }
   Slot& slot = *slots_[found->second];
+  if (const uint64_t length = recordBytes(key.payloadBytes); length > slot.mem.size()) {
+    // The record grew while held in a buffer allocated before a reserve(): sealing it would
+    // write past the buffer's end. It stays held as it was (the owner moves it: heldCapacity).
+    noteFault(key.id, EINVAL,
+              "store refused: record of " + std::to_string(length) + " bytes exceeds its held buffer of " +
+                  std::to_string(slot.mem.size()) + " bytes");
+    return;
+  }
   slot.dirty = false;
   slot.key = key;
   slot.length = recordBytes(key.payloadBytes);
@@ -681,6 +721,9 @@ int SwapStore::overwrite(uint64_t id, uint64_t payloadBytes, void** payload, Swa
   if (found != slotOf_.end() && slots_[found->second]->state == State::kHeld) {
     return fail(EBUSY, "record is already held");
   }
+  if (found != slotOf_.end() && slots_[found->second]->linger) {  // zeroing it would change what the owner reads
+    return fail(EBUSY, "record is still read by its owner (stored with linger)");
+  }
   // The buffer is reused: a transfer in flight must end first. Its outcome does not matter (a
   // read's bytes are discarded, a write's record is superseded by the one the caller stores next,
   // so its failure is not reported).
@@ -743,12 +786,23 @@ size_t SwapStore::bufferBytes() const {
   return bufferBytes_;
 }
 
+size_t SwapStore::heldCapacity(uint64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto found = slotOf_.find(id);
+  if (found == slotOf_.end() || slots_[found->second]->state != State::kHeld) return 0;
+  return slots_[found->second]->mem.size() - kHeaderBytes;  // every buffer holds a header (constructor)
+}
+
 const char* SwapStore::engineName() const { return aio::toString(engine_->kind()); }
 
 int SwapStore::drop(Lock& lk, uint64_t id) {
-  for (auto it = plan_.begin(); it != plan_.end();) it = it->id == id ? plan_.erase(it) : it + 1;
   auto found = slotOf_.find(id);
-  if (found != slotOf_.end() && slots_[found->second]->state == State::kHeld) return -EBUSY;
+  // A lingering record's payload is still read by the owner (only the owner ends a linger, so
+  // the check holds across settle()): freeing the buffer would hand it to another record.
+  if (found != slotOf_.end() && (slots_[found->second]->state == State::kHeld || slots_[found->second]->linger)) {
+    return -EBUSY;
+  }
+  for (auto it = plan_.begin(); it != plan_.end();) it = it->id == id ? plan_.erase(it) : it + 1;
   const int s = settle(lk, id);  // a transfer of the old record ends first (its outcome is moot)
   if (s >= 0) {
     Slot& slot = *slots_[s];
@@ -764,32 +818,30 @@ int SwapStore::drop(Lock& lk, uint64_t id) {
   return 0;
 }
 
-void SwapStore::forget(uint64_t id) {
+int SwapStore::forget(uint64_t id) {
   Lock lk(mu_);
-  (void)drop(lk, id);
+  return drop(lk, id);
 }
 
 int SwapStore::adopt(uint64_t id, SwapFault* fault) {
   Lock lk(mu_);
   const std::string path = pathOf(id);
   if (drop(lk, id) < 0) {
-    *fault = {id, path, EBUSY, "record is held"};
+    *fault = {id, path, EBUSY, "record is held, or still read by its owner (stored with linger)"};
     return -EBUSY;
   }
   files_.erase(id);  // the old file (its descriptor names the replaced inode)
   reserved_.erase(id);
   const std::string name = path.substr(dirPath_.size() + 1);
-  const int fd = ::openat(dirFd_.get(), name.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  fs::UniqueFd fd;
   struct stat st {};
-  const int err = fd < 0 ? errno : (fstat(fd, &st) != 0 ? errno : (S_ISREG(st.st_mode) ? 0 : EINVAL));
-  if (err != 0) {
-    if (fd >= 0) ::close(fd);
+  if (const int err = openExisting(dirFd_.get(), name, &fd, &st); err != 0) {
     *fault = {id, path, err, std::string("open failed: ") + std::strerror(err)};
     return -err;
   }
   if (std::find(createdIds_.begin(), createdIds_.end(), id) == createdIds_.end()) createdIds_.push_back(id);
   try {
-    files_[id] = aio::File::adopt(fd, path, options_.direct);
+    files_[id] = aio::File::adopt(fd.release(), path, options_.direct);
   } catch (const aio::IoError& e) {
     *fault = {id, path, e.error(), std::string("open failed: ") + e.what()};
     return -e.error();

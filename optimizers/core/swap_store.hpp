@@ -20,6 +20,10 @@
 //   adopt(id)      the caller replaced the record's file (a rename over it: a crash-consistent
 //                  load): the store drops what it buffered of the old one and opens the new one;
 //   forget(id)     drops what the store buffered of the record (its file stays).
+// A record never outgrows the buffer it is held in: store() refuses one larger than its buffer
+// (heldCapacity(id)); an owner whose record grew while held releases it and overwrite()s it into
+// a buffer of the new size. adopt/forget/overwrite refuse a record stored with linger until
+// release(id) (its payload is still the owner's view).
 // The pool holds `bufferCount` buffers of `bufferBytes`, allocated on first use. reserve() raises
 // bufferBytes (records that grow: state an optimizer creates later); a free buffer smaller than
 // that is replaced when it is next used, so the pool never holds more than bufferCount buffers of
@@ -80,7 +84,8 @@ struct SwapStoreOptions {
   std::string parent;                 // an existing, writable directory
   // true: `parent` IS the store's directory, private and owned by the caller (the Python
   // engine's SwapDirectory: its stale-directory sweep and liveness lock); the store creates no
-  // directory there and removes only the files it created.
+  // directory there and removes only the files it created. It must be a directory (not a link)
+  // of this effective uid without group/other permissions: the constructor throws EPERM else.
   bool inPlace = false;
   std::string prefix = "zeroplus-swap-";
   std::string stem = "record-";       // file names: stem + 5-digit id + ".swp"
@@ -149,7 +154,12 @@ class SwapStore {
   // with *fault filled (the buffer is given back; the record is unusable).
   int fetch(const RecordKey& key, void** payload, SwapFault* fault);
   // Seals the held record of key.id as `key` and starts its write (the pump thread does both:
-  // the call does not wait). A record whose file cannot be created (or reserved: the file is
+  // the call does not wait). A record larger than the buffer it is held in (heldCapacity: a
+  // buffer allocated before a reserve()) is refused: it stays held as it was, and the next
+  // poll()/drain() reports an EINVAL fault naming the file ("store refused"). The record's file
+  // is created, or, when a file by its name exists that the store has no descriptor for (a
+  // failed adopt), that file is used if it is a regular file of this user (never followed when
+  // a link). A record whose file cannot be created (or reserved: the file is
   // preallocated to the record's size, so a full disk shows here) stays in memory, dirty, and
   // is reported by the next poll()/drain() with a `what` starting "create failed". linger: the
   // owner still reads the payload (never writes it) until release(id).
@@ -161,21 +171,27 @@ class SwapStore {
   // Raises bufferBytes to at least `bytes` (never lowers it). Buffers in use keep their size.
   void reserve(size_t bytes);
   size_t bufferBytes() const;
+  // The payload bytes the buffer holding record `id` can take (a store() of a larger record is
+  // refused); 0 when `id` is not held.
+  size_t heldCapacity(uint64_t id) const;
   // The file of `id` (pathOf(id)) was replaced by the caller: waits for transfers of the record,
   // drops its buffered copy (dirty or not: the file is the record now) and its unreported write
-  // faults, and opens the file found there (which the destructor removes). 0, or a negative
-  // errno with *fault filled (-EBUSY: held; the file cannot be opened: the next fetch reports
-  // it missing, the next store creates it).
+  // faults, and opens the file found there (a regular file of this user, not a link; the
+  // destructor removes it). 0, or a negative errno with *fault filled (-EBUSY: held, or stored
+  // with linger and not released: nothing is dropped; the file cannot be opened: the next fetch
+  // reports it missing, the next store creates it or uses the one found then).
   int adopt(uint64_t id, SwapFault* fault);
-  // As adopt, keeping the file as it is: the caller no longer wants the buffered copy.
-  void forget(uint64_t id);
+  // As adopt, keeping the file as it is: the caller no longer wants the buffered copy. 0, or
+  // -EBUSY (held, or stored with linger and not released: nothing is dropped).
+  int forget(uint64_t id);
   // "io_uring" or "threads": the engine moving the bytes.
   const char* engineName() const;
   // Holds a buffer for record `id` filled with zeros (payloadBytes bytes after the header) without
   // reading the file: the caller replaces the whole payload and store()s it. A read of `id` in
   // flight is waited for and discarded; a write in flight is waited for (its failure is not
   // reported: the record it carried is being replaced). 0, or a negative errno with *fault filled
-  // (-EBUSY: the record is held; -EINVAL: larger than a buffer; -ENOMEM).
+  // (-EBUSY: the record is held, or stored with linger and not released; -EINVAL: larger than a
+  // buffer; -ENOMEM).
   int overwrite(uint64_t id, uint64_t payloadBytes, void** payload, SwapFault* fault);
   // Failed writes since the last call; drain() first waits for every write in flight (and for
   // stored records not yet submitted).

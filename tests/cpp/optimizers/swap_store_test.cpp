@@ -14,11 +14,15 @@
 // (resetPeak). The gradient spill's (no keepWritten): a record released after its write is read
 // from its file again (a file damaged meanwhile is refused), and a failed write of an abandoned
 // pass is dropped from memory (forget) while the other record of the bucket stays readable.
+// Refusals: a store of a record larger than the buffer it is held in (no overflow), forget/adopt/
+// overwrite of a record stored with linger, a link or a non-private directory in place; and a
+// record file left by a failed adopt is used by the next store (prefetch sees reserve() too).
 #include "optimizers/core/swap_store.hpp"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -640,6 +644,163 @@ TEST(SwapStore, AFailedWriteOfAnAbandonedPassIsForgottenAndTheOtherRecordStaysRe
   EXPECT_TRUE(matches(p, 0, 1));
   store.release(0);
   EXPECT_TRUE(store.poll().empty());
+}
+
+// A record that grew (reserve()) while held in a buffer allocated before: sealing it would write
+// past the buffer's end. store() refuses it naming the file and leaves it held; the owner moves
+// it into a buffer of the new size (release, overwrite) and stores it there.
+TEST(SwapStore, StoreRefusesARecordLargerThanItsHeldBuffer) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path()));
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(1, 0), &p, &f), 0) << f.what;
+  const size_t capacity = store.heldCapacity(1);
+  EXPECT_GE(capacity, kPayload);
+  EXPECT_EQ(store.heldCapacity(2), 0u);  // not held
+  const uint64_t grown = kPayload + 8 * 4096;
+  store.reserve(recordBytes(grown));
+  EXPECT_EQ(store.heldCapacity(1), capacity);  // a buffer in use keeps its size
+  store.store({1, 1, grown, 0x1234});
+  const auto faults = store.drain();
+  ASSERT_EQ(faults.size(), 1u);
+  EXPECT_EQ(faults[0].id, 1u);
+  EXPECT_EQ(faults[0].err, EINVAL);
+  EXPECT_EQ(faults[0].path, store.pathOf(1));
+  EXPECT_NE(faults[0].what.find("store refused"), std::string::npos) << faults[0].what;
+  EXPECT_EQ(store.heldCapacity(1), capacity);  // still held, nothing written
+  EXPECT_FALSE(std::filesystem::exists(store.pathOf(1)));
+  store.release(1);
+  ASSERT_EQ(store.overwrite(1, grown, &p, &f), 0) << f.what;
+  EXPECT_GE(store.heldCapacity(1), grown);
+  std::memset(p, 0x5a, grown);
+  store.store({1, 1, grown, 0x1234});
+  EXPECT_TRUE(store.drain().empty());
+  EXPECT_EQ(std::filesystem::file_size(store.pathOf(1)), recordBytes(grown));
+}
+
+// prefetch() compares with the buffer size reserve() raised, not the constructed one.
+TEST(SwapStore, PrefetchReadsARecordLargerThanTheConstructedBuffers) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path()));
+  const uint64_t grown = kPayload + 4096;
+  store.reserve(recordBytes(grown));
+  const RecordKey k{2, 1, grown, 7};
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.overwrite(2, grown, &p, &f), 0) << f.what;
+  std::memset(p, 0x5a, grown);
+  store.store(k);
+  ASSERT_TRUE(store.drain().empty());
+  EXPECT_TRUE(store.prefetch(k));
+  ASSERT_EQ(store.fetch(k, &p, &f), 0) << f.what;
+  EXPECT_EQ(static_cast<unsigned char*>(p)[grown - 1], 0x5a);
+  EXPECT_EQ(store.stats().readsAhead, 1u);
+  EXPECT_EQ(store.stats().readsOnDemand, 0u);
+  store.release(2);
+}
+
+// adopt() fails after dropping its descriptor of the old file (here: a directory was renamed
+// over the record). A regular file put there later is the record's: the next store uses it
+// instead of failing with EEXIST for ever. A link by the record's name is never followed.
+TEST(SwapStore, StoreUsesTheFileAFailedAdoptLeft) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path()));
+  writeOne(store, 1);
+  ASSERT_TRUE(store.drain().empty());
+  const std::string path = store.pathOf(1);
+  ASSERT_EQ(::unlink(path.c_str()), 0);
+  ASSERT_EQ(::mkdir(path.c_str(), 0700), 0);
+  SwapFault f;
+  EXPECT_EQ(store.adopt(1, &f), -EISDIR);
+  EXPECT_EQ(f.path, path);
+  ASSERT_EQ(::rmdir(path.c_str()), 0);
+  {
+    const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::write(fd, "junk", 4), 4);
+    ::close(fd);
+  }
+  void* p = nullptr;
+  ASSERT_EQ(store.overwrite(1, kPayload, &p, &f), 0) << f.what;
+  fill(p, 1, 2);
+  store.store(key(1, 2));
+  const auto faults = store.drain();
+  EXPECT_TRUE(faults.empty()) << faults[0].what;
+  ASSERT_EQ(store.fetch(key(1, 2), &p, &f), 0) << f.what;  // read back from that file
+  EXPECT_TRUE(matches(p, 1, 2));
+  store.release(1);
+
+  const std::string target = dir.path() + "/target";
+  {
+    const int fd = ::open(target.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  ASSERT_EQ(::symlink(target.c_str(), store.pathOf(2).c_str()), 0);
+  writeOne(store, 2);
+  const auto linked = store.drain();
+  ASSERT_EQ(linked.size(), 1u);
+  EXPECT_EQ(linked[0].err, ELOOP) << linked[0].what;
+  EXPECT_EQ(std::filesystem::file_size(target), 0u);
+  ASSERT_EQ(::unlink(store.pathOf(2).c_str()), 0);
+}
+
+// A record stored with linger is still the owner's view until release(): forget, adopt and
+// overwrite refuse it (-EBUSY) and its buffer goes to no other record.
+TEST(SwapStore, ALingeringRecordIsNeitherDroppedNorOverwritten) {
+  TempDir dir;
+  SwapStore store(optionsFor(dir.path(), /*count=*/1));
+  void* p = nullptr;
+  SwapFault f;
+  ASSERT_EQ(store.fetch(key(1, 0), &p, &f), 0) << f.what;
+  fill(p, 1, 1);
+  store.store(key(1, 1), /*linger=*/true);
+  ASSERT_TRUE(store.drain().empty());
+  EXPECT_EQ(store.forget(1), -EBUSY);
+  EXPECT_EQ(store.adopt(1, &f), -EBUSY);
+  EXPECT_EQ(f.err, EBUSY);
+  void* q = nullptr;
+  EXPECT_EQ(store.overwrite(1, kPayload, &q, &f), -EBUSY);
+  ASSERT_EQ(store.fetch(key(2, 0), &q, &f), 0) << f.what;  // the pool of one grows instead
+  EXPECT_NE(q, p);
+  store.release(2);
+  EXPECT_TRUE(matches(p, 1, 1));
+  store.release(1);  // the linger ends
+  EXPECT_EQ(store.forget(1), 0);
+  EXPECT_EQ(store.adopt(1, &f), 0) << f.what;
+}
+
+// inPlace: the caller's directory must be its own and private (not a link to one).
+TEST(SwapStore, InPlaceRefusesADirectoryThatIsNotPrivate) {
+  TempDir dir;
+  SwapStoreOptions o = optionsFor(dir.path());
+  o.inPlace = true;
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0750), 0);
+  try {
+    SwapStore store(o);
+    ADD_FAILURE() << "a directory with group permissions was accepted";
+  } catch (const aio::IoError& e) {
+    EXPECT_EQ(e.error(), EPERM);
+    EXPECT_EQ(e.path(), dir.path());
+  }
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0700), 0);
+  if (geteuid() == 0) {  // another owner: only root can make one
+    ASSERT_EQ(::chown(dir.path().c_str(), 65534, 65534), 0);
+    try {
+      SwapStore store(o);
+      ADD_FAILURE() << "another user's directory was accepted";
+    } catch (const aio::IoError& e) {
+      EXPECT_EQ(e.error(), EPERM);
+    }
+    ASSERT_EQ(::chown(dir.path().c_str(), 0, 0), 0);
+  }
+  TempDir other;
+  o.parent = other.path() + "/link";
+  ASSERT_EQ(::symlink(dir.path().c_str(), o.parent.c_str()), 0);
+  EXPECT_THROW(SwapStore{o}, aio::IoError);
+  o.parent = dir.path();
+  EXPECT_NO_THROW(SwapStore{o});  // 0700, ours: as the Python SwapDirectory makes it
 }
 
 TEST(SwapStore, BadParentIsRefused) {
