@@ -599,3 +599,18 @@ def test_swap_paths_under_umask_000_create_no_parents_and_stay_private(tmp_path)
             d.close()
     finally:
         os.umask(old)
+
+
+def test_store_fault_keeps_the_stores_explanation():
+    """record.fault: an errno other than EBADMSG keeps the store's `what` (which call failed,
+    where) beside strerror; EBADMSG says why the record is invalid."""
+    import errno as _errno
+
+    from zeroplus.offload import record
+
+    e = record.fault(_errno.EIO, "write failed at offset 8192: short write", "/d/x.swp", "ctx bucket 3, rank 1")
+    assert isinstance(e, OSError) and e.errno == _errno.EIO and e.filename == "/d/x.swp"
+    assert os.strerror(_errno.EIO) in str(e) and "write failed at offset 8192: short write" in str(e), str(e)
+    assert "ctx bucket 3, rank 1 failed: " in str(e), str(e)
+    bad = record.fault(_errno.EBADMSG, "read refused: generation 2, expected 3", "/d/x.swp", "ctx")
+    assert "the record is invalid: generation 2, expected 3" in str(bad), str(bad)

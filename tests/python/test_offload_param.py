@@ -422,3 +422,196 @@ def test_estimate_memory_offload_param_columns():
                           "--offload-param", "nvme", "--offload-optimizer", "nvme"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert out.returncode == 0 and "resident" in out.stdout and "nvme" in out.stdout, out.stderr
+
+
+# -- the swappers on the C++ store: owned gradient copies, half-stepped shards, replacement errors -
+
+def _gradient_shards_case(rank, group):
+    """gradient_shards() are the caller's: after step, another backward and close they still hold
+    the gradients they were (not the store's buffers, reused by the next backward)."""
+    import shutil
+
+    import zero_models as zm
+
+    root = tempfile.mkdtemp(prefix="zp-offload-param-")
+    model, opt = _build(None, group, root)
+    _train(model, opt, rank, 1)
+    x, y = zm.batch(1, rank)
+    opt.backward(zm.loss_fn(model, x, y))
+    spill = opt.reducer.spill
+    spilled = [i for i in range(len(opt.buckets)) if spill.spills(i) and spill.has(i)]
+    shards = opt.gradient_shards()
+    taken = [s.clone() for s in shards]
+    again = opt.gradient_shards()  # read back once more: what the step reads
+    opt.step()
+    opt.zero_grad()
+    x, y = zm.batch(2, rank)
+    opt.backward(zm.loss_fn(model, x, y))
+    later = opt.gradient_shards()
+    out = dict(n=len(spilled), was=all(torch.equal(again[i], taken[i]) for i in spilled),
+               kept=[i for i in spilled if torch.equal(shards[i], taken[i])],
+               changed=any(not torch.equal(later[i], taken[i]) for i in spilled))
+    opt.zero_grad()
+    opt.placement.param_store.close()
+    out["after_close"] = all(torch.equal(shards[i], taken[i]) for i in spilled)
+    out["spilled"] = spilled
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _half_step_case(rank, group):
+    """fp32: the step changes a pinned shard in place, then publish raises (before the write).
+    The half-stepped bytes must not stay cached under the old generation: the next pin shows
+    what the file holds, and training goes on."""
+    import shutil
+
+    import zero_models as zm
+
+    root = tempfile.mkdtemp(prefix="zp-offload-param-")
+    model, opt = _build(None, group, root, buffer_size=None)  # a pool that caches every record
+    _train(model, opt, rank, 1)
+    store, placement = opt.placement.param_store, opt.placement
+    real, failed = placement.publish, []
+
+    def publish(i):
+        if not failed and store.offloads(opt.buckets[i]) and store.pinned(opt.buckets[i]):
+            failed.append(i)
+            raise RuntimeError("injected publish failure")
+        return real(i)
+
+    placement.publish = publish
+    x, y = zm.batch(1, rank)
+    opt.backward(zm.loss_fn(model, x, y))
+    raised = None
+    try:
+        opt.step()
+    except RuntimeError as e:
+        raised = str(e)
+    placement.publish = real
+    opt.zero_grad()
+    b = opt.buckets[failed[0]]
+    h = store._homes[id(b)]  # noqa: SLF001 - test introspection
+    shard = store.pin(b).clone()
+    store.unpin(b)
+    with open(store.directory.display_path(h.name), "rb") as f:
+        data = bytearray(f.read())
+    on_file = h.layout.view(torch.frombuffer(data, dtype=torch.uint8)[4096:], h.layout.slots[0])
+    out = dict(raised=raised, failed=failed, equal=torch.equal(shard, on_file))
+    _train(model, opt, rank, 2, start=2)  # training goes on
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _optimizer_buffer_fault_case(rank, group):
+    """The optimizer swapper cannot hold a buffer for bucket 0's first record: the error is
+    raised by end_step (every bucket stepped), the state stays in memory, and training goes on
+    equal to the in-memory run."""
+    import errno as _errno
+    import shutil
+
+    import zero_models as zm
+
+    root = tempfile.mkdtemp(prefix="zp-offload-param-")
+    ref, ref_opt = _build(None, group)
+    model, opt = _build(None, group, root, optimizer_too=True)
+    swapper = opt.offload
+
+    class _Failing:
+        def __init__(self, inner):
+            self.inner, self.failed = inner, False
+
+        def overwrite(self, rid, nbytes):
+            if not self.failed:
+                self.failed = True
+                return torch.empty(0, dtype=torch.uint8), _errno.ENOMEM, "no buffer for the record"
+            return self.inner.overwrite(rid, nbytes)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    real_store = swapper._store  # noqa: SLF001
+    swapper._store = _Failing(real_store)  # noqa: SLF001
+    errors = []
+    for step in range(4):
+        _train(ref, ref_opt, rank, 1, start=step)
+        try:
+            _train(model, opt, rank, 1, start=step)
+        except OSError as e:
+            errors.append((step, e.errno, str(e), e.filename))
+            opt.zero_grad()
+    swapper._store = real_store  # noqa: SLF001
+    out = dict(errors=errors, diff=_max_diff(model, ref), path=swapper.directory.display_path("optimizer-b00000.swp"))
+    opt.placement.param_store.close()
+    swapper.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _replace_fault_case(rank, group):
+    """commit_replacements: the rename of the second staged bucket fails; the OSError names its
+    file, bucket and rank, and the bucket already replaced."""
+    import shutil
+
+    root = tempfile.mkdtemp(prefix="zp-offload-param-")
+    model, opt = _build(None, group, root)
+    _train(model, opt, rank, 1)
+    store = opt.placement.param_store
+    buckets = [b for b in opt.buckets if store.offloads(b)][:2]
+    for b in buckets:
+        values = store.pin(b).clone()
+        store.unpin(b)
+        store.stage_replacement(b, values)
+    real, calls = store.directory.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src)
+        return real(src, dst)
+
+    store.directory.replace = replace
+    try:
+        store.commit_replacements()
+        out = None
+    except OSError as e:
+        out = dict(errno=e.errno, msg=str(e), filename=e.filename)
+    store.directory.replace = real
+    store.discard_replacements()
+    homes = [store._homes[id(b)] for b in buckets]  # noqa: SLF001
+    res = dict(err=out, indices=[h.index for h in homes], path=store.directory.display_path(homes[1].name))
+    store.close()
+    shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def _swap_defect_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {"shards": _gradient_shards_case, "half_step": _half_step_case,
+                                                 "opt_buffer": _optimizer_buffer_fault_case,
+                                                 "replace": _replace_fault_case})
+
+
+def test_swappers_on_the_store_own_copies_forget_half_steps_and_name_faults():
+    (results,) = run_pooled(_swap_defect_cases, 1, timeout=120)
+    status, r = results["shards"]
+    assert status == "ok", r
+    assert r["n"] > 0 and r["was"] and r["changed"], r
+    assert r["kept"] == r["spilled"] and r["after_close"], r  # owned copies, not the store's buffers
+    status, r = results["half_step"]
+    assert status == "ok", r
+    assert r["raised"] == "injected publish failure" and r["failed"], r
+    assert r["equal"], "the half-stepped shard stayed cached under the old generation"
+    status, r = results["opt_buffer"]
+    assert status == "ok", r
+    assert len(r["errors"]) == 1 and r["errors"][0][1] == errno.ENOMEM, r["errors"]
+    step, _code, msg, filename = r["errors"][0]
+    assert step == 0 and filename == r["path"] and "bucket 0" in msg and "rank 0" in msg, r["errors"]
+    assert "no buffer for the record" in msg and "kept in memory" in msg, msg
+    assert r["diff"] == 0.0, r  # every bucket stepped; the state kept in memory was written later
+    status, r = results["replace"]
+    assert status == "ok", r
+    err = r["err"]
+    assert err is not None and err["errno"] == errno.EXDEV and err["filename"] == r["path"], r
+    first, second = r["indices"]
+    assert f"parameter bucket {second}, rank 0" in err["msg"] and f"buckets [{first}]" in err["msg"], err
+    assert os.strerror(errno.EXDEV) in err["msg"] and "already replaced" in err["msg"], err

@@ -83,6 +83,7 @@ class _Home:
     lingering: bool = False            # stored while pinned: the shard still reads its payload
     queued: bool = False               # held with a new shard, stored at end_step (defer)
     pins: int = 0
+    updated: bool = False              # pinned for an in-place change (update=True), not written since
     staged: str | None = None          # the side file holding a replacement record (stage_replacement)
 
     def key(self) -> tuple[int, int, int, int]:
@@ -175,6 +176,7 @@ class ParamSwapper:
                 raise self._fault(h, code, what, "reading")
             h.payload, h.lingering = payload, False
         h.pins += 1
+        h.updated = h.updated or update
         if h.payload is not None:
             h.shard.data = self._view(h)
         return h.shard
@@ -195,6 +197,12 @@ class ParamSwapper:
             elif h.payload is not None and not h.queued:
                 h.payload = None
                 self._store.release(h.index)  # unchanged: cached in its buffer
+                if h.updated:
+                    # Changed in place and never written (the step raised before write): the
+                    # cached copy would stay under the old generation with the changed bytes, so
+                    # the next pin would see values the file does not hold. The file is the truth.
+                    h.updated = False
+                    self._store.forget(h.index)
 
     # -- after the step -----------------------------------------------------------------------------
 
@@ -220,6 +228,7 @@ class ParamSwapper:
             self._view(h).copy_(src.reshape(-1))
             if h.pins > 0:
                 h.shard.data = self._view(h)
+        h.updated = False  # the changed shard is the next generation now
         if defer:
             if not h.queued:
                 h.queued = True
@@ -297,20 +306,31 @@ class ParamSwapper:
         """Every staged record becomes its bucket's current one (see the module doc)."""
         self.drain()  # no write may still go to a file about to be replaced
         self._stage_buf = None
+        done = []
         for h in self._homes.values():
             if h.staged is None:
                 continue
-            self.directory.replace(h.staged, h.name)
-            h.staged = None
-            if h.queued:  # a new shard not written yet is superseded by the loaded one
-                h.queued = False
-            if h.payload is not None:
-                h.payload = None
-                self._store.release(h.index)
-            code, what = self._store.adopt(h.index)  # the new file; the old record's copy is dropped
-            if code:
-                raise OSError(code, what.split(": ", 1)[-1], self.directory.display_path(h.name))
+            try:
+                self.directory.replace(h.staged, h.name)
+                h.staged = None
+                if h.queued:  # a new shard not written yet is superseded by the loaded one
+                    h.queued = False
+                if h.payload is not None:
+                    h.payload = None
+                    self._store.release(h.index)
+                code, what = self._store.adopt(h.index)  # the new file; the old record's copy is dropped
+                if code:
+                    raise record.fault(code, what, self.directory.display_path(h.name), "opening the new file")
+            except OSError as e:
+                err = self._named(e, h, "replacing")
+                err.strerror += "; nothing was loaded"
+                if done:
+                    err.strerror += (f", but the records of parameter buckets {done} were already replaced and are "
+                                     "refused from now on")
+                err.strerror += ": load again once this is fixed"
+                raise err from None
             h.generation += 1
+            done.append(h.index)
 
     def discard_replacements(self) -> None:
         self._stage_buf = None
@@ -390,7 +410,7 @@ class ParamSwapper:
         for h in self._homes.values():
             if h.shard is not None and (h.payload is not None or h.lingering):
                 h.shard.data = torch.empty(0, dtype=h.shard.dtype)
-            h.payload, h.lingering, h.queued, h.pins = None, False, False, 0
+            h.payload, h.lingering, h.queued, h.pins, h.updated = None, False, False, 0, False
         self._store.close()  # waits for its transfers; no view of its buffers is left
         self.directory.close()
 

@@ -82,11 +82,14 @@ def open_store(directory, stem: str, buffer_bytes: int, buffer_count: int, aio, 
 
 def fault(code: int, what: str, path: str, context: str) -> OSError:
     """The OSError for a fault the store reported: errno `code`, its text `what` ("read
-    refused: ..." for a record that failed its checks: EBADMSG)."""
+    refused: ..." for a record that failed its checks: EBADMSG). Other faults keep both the
+    errno's text and the store's explanation (which call failed, at which offset)."""
     if code == errno.EBADMSG:
         why = "the record is invalid: " + what.split("refused: ", 1)[-1]
     else:
         why = os.strerror(code)
+        if what and what != why:
+            why += f" ({what})"
     return swap_error(OSError(code, why), path, context)
 
 

@@ -60,8 +60,6 @@ Not thread-safe: the engine calls it from the training thread only.
 
 from __future__ import annotations
 
-import errno
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -202,8 +200,8 @@ class OptimizerSwapper:
             return  # nothing elementwise to keep (SGD without momentum in fp32 training)
         layout = record.Layout.build(entries)
         values = list(tensors)
-        if h.payload is None or layout != h.layout:
-            self._relayout(h, layout, values)
+        if (h.payload is None or layout != h.layout) and not self._relayout(bo, h, layout, tensors, values):
+            return  # no buffer for the record: the state stays in memory (the error is end_step's)
         for slot, t in zip(layout.slots, values):
             view = _view(h.payload, slot)
             if t.numel() != slot.numel:
@@ -225,21 +223,42 @@ class OptimizerSwapper:
         if not self.policy.pipeline_write:
             self._collect(self._store.drain(), "writing", _KEPT)
 
-    def _relayout(self, h: _Home, layout: record.Layout, values: list) -> None:
+    def _relayout(self, bo, h: _Home, layout: record.Layout, tensors: list, values: list) -> bool:
         """Holds a zero-filled buffer of the new layout for the bucket (its first record, or state
         the optimizer created or dropped); values that are views of the old one become copies
-        (the new buffer may be the old one). store() copies the values in."""
-        if h.payload is not None:
+        (the new buffer may be the old one). store() copies the values in. False: no buffer (the
+        error joins the step's, raised by end_step: never mid-step); the optimizer's tensors then
+        hold the values in memory, unswapped, until the next store writes them."""
+        old = h.payload
+        if old is not None:
             for i, t in enumerate(values):
-                if _aliases(t, h.payload):
+                if _aliases(t, old):
                     values[i] = t.clone()
             self._store.release(h.index)
+            # The step changed the held record in place: a copy cached under its old generation
+            # would not be what the file holds (the file is the truth until the new record's write).
+            self._store.forget(h.index)
             h.payload = None
         self._store.reserve(layout.record_bytes)
         payload, code, what = self._store.overwrite(h.index, layout.payload_bytes)
         if code:
-            raise self._fault(h, code, what, "holding a buffer for")
+            self._errors.append(self._fault(h, code, what, "holding a buffer for", _KEPT))
+            if old is not None:  # no tensor may keep viewing the buffer given back
+                kept = {id(t) for t in tensors}
+                for t, v in zip(tensors, values):
+                    if v is not t:
+                        if t is bo.master:
+                            bo.point_master(v)
+                        else:
+                            t.data = v
+                for t in h.handles.values():
+                    if id(t) not in kept:
+                        t.data = torch.empty(0, dtype=t.dtype)
+            # As before the bucket's first record: its state is the optimizer's, in memory.
+            h.layout, h.handles, h.lingering = None, {}, False
+            return False
         h.payload, h.layout = payload, layout
+        return True
 
     def end_step(self) -> None:
         """Waits for the step's I/O; raises the step's swap errors (see the module doc)."""
@@ -594,20 +613,22 @@ class OptimizerSwapper:
 
     def _fault(self, h: _Home, code: int, what: str, doing: str, consequence: str = "") -> OSError:
         """A fault the store reported (errno, what) as the OSError the swapper raises."""
-        if code == errno.EBADMSG:
-            why = "the record is invalid: " + what.split("refused: ", 1)[-1]
-        else:
-            why = os.strerror(code)
-        return self._named(OSError(code, why), h, doing, consequence)
+        err = record.fault(code, what, self.directory.display_path(h.name), self._context(h, doing))
+        if consequence:
+            err.strerror += consequence
+        return err
 
     def _raise_errors(self) -> None:
         errors, self._errors = self._errors, []
         record.raise_collected(errors)
 
+    def _context(self, h: _Home, doing: str) -> str:
+        path = self.directory.display_path(h.name)
+        return f"offload_optimizer: {doing} swap file {path!r} (bucket {h.index}, rank {self.rank})"
+
     def _named(self, e: BaseException, h: _Home, doing: str, consequence: str = "") -> OSError:
         path = self.directory.display_path(h.name)
-        err = record.swap_error(e, path, f"offload_optimizer: {doing} swap file {path!r} (bucket {h.index}, "
-                                         f"rank {self.rank})")
+        err = record.swap_error(e, path, self._context(h, doing))
         if consequence:
             err.strerror += consequence
         return err

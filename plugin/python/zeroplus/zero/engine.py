@@ -261,7 +261,8 @@ class ZeroEngine(torch.optim.Optimizer):
 
     def gradient_shards(self) -> list[torch.Tensor]:
         """This rank's gradient shard per bucket (after backward; scaled by loss_scale for fp16).
-        With offload_param "nvme" the spilled ones are read back: host copies, all at once. With the
+        With offload_param "nvme" the spilled ones are read back: host copies the caller owns (they
+        outlive the step, the next backward and close; writing them changes nothing the step reads), all at once. With the
         host tier the copies made in backward are dropped (the caller may write the shards; the
         step copies them again)."""
         self._flush()

@@ -205,6 +205,19 @@ class GradientReducer:
             return self._accum(b)
         return self._accum(b)[slice(*self.buckets[b].shard_range(self.rank))]
 
+    def _owned_shard(self, b: int) -> torch.Tensor:
+        """shard(b), owned by the caller: a spilled one is cloned out of the store's buffer and
+        the buffer given back at once (a view of it would show another gradient once the buffer
+        is reused, race the store's seal when written to, and dangle after close)."""
+        value = self.shard(b)
+        if not self._spilled(b):
+            return value
+        try:
+            return value.clone()
+        finally:
+            del value
+            self.release_shard(b)
+
     def release_shard(self, b: int) -> None:
         """The caller is done with the tensor shard(b) returned (a spilled one's buffer is reused)."""
         if self._spilled(b):
@@ -295,7 +308,7 @@ class GradientReducer:
             if self.released[b]:
                 self._take_back(b)
         if self.spill is not None:
-            return [self.shard(b) for b in range(len(self.buckets))]
+            return [self._owned_shard(b) for b in range(len(self.buckets))]
         if self.shard_gradients:
             return [self._accum(b) for b in range(len(self.buckets))]
         return [self._accum(b)[slice(*bucket.shard_range(self.rank))] for b, bucket in enumerate(self.buckets)]
