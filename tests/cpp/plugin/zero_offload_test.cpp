@@ -270,6 +270,51 @@ TEST(ZeroOffloadBuffers, ARecordGrowsWhenTheHyperparametersNeedAnotherKind) {
   }
 }
 
+// Equal-size buckets, a pool that reads several records ahead: when momentum is switched on,
+// bucket 0's record grows (and with it the pool's buffer size) while the next buckets' records
+// sit read ahead in buffers of the old size. Each must move into a buffer of the new size at its
+// own store, not be written past the end of the one it was read into (the store refuses that:
+// a fault at endStep). Slots of 8 KiB: past any page rounding of the old buffers.
+TEST(ZeroOffloadBuffers, RecordsReadAheadBeforeAnotherGrewMoveToo) {
+  TempDir nvme;
+  runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    auto makeWide = [] {
+      torch::nn::Sequential m(torch::nn::Linear(64, 64), torch::nn::Tanh(), torch::nn::Linear(64, 64), torch::nn::Tanh(),
+                              torch::nn::Linear(64, 64));
+      torch::NoGradGuard no_grad;
+      uint64_t seed = 40;
+      for (auto& p : m->parameters()) p.copy_(randomTensor(p.sizes(), seed++) * 0.1);
+      return m;
+    };
+    auto train = [&](torch::nn::Sequential& m, zeroplus::zero::ZeroOptimizer& opt, int first, int steps) {
+      for (int s = first; s < first + steps; ++s) {
+        opt.zero_grad();
+        const at::Tensor x = randomTensor({4, 64}, 500 + s * 10 + rank).to(at::kBFloat16);
+        opt.backward(torch::mse_loss(m->forward(x).to(at::kFloat), randomTensor({4, 64}, 600 + s * 10 + rank)));
+        opt.step();
+      }
+    };
+    const Options base = Options().stage(2).mixed_precision("bf16").reduce_bucket_elems(64 * 64 + 64);
+    auto plainModel = makeWide();
+    auto plain = zeroplus::zero::initialize(plainModel, pg, base, torch::optim::SGDOptions(0.05));
+    auto swapModel = makeWide();
+    auto swapped = zeroplus::zero::initialize(
+        swapModel, pg, Options(base).offload_optimizer("nvme").nvme_path(nvme.path()).offload_buffer_count(6),
+        torch::optim::SGDOptions(0.05));
+    ASSERT_EQ(swapped->engine().params().buckets().size(), 3u);
+    train(plainModel, *plain, 0, 2);
+    train(swapModel, *swapped, 0, 2);
+    for (auto* opt : {plain.get(), swapped.get()}) {
+      static_cast<torch::optim::SGDOptions&>(opt->param_groups()[0].options()).momentum(0.9);
+    }
+    train(plainModel, *plain, 2, 3);
+    train(swapModel, *swapped, 2, 3);  // a fault would raise here, at the step's end
+    const auto a = zeroplus::zero::full_state_dict(plainModel, *plain);
+    const auto b = zeroplus::zero::full_state_dict(swapModel, *swapped);
+    for (const auto& item : a) EXPECT_TRUE(torch::equal(item.value(), b[item.key()])) << item.key();
+  });
+}
+
 TEST(ZeroOffloadOrdering, OneBufferPoolTrainsBitIdentically) {
   TempDir nvme;
   runRanks(2, [&](int rank, c10::intrusive_ptr<c10d::ProcessGroup> pg) {

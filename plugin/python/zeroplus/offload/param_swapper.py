@@ -315,8 +315,12 @@ class ParamSwapper:
                 h.staged = None
                 if h.queued:  # a new shard not written yet is superseded by the loaded one
                     h.queued = False
-                if h.payload is not None:
-                    h.payload = None
+                if h.payload is not None or h.lingering:
+                    # The store keeps a buffer its owner still reads (adopt: EBUSY); a shard
+                    # pinned across the load reads nothing rather than a buffer about to be reused.
+                    if h.lingering and h.shard is not None:
+                        h.shard.data = torch.empty(0, dtype=h.shard.dtype)
+                    h.payload, h.lingering = None, False
                     self._store.release(h.index)
                 code, what = self._store.adopt(h.index)  # the new file; the old record's copy is dropped
                 if code:

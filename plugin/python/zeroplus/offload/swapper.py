@@ -403,6 +403,7 @@ class OptimizerSwapper:
             if st.side is None:
                 continue
             h = self._home(bo)
+            self._release_linger(h)  # the store keeps a record its owner still reads (adopt: EBUSY)
             try:
                 self.directory.replace(st.side, h.name)
                 code, what = self._store.adopt(h.index)  # the new file; the old record's copy is dropped
@@ -427,7 +428,8 @@ class OptimizerSwapper:
         self._unbind_state(h)
         if bo.offloads_master:
             bo.point_master(torch.empty(0, dtype=bo.master.dtype))  # in the record now (or none)
-        h.payload, h.lingering, h.stand_in = None, False, False
+        self._release_linger(h)  # between steps nothing is held; a master still lingering goes back
+        h.payload = None
         path = self.directory.display_path(h.name)
         self._errors = [e for e in self._errors if e.filename != path]
         if st.side is None:
