@@ -86,7 +86,7 @@ def local_term(shard: torch.Tensor, norm_type: float) -> torch.Tensor | None:
     return torch.linalg.vector_norm(shard.detach(), norm_type, dtype=torch.float32) ** norm_type
 
 
-class GradSpill:
+class GradSpill(record.StoreCounters):
     def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, buckets: dict,
                  device: torch.device | str = "cpu"):
         """buckets: {reducer bucket index: (dtype, shard_numel)} of the spilled buckets; device:
@@ -223,39 +223,7 @@ class GradSpill:
             if h.valid:
                 h.scales.append(coef.detach().clone())
 
-    # -- accounting (bench/offload, memory_report) ----------------------------------------------------
-
-    def _stats(self) -> dict:
-        return dict(self._store.stats())
-
-    @property
-    def bytes_read(self) -> int:
-        return self._stats()["bytes_read"]
-
-    @property
-    def bytes_written(self) -> int:
-        return self._stats()["bytes_written"]
-
-    @property
-    def read_wait_s(self) -> float:
-        return self._stats()["read_wait_ns"] * 1e-9
-
-    @property
-    def write_wait_s(self) -> float:
-        return self._stats()["write_wait_ns"] * 1e-9
-
-    @property
-    def background_check_s(self) -> float:
-        """Seconds the store's thread spent checking records read and sealing records written."""
-        return self._stats()["checksum_ns"] * 1e-9
-
-    @property
-    def reads_ahead(self) -> int:
-        return self._stats()["reads_ahead"]
-
-    @property
-    def peak_buffer_bytes(self) -> int:
-        return self._stats()["peak_buffer_bytes"]
+    # -- accounting: record.StoreCounters ---------------------------------------------------------------
 
     def close(self) -> None:
         """Waits for the store's transfers and removes its files (the directory is the parameter

@@ -90,7 +90,7 @@ class _Home:
         return self.index, self.generation, self.layout.payload_bytes, self.layout.digest
 
 
-class ParamSwapper:
+class ParamSwapper(record.StoreCounters):
     spills_gradients = True     # offloaded buckets' gradient shards go to files (grad_spill.py)
     keeps_master_apart = False  # in fp32 the master is the shard (pinned for the step)
 
@@ -345,46 +345,6 @@ class ParamSwapper:
 
     # -- accounting ---------------------------------------------------------------------------------
 
-    def _stats(self) -> dict:
-        return dict(self._store.stats())
-
-    @property
-    def bytes_read(self) -> int:
-        return self._stats()["bytes_read"]
-
-    @property
-    def bytes_written(self) -> int:
-        return self._stats()["bytes_written"] + self._staged_bytes
-
-    @property
-    def read_wait_s(self) -> float:
-        """Seconds the training thread waited for reads."""
-        return self._stats()["read_wait_ns"] * 1e-9
-
-    @property
-    def write_wait_s(self) -> float:
-        """Seconds the training thread waited for writes (a full pool, drains)."""
-        return self._stats()["write_wait_ns"] * 1e-9
-
-    @property
-    def background_check_s(self) -> float:
-        """Seconds the store's thread spent checking records read and sealing records written."""
-        return self._stats()["checksum_ns"] * 1e-9
-
-    @property
-    def reads_ahead(self) -> int:
-        """Records read before their pin (planned)."""
-        return self._stats()["reads_ahead"]
-
-    @property
-    def reads_on_demand(self) -> int:
-        return self._stats()["reads_on_demand"]
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the pool's buffers (what parameter shards occupy in memory)."""
-        return self._stats()["buffer_bytes"]
-
     @property
     def peak_buffer_bytes(self) -> int:
         return self._stats()["peak_buffer_bytes"]
@@ -403,11 +363,6 @@ class ParamSwapper:
 
     def disk_bytes(self) -> int:
         return self.directory.disk_bytes()
-
-    @property
-    def engine(self) -> str:
-        """The I/O engine in use: "io_uring" or "threads" (docs/aio.md "Fallbacks")."""
-        return self._store.engine()
 
     def close(self) -> None:
         """Waits for I/O, then removes the swap files and the directory. The shards are gone."""

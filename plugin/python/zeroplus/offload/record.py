@@ -68,6 +68,63 @@ class Layout:
         return payload[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
 
 
+class StoreCounters:
+    """The swap store's counters as the swappers report them (bench/offload, memory_report):
+    every swapper holds its store as `self._store`; `_staged_bytes` counts what it writes beside
+    the store (staged loads' side files)."""
+
+    _staged_bytes = 0
+
+    def _stats(self) -> dict:
+        return dict(self._store.stats())
+
+    @property
+    def bytes_read(self) -> int:
+        return self._stats()["bytes_read"]
+
+    @property
+    def bytes_written(self) -> int:
+        return self._stats()["bytes_written"] + self._staged_bytes
+
+    @property
+    def read_wait_s(self) -> float:
+        """Seconds the training thread waited for reads."""
+        return self._stats()["read_wait_ns"] * 1e-9
+
+    @property
+    def write_wait_s(self) -> float:
+        """Seconds the training thread waited for writes (a full pool, drains)."""
+        return self._stats()["write_wait_ns"] * 1e-9
+
+    @property
+    def background_check_s(self) -> float:
+        """Seconds the store's thread spent checking records read and sealing records written."""
+        return self._stats()["checksum_ns"] * 1e-9
+
+    @property
+    def reads_ahead(self) -> int:
+        """Records read before they were asked for (planned)."""
+        return self._stats()["reads_ahead"]
+
+    @property
+    def reads_on_demand(self) -> int:
+        return self._stats()["reads_on_demand"]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the pool's buffers allocated now."""
+        return self._stats()["buffer_bytes"]
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        return self._stats()["peak_buffer_bytes"]
+
+    @property
+    def engine(self) -> str:
+        """The I/O engine in use: "io_uring" or "threads" (docs/aio.md "Fallbacks")."""
+        return self._store.engine()
+
+
 def open_store(directory, stem: str, buffer_bytes: int, buffer_count: int, aio, keep_written: bool):
     """A torch.classes.zeroplus.SwapStore working inside `directory` (a SwapDirectory: its files
     are stem + 5-digit record id + ".swp"), with `buffer_count` pooled buffers of `buffer_bytes`

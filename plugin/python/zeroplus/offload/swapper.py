@@ -119,7 +119,7 @@ class StagedRecord:
         return {(s.segment, s.key): torch.empty(0, dtype=s.dtype) for s in self.layout.slots if s.segment >= 0}
 
 
-class OptimizerSwapper:
+class OptimizerSwapper(record.StoreCounters):
     def __init__(self, policy: OffloadPolicy, rank: int, directory: SwapDirectory, bucket_optimizers: list):
         if not isinstance(policy, OffloadPolicy) or policy.device != "nvme":
             raise ValueError("OptimizerSwapper: needs an OffloadPolicy with device 'nvme'")
@@ -446,53 +446,14 @@ class OptimizerSwapper:
 
     # -- accounting (bench/offload, memory_report) ----------------------------------------------------
 
-    def _stats(self) -> dict:
-        return dict(self._store.stats())
-
-    @property
-    def bytes_read(self) -> int:
-        return self._stats()["bytes_read"]
-
-    @property
-    def bytes_written(self) -> int:
-        return self._stats()["bytes_written"] + self._staged_bytes
-
-    @property
-    def read_wait_s(self) -> float:
-        """Seconds the training thread waited for reads."""
-        return self._stats()["read_wait_ns"] * 1e-9
-
-    @property
-    def write_wait_s(self) -> float:
-        """Seconds the training thread waited for writes (a full pool, drains)."""
-        return self._stats()["write_wait_ns"] * 1e-9
-
-    @property
-    def background_check_s(self) -> float:
-        """Seconds the store's thread spent checking records read and sealing records written."""
-        return self._stats()["checksum_ns"] * 1e-9
-
     @property
     def cache_hits(self) -> int:
         """Records a fetch found in a buffer (cached since their write, or still being written)."""
         st = self._stats()
         return st["cache_hits"] + st["fetches_in_buffer"]
 
-    @property
-    def buffer_bytes(self) -> int:
-        return self._stats()["buffer_bytes"]
-
-    @property
-    def peak_buffer_bytes(self) -> int:
-        return self._stats()["peak_buffer_bytes"]
-
     def disk_bytes(self) -> int:
         return self.directory.disk_bytes()
-
-    @property
-    def engine(self) -> str:
-        """The I/O engine in use: "io_uring" or "threads" (docs/aio.md "Fallbacks")."""
-        return self._store.engine()
 
     def record_bytes(self) -> list[int]:
         return [h.layout.record_bytes if h.layout else 0 for h in self._homes]
