@@ -7,6 +7,7 @@
 // zeroplus.files turns into the matching OSError subclass. The *_at ops take a descriptor the
 // caller owns (dir_fd -1: the working directory) and name it in errors by its /proc path.
 #include <fcntl.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 #include <unistd.h>
 
@@ -17,6 +18,7 @@
 
 #include "common/core/crc32.hpp"
 #include "common/core/exclusive_file.hpp"
+#include "optimizers/core/checkpoint/shard_file_writer.hpp"
 
 namespace zeroplus::registration {
 namespace {
@@ -149,4 +151,86 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
   m.def("create_temporary_at(int dir_fd, str prefix, int mode) -> (int, str)",
         &zeroplus::registration::createTemporaryAt);
   m.def("open_regular_at(int dir_fd, str name, bool owned) -> int", &zeroplus::registration::openRegularAt);
+}
+
+// -- torch.classes.zeroplus.ShardFileWriter ------------------------------------------------------
+// Python's door to ckpt::ShardFileWriter (checkpoint/shard_io.py drives it; the layout, I/O and
+// durability are the core's). Method calls run with the GIL released (torch releases it around
+// every custom-class method), so the byte work never stalls the training thread of an async
+// save. Errors: RuntimeError "zeroplus write_shard failed on '<temporary file>': <what> (errno N)"
+// (shard_io.py maps it to the OSError of that errno); bad arguments ValueError. The writer keeps
+// no tensor alive: shard_io.py holds each placed tensor until drain() or finish() returned.
+namespace zeroplus::registration {
+namespace {
+
+class ShardFileWriterHolder : public torch::CustomClassHolder {
+ public:
+  // writeback: 0, or the address of a C function void(int fd, int64 offset, int64 bytes) that
+  // starts write-back (shard_io.py passes fsutil.start_writeback through ctypes).
+  ShardFileWriterHolder(int64_t dirFd, const std::string& dirPath, int64_t rank, const std::string& io,
+                        const std::string& direct, int64_t blockBytes, int64_t segmentBytes, int64_t writeback) {
+    TORCH_CHECK_VALUE(dirFd >= 0 && dirFd <= INT_MAX, "zeroplus write_shard: dir_fd must be a descriptor, got ", dirFd);
+    TORCH_CHECK_VALUE(rank >= 0 && rank <= INT_MAX, "zeroplus write_shard: rank must be >= 0, got ", rank);
+    TORCH_CHECK_VALUE(io == "aio" || io == "posix", "zeroplus write_shard: io must be 'aio' or 'posix', got '", io,
+                      "'");
+    TORCH_CHECK_VALUE(direct == "auto" || direct == "off", "zeroplus write_shard: direct must be 'auto' or 'off', got '",
+                      direct, "'");
+    TORCH_CHECK_VALUE(blockBytes > 0 && blockBytes <= ckpt::kMaxBlockBytes,
+                      "zeroplus write_shard: block_bytes must be in (0, ", ckpt::kMaxBlockBytes, "], got ", blockBytes);
+    TORCH_CHECK_VALUE(segmentBytes > 0, "zeroplus write_shard: segment_bytes must be > 0, got ", segmentBytes);
+    ckpt::ShardFileOptions o;
+    o.setIo(io == "aio" ? ckpt::ShardIo::Aio : ckpt::ShardIo::Posix)
+        .setDirect(direct == "auto" ? aio::DirectMode::Auto : aio::DirectMode::Off)
+        .setBlockBytes(blockBytes)
+        .setSegmentBytes(segmentBytes);
+    if (writeback != 0) o.setWriteback(reinterpret_cast<ckpt::StartWriteback>(static_cast<uintptr_t>(writeback)));
+    std::string error;
+    check(writer_.open(static_cast<int>(dirFd), dirPath, static_cast<int>(rank), o, &error), error);
+  }
+
+  int64_t place(const at::Tensor& data) {
+    TORCH_CHECK_VALUE(data.device().is_cpu() && data.is_contiguous(),
+                      "zeroplus write_shard: data must be a contiguous CPU tensor, got ", data.device());
+    int64_t offset = 0;
+    std::string error;
+    check(writer_.place(data.const_data_ptr(), static_cast<int64_t>(data.nbytes()), &offset, &error), error);
+    return offset;
+  }
+
+  void drain() {
+    std::string error;
+    check(writer_.drain(&error), error);
+  }
+
+  // (bytes, block CRC-32s) of the file now published under its final name.
+  std::tuple<int64_t, std::vector<int64_t>> finish() {
+    ckpt::FileRecord record;
+    std::string error;
+    check(writer_.finish(&record, &error), error);
+    return {record.bytes, std::vector<int64_t>(record.blockCrc32.begin(), record.blockCrc32.end())};
+  }
+
+  void abandon() { writer_.abandon(); }
+  int64_t fd() const { return writer_.fd(); }
+
+ private:
+  void check(int rc, const std::string& error) const {
+    TORCH_CHECK(rc >= 0, "zeroplus write_shard failed on '", writer_.path(), "': ", error, " (errno ", -rc, ")");
+  }
+
+  ckpt::ShardFileWriter writer_;
+};
+
+}  // namespace
+}  // namespace zeroplus::registration
+
+TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
+  using Self = c10::intrusive_ptr<zeroplus::registration::ShardFileWriterHolder>;
+  m.class_<zeroplus::registration::ShardFileWriterHolder>("ShardFileWriter")
+      .def(torch::init<int64_t, std::string, int64_t, std::string, std::string, int64_t, int64_t, int64_t>())
+      .def("place", [](const Self& s, const at::Tensor& data) { return s->place(data); })
+      .def("drain", [](const Self& s) { s->drain(); })
+      .def("finish", [](const Self& s) { return s->finish(); })
+      .def("abandon", [](const Self& s) { s->abandon(); })
+      .def("fd", [](const Self& s) { return s->fd(); });
 }

@@ -22,6 +22,7 @@
 
 #include "optimizers/adapter/zero/engine.hpp"
 #include "optimizers/core/checkpoint/checkpoint_files.hpp"
+#include "optimizers/core/checkpoint/shard_file_writer.hpp"
 
 namespace zeroplus {
 namespace {
@@ -248,14 +249,20 @@ void save_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
     rc = ckpt::splitSavePath(path, &root, &name, &werr);
     if (rc == 0) rc = ckpt::openStaging(root, name, msg.substr(3), &staging, &werr);
   }
-  auto writer = std::make_unique<ckpt::ShardWriter>();
-  if (rc == 0) rc = writer->open(staging, rank, ckpt::kBlockBytes, &werr);
+  // The shard file goes out as the Python writer's does (shard_file_writer.hpp: io_uring through
+  // the page cache, each large piece's write-back started segment by segment).
+  auto writer = std::make_unique<ckpt::ShardFileWriter>();
+  if (rc == 0) rc = writer->open(staging.stagingFd.get(), staging.root + "/" + staging.staging, rank,
+                                 ckpt::ShardFileOptions(), &werr);
+  // The writer queues writes from the tensors' memory: they are kept until drain() returned.
+  std::vector<at::Tensor> placed;
   // One piece: elements [lo, hi) of `tensor`'s value `key`.
   auto put = [&](const std::string& tensor, const std::string& key, int64_t lo, int64_t hi, const at::Tensor& value) {
     if (rc < 0) return;
     const at::Tensor data = value.contiguous();
     int64_t offset = 0;
-    rc = writer->append(data.data_ptr(), data.numel() * static_cast<int64_t>(data.element_size()), &offset, &werr);
+    rc = writer->place(data.data_ptr(), data.numel() * static_cast<int64_t>(data.element_size()), &offset, &werr);
+    placed.push_back(data);
     Value c = Value::array();
     c.push(Value::string(tensor));
     c.push(Value::string(key));
@@ -293,6 +300,9 @@ void save_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
           sv->set("step", tensorScalar(st.step));
         }
       }
+      // An offloaded bucket's values are resident only until the next read: written first.
+      if (rc == 0) rc = writer->drain(&werr);
+      placed.clear();
     }
     if (rank == 0) {  // replicated tensors: written once
       for (const auto& [pname, p] : view.params) {
@@ -311,7 +321,10 @@ void save_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
   }
   ckpt::FileRecord rec;
   if (rc == 0) rc = writer->finish(&rec, &werr);
-  writer.reset();  // a file left unfinished is removed now, before rank 0 may remove the staging directory
+  // A file left unfinished is removed now, before rank 0 may remove the staging directory; a
+  // write still queued (after an error) is waited for before `placed` lets its memory go.
+  writer.reset();
+  placed.clear();
   if (rc < 0) {
     index.set("error", Value::string(werr));
   } else {

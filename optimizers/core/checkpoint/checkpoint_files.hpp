@@ -1,6 +1,5 @@
-// The file side of a zeroplus checkpoint, torch-free: writing one rank's shard file with its
-// block CRC-32s, the crash-consistent commit of a checkpoint directory, and verified reads of
-// element ranges. The same protocol as the Python package (checkpoint/commit.py, shard_io.py,
+// The file side of a zeroplus checkpoint, torch-free: the crash-consistent commit of a checkpoint
+// directory, and verified reads of element ranges. The same protocol as the Python package (checkpoint/commit.py, shard_io.py,
 // fsutil.py, reader.py; docs/checkpoints.md "Guarantees"); every file and directory is created
 // and opened through common/core/exclusive_file.hpp (exclusive creation, no link followed in a
 // name we open, except the user's own link as the checkpoint path or its root).
@@ -10,8 +9,8 @@
 //            empty directory or a zeroplus checkpoint (else -EEXIST: nothing written); a private
 //            staging directory ROOT/.NAME.tmp-<random> is created, flock'ed (Python's sweep of
 //            stale staging directories leaves a locked one alone) before it gets that name.
-//   each     writeShard into staging: a temporary name, the bytes, fdatasync, then the final
-//            rankNNNNN.bin (never replacing anything).
+//   each     its shard file into staging (shard_file_writer.hpp: a temporary name, the bytes,
+//            fdatasync, then the final rankNNNNN.bin, never replacing anything).
 //   rank 0   commitSave: manifest.json (temporary, fdatasync, rename), fsync staging, latest's new
 //            content fdatasync'ed under a temporary name, then staging renamed to NAME or, when
 //            NAME is a complete checkpoint, swapped with it atomically (renameat2
@@ -48,51 +47,11 @@ struct Staging {
   fs::UniqueFd rootFd, stagingFd;   // stagingFd holds the flock on rank 0
 };
 
-// Rank 0 (see the file comment). On success `out` is ready for writeShard and commitSave.
+// Rank 0 (see the file comment). On success `out` is ready for the shard writers and commitSave.
 int prepareSave(const std::string& root, const std::string& name, Staging* out, std::string* error);
 // Other ranks: open the staging directory rank 0 made (it must be this user's).
 int openStaging(const std::string& root, const std::string& name, const std::string& staging, Staging* out,
                 std::string* error);
-
-// One rank's shard file written piece by piece (a writer that cannot hold its whole shard in
-// memory at once: the C++ engine's NVMe-offloaded state, read bucket by bucket): open, append
-// the pieces back to back, finish (fdatasync, then the final rankNNNNN.bin, never replacing
-// anything). A writer destroyed before finish() removes its temporary file. Errors as above; after
-// one, every later call returns it again.
-class ShardWriter {
- public:
-  ShardWriter() = default;
-  ~ShardWriter();
-  ShardWriter(const ShardWriter&) = delete;
-  ShardWriter& operator=(const ShardWriter&) = delete;
-
-  int open(const Staging& s, int rank, int64_t blockBytes, std::string* error);
-  // Appends `bytes` bytes at `data`; *offset gets their byte offset in the file.
-  int append(const void* data, int64_t bytes, int64_t* offset, std::string* error);
-  // *record: the file's name, size and block CRCs.
-  int finish(FileRecord* record, std::string* error);
-
- private:
-  int failed(std::string* error) const;
-
-  const Staging* staging_ = nullptr;
-  fs::UniqueFd fd_;
-  std::string tmp_, final_;
-  int64_t blockBytes_ = 0, offset_ = 0, fill_ = 0;
-  uint32_t crc_ = 0;
-  FileRecord record_;
-  int rc_ = 0;
-  std::string error_;
-};
-
-// One piece of a shard file: `bytes` bytes at `data`.
-struct ShardPiece {
-  const void* data;
-  int64_t bytes;
-};
-// ShardWriter over pieces held in memory: *offsets gets each piece's byte offset.
-int writeShard(const Staging& s, int rank, const std::vector<ShardPiece>& pieces, int64_t blockBytes,
-               FileRecord* record, std::vector<int64_t>* offsets, std::string* error);
 
 // Rank 0: the rest of the save (file comment). The staging directory is gone afterwards either way.
 int commitSave(Staging& s, const std::string& manifestBytes, std::string* error);

@@ -19,6 +19,7 @@
 #include "optimizers/core/checkpoint/checkpoint_files.hpp"
 #include "optimizers/core/checkpoint/json.hpp"
 #include "optimizers/core/checkpoint/manifest.hpp"
+#include "optimizers/core/checkpoint/shard_file_writer.hpp"
 
 namespace {
 
@@ -203,7 +204,9 @@ Manifest saveOne(const std::string& root, const std::string& name, const std::ve
   if (*rc < 0) return m;
   FileRecord rec;
   std::vector<int64_t> offsets;
-  *rc = writeShard(s, 0, {{values.data(), static_cast<int64_t>(values.size() * 4)}}, 64, &rec, &offsets, err);
+  *rc = writeShard(s.stagingFd.get(), s.root + "/" + s.staging, 0,
+                   {{values.data(), static_cast<int64_t>(values.size() * 4)}}, ShardFileOptions().setBlockBytes(64), &rec,
+                   &offsets, err);
   if (*rc < 0) {
     abandonSave(s);
     return m;
