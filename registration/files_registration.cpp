@@ -157,8 +157,9 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
 // Python's door to ckpt::ShardFileWriter (checkpoint/shard_io.py drives it; the layout, I/O and
 // durability are the core's). Method calls run with the GIL released (torch releases it around
 // every custom-class method), so the byte work never stalls the training thread of an async
-// save. Errors: RuntimeError "zeroplus write_shard failed on '<temporary file>': <what> (errno N)"
-// (shard_io.py maps it to the OSError of that errno); bad arguments ValueError. The writer keeps
+// save. Errors: RuntimeError "zeroplus write_shard failed on '<temporary file>': <what> (errno N)",
+// or an aio error's own "zeroplus.aio: <op> failed on '<file>' ... (errno N)" (shard_io.py maps
+// either to the OSError of that errno, naming the file); bad arguments ValueError. The writer keeps
 // no tensor alive: shard_io.py holds each placed tensor until drain() or finish() returned.
 namespace zeroplus::registration {
 namespace {
@@ -214,8 +215,13 @@ class ShardFileWriterHolder : public torch::CustomClassHolder {
   int64_t fd() const { return writer_.fd(); }
 
  private:
+  // An aio::IoError's text already names the operation, file, range and errno: it is passed on
+  // as it is (what AioHandle raised when the Python writer used it); the writer's own get the
+  // op's form.
   void check(int rc, const std::string& error) const {
-    TORCH_CHECK(rc >= 0, "zeroplus write_shard failed on '", writer_.path(), "': ", error, " (errno ", -rc, ")");
+    if (rc >= 0) return;
+    TORCH_CHECK(error.find("(errno ") == std::string::npos, error);
+    TORCH_CHECK(false, "zeroplus write_shard failed on '", writer_.path(), "': ", error, " (errno ", -rc, ")");
   }
 
   ckpt::ShardFileWriter writer_;
