@@ -212,7 +212,6 @@ class ShardFileWriterHolder : public torch::CustomClassHolder {
   }
 
   void abandon() { writer_.abandon(); }
-  int64_t fd() const { return writer_.fd(); }
 
  private:
   // An aio::IoError's text already names the operation, file, range and errno: it is passed on
@@ -237,6 +236,5 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
       .def("place", [](const Self& s, const at::Tensor& data) { return s->place(data); })
       .def("drain", [](const Self& s) { s->drain(); })
       .def("finish", [](const Self& s) { return s->finish(); })
-      .def("abandon", [](const Self& s) { s->abandon(); })
-      .def("fd", [](const Self& s) { return s->fd(); });
+      .def("abandon", [](const Self& s) { s->abandon(); });
 }

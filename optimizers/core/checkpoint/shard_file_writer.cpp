@@ -83,11 +83,11 @@ int ShardFileWriter::open(int dirFd, const std::string& dirPath, int rank, const
   if (fd_ || finished_ || rc_ < 0) {
     return fail(-EINVAL, "shard writer: open() on a writer that was already opened", error);
   }
+  if (rank < 0) return fail(-EINVAL, "shard writer: rank must be >= 0, got " + std::to_string(rank), error);
   options_ = options;
   dirFd_ = dirFd;
   final_ = shardFileName(rank);
   path_ = dirPath + "/" + final_;
-  if (rank < 0) return fail(-EINVAL, "shard writer: rank must be >= 0, got " + std::to_string(rank), error);
   if (options.blockBytes <= 0 || options.blockBytes > kMaxBlockBytes) {
     return fail(-EINVAL, "shard writer: block_bytes must be in (0, " + std::to_string(kMaxBlockBytes) + "], got " +
                              std::to_string(options.blockBytes), error);

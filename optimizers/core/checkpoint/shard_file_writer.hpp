@@ -100,7 +100,6 @@ class ShardFileWriter {
   void abandon();
 
   const std::string& path() const { return path_; }  // the temporary file, for messages
-  int fd() const { return fd_.get(); }
 
  private:
   struct InFlight {  // a buffer the engine writes from, kept until its write is done
