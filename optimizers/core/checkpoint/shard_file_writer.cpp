@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <new>
 #include <stdexcept>
 
 #include "aio/core/io_error.hpp"
@@ -43,6 +42,16 @@ int dupFd(int fd) { return ::fcntl(fd, F_DUPFD_CLOEXEC, 0); }
 
 }  // namespace
 
+ShardFileWriter::Buffer ShardFileWriter::Buffer::allocate(int64_t bytes) {
+  Buffer b;
+  void* p = nullptr;
+  if (::posix_memalign(&p, static_cast<size_t>(kAlign), static_cast<size_t>(bytes)) == 0) {
+    b.mem.reset(p);
+    b.size = bytes;
+  }
+  return b;
+}
+
 void startWriteback(int fd, int64_t offset, int64_t bytes) {
   ::sync_file_range(fd, offset, bytes, SYNC_FILE_RANGE_WRITE);  // a hint: a failure changes nothing
 }
@@ -68,7 +77,7 @@ int ShardFileWriter::fail(int rc, const std::string& what, std::string* error) {
 void ShardFileWriter::abandon() {
   waitAll(nullptr);
   owned_.clear();
-  group_ = aio::AlignedBuffer();
+  group_ = Buffer();
   groupBytes_ = 0;
   file_.reset();
   buffered_.reset();
@@ -184,12 +193,9 @@ int ShardFileWriter::writeSkewed(const void* data, int64_t bytes, int64_t pageAt
   if (skew == 0) return write(data, bytes, pageAt);
   const int64_t head = std::min(kAlign - skew, bytes);
   InFlight page;
-  try {
-    page.mem = aio::AlignedBuffer(static_cast<size_t>(kAlign), static_cast<size_t>(kAlign), /*lock=*/false);
-  } catch (const std::bad_alloc&) {
-    return fail(-ENOMEM, "cannot allocate a bounce page for " + path_, nullptr);
-  }
-  auto* p = static_cast<uint8_t*>(page.mem.data());
+  page.mem = Buffer::allocate(kAlign);
+  if (!page.mem.mem) return fail(-ENOMEM, "cannot allocate a bounce page for " + path_, nullptr);
+  uint8_t* p = page.mem.data();
   std::memset(p, 0, static_cast<size_t>(skew));
   std::memcpy(p + skew, data, static_cast<size_t>(head));
   if (const int rc = write(p, skew + head, pageAt); rc < 0) return rc;
@@ -230,10 +236,29 @@ int ShardFileWriter::waitAll(std::string* what) {
   for (auto& o : owned_) wait(o.ticket);
   // A group buffer is kept for the next group (the others go: groups are rare after a drain).
   for (auto& o : owned_) {
-    if (!group_.data() && o.mem.size() >= static_cast<size_t>(kGroupCapacity)) group_ = std::move(o.mem);
+    if (!group_.mem && o.mem.size >= kGroupCapacity) group_ = std::move(o.mem);
   }
   owned_.clear();
   return rc;
+}
+
+// A buffer for the next coalesced group: one of ours whose write is done (the oldest first, and
+// waited for while kMaxOwned are in flight: bounded memory for a shard of many small pieces),
+// else a new one.
+int ShardFileWriter::takeGroupBuffer(std::string* error) {
+  while (!owned_.empty() && (owned_.size() >= kMaxOwned || owned_.front().ticket.ready())) {
+    InFlight o = std::move(owned_.front());
+    owned_.pop_front();
+    try {
+      o.ticket.wait();
+    } catch (const aio::IoError& e) {
+      return fail(-e.error(), e.what(), error);
+    }
+    if (!group_.mem && o.mem.size >= kGroupCapacity) group_ = std::move(o.mem);
+  }
+  if (!group_.mem) group_ = Buffer::allocate(kGroupCapacity);
+  if (!group_.mem) return fail(-ENOMEM, "cannot allocate a coalescing buffer for " + path_, error);
+  return 0;
 }
 
 int ShardFileWriter::place(const void* data, int64_t bytes, int64_t* offset, std::string* error) {
@@ -252,28 +277,10 @@ int ShardFileWriter::place(const void* data, int64_t bytes, int64_t* offset, std
     if (groupBytes_ == 0) {
       alignEnd();
       groupAt_ = offset_;
-      // Bounded memory: the oldest of our buffers in flight is waited for (and its group
-      // buffer reused) before another is allocated.
-      while (owned_.size() >= kMaxOwned) {
-        InFlight o = std::move(owned_.front());
-        owned_.pop_front();
-        try {
-          o.ticket.wait();
-        } catch (const aio::IoError& e) {
-          return fail(-e.error(), e.what(), error);
-        }
-        if (!group_.data() && o.mem.size() >= static_cast<size_t>(kGroupCapacity)) group_ = std::move(o.mem);
-      }
-      if (!group_.data()) {
-        try {
-          group_ = aio::AlignedBuffer(static_cast<size_t>(kGroupCapacity), static_cast<size_t>(kAlign), false);
-        } catch (const std::bad_alloc&) {
-          return fail(-ENOMEM, "cannot allocate a coalescing buffer for " + path_, error);
-        }
-      }
+      if (takeGroupBuffer(error) < 0) return rc_;
     }
     *offset = offset_;
-    std::memcpy(static_cast<uint8_t*>(group_.data()) + groupBytes_, src, static_cast<size_t>(bytes));
+    std::memcpy(group_.data() + groupBytes_, src, static_cast<size_t>(bytes));
     groupBytes_ += bytes;
     feed(src, bytes);
     offset_ += bytes;

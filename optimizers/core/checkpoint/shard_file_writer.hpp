@@ -41,12 +41,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "aio/core/aligned_buffer.hpp"
 #include "aio/core/engine.hpp"
 #include "aio/core/file.hpp"
 #include "common/core/exclusive_file.hpp"
@@ -102,8 +102,19 @@ class ShardFileWriter {
   const std::string& path() const { return path_; }  // the temporary file, for messages
 
  private:
+  // Page-aligned memory of ours (a coalesced group, a bounce page): no zero fill, no mlock
+  // (aio::AlignedBuffer does both, which a 9 MiB group buffer written once does not need).
+  struct Buffer {
+    struct Free {
+      void operator()(void* p) const { std::free(p); }
+    };
+    std::unique_ptr<void, Free> mem;
+    int64_t size = 0;
+    static Buffer allocate(int64_t bytes);  // empty (null) when out of memory
+    uint8_t* data() const { return static_cast<uint8_t*>(mem.get()); }
+  };
   struct InFlight {  // a buffer the engine writes from, kept until its write is done
-    aio::AlignedBuffer mem;
+    Buffer mem;
     aio::Ticket ticket;
   };
 
@@ -113,6 +124,7 @@ class ShardFileWriter {
   int writeSkewed(const void* data, int64_t bytes, int64_t pageAt, int64_t skew);
   int flush();
   int waitAll(std::string* what);
+  int takeGroupBuffer(std::string* error);
   void zeros(int64_t n);  // padding: the offset and the CRCs advance
   void feed(const void* data, int64_t n);
   int alignEnd();
@@ -125,7 +137,7 @@ class ShardFileWriter {
   std::shared_ptr<aio::File> file_, buffered_;  // buffered_: writes O_DIRECT cannot take
   std::vector<aio::Ticket> tickets_;             // writes from the caller's memory
   std::deque<InFlight> owned_;                   // writes from our buffers (bounce pages, groups)
-  aio::AlignedBuffer group_;                     // the coalescing buffer being filled
+  Buffer group_;                                 // the coalescing buffer being filled
   int64_t groupAt_ = 0, groupBytes_ = 0;
   int64_t offset_ = 0;
   uint32_t crc_ = 0;
