@@ -174,8 +174,8 @@ class ShardFileWriterHolder : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(rank >= 0 && rank <= INT_MAX, "zeroplus write_shard: rank must be >= 0, got ", rank);
     TORCH_CHECK_VALUE(io == "aio" || io == "posix", "zeroplus write_shard: io must be 'aio' or 'posix', got '", io,
                       "'");
-    TORCH_CHECK_VALUE(direct == "auto" || direct == "off", "zeroplus write_shard: direct must be 'auto' or 'off', got '",
-                      direct, "'");
+    TORCH_CHECK_VALUE(direct == "auto" || direct == "off",
+                      "zeroplus write_shard: direct must be 'auto' or 'off', got '", direct, "'");
     TORCH_CHECK_VALUE(blockBytes > 0 && blockBytes <= ckpt::kMaxBlockBytes,
                       "zeroplus write_shard: block_bytes must be in (0, ", ckpt::kMaxBlockBytes, "], got ", blockBytes);
     TORCH_CHECK_VALUE(segmentBytes > 0, "zeroplus write_shard: segment_bytes must be > 0, got ", segmentBytes);

@@ -74,6 +74,13 @@ int ShardFileWriter::fail(int rc, const std::string& what, std::string* error) {
   return failed(error);
 }
 
+// fail() with errno as the failed call left it (building `what` allocates, which leaves errno
+// alone when it succeeds).
+int ShardFileWriter::failErrno(std::string what, std::string* error) {
+  const int e = errno;
+  return fail(-e, std::move(what) + ": " + std::strerror(e), error);
+}
+
 void ShardFileWriter::abandon() {
   waitAll(nullptr);
   owned_.clear();
@@ -122,11 +129,11 @@ int ShardFileWriter::open(int dirFd, const std::string& dirPath, int rank, const
     eo.threads = 1;
     engine_ = aio::Engine::create(eo);
     const int a = dupFd(fd_.get());
-    if (a < 0) return fail(-errno, "cannot duplicate the descriptor of " + path_, error);
+    if (a < 0) return failErrno("cannot duplicate the descriptor of " + path_, error);
     file_ = aio::File::adopt(a, path_, options.direct);
     if (file_->direct()) {
       const int b = dupFd(fd_.get());
-      if (b < 0) return fail(-errno, "cannot duplicate the descriptor of " + path_, error);
+      if (b < 0) return failErrno("cannot duplicate the descriptor of " + path_, error);
       buffered_ = aio::File::adopt(b, path_, aio::DirectMode::Off);
     } else {
       buffered_ = file_;
@@ -325,15 +332,13 @@ int ShardFileWriter::drain(std::string* error) {
 
 int ShardFileWriter::finish(FileRecord* record, std::string* error) {
   if (drain(error) < 0) return rc_;
-  if (::fdatasync(fd_.get()) != 0) {
-    return fail(-errno, "cannot fdatasync " + path_ + ": " + std::strerror(errno), error);
-  }
+  if (::fdatasync(fd_.get()) != 0) return failErrno("cannot fdatasync " + path_, error);
   // The name must still be the inode we wrote, of the size we placed: a file swapped under the
   // writer (impossible in a private staging directory, but cheap to rule out) is never published.
   struct stat mine{}, here{};
-  if (::fstat(fd_.get(), &mine) != 0) return fail(-errno, "cannot stat " + path_, error);
+  if (::fstat(fd_.get(), &mine) != 0) return failErrno("cannot stat " + path_, error);
   if (::fstatat(dirFd_, tmp_.c_str(), &here, AT_SYMLINK_NOFOLLOW) != 0) {
-    return fail(-errno, "cannot stat " + path_ + ": " + std::strerror(errno), error);
+    return failErrno("cannot stat " + path_, error);
   }
   if (here.st_ino != mine.st_ino || here.st_dev != mine.st_dev || mine.st_size != offset_) {
     return fail(-EIO, "shard file " + path_ + " changed under the writer (size " + std::to_string(mine.st_size) +
@@ -345,12 +350,10 @@ int ShardFileWriter::finish(FileRecord* record, std::string* error) {
   fd_ = fs::UniqueFd();
   // Never replaces: link fails with EEXIST when the name exists (a planted one included).
   if (::linkat(dirFd_, tmp_.c_str(), dirFd_, final_.c_str(), 0) != 0) {
-    const int e = errno;
-    return fail(-e, "cannot publish " + path_ + " as " + final_ + ": " + std::strerror(e), error);
+    return failErrno("cannot publish " + path_ + " as " + final_, error);
   }
   if (::unlinkat(dirFd_, tmp_.c_str(), 0) != 0) {
-    const int e = errno;
-    return fail(-e, "cannot remove " + path_ + " after publishing it as " + final_ + ": " + std::strerror(e), error);
+    return failErrno("cannot remove " + path_ + " after publishing it as " + final_, error);
   }
   tmp_.clear();
   finished_ = true;

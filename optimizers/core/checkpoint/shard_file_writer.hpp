@@ -119,6 +119,7 @@ class ShardFileWriter {
   };
 
   int fail(int rc, const std::string& what, std::string* error);
+  int failErrno(std::string what, std::string* error);
   int failed(std::string* error) const;
   int write(const void* data, int64_t bytes, int64_t offset);
   int writeSkewed(const void* data, int64_t bytes, int64_t pageAt, int64_t skew);

@@ -105,9 +105,12 @@ TEST_P(ShardFileWriterModes, LayoutChecksumsAndWriteback) {
   gStarted.clear();
   ShardFileWriter w;
   std::string err;
-  const auto opts =
-      ShardFileOptions().setIo(mode.io).setDirect(mode.direct).setBlockBytes(block).setSegmentBytes(segment).setWriteback(
-          &recordWriteback);
+  const auto opts = ShardFileOptions()
+                        .setIo(mode.io)
+                        .setDirect(mode.direct)
+                        .setBlockBytes(block)
+                        .setSegmentBytes(segment)
+                        .setWriteback(&recordWriteback);
   ASSERT_EQ(w.open(dir.fd, dir.path, 3, opts, &err), 0) << err;
   std::vector<int64_t> offsets;
   for (const auto& [p, n] : pieces) {
