@@ -615,3 +615,41 @@ def test_swappers_on_the_store_own_copies_forget_half_steps_and_name_faults():
     first, second = r["indices"]
     assert f"parameter bucket {second}, rank 0" in err["msg"] and f"buckets [{first}]" in err["msg"], err
     assert os.strerror(errno.EXDEV) in err["msg"] and "already replaced" in err["msg"], err
+
+
+def _master_home_case(rank, group):
+    """Each configuration's buckets report where their fp32 master lives (BucketOptimizer.master_home,
+    the one answer the step, publish and checkpoints use): the set of homes per configuration, and
+    whether every PARAM_RECORD bucket is one the parameter store offloads."""
+    from zeroplus.zero.bucket_optimizer import MasterHome
+
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        for key, precision, kw in [("fp32", None, {}), ("bf16", "bf16", {}),
+                                   ("fp32_param_nvme", None, {"root": root}),
+                                   ("bf16_param_nvme", "bf16", {"root": root}),
+                                   ("bf16_both_nvme", "bf16", {"root": root, "optimizer_too": True})]:
+            model, opt = _build(precision, group, **kw)
+            store = opt.placement.param_store
+            homes = {bo.master_home for bo in opt.bucket_optimizers if bo.segments}
+            consistent = all((bo.master_home is MasterHome.PARAM_RECORD) == (store is not None and store.offloads(b)
+                                                                             and bo.master is b.shard)
+                             for b, bo in zip(opt.buckets, opt.bucket_optimizers))
+            out[key] = (sorted(h.name for h in homes), consistent)
+            del model, opt
+    return out
+
+
+def _master_home_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {"homes": _master_home_case})
+
+
+def test_master_home_names_where_each_bucket_master_lives():
+    results = run_pooled(_master_home_cases, 2, timeout=120)
+    for r in results:
+        status, homes = r["homes"]
+        assert status == "ok", homes
+        assert homes == {"fp32": (["PARAMS"], True), "bf16": (["COPY"], True),
+                         "fp32_param_nvme": (["PARAMS", "PARAM_RECORD"], True),
+                         "bf16_param_nvme": (["COPY"], True),
+                         "bf16_both_nvme": (["OPTIMIZER_RECORD"], True)}, homes

@@ -42,6 +42,7 @@ import torch
 from ..optim.zero import ZeroRedundancyOptimizer
 from ..zero import state as zero_state
 from ..zero import state_dict_guard
+from ..zero.bucket_optimizer import MasterHome
 from ..zero.engine import ZeroEngine
 from ..zero.units import compiled_inner
 from .format import CheckpointError, encode_value
@@ -224,13 +225,13 @@ class EngineAdapter(_Base):
         """Pieces in memory as tuples; buckets with swapped values as LazyPieces (module doc)."""
         pieces, scalars = [], {}
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
-            if bo.swapped or (self._offloaded(b) and master is b.shard):
+            if bo.swapped or bo.master_home is MasterHome.PARAM_RECORD:
                 for seg in bo.segments:
                     pc = b.piece(b.entries[seg.entry], self.rank)
                     st = bo.segment_scalars(seg)
                     if st:
                         scalars.setdefault(self.name_of[id(b.entries[seg.entry].param)], {}).update(st)
-                pieces.append(LazyPieces(lambda b=b, bo=bo, master=master: self._swapped_bucket(b, bo, master)))
+                pieces.append(LazyPieces(lambda b=b, bo=bo: self._swapped_bucket(b, bo)))
                 continue
             for seg in bo.segments:
                 e = b.entries[seg.entry]
@@ -248,11 +249,11 @@ class EngineAdapter(_Base):
         return pieces, scalars
 
     @contextlib.contextmanager
-    def _swapped_bucket(self, b, bo, master):
+    def _swapped_bucket(self, b, bo):
         """A trainable bucket whose master and/or optimizer state is swapped: the master from the
         pinned parameter shard (fp32 offload_param) or the optimizer's store, the state through
         the store (copies of one bucket)."""
-        pin = self._offloaded(b) and master is b.shard
+        pin = bo.master_home is MasterHome.PARAM_RECORD
         source = self.param_store.pin(b) if pin else bo.master_values()
         try:
             pieces = []
@@ -318,10 +319,8 @@ class EngineAdapter(_Base):
         """In-memory destinations; those of offloaded shards are offloaded_destinations()'s."""
         out = []
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
-            if self._offloaded(b) and master is b.shard:
-                continue
-            if bo.swapped and bo.offloads_master:
-                continue  # the master lives in the optimizer's record: streamed_buckets()
+            if bo.master_home in (MasterHome.PARAM_RECORD, MasterHome.OPTIMIZER_RECORD):
+                continue  # offloaded_destinations(), streamed_buckets()
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
                 out.append((self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi,
@@ -341,10 +340,10 @@ class EngineAdapter(_Base):
         """(bucket, [(name, lo, hi, shard_lo, shard_hi)]) of every bucket whose shard lives in a
         parameter swap file and is what a load replaces (fp32 masters, frozen parameters; a
         mixed-precision shard is written from its master by finish_load)."""
+        trainable = [b for b, bo in zip(self.opt.buckets, self.opt.bucket_optimizers)
+                     if bo.master_home is MasterHome.PARAM_RECORD]
         out = []
-        for b, master in list(zip(self.opt.buckets, self.opt.masters)) + [(b, None) for b in self.frozen_buckets]:
-            if not self._offloaded(b) or (master is not None and master is not b.shard):
-                continue
+        for b in trainable + [b for b in self.frozen_buckets if self._offloaded(b)]:
             ranges = [(self.name_of[id(e.param)], pc.param_lo, pc.param_hi, pc.shard_lo, pc.shard_hi)
                       for e in b.entries for pc in (b.piece(e, self.rank),) if pc.numel]
             out.append((b, ranges))

@@ -28,6 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..zero.bucket_optimizer import MasterHome
 from .adapters import adapter_for
 from .format import MANIFEST, decode_value
 from .reader import CheckpointReader
@@ -114,7 +115,7 @@ def _read_streamed(reader: CheckpointReader, bo, segs) -> tuple[list, list | Non
         plan.append((name, keys, len(requests)))
         requests += [(name, k, lo, hi) for k in keys]
     masters_at = len(requests)
-    if bo.offloads_master:
+    if bo.master_home is MasterHome.OPTIMIZER_RECORD:
         requests += [(name, "param", lo, hi) for _i, name, lo, hi, _seg in segs]
     values = reader.read_many(requests)
     states = []
@@ -122,7 +123,7 @@ def _read_streamed(reader: CheckpointReader, bo, segs) -> tuple[list, list | Non
         st = {k: decode_value(v) for k, v in m["tensors"][name].get("scalars", {}).items()}
         st.update({k: values[at + j] for j, k in enumerate(keys)})
         states.append(st or None)
-    return states, (values[masters_at:] if bo.offloads_master else None)
+    return states, (values[masters_at:] if bo.master_home is MasterHome.OPTIMIZER_RECORD else None)
 
 
 def load_checkpoint(path, model, opt):
