@@ -44,7 +44,7 @@ from ..zero import state as zero_state
 from ..zero import state_dict_guard
 from ..zero.bucket_optimizer import MasterHome
 from ..zero.engine import ZeroEngine
-from ..zero.units import compiled_inner
+from ..zero.stage3.units import compiled_inner
 from .format import CheckpointError, encode_value
 
 

@@ -47,14 +47,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm, materialize, sharded_init
-from .bucket_optimizer import MasterHome
-from ..offload import make_grad_spill, make_param_store
+from .. import comm
+from . import materialize, sharded_init
+from ..bucket_optimizer import MasterHome
+from ...offload import make_grad_spill, make_param_store
 from .heap import return_freed_memory
-from .layout import plan_segments
+from ..layout import plan_segments
 from .gather_agreement import GatherAgreement
 from .param_gatherer import ParameterGatherer
-from .policies import Stage3Policy
+from ..policies import Stage3Policy
 from .units import build_units, kept_whole
 
 STEP_READ_AHEAD = 2  # offloaded fp32 masters read ahead of the bucket stepping (offload_param nvme)
