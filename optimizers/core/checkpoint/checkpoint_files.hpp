@@ -20,8 +20,9 @@
 //            are untouched. abandonSave removes it on an error elsewhere.
 // Load: CheckpointReader resolves PATH (a checkpoint directory, or a root whose `latest` names
 // one), reads and parses the manifest (manifest.hpp: the seal and every field), and read()
-// returns one value's flat element range, checking the size of each shard file it opens and the
-// CRC-32 of every block it reads.
+// returns one value's flat element range, checking the size of each shard file it opens; the
+// bytes go through verifiedRead (verified_read.hpp: the CRC-32 of every block touched, on a few
+// threads), the same code as the Python reader's.
 //
 // Errors: negative errno and *error naming the file and what failed (EIO: corrupt, truncated or
 // checksum mismatch; ENOENT: missing; EEXIST: a destination we refuse to replace; ENOTSUP:
@@ -120,7 +121,6 @@ class CheckpointReader {
 
  private:
   int fileFd(int64_t fi, int* fd, std::string* error);
-  int readBytes(int64_t fi, int64_t lo, int64_t hi, uint8_t* dst, std::string* error);
 
   std::string dir_;
   fs::UniqueFd dirFd_;
@@ -128,8 +128,6 @@ class CheckpointReader {
   uint32_t manifestCrc_ = 0;
   std::map<std::pair<std::string, std::string>, std::vector<const Chunk*>> chunks_;  // sorted by lo
   std::map<int64_t, fs::UniqueFd> fds_;
-  int64_t cachedFile_ = -1, cachedBlock_ = -1;  // the last block read and verified
-  std::vector<uint8_t> block_;
 };
 
 }  // namespace zeroplus::ckpt
