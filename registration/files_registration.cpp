@@ -141,14 +141,15 @@ int64_t crc32Of(const at::Tensor& data, int64_t crc) {
 // dst_offset[i] on, every block touched checked against block_crc32 (int64 tensor, one per
 // block). The GIL is not held (torch.ops releases it around every op), so the reader's threads
 // run in C++ while Python goes on. Returns (0, False, "") or (-errno, corrupt, message): the
-// caller raises CheckpointCorruptError / OSError naming the file. Bad arguments: ValueError.
+// caller raises CheckpointCorruptError / OSError naming the file. threads 0: the core's default
+// (VerifiedReadOptions: 4, whatever the core count). Bad arguments: ValueError.
 std::tuple<int64_t, bool, std::string> verifiedReadOp(int64_t fd, int64_t fileBytes, int64_t blockBytes,
                                                       const at::Tensor& blockCrc32, at::IntArrayRef lo,
                                                       at::IntArrayRef hi, at::TensorList dst,
                                                       at::IntArrayRef dstOffset, int64_t threads) {
   TORCH_CHECK_VALUE(fd >= 0 && fd <= INT_MAX, "zeroplus verified_read: fd must be a descriptor, got ", fd);
-  TORCH_CHECK_VALUE(threads >= 1 && threads <= 256, "zeroplus verified_read: threads must be in [1, 256], got ",
-                    threads);
+  TORCH_CHECK_VALUE(threads >= 0 && threads <= 256,
+                    "zeroplus verified_read: threads must be in [0, 256] (0: the default), got ", threads);
   TORCH_CHECK_VALUE(blockCrc32.device().is_cpu() && blockCrc32.scalar_type() == at::kLong && blockCrc32.dim() == 1,
                     "zeroplus verified_read: block_crc32 must be a 1-D CPU int64 tensor, got ",
                     blockCrc32.scalar_type(), " of ", blockCrc32.dim(), " dims on ", blockCrc32.device());
@@ -177,8 +178,9 @@ std::tuple<int64_t, bool, std::string> verifiedReadOp(int64_t fd, int64_t fileBy
   const ckpt::VerifiedFile file{static_cast<int>(fd), fileBytes, blockBytes, crc.data(),
                                 static_cast<int64_t>(crc.size())};
   ckpt::ReadFailure why;
-  const int rc = ckpt::verifiedRead(file, pieces, ckpt::VerifiedReadOptions{}.setThreads(static_cast<int>(threads)),
-                                    &why);
+  ckpt::VerifiedReadOptions options;
+  if (threads > 0) options.setThreads(static_cast<int>(threads));
+  const int rc = ckpt::verifiedRead(file, pieces, options, &why);
   TORCH_CHECK_VALUE(rc != -EINVAL || why.corrupt, "zeroplus ", why.message);
   return {rc, why.corrupt, why.message};
 }
@@ -199,6 +201,6 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
         &zeroplus::registration::createTemporaryAt);
   m.def("open_regular_at(int dir_fd, str name, bool owned) -> int", &zeroplus::registration::openRegularAt);
   m.def("verified_read(int fd, int file_bytes, int block_bytes, Tensor block_crc32, int[] lo, int[] hi, Tensor[] dst, "
-        "int[] dst_offset, int threads) -> (int, bool, str)",
+        "int[] dst_offset, int threads=0) -> (int, bool, str)",
         &zeroplus::registration::verifiedReadOp);
 }

@@ -72,7 +72,7 @@ def test_bad_arguments_are_value_errors_naming_them(tmp_path):
         with pytest.raises(ValueError, match="needs 2 block CRCs, got 1"):
             torch.ops.zeroplus.verified_read(fd, 2 * _BLOCK, _BLOCK, crcs[:1], [0], [1], [small], [0], 2)
         with pytest.raises(ValueError, match="threads"):
-            torch.ops.zeroplus.verified_read(fd, 2 * _BLOCK, _BLOCK, crcs, [0], [1], [small], [0], 0)
+            torch.ops.zeroplus.verified_read(fd, 2 * _BLOCK, _BLOCK, crcs, [0], [1], [small], [0], -1)
         with pytest.raises(ValueError, match="one entry per piece"):
             torch.ops.zeroplus.verified_read(fd, 2 * _BLOCK, _BLOCK, crcs, [0, 1], [1], [small], [0], 2)
     finally:

@@ -41,10 +41,6 @@ from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, Chec
 
 _MAX_RUN_BLOCKS = 16  # one read call of verify_file covers at most this many checksum blocks
 _MAX_BOUNCE_BYTES = 64 << 20  # and verify_file's buffer at most this (or one block, at most 64 MiB)
-# The reads' threads (C++, started per call by zeroplus::verified_read): preads and checksums of
-# different blocks overlap; more than 4 per rank gained nothing on the machines measured.
-_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-
 
 def resolve(path) -> str:
     """The checkpoint directory `path` denotes (itself, or what its `latest` names)."""
@@ -208,8 +204,8 @@ class CheckpointReader:
     def _read(self, fi: int, pieces) -> None:
         """File fi's bytes [lo, hi) into raw[at:] for each (lo, hi, raw, at), raw a uint8 tensor,
         every block touched checked against its CRC-32 (optimizers/core/checkpoint/verified_read:
-        whole blocks in place, shared partial blocks read once, on _READ_THREADS threads without
-        the GIL); the errors name the file."""
+        whole blocks in place, shared partial blocks read once, on its threads without the GIL);
+        the errors name the file."""
         fd = self._fd(fi)  # opened here, in the calling thread (the descriptor cache is not shared)
         rec = self.manifest["files"][fi]
         crcs = self._crcs.get(fi)
@@ -217,7 +213,7 @@ class CheckpointReader:
             crcs = self._crcs[fi] = torch.tensor(rec["block_crc32"], dtype=torch.int64)
         rc, corrupt, message = torch.ops.zeroplus.verified_read(
             fd, rec["bytes"], self.block, crcs, [p[0] for p in pieces], [p[1] for p in pieces],
-            [p[2] for p in pieces], [p[3] for p in pieces], _READ_THREADS)
+            [p[2] for p in pieces], [p[3] for p in pieces])
         if rc != 0:
             raise (CheckpointCorruptError if corrupt else OSError)(-rc, message, self.file_path(fi))
 
