@@ -181,7 +181,7 @@ std::tuple<int64_t, bool, std::string> verifiedReadOp(int64_t fd, int64_t fileBy
   ckpt::VerifiedReadOptions options;
   if (threads > 0) options.setThreads(static_cast<int>(threads));
   const int rc = ckpt::verifiedRead(file, pieces, options, &why);
-  TORCH_CHECK_VALUE(rc != -EINVAL || why.corrupt, "zeroplus ", why.message);
+  TORCH_CHECK_VALUE(!why.badArgument, "zeroplus ", why.message);
   return {rc, why.corrupt, why.message};
 }
 

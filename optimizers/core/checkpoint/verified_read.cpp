@@ -105,7 +105,10 @@ int runTask(const VerifiedFile& file, const Task& t, Scratch* scratch, ReadFailu
 
 int checkArguments(const VerifiedFile& file, const std::vector<ReadPiece>& pieces, const VerifiedReadOptions& o,
                    ReadFailure* f) {
-  auto bad = [f](const std::string& what) { return fill(f, -EINVAL, false, "checkpoint: verified read: " + what); };
+  auto bad = [f](const std::string& what) {
+    f->badArgument = true;
+    return fill(f, -EINVAL, false, "checkpoint: verified read: " + what);
+  };
   if (file.fd < 0) return bad("fd must be an open descriptor, got " + std::to_string(file.fd));
   if (file.bytes < 0) return bad("file bytes must be >= 0, got " + std::to_string(file.bytes));
   if (file.blockBytes <= 0) return bad("block bytes must be > 0, got " + std::to_string(file.blockBytes));

@@ -79,6 +79,7 @@ struct VerifiedReadOptions {
 struct ReadFailure {
   int code = 0;          // negative errno, 0 when nothing failed
   bool corrupt = false;  // a checksum mismatch (CheckpointCorruptError in Python)
+  bool badArgument = false;  // the call's arguments were refused (-EINVAL); nothing was read
   std::string message;   // the wording above, without the file's path
 };
 

@@ -150,7 +150,7 @@ TEST_P(VerifiedRead, AFileShorterThanItsRecordIsTruncatedNotCorrupt) {
   Dests d({{0, kSize}});
   ReadFailure why;
   EXPECT_EQ(verifiedRead(s.file(), d.pieces, options(), &why), -EIO);
-  EXPECT_FALSE(why.corrupt);
+  EXPECT_FALSE(why.corrupt || why.badArgument);
   EXPECT_EQ(why.message, "checkpoint: file is truncated: wanted 64 bytes at offset 576, it ends at 600");
   d.expectGuards();
 }
@@ -188,6 +188,7 @@ TEST(VerifiedReadArguments, AreRefusedWithEinvalNamingThem) {
   ReadFailure why;
   auto refused = [&](const VerifiedFile& f, std::vector<ReadPiece> pieces, VerifiedReadOptions o, const char* what) {
     EXPECT_EQ(verifiedRead(f, pieces, o, &why), -EINVAL) << what;
+    EXPECT_TRUE(why.badArgument) << what;
     EXPECT_NE(why.message.find(what), std::string::npos) << why.message;
   };
   VerifiedFile f = s.file();
