@@ -15,10 +15,12 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "common/core/crc32.hpp"
 #include "common/core/exclusive_file.hpp"
 #include "optimizers/core/checkpoint/shard_file_writer.hpp"
+#include "optimizers/core/checkpoint/verified_read.hpp"
 
 namespace zeroplus::registration {
 namespace {
@@ -136,6 +138,55 @@ int64_t crc32Of(const at::Tensor& data, int64_t crc) {
   return checksum::crc32(static_cast<uint32_t>(crc), data.const_data_ptr(), data.nbytes());
 }
 
+// -- verified reads of checkpoint shard files (optimizers/core/checkpoint/verified_read.hpp) ------
+// zeroplus.checkpoint.reader's byte work: file bytes [lo[i], hi[i]) into dst[i] from byte
+// dst_offset[i] on, every block touched checked against block_crc32 (int64 tensor, one per
+// block). The GIL is not held (torch.ops releases it around every op), so the reader's threads
+// run in C++ while Python goes on. Returns (0, False, "") or (-errno, corrupt, message): the
+// caller raises CheckpointCorruptError / OSError naming the file. threads 0: the core's default
+// (VerifiedReadOptions: 4, whatever the core count). Bad arguments: ValueError.
+std::tuple<int64_t, bool, std::string> verifiedReadOp(int64_t fd, int64_t fileBytes, int64_t blockBytes,
+                                                      const at::Tensor& blockCrc32, at::IntArrayRef lo,
+                                                      at::IntArrayRef hi, at::TensorList dst,
+                                                      at::IntArrayRef dstOffset, int64_t threads) {
+  TORCH_CHECK_VALUE(fd >= 0 && fd <= INT_MAX, "zeroplus verified_read: fd must be a descriptor, got ", fd);
+  TORCH_CHECK_VALUE(threads >= 0 && threads <= 256,
+                    "zeroplus verified_read: threads must be in [0, 256] (0: the default), got ", threads);
+  TORCH_CHECK_VALUE(blockCrc32.device().is_cpu() && blockCrc32.scalar_type() == at::kLong && blockCrc32.dim() == 1,
+                    "zeroplus verified_read: block_crc32 must be a 1-D CPU int64 tensor, got ",
+                    blockCrc32.scalar_type(), " of ", blockCrc32.dim(), " dims on ", blockCrc32.device());
+  TORCH_CHECK_VALUE(lo.size() == dst.size() && hi.size() == dst.size() && dstOffset.size() == dst.size(),
+                    "zeroplus verified_read: lo, hi, dst and dst_offset must have one entry per piece, got ",
+                    lo.size(), ", ", hi.size(), ", ", dst.size(), ", ", dstOffset.size());
+  const at::Tensor crcs = blockCrc32.contiguous();
+  std::vector<uint32_t> crc(static_cast<size_t>(crcs.numel()));
+  const int64_t* c = crcs.const_data_ptr<int64_t>();
+  for (size_t i = 0; i < crc.size(); ++i) {
+    TORCH_CHECK_VALUE(c[i] >= 0 && c[i] <= int64_t{UINT32_MAX}, "zeroplus verified_read: block_crc32[", i,
+                      "] must be in [0, 2^32), got ", c[i]);
+    crc[i] = static_cast<uint32_t>(c[i]);
+  }
+  std::vector<ckpt::ReadPiece> pieces(dst.size());
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const at::Tensor& d = dst[i];
+    TORCH_CHECK_VALUE(d.device().is_cpu() && d.is_contiguous(), "zeroplus verified_read: dst[", i,
+                      "] must be a contiguous CPU tensor");
+    const int64_t n = hi[i] - lo[i];
+    TORCH_CHECK_VALUE(n >= 0 && dstOffset[i] >= 0 && dstOffset[i] <= static_cast<int64_t>(d.nbytes()) - n,
+                      "zeroplus verified_read: piece ", i, " (file bytes [", lo[i], ", ", hi[i], ") to dst_offset ",
+                      dstOffset[i], ") does not fit its destination of ", d.nbytes(), " bytes");
+    pieces[i] = ckpt::ReadPiece{lo[i], hi[i], static_cast<uint8_t*>(d.data_ptr()) + dstOffset[i]};
+  }
+  const ckpt::VerifiedFile file{static_cast<int>(fd), fileBytes, blockBytes, crc.data(),
+                                static_cast<int64_t>(crc.size())};
+  ckpt::ReadFailure why;
+  ckpt::VerifiedReadOptions options;
+  if (threads > 0) options.setThreads(static_cast<int>(threads));
+  const int rc = ckpt::verifiedRead(file, pieces, options, &why);
+  TORCH_CHECK_VALUE(!why.badArgument, "zeroplus ", why.message);
+  return {rc, why.corrupt, why.message};
+}
+
 }  // namespace
 }  // namespace zeroplus::registration
 
@@ -151,6 +202,9 @@ TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
   m.def("create_temporary_at(int dir_fd, str prefix, int mode) -> (int, str)",
         &zeroplus::registration::createTemporaryAt);
   m.def("open_regular_at(int dir_fd, str name, bool owned) -> int", &zeroplus::registration::openRegularAt);
+  m.def("verified_read(int fd, int file_bytes, int block_bytes, Tensor block_crc32, int[] lo, int[] hi, Tensor[] dst, "
+        "int[] dst_offset, int threads=0) -> (int, bool, str)",
+        &zeroplus::registration::verifiedReadOp);
 }
 
 // -- torch.classes.zeroplus.ShardFileWriter ------------------------------------------------------

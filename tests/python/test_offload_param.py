@@ -615,3 +615,78 @@ def test_swappers_on_the_store_own_copies_forget_half_steps_and_name_faults():
     first, second = r["indices"]
     assert f"parameter bucket {second}, rank 0" in err["msg"] and f"buckets [{first}]" in err["msg"], err
     assert os.strerror(errno.EXDEV) in err["msg"] and "already replaced" in err["msg"], err
+
+
+def _master_home_case(rank, group):
+    """Each configuration's buckets report where their fp32 master lives (BucketOptimizer.master_home,
+    the one answer the step, publish and checkpoints use): the set of homes per configuration, and
+    whether every PARAM_RECORD bucket is one the parameter store offloads."""
+    from zeroplus.zero.bucket_optimizer import MasterHome
+
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        for key, precision, kw in [("fp32", None, {}), ("bf16", "bf16", {}),
+                                   ("fp32_param_nvme", None, {"root": root}),
+                                   ("bf16_param_nvme", "bf16", {"root": root}),
+                                   ("bf16_both_nvme", "bf16", {"root": root, "optimizer_too": True})]:
+            model, opt = _build(precision, group, **kw)
+            store = opt.placement.param_store
+            homes = {bo.master_home for bo in opt.bucket_optimizers if bo.segments}
+            consistent = all((bo.master_home is MasterHome.PARAM_RECORD) == (store is not None and store.offloads(b)
+                                                                             and bo.master is b.shard)
+                             for b, bo in zip(opt.buckets, opt.bucket_optimizers))
+            out[key] = (sorted(h.name for h in homes), consistent)
+            del model, opt
+    return out
+
+
+def _gradient_home_case(rank, group):
+    """GradientReducer.home(b) through a step's life: NONE before backward and after
+    zero_grad, then ACCUMULATOR in memory, SPILL for the buckets whose parameters live in swap
+    files (offload_param nvme), HOST where the host tier took the gradient (ZeRO-Offload's path,
+    forced on CPU)."""
+    import zero_models as zm
+    from zeroplus.offload.host_tier import force_on_cpu_for_tests
+
+    def homes(opt):
+        return sorted({opt.reducer.home(b).name for b in range(len(opt.buckets))})
+
+    def life(model, opt):
+        out = [homes(opt)]
+        x, y = zm.batch(0, rank)
+        opt.backward(zm.loss_fn(model, x, y))
+        out.append(homes(opt))
+        opt.zero_grad()
+        out.append(homes(opt))
+        return out
+
+    out = {}
+    with tempfile.TemporaryDirectory() as root:
+        out["memory"] = life(*_build(None, group))
+        out["param_nvme"] = life(*_build(None, group, root=root))
+    import zeroplus
+    with force_on_cpu_for_tests():
+        model, opt = zeroplus.initialize(zm.make_model(layers=2), torch.optim.AdamW, stage=2, lr=LR,
+                                         process_group=group, offload_optimizer={"device": "cpu"})
+        out["host_tier"] = life(model, opt)
+    return out
+
+
+def _master_home_cases(rank, world):
+    return run_cases_in_own_groups(rank, world, {"homes": _master_home_case, "gradients": _gradient_home_case})
+
+
+def test_master_and_gradient_homes_name_where_each_bucket_lives():
+    results = run_pooled(_master_home_cases, 2, timeout=120)
+    for r in results:
+        status, grads = r["gradients"]
+        assert status == "ok", grads
+        assert grads == {"memory": [["NONE"], ["ACCUMULATOR"], ["NONE"]],
+                         "param_nvme": [["NONE", "SPILL"], ["ACCUMULATOR", "SPILL"], ["NONE", "SPILL"]],
+                         "host_tier": [["NONE"], ["HOST"], ["NONE"]]}, grads
+        status, homes = r["homes"]
+        assert status == "ok", homes
+        assert homes == {"fp32": (["PARAMS"], True), "bf16": (["COPY"], True),
+                         "fp32_param_nvme": (["PARAMS", "PARAM_RECORD"], True),
+                         "bf16_param_nvme": (["COPY"], True),
+                         "bf16_both_nvme": (["OPTIMIZER_RECORD"], True)}, homes

@@ -352,7 +352,7 @@ def _ordering(rank, group):
 
 def _memory(rank, group):
     """Device-resident shard bytes at every module boundary, against the gathered units'."""
-    from zeroplus.zero.param_gatherer import RELEASED
+    from zeroplus.zero.stage3.param_gatherer import RELEASED
 
     model, opt = _build(group, None, {"device": "cpu", "pin_memory": True, "buffer_count": 1}, {"device": "cpu"})
     store, gatherer = opt.placement.param_store, opt.placement.gatherer

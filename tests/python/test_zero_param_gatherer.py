@@ -1,4 +1,4 @@
-"""ParameterGatherer (zeroplus/zero/param_gatherer.py) on one rank, inside a stage-3 engine: the
+"""ParameterGatherer (zeroplus/zero/stage3/param_gatherer.py) on one rank, inside a stage-3 engine: the
 residency of every unit at each point of a step (released between steps, gathered inside its
 forward and again for its backward, released as soon as its gradients are in), what
 reshard_after_forward=False keeps, prefetch by the recorded order (one unit ahead by default),
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from zeroplus.zero.param_gatherer import Residency
+from zeroplus.zero.stage3.param_gatherer import Residency
 
 WIDTH = 32
 

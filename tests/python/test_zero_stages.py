@@ -18,7 +18,7 @@ from sharding import SHARD_ALL, assert_sharded
 from zeroplus.zero import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 from zeroplus.zero.engine import ZeroEngine
 from zeroplus.zero.replicated_params import ReplicatedParams
-from zeroplus.zero.sharded_params import ShardedParams
+from zeroplus.zero.stage3.sharded_params import ShardedParams
 
 
 def test_stages_are_one_engine_composed_not_a_subclass_chain():

@@ -1,11 +1,11 @@
-"""Stage-3 unit policy (zeroplus/zero/units.py): which submodules are gather units, who owns a
+"""Stage-3 unit policy (zeroplus/zero/stage3/units.py): which submodules are gather units, who owns a
 tied parameter, what each unit needs. Single process, no process group."""
 
 import pytest
 from torch import nn
 
 import zero_models as zm
-from zeroplus.zero.units import build_units
+from zeroplus.zero.stage3.units import build_units
 
 
 def _names(units):
@@ -89,7 +89,7 @@ def test_torch_compile_wrappers_are_seen_through():
 
 def test_persistent_modules_resolve_to_their_subtrees_parameters():
     from zeroplus.zero.policies import Stage3Policy
-    from zeroplus.zero.units import kept_whole
+    from zeroplus.zero.stage3.units import kept_whole
 
     model = nn.ModuleDict({"trunk": nn.Linear(4, 4),
                            "experts": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]), "norm": nn.LayerNorm(4)})

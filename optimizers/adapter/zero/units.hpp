@@ -1,6 +1,6 @@
 // Stage 3 in the LibTorch front-end: which calls the engine can intercept, hence which
 // parameters are sharded (gathered around their unit's use) and which stay whole on every rank.
-// The Python engine's counterpart is plugin/python/zeroplus/zero/units.py (module hooks).
+// The Python engine's counterpart is plugin/python/zeroplus/zero/stage3/units.py (module hooks).
 //
 // LibTorch modules have no forward hooks, so the engine can bracket only calls it makes itself,
 // and it makes them inside a torch::nn::Sequential's forward: initialize replaces the Sequential's

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/core/crc32.hpp"
+#include "optimizers/core/checkpoint/verified_read.hpp"
 
 namespace zeroplus::ckpt {
 namespace {
@@ -310,7 +311,6 @@ int CheckpointReader::open(const std::string& path, std::string* error) {
   manifestCrc_ = checksum::crc32(0, data.data(), data.size());
   chunks_.clear();
   fds_.clear();
-  cachedFile_ = cachedBlock_ = -1;
   for (const Chunk& c : manifest_.chunks) chunks_[{c.tensor, c.key}].push_back(&c);
   for (auto& [k, list] : chunks_) {
     std::sort(list.begin(), list.end(), [](const Chunk* a, const Chunk* b) { return a->lo < b->lo; });
@@ -345,31 +345,6 @@ int CheckpointReader::fileFd(int64_t fi, int* fd, std::string* error) {
   return 0;
 }
 
-int CheckpointReader::readBytes(int64_t fi, int64_t lo, int64_t hi, uint8_t* dst, std::string* error) {
-  int fd = -1;
-  if (const int rc = fileFd(fi, &fd, error); rc < 0) return rc;
-  const FileRecord& rec = manifest_.files[fi];
-  const int64_t bs = manifest_.blockBytes;
-  for (int64_t b = lo / bs; b * bs < hi; ++b) {
-    const int64_t start = b * bs, end = std::min(start + bs, rec.bytes);
-    if (cachedFile_ != fi || cachedBlock_ != b) {
-      cachedFile_ = cachedBlock_ = -1;
-      block_.resize(static_cast<size_t>(end - start));
-      if (const int rc = readAll(fd, block_.data(), end - start, start); rc < 0) {
-        return fail(error, rc, "cannot read " + dir_ + "/" + rec.name);
-      }
-      if (checksum::crc32(0, block_.data(), block_.size()) != rec.blockCrc32[b]) {
-        return fail(error, -EIO, dir_ + "/" + rec.name + ": checksum mismatch in bytes [" + std::to_string(start) + ", " +
-                                     std::to_string(end) + ") (corrupt file)");
-      }
-      cachedFile_ = fi, cachedBlock_ = b;
-    }
-    const int64_t a = std::max(lo, start), z = std::min(hi, end);
-    std::memcpy(dst + (a - lo), block_.data() + (a - start), static_cast<size_t>(z - a));
-  }
-  return 0;
-}
-
 int CheckpointReader::read(const std::string& tensor, const std::string& key, int64_t lo, int64_t hi, void* dst,
                            std::string* error) {
   const auto it = chunks_.find({tensor, key});
@@ -380,21 +355,32 @@ int CheckpointReader::read(const std::string& tensor, const std::string& key, in
   const std::string& dtype = it->second.front()->dtype;
   const int64_t es = dtypeBytes(dtype);
   int64_t covered = 0;
+  std::map<int64_t, std::vector<ReadPiece>> byFile;  // chunks do not overlap (parseManifest)
   for (const Chunk* c : it->second) {
     const int64_t a = std::max(lo, c->lo), z = std::min(hi, c->hi);
     if (a >= z) continue;
     if (c->dtype != dtype) {
       return fail(error, -EINVAL, dir_ + ": '" + tensor + "' (" + key + ") is stored in two dtypes");
     }
-    const int rc = readBytes(c->file, c->offset + (a - c->lo) * es, c->offset + (z - c->lo) * es,
-                             static_cast<uint8_t*>(dst) + (a - lo) * es, error);
-    if (rc < 0) return rc;
+    byFile[c->file].push_back(
+        ReadPiece{c->offset + (a - c->lo) * es, c->offset + (z - c->lo) * es, static_cast<uint8_t*>(dst) + (a - lo) * es});
     covered += z - a;
   }
   if (covered != hi - lo) {
     return fail(error, -EIO, dir_ + "/" + kManifestName + ": elements [" + std::to_string(lo) + ", " +
                                  std::to_string(hi) + ") of '" + tensor + "' (" + key +
                                  ") are not all in the shard files (the manifest is torn)");
+  }
+  for (const auto& [fi, pieces] : byFile) {
+    int fd = -1;
+    if (const int rc = fileFd(fi, &fd, error); rc < 0) return rc;
+    const FileRecord& rec = manifest_.files[static_cast<size_t>(fi)];
+    const VerifiedFile file{fd, rec.bytes, manifest_.blockBytes, rec.blockCrc32.data(),
+                            static_cast<int64_t>(rec.blockCrc32.size())};
+    ReadFailure why;
+    if (const int rc = verifiedRead(file, pieces, VerifiedReadOptions{}, &why); rc < 0) {
+      return fail(error, rc, dir_ + "/" + rec.name + ": " + why.message);
+    }
   }
   return 0;
 }

@@ -1,8 +1,9 @@
 // The file side of a zeroplus checkpoint, torch-free: the crash-consistent commit of a checkpoint
-// directory, and verified reads of element ranges. The same protocol as the Python package (checkpoint/commit.py, shard_io.py,
-// fsutil.py, reader.py; docs/checkpoints.md "Guarantees"); every file and directory is created
-// and opened through common/core/exclusive_file.hpp (exclusive creation, no link followed in a
-// name we open, except the user's own link as the checkpoint path or its root).
+// directory, and verified reads of element ranges. The same protocol as the Python package
+// (checkpoint/commit.py, shard_io.py, fsutil.py, reader.py; docs/checkpoints.md "Guarantees");
+// every file and directory is created and opened through common/core/exclusive_file.hpp
+// (exclusive creation, no link followed in a name we open, except the user's own link as the
+// checkpoint path or its root).
 //
 // Save (the caller sequences the ranks; checkpoint_io.cpp does it with collectives):
 //   rank 0   prepareSave: ROOT created 0700 (and missing parents); ROOT/NAME must be absent, an
@@ -19,8 +20,9 @@
 //            are untouched. abandonSave removes it on an error elsewhere.
 // Load: CheckpointReader resolves PATH (a checkpoint directory, or a root whose `latest` names
 // one), reads and parses the manifest (manifest.hpp: the seal and every field), and read()
-// returns one value's flat element range, checking the size of each shard file it opens and the
-// CRC-32 of every block it reads.
+// returns one value's flat element range, checking the size of each shard file it opens; the
+// bytes go through verifiedRead (verified_read.hpp: the CRC-32 of every block touched, on a few
+// threads), the same code as the Python reader's.
 //
 // Errors: negative errno and *error naming the file and what failed (EIO: corrupt, truncated or
 // checksum mismatch; ENOENT: missing; EEXIST: a destination we refuse to replace; ENOTSUP:
@@ -79,7 +81,6 @@ class CheckpointReader {
 
  private:
   int fileFd(int64_t fi, int* fd, std::string* error);
-  int readBytes(int64_t fi, int64_t lo, int64_t hi, uint8_t* dst, std::string* error);
 
   std::string dir_;
   fs::UniqueFd dirFd_;
@@ -87,8 +88,6 @@ class CheckpointReader {
   uint32_t manifestCrc_ = 0;
   std::map<std::pair<std::string, std::string>, std::vector<const Chunk*>> chunks_;  // sorted by lo
   std::map<int64_t, fs::UniqueFd> fds_;
-  int64_t cachedFile_ = -1, cachedBlock_ = -1;  // the last block read and verified
-  std::vector<uint8_t> block_;
 };
 
 }  // namespace zeroplus::ckpt

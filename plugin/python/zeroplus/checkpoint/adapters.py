@@ -3,11 +3,11 @@
 An adapter turns (model, optimizer) into:
   * `meta()`: the world-size independent description of the model (every rank computes the same):
     tensor name -> global shape, dtype, kind; aliases (tied parameters); param groups by name;
-  * `pieces()` at save: (name, value key, lo, hi, tensor) for every flat element range this rank
+  * `pieces()` at save: a `Piece` (name, value key, lo, hi, tensor; plan.py) for every flat element range this rank
     writes: the fp32 master (key "param") or the parameter itself where there is no master,
     buffers ("value", rank 0 only), and elementwise optimizer state tensors;
-  * `destinations()` at load: (name, lo, hi, destination tensor) for every flat range this rank
-    holds now; `optimizer_ranges()`: (name, lo, hi) of the optimizer state it owns;
+  * `destinations()` at load: a `Destination` (name, lo, hi, tensor) for every flat range this rank
+    holds now; `optimizer_ranges()`: an `OptimizerRange` per segment of optimizer state it owns;
   * `stage_optimizer(...)` / `commit_optimizer(...)` / `finish_load()`: validate and stage the read
     state through the optimizer's own load (nothing changes; swapped buckets' records are written
     to side files), apply it once every rank has read everything, and publish masters.
@@ -42,9 +42,12 @@ import torch
 from ..optim.zero import ZeroRedundancyOptimizer
 from ..zero import state as zero_state
 from ..zero import state_dict_guard
+from ..zero.bucket_optimizer import MasterHome
 from ..zero.engine import ZeroEngine
-from ..zero.units import compiled_inner
+from ..zero.stage3.units import compiled_inner
 from .format import CheckpointError, encode_value
+from .plan import (Destination, OffloadedBucket, OptimizerRange, Piece, ShardRange, StreamedBucket,
+                   StreamedSegment)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -85,7 +88,7 @@ def _fresh_state(template: dict, numel: int) -> dict:
 
 class LazyPieces:
     """One bucket's pieces whose values live in swap files. `resident()` is a context manager
-    giving the pieces (name, key, lo, hi, tensor); the tensors are valid only inside it."""
+    giving its `Piece`s; the tensors are valid only inside it."""
 
     def __init__(self, open_fn):
         self._open = open_fn
@@ -150,7 +153,7 @@ class _Base:
         """Whole tensors every rank holds the same: written once, by rank 0."""
         if self.rank != 0:
             return []
-        return [(n, "param" if n in self.params else "value", 0, t.numel(), t.detach().reshape(-1))
+        return [Piece(n, "param" if n in self.params else "value", 0, t.numel(), t.detach().reshape(-1))
                 for n, t in names if t.numel()]
 
     def changes_only_in_optimizer(self, name: str, key: str) -> bool:
@@ -163,7 +166,7 @@ class _Base:
     def _state_pieces(name, lo, hi, st, scalars, pieces) -> None:
         for key, value in st.items():
             if _is_elementwise(value, hi - lo):
-                pieces.append((name, key, lo, hi, value.detach().reshape(-1)))
+                pieces.append(Piece(name, key, lo, hi, value.detach().reshape(-1)))
             else:
                 scalars.setdefault(name, {})[key] = value
 
@@ -224,44 +227,44 @@ class EngineAdapter(_Base):
         """Pieces in memory as tuples; buckets with swapped values as LazyPieces (module doc)."""
         pieces, scalars = [], {}
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
-            if bo.swapped or (self._offloaded(b) and master is b.shard):
+            if bo.swapped or bo.master_home is MasterHome.PARAM_RECORD:
                 for seg in bo.segments:
                     pc = b.piece(b.entries[seg.entry], self.rank)
                     st = bo.segment_scalars(seg)
                     if st:
                         scalars.setdefault(self.name_of[id(b.entries[seg.entry].param)], {}).update(st)
-                pieces.append(LazyPieces(lambda b=b, bo=bo, master=master: self._swapped_bucket(b, bo, master)))
+                pieces.append(LazyPieces(lambda b=b, bo=bo: self._swapped_bucket(b, bo)))
                 continue
             for seg in bo.segments:
                 e = b.entries[seg.entry]
                 pc = b.piece(e, self.rank)
                 name = self.name_of[id(e.param)]
-                pieces.append((name, "param", pc.param_lo, pc.param_hi, master[seg.lo:seg.hi]))
+                pieces.append(Piece(name, "param", pc.param_lo, pc.param_hi, master[seg.lo:seg.hi]))
                 self._state_pieces(name, pc.param_lo, pc.param_hi, bo.segment_state(seg), scalars, pieces)
         for b in self.frozen_buckets:
             if self._offloaded(b):
                 pieces.append(LazyPieces(lambda b=b: self._pinned_frozen(b)))
         for e, pc, own in self._own_frozen():
-            pieces.append((self.name_of[id(e.param)], "param", pc.param_lo, pc.param_hi,
-                           own[pc.shard_lo:pc.shard_hi]))
+            pieces.append(Piece(self.name_of[id(e.param)], "param", pc.param_lo, pc.param_hi,
+                                own[pc.shard_lo:pc.shard_hi]))
         pieces += self._replicated_pieces(self._unbucketed() + list(self.buffers.items()))
         return pieces, scalars
 
     @contextlib.contextmanager
-    def _swapped_bucket(self, b, bo, master):
+    def _swapped_bucket(self, b, bo):
         """A trainable bucket whose master and/or optimizer state is swapped: the master from the
         pinned parameter shard (fp32 offload_param) or the optimizer's store, the state through
         the store (copies of one bucket)."""
-        pin = self._offloaded(b) and master is b.shard
+        pin = bo.master_home is MasterHome.PARAM_RECORD
         source = self.param_store.pin(b) if pin else bo.master_values()
         try:
             pieces = []
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
                 name = self.name_of[id(b.entries[seg.entry].param)]
-                pieces.append((name, "param", pc.param_lo, pc.param_hi, source[seg.lo:seg.hi]))
+                pieces.append(Piece(name, "param", pc.param_lo, pc.param_hi, source[seg.lo:seg.hi]))
                 n = pc.param_hi - pc.param_lo
-                pieces += [(name, k, pc.param_lo, pc.param_hi, v.detach().reshape(-1))
+                pieces += [Piece(name, k, pc.param_lo, pc.param_hi, v.detach().reshape(-1))
                            for k, v in bo.segment_state(seg).items() if _is_elementwise(v, n)]
             yield pieces
         finally:
@@ -272,7 +275,7 @@ class EngineAdapter(_Base):
     def _pinned_frozen(self, b):
         shard = self.param_store.pin(b)
         try:
-            yield [(self.name_of[id(e.param)], "param", pc.param_lo, pc.param_hi, shard[pc.shard_lo:pc.shard_hi])
+            yield [Piece(self.name_of[id(e.param)], "param", pc.param_lo, pc.param_hi, shard[pc.shard_lo:pc.shard_hi])
                    for e in b.entries for pc in (b.piece(e, self.rank),) if pc.numel]
         finally:
             self.param_store.unpin(b)
@@ -318,44 +321,42 @@ class EngineAdapter(_Base):
         """In-memory destinations; those of offloaded shards are offloaded_destinations()'s."""
         out = []
         for b, bo, master in zip(self.opt.buckets, self.opt.bucket_optimizers, self.opt.masters):
-            if self._offloaded(b) and master is b.shard:
-                continue
-            if bo.swapped and bo.offloads_master:
-                continue  # the master lives in the optimizer's record: streamed_buckets()
+            if bo.master_home in (MasterHome.PARAM_RECORD, MasterHome.OPTIMIZER_RECORD):
+                continue  # offloaded_destinations(), streamed_buckets()
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
-                out.append((self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi,
-                            master[seg.lo:seg.hi]))
+                out.append(Destination(self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi,
+                                       master[seg.lo:seg.hi]))
         for b in self.frozen_buckets:
             if b.persistent:  # whole on every rank and never re-gathered: every rank reads all of it
-                out += [(self.name_of[id(e.param)], 0, e.numel, b.flat[e.offset:e.offset + e.numel])
+                out += [Destination(self.name_of[id(e.param)], 0, e.numel, b.flat[e.offset:e.offset + e.numel])
                         for e in b.entries if e.numel]
         for e, pc, own in self._own_frozen(persistent=False):
-            out.append((self.name_of[id(e.param)], pc.param_lo, pc.param_hi, own[pc.shard_lo:pc.shard_hi]))
+            out.append(Destination(self.name_of[id(e.param)], pc.param_lo, pc.param_hi, own[pc.shard_lo:pc.shard_hi]))
         for n, t in self._unbucketed() + list(self.buffers.items()):
             if t.numel():
-                out.append((n, 0, t.numel(), t.data.view(-1)))
+                out.append(Destination(n, 0, t.numel(), t.data.view(-1)))
         return out
 
     def offloaded_destinations(self) -> list:
-        """(bucket, [(name, lo, hi, shard_lo, shard_hi)]) of every bucket whose shard lives in a
+        """An OffloadedBucket (bucket, its ShardRanges) for every bucket whose shard lives in a
         parameter swap file and is what a load replaces (fp32 masters, frozen parameters; a
         mixed-precision shard is written from its master by finish_load)."""
+        trainable = [b for b, bo in zip(self.opt.buckets, self.opt.bucket_optimizers)
+                     if bo.master_home is MasterHome.PARAM_RECORD]
         out = []
-        for b, master in list(zip(self.opt.buckets, self.opt.masters)) + [(b, None) for b in self.frozen_buckets]:
-            if not self._offloaded(b) or (master is not None and master is not b.shard):
-                continue
-            ranges = [(self.name_of[id(e.param)], pc.param_lo, pc.param_hi, pc.shard_lo, pc.shard_hi)
+        for b in trainable + [b for b in self.frozen_buckets if self._offloaded(b)]:
+            ranges = [ShardRange(self.name_of[id(e.param)], pc.param_lo, pc.param_hi, pc.shard_lo, pc.shard_hi)
                       for e in b.entries for pc in (b.piece(e, self.rank),) if pc.numel]
-            out.append((b, ranges))
+            out.append(OffloadedBucket(b, ranges))
         return out
 
     def stage_offloaded(self, bucket, ranges: list, values: list) -> None:
         """Stages the bucket's new shard (ranges and bucket: an item of offloaded_destinations;
         values: one tensor per range). Raises OSError naming the swap file."""
         shard = torch.zeros(bucket.shard_numel, dtype=bucket.dtype)
-        for (_n, _lo, _hi, slo, shi), v in zip(ranges, values):
-            shard[slo:shi].copy_(v.reshape(-1))
+        for r, v in zip(ranges, values):
+            shard[r.shard_lo:r.shard_hi].copy_(v.reshape(-1))
         self.param_store.stage_replacement(bucket, shard)
 
     def commit_offloaded(self) -> None:
@@ -367,13 +368,13 @@ class EngineAdapter(_Base):
             self.param_store.discard_replacements()
 
     def optimizer_ranges(self) -> list:
-        """(segment index, name, lo, hi) in the order of the engine's sharded state dict."""
+        """An OptimizerRange per segment, in the order of the engine's sharded state dict."""
         out, i = [], 0
         for b, bo in zip(self.opt.buckets, self.opt.bucket_optimizers):
             for seg in bo.segments:
                 e = b.entries[seg.entry]
                 pc = b.piece(e, self.rank)
-                out.append((i, self.name_of[id(e.param)], pc.param_lo, pc.param_hi))
+                out.append(OptimizerRange(i, self.name_of[id(e.param)], pc.param_lo, pc.param_hi))
                 i += 1
         return out
 
@@ -429,7 +430,7 @@ class EngineAdapter(_Base):
         self.opt.discard_load(staged)
 
     def streamed_buckets(self) -> list:
-        """(bucket optimizer, [(segment index, name, lo, hi, segment)]) of the buckets whose
+        """A StreamedBucket (bucket optimizer, its StreamedSegments) for every bucket whose
         optimizer state (and, in mixed precision, master) lives in an offload store: a load reads
         and stages them one bucket at a time (stage_optimizer), never the whole state at once."""
         out, i = [], 0
@@ -437,10 +438,11 @@ class EngineAdapter(_Base):
             segs = []
             for seg in bo.segments:
                 pc = b.piece(b.entries[seg.entry], self.rank)
-                segs.append((i, self.name_of[id(b.entries[seg.entry].param)], pc.param_lo, pc.param_hi, seg))
+                segs.append(StreamedSegment(i, self.name_of[id(b.entries[seg.entry].param)], pc.param_lo,
+                                            pc.param_hi, seg))
                 i += 1
             if bo.swapped and segs:
-                out.append((bo, segs))
+                out.append(StreamedBucket(bo, segs))
         return out
 
     @staticmethod
@@ -475,7 +477,7 @@ class TorchZeroAdapter(_Base):
         pieces, scalars = [], {}
         for name, p in self.params.items():
             if id(p) in self.owned and p.numel():
-                pieces.append((name, "param", 0, p.numel(), p.detach().reshape(-1)))
+                pieces.append(Piece(name, "param", 0, p.numel(), p.detach().reshape(-1)))
                 self._state_pieces(name, 0, p.numel(), self.opt.optim.state.get(p, {}), scalars, pieces)
         pieces += self._replicated_pieces([(n, p) for n, p in self.params.items() if id(p) not in self.managed]
                                           + list(self.buffers.items()))
@@ -488,12 +490,12 @@ class TorchZeroAdapter(_Base):
         pass  # torch's stage-1 optimizer has no engine state
 
     def destinations(self) -> list:
-        return [(n, 0, t.numel(), t.data.view(-1)) for n, t in list(self.params.items()) + list(self.buffers.items())
-                if t.numel()]
+        return [Destination(n, 0, t.numel(), t.data.view(-1))
+                for n, t in list(self.params.items()) + list(self.buffers.items()) if t.numel()]
 
     def optimizer_ranges(self) -> list:
         flat = [p for g in self.opt.param_groups for p in g["params"]]
-        return [(i, self.name_of[id(p)], 0, p.numel()) for i, p in enumerate(flat) if id(p) in self.owned]
+        return [OptimizerRange(i, self.name_of[id(p)], 0, p.numel()) for i, p in enumerate(flat) if id(p) in self.owned]
 
     def fresh_optimizer_states(self) -> dict:
         """As EngineAdapter.fresh_optimizer_states, for the parameters this rank's optimizer owns."""

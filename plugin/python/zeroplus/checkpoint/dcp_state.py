@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ..zero import state_dict_guard
+from .plan import Piece
 from .adapters import adapter_for
 from .load import check_model_shapes
 
@@ -218,24 +219,24 @@ def get_state_dict(model, optimizers, *, options=None) -> tuple[dict, dict]:
     adapter = _adapter(model, optimizers, options, "get_state_dict")
     group = adapter.opt.process_group
     pieces, scalars = adapter.pieces()
-    state_pieces = [p for p in pieces if p[1] not in _MODEL_KEYS]
+    state_pieces = [p for p in pieces if p.key not in _MODEL_KEYS]
     has_state = [None] * dist.get_world_size(group)
     dist.all_gather_object(has_state, bool(state_pieces or scalars), group=group)
     if not any(has_state):  # no rank's optimizer has stepped: the state its first step creates
         fresh = adapter.fresh_optimizer_states()
         state_pieces, scalars = [], {}
-        for i, name, lo, hi in adapter.optimizer_ranges():
-            if not adapter.params[name].requires_grad:
+        for r in adapter.optimizer_ranges():
+            if not adapter.params[r.name].requires_grad:
                 continue  # never stepped: no state (torch's get_state_dict creates none either)
-            for key, value in fresh[i].items():
+            for key, value in fresh[r.segment].items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state_pieces.append((name, key, lo, hi, value))
+                    state_pieces.append(Piece(r.name, key, r.lo, r.hi, value))
                 else:
-                    scalars.setdefault(name, {})[key] = value
+                    scalars.setdefault(r.name, {})[key] = value
 
     model_entries: dict[str, list] = {}
-    for name, lo, hi, dest in adapter.destinations():
-        model_entries.setdefault(name, []).append((lo, hi, dest.detach()))
+    for d in adapter.destinations():
+        model_entries.setdefault(d.name, []).append((d.lo, d.hi, d.tensor.detach()))
     state_entries: dict[tuple, list] = {}
     for name, key, lo, hi, value in state_pieces:
         state_entries.setdefault((name, key), []).append((lo, hi, value.detach()))

@@ -28,8 +28,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..zero.bucket_optimizer import MasterHome
 from .adapters import adapter_for
 from .format import MANIFEST, decode_value
+from .plan import StreamedSegment
 from .reader import CheckpointReader
 from .save import wait_for_pending_save
 from .sources import open_reader  # DeepSpeed checkpoints too (deepspeed_reader.py)
@@ -82,18 +84,17 @@ def _read_everything(reader: CheckpointReader, adapter, streamed: set) -> tuple[
     `streamed` (indices of segments whose state is read bucket by bucket: _read_streamed)."""
     m = reader.manifest
     dests = adapter.destinations()
-    requests = [(n, "param" if m["tensors"][n]["kind"] == "param" else "value", lo, hi) for n, lo, hi, _ in dests]
-    ranges = adapter.optimizer_ranges()
+    requests = [(d.name, "param" if m["tensors"][d.name]["kind"] == "param" else "value", d.lo, d.hi) for d in dests]
     state_requests, plan = [], []
-    for i, name, lo, hi in ranges:
-        if i in streamed:
+    for r in adapter.optimizer_ranges():
+        if r.segment in streamed:
             continue
-        t = m["tensors"][name]
+        t = m["tensors"][r.name]
         keys = sorted(t.get("state", {}))
         if not keys and not t.get("scalars"):
             continue
-        plan.append((i, name, keys, len(state_requests)))
-        state_requests += [(name, k, lo, hi) for k in keys]
+        plan.append((r.segment, r.name, keys, len(state_requests)))
+        state_requests += [(r.name, k, r.lo, r.hi) for k in keys]
     values = reader.read_many(requests + state_requests)
     param_values, state_values = values[:len(requests)], values[len(requests):]
     states = {}
@@ -104,25 +105,25 @@ def _read_everything(reader: CheckpointReader, adapter, streamed: set) -> tuple[
     return dests, param_values, states
 
 
-def _read_streamed(reader: CheckpointReader, bo, segs) -> tuple[list, list | None]:
+def _read_streamed(reader: CheckpointReader, bo, segs: list[StreamedSegment]) -> tuple[list, list | None]:
     """One streamed bucket (adapters.streamed_buckets): its segments' state dicts (None: no
     state) and, where its optimizer store holds the master, the master's pieces."""
     m = reader.manifest
     requests, plan = [], []
-    for _i, name, lo, hi, _seg in segs:
-        keys = sorted(m["tensors"][name].get("state", {}))
-        plan.append((name, keys, len(requests)))
-        requests += [(name, k, lo, hi) for k in keys]
+    for s in segs:
+        keys = sorted(m["tensors"][s.name].get("state", {}))
+        plan.append((s.name, keys, len(requests)))
+        requests += [(s.name, k, s.lo, s.hi) for k in keys]
     masters_at = len(requests)
-    if bo.offloads_master:
-        requests += [(name, "param", lo, hi) for _i, name, lo, hi, _seg in segs]
+    if bo.master_home is MasterHome.OPTIMIZER_RECORD:
+        requests += [(s.name, "param", s.lo, s.hi) for s in segs]
     values = reader.read_many(requests)
     states = []
     for name, keys, at in plan:
         st = {k: decode_value(v) for k, v in m["tensors"][name].get("scalars", {}).items()}
         st.update({k: values[at + j] for j, k in enumerate(keys)})
         states.append(st or None)
-    return states, (values[masters_at:] if bo.offloads_master else None)
+    return states, (values[masters_at:] if bo.master_home is MasterHome.OPTIMIZER_RECORD else None)
 
 
 def load_checkpoint(path, model, opt):
@@ -136,9 +137,9 @@ def load_checkpoint(path, model, opt):
 
 def _stage_offloaded(reader: CheckpointReader, adapter) -> None:
     """Offloaded shards: read bucket by bucket, each written as a side record (nothing changes)."""
-    for bucket, ranges in adapter.offloaded_destinations():
-        values = reader.read_many([(n, "param", lo, hi) for n, lo, hi, _slo, _shi in ranges])
-        adapter.stage_offloaded(bucket, ranges, values)
+    for item in adapter.offloaded_destinations():
+        values = reader.read_many([(r.name, "param", r.lo, r.hi) for r in item.ranges])
+        adapter.stage_offloaded(item.bucket, item.ranges, values)
         del values
 
 
@@ -154,7 +155,7 @@ def _load(path, model, opt, adapter):
         _check_model(manifest, adapter, model)
         groups = _check_groups(manifest, adapter)
         adapter.check_optimizer_meta(manifest["optimizer"], os.path.join(reader.path, MANIFEST))
-        dests, values, states = _read_everything(reader, adapter, {s[0] for _bo, segs in streamed for s in segs})
+        dests, values, states = _read_everything(reader, adapter, {s.segment for b in streamed for s in b.segments})
         _stage_offloaded(reader, adapter)
         # Swapped optimizer state: read one bucket at a time and written to side records.
         staged = adapter.stage_optimizer(states, groups, manifest["optimizer"],
@@ -188,8 +189,8 @@ def _change(adapter, group, path, error, which, loaded):
     manifest, dests, values, staged = loaded
     adapter.commit_optimizer(staged)  # first: renaming its side records is the step that can fail
     with torch.no_grad():
-        for (_n, _lo, _hi, dest), value in zip(dests, values):
-            dest.copy_(value)
+        for dest, value in zip(dests, values):
+            dest.tensor.copy_(value)
     adapter.commit_offloaded()
     adapter.finish_load()
     return manifest.get("extra")

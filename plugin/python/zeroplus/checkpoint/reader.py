@@ -26,11 +26,9 @@ refused (files.open_directory).
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import os
 import resource
-import threading
 import zlib
 from collections import OrderedDict, defaultdict
 
@@ -38,18 +36,11 @@ import torch
 
 from .. import files
 from . import fsutil
-from .checksum import crc32
 from .format import (DTYPE_BYTES, LATEST, MANIFEST, CheckpointCorruptError, CheckpointError, check_dir_name,
                      parse_manifest)
 
 _MAX_RUN_BLOCKS = 16  # one read call of verify_file covers at most this many checksum blocks
-# A load's read tasks cover about this many bytes each (whole blocks, at least one): several
-# threads each reading a few MiB and checking it while the others' reads are in flight kept the
-# disk busier than 64 MiB tasks (two ranks reading 300 MB each with the page cache dropped: 8-16
-# MiB tasks 0.15-0.31 s, 64 MiB 0.38-0.67 s, bench notes in docs/checkpoints.md).
-_RUN_BYTES = 8 << 20
 _MAX_BOUNCE_BYTES = 64 << 20  # and verify_file's buffer at most this (or one block, at most 64 MiB)
-
 
 def resolve(path) -> str:
     """The checkpoint directory `path` denotes (itself, or what its `latest` names)."""
@@ -92,7 +83,8 @@ class CheckpointReader:
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "checkpoint: no such checkpoint directory", self.path) from None
         self._fds: OrderedDict[int, int] = OrderedDict()  # file index -> fd, least recently used first
-        self._bounce: bytearray | None = None
+        self._bounce: torch.Tensor | None = None  # verify_file's buffer
+        self._crcs: dict[int, torch.Tensor] = {}  # file index -> its block CRCs, as the op takes them
         where = os.path.join(self.path, MANIFEST)
         try:
             fd = files.open_regular_at(self.dir_fd, MANIFEST)
@@ -198,38 +190,32 @@ class CheckpointReader:
         return fd
 
     def verify_file(self, fi: int) -> None:
-        """Every block of file fi against its checksum (inspect)."""
-        blocks = -(-self.manifest["files"][fi]["bytes"] // self.block)
+        """Every block of file fi against its checksum (inspect), a run of blocks at a time into
+        one buffer (a sparse file's apparent size never costs memory at once)."""
+        size = self.manifest["files"][fi]["bytes"]
         self._fd(fi)  # the size check, also for an empty file
-        run = max(1, min(_MAX_RUN_BLOCKS, _MAX_BOUNCE_BYTES // self.block))
-        for first in range(0, blocks, run):
-            self._read_blocks(fi, first, min(blocks, first + run))
-
-    def _verify(self, fi: int, first: int, view) -> None:
-        """view holds file fi's bytes from block `first` on, whole blocks (the file's last may be
-        short): each must match its CRC-32."""
-        rec = self.manifest["files"][fi]
-        for i, a in enumerate(range(0, len(view), self.block)):
-            b = first + i
-            if crc32(view[a:a + self.block]) != rec["block_crc32"][b]:
-                raise CheckpointCorruptError(errno.EIO, f"checkpoint: checksum mismatch in bytes [{b * self.block}, "
-                                                        f"{min((b + 1) * self.block, rec['bytes'])}) (corrupt file)",
-                                             self.file_path(fi))
-
-    def _read_blocks(self, fi: int, first: int, last: int, into=None) -> memoryview:
-        """Blocks [first, last) of file fi, each checked against its CRC-32: into `into` (a
-        writable buffer of exactly their size) or a buffer reused by the next call."""
-        rec = self.manifest["files"][fi]
-        fd = self._fd(fi)
-        lo = first * self.block
-        hi = min(last * self.block, rec["bytes"])
-        if into is None:
+        run = max(1, min(_MAX_RUN_BLOCKS, _MAX_BOUNCE_BYTES // self.block)) * self.block
+        for lo in range(0, size, run):
+            hi = min(size, lo + run)
             if self._bounce is None or len(self._bounce) < hi - lo:
-                self._bounce = bytearray(hi - lo)
-            into = memoryview(self._bounce)[:hi - lo]
-        fsutil.read_into(fd, into, lo, self.file_path(fi))
-        self._verify(fi, first, into)
-        return into
+                self._bounce = torch.empty(hi - lo, dtype=torch.uint8)
+            self._read(fi, [(lo, hi, self._bounce, 0)])
+
+    def _read(self, fi: int, pieces) -> None:
+        """File fi's bytes [lo, hi) into raw[at:] for each (lo, hi, raw, at), raw a uint8 tensor,
+        every block touched checked against its CRC-32 (optimizers/core/checkpoint/verified_read:
+        whole blocks in place, shared partial blocks read once, on its threads without the GIL);
+        the errors name the file."""
+        fd = self._fd(fi)  # opened here, in the calling thread (the descriptor cache is not shared)
+        rec = self.manifest["files"][fi]
+        crcs = self._crcs.get(fi)
+        if crcs is None:
+            crcs = self._crcs[fi] = torch.tensor(rec["block_crc32"], dtype=torch.int64)
+        rc, corrupt, message = torch.ops.zeroplus.verified_read(
+            fd, rec["bytes"], self.block, crcs, [p[0] for p in pieces], [p[1] for p in pieces],
+            [p[2] for p in pieces], [p[3] for p in pieces])
+        if rc != 0:
+            raise (CheckpointCorruptError if corrupt else OSError)(-rc, message, self.file_path(fi))
 
     def has(self, name: str, key: str) -> bool:
         return (name, key) in self._chunks
@@ -264,75 +250,5 @@ class CheckpointReader:
             for fi, blo, bhi, at in pieces:
                 by_file[fi].append((blo, bhi, raw, at))
         for fi, pieces in by_file.items():
-            self._serve(fi, sorted(pieces, key=lambda p: p[0]))
+            self._read(fi, pieces)
         return out
-
-    def _serve(self, fi: int, pieces) -> None:
-        """Fill each piece (file bytes [lo, hi) -> raw[at:]). Planned first, then run as tasks on
-        a few threads (preadv and the CRC release the GIL, so reads and checks of different
-        blocks overlap): the blocks wholly inside a piece are read straight into the destination
-        and checked there (no second copy); each block a piece covers only in part is read and
-        checked once, into a buffer of its own, however many pieces (small tensors) share it,
-        then copied to each of them."""
-        size, bs = self.manifest["files"][fi]["bytes"], self.block
-        run_blocks = max(1, _RUN_BYTES // bs)
-        fd = self._fd(fi)  # opened here, in the calling thread (the descriptor cache is not shared)
-        tasks, partial = [], defaultdict(list)  # partial: block -> [(from, to, raw, at)]
-        for lo, hi, raw, at in pieces:
-            b, last = lo // bs, (hi - 1) // bs
-            while b <= last:
-                start, end = b * bs, min((b + 1) * bs, size)
-                if start >= lo and end <= hi:  # whole blocks: a run of them, read in place
-                    k = b
-                    while k < last and k + 1 - b < run_blocks and min((k + 2) * bs, size) <= hi:
-                        k += 1
-                    stop = min((k + 1) * bs, size)
-                    dst = memoryview(raw[at + (start - lo):at + (stop - lo)].numpy())
-                    tasks.append((start, self._read_run, (fd, fi, b, k + 1, dst)))
-                    b = k + 1
-                else:
-                    a, z = max(lo, start), min(hi, end)
-                    partial[b].append((a - start, z - start, raw, at + (a - lo)))
-                    b += 1
-        tasks += [(b * bs, self._read_partial, (fd, fi, b, copies)) for b, copies in partial.items()]
-        tasks.sort(key=lambda t: t[0])  # in file order: the disk sees (mostly) sequential reads
-        _run_tasks([(fn, args) for _at, fn, args in tasks])
-
-    def _read_run(self, fd: int, fi: int, first: int, last: int, into) -> None:
-        lo = first * self.block
-        fsutil.read_into(fd, into, lo, self.file_path(fi))
-        self._verify(fi, first, into)
-
-    def _read_partial(self, fd: int, fi: int, b: int, copies) -> None:
-        lo = b * self.block
-        buf = bytearray(min(lo + self.block, self.manifest["files"][fi]["bytes"]) - lo)
-        self._read_run(fd, fi, b, b + 1, memoryview(buf))
-        src = torch.frombuffer(buf, dtype=torch.uint8)
-        for a, z, raw, at in copies:
-            raw[at:at + (z - a)].copy_(src[a:z])
-
-
-_pool = None  # (pid, ThreadPoolExecutor): made on first use, made again in a forked child
-_pool_lock = threading.Lock()
-_READ_THREADS = max(1, min(4, os.cpu_count() or 1))
-
-
-def _run_tasks(tasks) -> None:
-    """Run (fn, args) tasks to completion, on the reader threads when there are several; the
-    first failing task's exception (in task order) is raised once every task has ended, so no
-    task still writes into a destination the caller is about to drop."""
-    global _pool
-    if len(tasks) <= 1 or _READ_THREADS == 1:
-        for fn, args in tasks:
-            fn(*args)
-        return
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(_READ_THREADS,
-                                                                         thread_name_prefix="zeroplus-ckpt-read"))
-        executor = _pool[1]
-    futures = [executor.submit(fn, *args) for fn, args in tasks]
-    concurrent.futures.wait(futures)
-    for f in futures:
-        if f.exception() is not None:
-            raise f.exception()

@@ -179,7 +179,7 @@ class OptimizerSwapper(record.StoreCounters):
         payload, code, what = self._store.fetch(*h.key())
         if code:
             self._errors.append(self._fault(h, code, what, "reading", _LOST))
-            if bo.offloads_master:  # the engine still publishes this bucket's master: the parameters' own
+            if bo.master_is_copy:  # the engine still publishes this bucket's master: the parameters' own
                 bo.point_master(bo.param_shard().to("cpu", torch.float32, copy=True))
                 h.stand_in = True
             return False
@@ -214,10 +214,10 @@ class OptimizerSwapper(record.StoreCounters):
                 t.data = torch.empty(0, dtype=t.dtype)
         h.handles = handles
         self._unbind_state(h)
-        if bo.offloads_master:  # readable until published (the next fetch or end_step)
+        if bo.master_is_copy:  # readable until published (the next fetch or end_step)
             bo.point_master(_view(h.payload, self._master_slot(h)))
         h.generation += 1
-        h.lingering = bo.offloads_master
+        h.lingering = bo.master_is_copy
         h.payload = None
         self._store.store(*h.key(), h.lingering)
         if not self.policy.pipeline_write:
@@ -266,7 +266,7 @@ class OptimizerSwapper(record.StoreCounters):
             if h.payload is not None:  # fetched, never stored (the step raised): the buffer is the state
                 bo = self._bos[h.index]
                 self._unbind_state(h)
-                if bo.offloads_master:
+                if bo.master_is_copy:
                     bo.point_master(torch.empty(0, dtype=bo.master.dtype))
                 h.payload = None
                 h.generation += 1
@@ -298,7 +298,7 @@ class OptimizerSwapper(record.StoreCounters):
         """A copy of the bucket's fp32 master where this swapper holds it (mixed precision), read
         through the file when it is not resident (one read serves segment_states too); None: the
         master is not in a record (fp32 training, or nothing stored yet). Raises OSError."""
-        if not bo.offloads_master or self._home(bo).layout is None:
+        if not bo.master_is_copy or self._home(bo).layout is None:
             return None
         return self.segment_states(bo).get(_MASTER[0], {}).get(_MASTER[1])
 
@@ -314,7 +314,7 @@ class OptimizerSwapper(record.StoreCounters):
         lives there. Raises OSError naming the file; the record is unchanged then."""
         h = self._home(bo)
         self._cache = None
-        if not bo.offloads_master or h.layout is None:
+        if not bo.master_is_copy or h.layout is None:
             bo.master[lo:hi].copy_(values)  # still the in-memory master (no record yet)
             return
         if h.payload is not None:  # held (during a step): written with the bucket's store
@@ -346,7 +346,7 @@ class OptimizerSwapper(record.StoreCounters):
         Raises OSError naming the file; no side file is left then."""
         h = self._home(bo)
         self._collect(self._store.drain(), "writing", _KEPT)  # nothing in flight between steps
-        if bo.offloads_master and master is None:
+        if bo.master_is_copy and master is None:
             master = self._current_master(bo, h)
         entries, tensors = self._entries(bo, state, master)
         if not entries:
@@ -426,7 +426,7 @@ class OptimizerSwapper(record.StoreCounters):
         h = self._home(bo)
         self._cache = None
         self._unbind_state(h)
-        if bo.offloads_master:
+        if bo.master_is_copy:
             bo.point_master(torch.empty(0, dtype=bo.master.dtype))  # in the record now (or none)
         self._release_linger(h)  # between steps nothing is held; a master still lingering goes back
         h.payload = None
@@ -463,7 +463,7 @@ class OptimizerSwapper(record.StoreCounters):
         for h in self._homes:
             bo = self._bos[h.index]
             self._unbind_state(h)
-            if bo.offloads_master and (h.payload is not None or h.lingering or h.stand_in):
+            if bo.master_is_copy and (h.payload is not None or h.lingering or h.stand_in):
                 bo.point_master(torch.empty(0, dtype=bo.master.dtype))
             h.payload, h.lingering, h.stand_in = None, False, False
         self._store.close()  # waits for its transfers; no view of its buffers is left
@@ -481,7 +481,7 @@ class OptimizerSwapper(record.StoreCounters):
         state = bo.inner.state if state is None else state
         master = bo.master if master is None else master
         entries, tensors = [], []
-        if bo.offloads_master:
+        if bo.master_is_copy:
             entries.append((*_MASTER, bo.master.dtype, master.numel()))
             tensors.append(master)
         for si, seg in enumerate(bo.segments):
@@ -551,7 +551,7 @@ class OptimizerSwapper(record.StoreCounters):
             h.stand_in = False
         if h.lingering:
             bo = self._bos[h.index]
-            if bo.offloads_master:
+            if bo.master_is_copy:
                 bo.point_master(torch.empty(0, dtype=bo.master.dtype))
             h.lingering = False
             self._store.release(h.index)

@@ -1,10 +1,10 @@
 """ZeRO stages 1-3 behind one call: zeroplus.initialize (see docs/zero.md)."""
 
 from .full_state import full_state_dict
-from .gather_agreement import RankDivergenceError
+from .stage3.gather_agreement import RankDivergenceError
 from .grad_views import ShardedGrad
 from .grad_scaler import GradScaler
-from .sharded_init import init_context
+from .stage3.sharded_init import init_context
 from .initialize import initialize
 from .loss_scaler import DynamicLossScaler, LossScalerOptions
 from .memory import estimate_memory, memory_report

@@ -27,11 +27,22 @@ optimizer.
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass
 
 import torch
 
 from .layout import Bucket
+
+
+class MasterHome(enum.Enum):
+    """Where a bucket's fp32 master lives between steps: BucketOptimizer.master_home is the one
+    answer (the step, publish, offload and checkpoints ask it, never the tensors' identity)."""
+    PARAMS = "this rank's slice of the parameters, in memory (fp32)"
+    PARAM_RECORD = ("this rank's shard of the parameters, kept in a parameter swap file (fp32 with offload_param "
+                    "nvme): bucket.shard, empty between uses")
+    COPY = "a copy of its own, in memory (mixed precision; CUDA training's host tier)"
+    OPTIMIZER_RECORD = "a copy of its own, kept in the optimizer's swap record (a copy with offload_optimizer nvme)"
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,10 @@ class Segment:
 
 
 class BucketOptimizer:
-    def __init__(self, bucket: Bucket, master: torch.Tensor, rank: int, inner_class: type, hyperparameters: dict):
+    def __init__(self, bucket: Bucket, master: torch.Tensor, rank: int, inner_class: type, hyperparameters: dict,
+                 shard_in_param_record: bool = False):
+        """shard_in_param_record: the bucket's parameter shard lives in a parameter swap file
+        (the placement's param_store offloads it)."""
         self.bucket = bucket
         self.master = master
         self.rank = rank
@@ -61,8 +75,9 @@ class BucketOptimizer:
         # rank's slice of the parameters, which stay in memory.
         # (With offload_param the fp32 master is the bucket's shard object, empty between uses.)
         param_storages = {t.untyped_storage().data_ptr() for t in (bucket.flat, bucket.shard) if t is not None}
-        self.offloads_master = (master is not bucket.shard
-                                and master.untyped_storage().data_ptr() not in param_storages)
+        self.master_is_copy = (master is not bucket.shard
+                               and master.untyped_storage().data_ptr() not in param_storages)
+        self._shard_in_param_record = shard_in_param_record
         self.segments = [Segment(e, lo, hi, master[lo:hi]) for e, lo, hi in bucket.owned_pieces(rank)]
         self.inner = (inner_class([{**hyperparameters, "params": [s.master for s in self.segments]}])
                       if self.segments else None)
@@ -72,6 +87,12 @@ class BucketOptimizer:
 
     def attach_store(self, store) -> None:
         self.store_ = store
+
+    @property
+    def master_home(self) -> MasterHome:
+        if self.master_is_copy:
+            return MasterHome.OPTIMIZER_RECORD if self.store_ is not None else MasterHome.COPY
+        return MasterHome.PARAM_RECORD if self._shard_in_param_record else MasterHome.PARAMS
 
     @property
     def swapped(self) -> bool:
@@ -174,7 +195,7 @@ class BucketOptimizer:
     def master_values(self) -> torch.Tensor:
         """The fp32 master wherever it lives: a copy read through the offload store where the
         store holds it (mixed precision with offload_optimizer nvme), else the master itself."""
-        if self.store_ is not None and self.offloads_master:
+        if self.master_home is MasterHome.OPTIMIZER_RECORD:
             copy = self.store_.master_copy(self)
             if copy is not None:
                 return copy
@@ -185,7 +206,7 @@ class BucketOptimizer:
         """The master readable for the duration, outside a step (publish_masters): where the
         offload store holds it (swapped out between steps), a copy read through the store is
         pointed at, then the master is emptied again as the store leaves it."""
-        copy = self.store_.master_copy(self) if self.store_ is not None and self.offloads_master else None
+        copy = self.store_.master_copy(self) if self.master_home is MasterHome.OPTIMIZER_RECORD else None
         if copy is None:
             yield self.master
             return

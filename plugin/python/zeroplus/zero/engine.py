@@ -210,7 +210,10 @@ class ZeroEngine(torch.optim.Optimizer):
         this rank's segments of the bucket, with the hyperparameters of the bucket's group."""
         inner_class = fused_class_for(optimizer_class) or optimizer_class
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        self.bucket_optimizers = [BucketOptimizer(b, master, self.rank, inner_class, hyper[b.group])
+        param_store = getattr(self.placement, "param_store", None)  # stage 3's offload_param
+        self.bucket_optimizers = [BucketOptimizer(b, master, self.rank, inner_class, hyper[b.group],
+                                                  shard_in_param_record=param_store is not None
+                                                  and param_store.offloads(b))
                                   for b, master in zip(self.buckets, self.masters)]
         # Offload (zeroplus.offload): a store behind every bucket's fetch/store, or None.
         self.offload = attach_optimizer_store(self._offload_prepared, self.bucket_optimizers)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import dtensor_params, state_dict_guard
+from .bucket_optimizer import MasterHome
 
 _LOAD_HOOK_ATTR = "_zeroplus_load_hook"
 
@@ -127,7 +128,7 @@ def install_load_hooks(engine) -> None:
             flat_value = value.detach().reshape(-1)
             swapped = store is not None and store.offloads(b)
             # The master, wherever it lives (offload); in fp32 a swapped shard's record IS the master.
-            if owner is not None and pc.numel and not (swapped and owner.master is b.shard):
+            if owner is not None and pc.numel and owner.master_home is not MasterHome.PARAM_RECORD:
                 with torch.no_grad():
                     owner.write_master(pc.shard_lo, pc.shard_hi, flat_value[pc.param_lo:pc.param_hi])
             if swapped:

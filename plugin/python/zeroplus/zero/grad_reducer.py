@@ -81,6 +81,7 @@ the BackwardPass closes it (abandon_backward) at the next backward, forward, flu
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,15 @@ def _kept_terms(shard: torch.Tensor) -> dict:
 def _term_key(norm_type: float) -> str | None:
     """Which kept term serves this norm (GradientReducer._release keeps the 2-norm's and max |g|)."""
     return "inf" if norm_type == float("inf") else ("2" if norm_type == 2.0 else None)
+
+class GradientHome(enum.Enum):
+    """Where bucket b's reduced gradient shard lives between backward and step: GradientReducer.home(b)
+    is the one answer (the step, clipping, unscaling, grad_views and checkpoints ask it)."""
+    NONE = "no gradient since the last zero_grad(set_to_none=True)"
+    ACCUMULATOR = "the reducer's accumulator, in the training device's memory"
+    HOST = "the host tier's copy only (ZeRO-Offload on CUDA: released once its clipping terms were kept)"
+    SPILL = "a gradient swap file (offload_param nvme: GradSpill)"
+
 
 @dataclass
 class InFlight:
@@ -168,7 +178,16 @@ class GradientReducer:
         self.spill = spill
 
     def _spilled(self, b: int) -> bool:
+        """Bucket b's gradients go to the spill (whether or not one is there now)."""
         return self.spill is not None and self.spill.spills(b)
+
+    def home(self, b: int) -> GradientHome:
+        """Where bucket b's gradient lives now (GradientHome)."""
+        if self._spilled(b):
+            return GradientHome.SPILL
+        if self.released[b]:
+            return GradientHome.HOST
+        return GradientHome.ACCUMULATOR if self.accum[b] is not None else GradientHome.NONE
 
     def _scale_of(self, b: int) -> float:
         return 1.0 if self._direct or self.buckets[b].dtype == torch.float16 else 1.0 / self.world_size
@@ -195,11 +214,12 @@ class GradientReducer:
         """Bucket b's gradient shard: the accumulator, or a spilled or released one read back (a
         copy: write changes through scale_). A spilled one is a host tensor, zeros included (CUDA
         training: the host tier's step reads it there); a released one a device tensor."""
-        if self._spilled(b):
+        home = self.home(b)
+        if home is GradientHome.SPILL:
             value = self.spill.load(b)
             return value if value is not None else torch.zeros(self.buckets[b].shard_numel, dtype=self.accum_dtypes[b],
                                                                 device="cpu")
-        if self.released[b]:
+        if home is GradientHome.HOST:
             return self.observer.fetch(b)
         if self.shard_gradients:
             return self._accum(b)
@@ -210,7 +230,7 @@ class GradientReducer:
         the buffer given back at once (a view of it would show another gradient once the buffer
         is reused, race the store's seal when written to, and dangle after close)."""
         value = self.shard(b)
-        if not self._spilled(b):
+        if self.home(b) is not GradientHome.SPILL:
             return value
         try:
             return value.clone()
@@ -220,7 +240,7 @@ class GradientReducer:
 
     def release_shard(self, b: int) -> None:
         """The caller is done with the tensor shard(b) returned (a spilled one's buffer is reused)."""
-        if self._spilled(b):
+        if self.home(b) is GradientHome.SPILL:
             self.spill.give_back(b)
 
     def read_ahead_shards(self, indices, depth: int) -> None:
@@ -231,9 +251,10 @@ class GradientReducer:
     def scale_(self, coef) -> None:
         """Multiply every gradient shard by coef (a 0-d tensor or a float), in place."""
         for b in range(len(self.buckets)):
-            if self._spilled(b):
-                continue
-            if self.released[b]:  # multiplied where it lives (the observer's copy), when read
+            home = self.home(b)
+            if home is GradientHome.SPILL:
+                continue  # scale_all below
+            if home is GradientHome.HOST:  # multiplied where it lives (the observer's copy), when read
                 self.observer.scaling(b, coef)
                 self.kept_terms[b] = None
                 continue
@@ -248,13 +269,14 @@ class GradientReducer:
         """Each bucket's clipping term in bucket order (term_of(shard) for resident ones; a
         spilled or released one's kept term, or its gradient read back one at a time)."""
         for b in range(len(self.buckets)):
-            if self._spilled(b):
+            home = self.home(b)
+            if home is GradientHome.SPILL:
                 t = self.spill.term(b, norm_type)
                 if t is None:
                     t = term_of(self.shard(b))
                     self.release_shard(b)
                 yield t
-            elif self.released[b]:
+            elif home is GradientHome.HOST:
                 key = _term_key(norm_type)
                 kept = self.kept_terms[b]
                 yield kept[key] if kept is not None and key is not None else term_of(self.shard(b))
@@ -263,8 +285,9 @@ class GradientReducer:
 
     def all_finite(self) -> bool:
         for b in range(len(self.buckets)):
-            known = self.spill.finite(b) if self._spilled(b) else None
-            if self.released[b] and self.kept_terms[b] is not None:
+            home = self.home(b)
+            known = self.spill.finite(b) if home is GradientHome.SPILL else None
+            if home is GradientHome.HOST and self.kept_terms[b] is not None:
                 inf = self.kept_terms[b]["inf"]  # max |g|: finite exactly when every element is
                 known = inf is None or bool(torch.isfinite(inf))
             if known is None:
@@ -277,7 +300,7 @@ class GradientReducer:
         return True
 
     def _accum(self, b: int) -> torch.Tensor:
-        if self.released[b]:
+        if self.home(b) is GradientHome.HOST:
             raise RuntimeError(f"GradientReducer: bucket {b}'s gradient was released to the host tier; take it back first")
         acc = self.accum[b]
         if acc is None:
@@ -305,7 +328,7 @@ class GradientReducer:
         zeros where no gradient exists; released ones taken back into accumulators first;
         spilled ones read back: copies, all at once)."""
         for b in range(len(self.buckets)):
-            if self.released[b]:
+            if self.home(b) is GradientHome.HOST:
                 self._take_back(b)
         if self.spill is not None:
             return [self._owned_shard(b) for b in range(len(self.buckets))]

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from . import dtensor_params
+from .grad_reducer import GradientHome
 
 aten = torch.ops.aten
 
@@ -329,7 +330,7 @@ class GradViews:
         engine = self._engine()
         reducer = engine.reducer
         for b, ei, p in self._entries:
-            if reducer.accum[b] is None and not reducer.released[b] and not reducer._spilled(b):
+            if reducer.home(b) is GradientHome.NONE:
                 continue  # no gradient (zero_grad freed it)
             if p.grad is not None and not self.owns(p):
                 continue  # a gradient the reducer left (no_sync accumulation)
@@ -358,7 +359,7 @@ class GradViews:
         step), or None where this rank holds none of it."""
         engine = self._engine()
         reducer = engine.reducer
-        if reducer._spilled(b) or reducer.released[b]:
+        if reducer.home(b) in (GradientHome.SPILL, GradientHome.HOST):
             raise RuntimeError(f"zeroplus: this gradient lives in the offload tier (offload_param/offload_optimizer), "
                                f"not in memory, so p.grad cannot be read or changed; use opt.clip_grad_norm_(max_norm)")
         acc = reducer.accum[b]

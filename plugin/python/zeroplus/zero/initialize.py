@@ -23,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..tensor_parallel import auto_plan
 
 from . import config as config_mod
-from . import deferred, dtensor_params
+from . import dtensor_params
+from .stage3 import deferred
 from . import ds_config, param_groups
 from .stages import Stage1Optimizer, Stage2Optimizer, Stage3Optimizer
 

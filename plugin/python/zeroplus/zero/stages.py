@@ -18,7 +18,7 @@ from ..offload.policy import parse_offload
 from .engine import ZeroEngine
 from .policies import EngineOptions, PrecisionPolicy
 from .replicated_params import ReplicatedParams
-from .sharded_params import ShardedParams
+from .stage3.sharded_params import ShardedParams
 
 
 class Stage1Optimizer(ZeroEngine):

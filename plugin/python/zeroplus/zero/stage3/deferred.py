@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import comm
+from .. import comm
 from .heap import return_freed_memory
 
 ATTR = "_zeroplus_deferred"

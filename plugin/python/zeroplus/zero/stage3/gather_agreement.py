@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .. import comm
 
 _KINDS = ("forward", "backward", "outside forward and backward")
 

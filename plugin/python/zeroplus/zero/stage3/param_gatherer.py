@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from . import comm
-from .backward_pass import BackwardPass
-from .buffer_pool import BufferPool
+from .. import comm
+from ..backward_pass import BackwardPass
+from ..buffer_pool import BufferPool
 from .compile_boundary import opaque
-from .layout import Bucket, is_rest_storage, repair_rest_base
+from ..layout import Bucket, is_rest_storage, repair_rest_base
 from .units import Unit
 
 

@@ -47,13 +47,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm, materialize, sharded_init
-from ..offload import make_grad_spill, make_param_store
+from .. import comm
+from . import materialize, sharded_init
+from ..bucket_optimizer import MasterHome
+from ...offload import make_grad_spill, make_param_store
 from .heap import return_freed_memory
-from .layout import plan_segments
+from ..layout import plan_segments
 from .gather_agreement import GatherAgreement
 from .param_gatherer import ParameterGatherer
-from .policies import Stage3Policy
+from ..policies import Stage3Policy
 from .units import build_units, kept_whole
 
 STEP_READ_AHEAD = 2  # offloaded fp32 masters read ahead of the bucket stepping (offload_param nvme)
@@ -218,8 +220,7 @@ class ShardedParams:
         self.gatherer.release_all()
 
     def _master_is_offloaded_shard(self, i: int) -> bool:
-        b = self.engine.buckets[i]
-        return self.param_store is not None and self.param_store.offloads(b) and self.engine.masters[i] is b.shard
+        return self.engine.bucket_optimizers[i].master_home is MasterHome.PARAM_RECORD
 
     def before_bucket_step(self, i: int) -> bool:
         """Makes bucket i's master resident where it is an offloaded shard (fp32); False: it
@@ -287,7 +288,7 @@ class ShardedParams:
         engine = self.engine
         b, master = engine.buckets[i], engine.masters[i]
         if self.param_store is not None and self.param_store.offloads(b):
-            if master is not b.shard:
+            if engine.bucket_optimizers[i].master_home is not MasterHome.PARAM_RECORD:
                 self.param_store.write(b, master, defer=True)  # mixed precision: the master cast into a record
             elif self.param_store.pinned(b):  # fp32: the master is the pinned shard, written once
                 self.param_store.write(b, None, defer=True)  # at end_step: the step's reads first
