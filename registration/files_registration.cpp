@@ -220,10 +220,8 @@ namespace {
 
 class ShardFileWriterHolder : public torch::CustomClassHolder {
  public:
-  // writeback: 0, or the address of a C function void(int fd, int64 offset, int64 bytes) that
-  // starts write-back (shard_io.py passes fsutil.start_writeback through ctypes).
   ShardFileWriterHolder(int64_t dirFd, const std::string& dirPath, int64_t rank, const std::string& io,
-                        const std::string& direct, int64_t blockBytes, int64_t segmentBytes, int64_t writeback) {
+                        const std::string& direct, int64_t blockBytes, int64_t segmentBytes) {
     TORCH_CHECK_VALUE(dirFd >= 0 && dirFd <= INT_MAX, "zeroplus write_shard: dir_fd must be a descriptor, got ", dirFd);
     TORCH_CHECK_VALUE(rank >= 0 && rank <= INT_MAX, "zeroplus write_shard: rank must be >= 0, got ", rank);
     TORCH_CHECK_VALUE(io == "aio" || io == "posix", "zeroplus write_shard: io must be 'aio' or 'posix', got '", io,
@@ -238,7 +236,6 @@ class ShardFileWriterHolder : public torch::CustomClassHolder {
         .setDirect(direct == "auto" ? aio::DirectMode::Auto : aio::DirectMode::Off)
         .setBlockBytes(blockBytes)
         .setSegmentBytes(segmentBytes);
-    if (writeback != 0) o.setWriteback(reinterpret_cast<ckpt::StartWriteback>(static_cast<uintptr_t>(writeback)));
     std::string error;
     check(writer_.open(static_cast<int>(dirFd), dirPath, static_cast<int>(rank), o, &error), error);
   }
@@ -286,7 +283,7 @@ class ShardFileWriterHolder : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
   using Self = c10::intrusive_ptr<zeroplus::registration::ShardFileWriterHolder>;
   m.class_<zeroplus::registration::ShardFileWriterHolder>("ShardFileWriter")
-      .def(torch::init<int64_t, std::string, int64_t, std::string, std::string, int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, std::string, int64_t, std::string, std::string, int64_t, int64_t>())
       .def("place", [](const Self& s, const at::Tensor& data) { return s->place(data); })
       .def("drain", [](const Self& s) { s->drain(); })
       .def("finish", [](const Self& s) { return s->finish(); })

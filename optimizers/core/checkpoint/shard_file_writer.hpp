@@ -66,7 +66,7 @@ struct ShardFileOptions {
   aio::DirectMode direct = aio::DirectMode::Off;  // Aio only: Off (page cache) or Auto (O_DIRECT)
   int64_t blockBytes = kBlockBytes;               // CRC block, (0, kMaxBlockBytes]
   int64_t segmentBytes = int64_t{32} << 20;       // page-cache write-back granularity, > 0
-  StartWriteback writeback = &startWriteback;     // Python passes fsutil.start_writeback (ctypes)
+  StartWriteback writeback = &startWriteback;     // a test observes write-back through it
 
   ShardFileOptions& setIo(ShardIo v) { io = v; return *this; }
   ShardFileOptions& setDirect(aio::DirectMode v) { direct = v; return *this; }

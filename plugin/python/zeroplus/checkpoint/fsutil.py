@@ -191,21 +191,6 @@ _RENAME_EXCHANGE = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-_SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range = getattr(_libc, "sync_file_range", None)
-if _sync_file_range is not None:
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing the dirty page-cache pages of [offset, offset + nbytes) to the disk, without
-    waiting (sync_file_range SYNC_FILE_RANGE_WRITE): the disk works while the writer fills the
-    cache with the next bytes, and the final fdatasync, which alone makes them durable, has less
-    left to wait for. A hint only: where the call is missing or fails, nothing happens."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
 def exchange(dir_fd: int, a: str, b: str) -> None:
     """Atomically swap the entries a and b of dir_fd (renameat2 RENAME_EXCHANGE): at every
     instant each name is one of the two complete directories. OSError if the kernel, the C

@@ -21,17 +21,15 @@ at the end); its callers hold either a snapshot or a training thread that is blo
 
 from __future__ import annotations
 
-import ctypes
 import re
 
 import torch
 
-from . import fsutil
 from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default block size)
 
 # Through the page cache, a large piece goes out in segments of this size: each segment's writes
 # (and its checksum, computed meanwhile) are waited for, then its write-back to the disk started
-# (fsutil.start_writeback), so the disk writes segment k while the cache takes k + 1, instead of
+# (sync_file_range, in the writer), so the disk writes segment k while the cache takes k + 1, instead of
 # everything waiting for the final fdatasync (0.6 GB over 2 ranks: 0.08 s into the cache, then
 # 0.13 s fdatasync, one after the other). Read at every write_shard call.
 _SEGMENT_BYTES = 32 << 20
@@ -39,22 +37,6 @@ _ALIGN = 4096  # the writer's page: aligned_empty's buffers start on one
 
 _ERRNO = re.compile(r"\(errno (\d+)\)")
 _PATH = re.compile(r"failed on '([^']*)'")
-
-# fsutil.start_writeback is the write-back hook. The stock one is sync_file_range, which the C++
-# writer calls itself; another one (a tool or test observing write-back) is called back through
-# ctypes, which takes the GIL for each segment.
-_STOCK_WRITEBACK = fsutil.start_writeback
-
-
-@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-def _writeback_hook(fd, offset, nbytes):
-    fsutil.start_writeback(fd, offset, nbytes)
-
-
-def _writeback_address() -> int:
-    if fsutil.start_writeback is _STOCK_WRITEBACK:
-        return 0
-    return ctypes.cast(_writeback_hook, ctypes.c_void_p).value
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -91,7 +73,7 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
     is called (an async save's live pieces, snapshot.py); it is called as soon as every write of
     them has completed and their checksums are computed, before the rest is written."""
     writer = _call(torch.classes.zeroplus.ShardFileWriter, dir_fd, dir_path, rank, io, direct, block_bytes,
-                   _SEGMENT_BYTES, _writeback_address())
+                   _SEGMENT_BYTES)
     chunks, placed = [], []  # placed: the tensors the writer may still read, until its next drain
 
     def place(name, key, lo, hi, tensor):
