@@ -240,13 +240,16 @@ class ShardFileWriterHolder : public torch::CustomClassHolder {
     check(writer_.open(static_cast<int>(dirFd), dirPath, static_cast<int>(rank), o, &error), error);
   }
 
-  int64_t place(const at::Tensor& data) {
+  // (offset in the file, whether the writer still reads `data` after returning: the caller then
+  // keeps it alive and unchanged until drain() or finish()).
+  std::tuple<int64_t, bool> place(const at::Tensor& data) {
     TORCH_CHECK_VALUE(data.device().is_cpu() && data.is_contiguous(),
                       "zeroplus write_shard: data must be a contiguous CPU tensor, got ", data.device());
     int64_t offset = 0;
     std::string error;
-    check(writer_.place(data.const_data_ptr(), static_cast<int64_t>(data.nbytes()), &offset, &error), error);
-    return offset;
+    const auto bytes = static_cast<int64_t>(data.nbytes());
+    check(writer_.place(data.const_data_ptr(), bytes, &offset, &error), error);
+    return {offset, writer_.readsAfterPlace(bytes)};
   }
 
   void drain() {

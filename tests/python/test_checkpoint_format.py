@@ -174,6 +174,47 @@ def test_stale_staging_directories_are_removed_unless_locked(tmp_path):
         os.close(root)
 
 
+@pytest.mark.parametrize("io,direct,held", [("aio", "auto", [0, 1, 2, 3, 4, 5]), ("aio", "off", [0] * 6),
+                                           ("posix", "auto", [0] * 6)])
+def test_shard_writer_holds_a_piece_only_while_the_writer_reads_it(tmp_path, monkeypatch, io, direct, held):
+    """write_shard hands the writer a contiguous CPU copy of a piece that is not one (a CUDA
+    tensor's host copy, a transposed view). It keeps that copy only while the writer may still read
+    it (a large piece queued O_DIRECT-capable: until the next drain); through the page cache or
+    pwrite it is dropped when place() returns, so a save holds one copy at a time, not the shard."""
+    import os
+    import weakref
+
+    from zeroplus import files
+    from zeroplus.checkpoint import shard_io
+
+    real = torch.classes.zeroplus.ShardFileWriter
+
+    class Spy:
+        def __init__(self, *args):
+            self.writer, self.refs, self.alive = real(*args), [], []
+
+        def place(self, data):
+            self.alive.append(sum(r() is not None for r in self.refs))  # earlier copies still held
+            self.refs.append(weakref.ref(data))
+            return self.writer.place(data)
+
+        def __getattr__(self, name):
+            return getattr(self.writer, name)
+    spies = []
+    monkeypatch.setattr(torch.classes.zeroplus, "ShardFileWriter", lambda *a: spies.append(Spy(*a)) or spies[-1])
+    torch.manual_seed(0)
+    pieces = [(f"w{i}", "param", 0, 512 * 1024, torch.randn(1024, 512).t()) for i in range(6)]  # 2 MiB, copied
+    dir_fd = files.open_directory_at(None, str(tmp_path), owned=True)
+    try:
+        record, chunks = shard_io.write_shard(dir_fd, str(tmp_path), 0, pieces, io, direct=direct)
+    finally:
+        os.close(dir_fd)
+    assert spies[0].alive == held, spies[0].alive
+    data = (tmp_path / record["name"]).read_bytes()
+    for (name, _k, _lo, _hi, t), (*_, offset) in zip(pieces, chunks):
+        assert data[offset:offset + t.numel() * 4] == t.contiguous().numpy().tobytes(), name
+
+
 @pytest.mark.parametrize("io,direct", [("aio", "auto"), ("aio", "off"), ("posix", "auto")])
 def test_shard_writer_segments_and_calls_back_after_the_live_pieces(tmp_path, monkeypatch, io, direct):
     """Through the page cache a large piece goes out in segments (here 256 KiB + 12 bytes, so they

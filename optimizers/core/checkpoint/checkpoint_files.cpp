@@ -377,8 +377,28 @@ int CheckpointReader::read(const std::string& tensor, const std::string& key, in
     const FileRecord& rec = manifest_.files[static_cast<size_t>(fi)];
     const VerifiedFile file{fd, rec.bytes, manifest_.blockBytes, rec.blockCrc32.data(),
                             static_cast<int64_t>(rec.blockCrc32.size())};
+    const int64_t bs = manifest_.blockBytes;
     ReadFailure why;
-    if (const int rc = verifiedRead(file, pieces, VerifiedReadOptions{}, &why); rc < 0) {
+    std::vector<ReadPiece> rest;
+    for (const ReadPiece& p : pieces) {
+      const int64_t b = p.lo / bs, start = b * bs, end = std::min(start + bs, rec.bytes);
+      if (p.hi > end || (p.lo == start && p.hi == end)) {
+        rest.push_back(p);  // whole blocks, or a range across blocks: read in place
+        continue;
+      }
+      if (cachedFile_ != fi || cachedBlock_ != b) {  // inside one block, in part: through the cache
+        cachedFile_ = cachedBlock_ = -1;
+        block_.resize(static_cast<size_t>(end - start));
+        if (const int rc = verifiedRead(file, {ReadPiece{start, end, block_.data()}}, VerifiedReadOptions{}, &why);
+            rc < 0) {
+          return fail(error, rc, dir_ + "/" + rec.name + ": " + why.message);
+        }
+        cachedFile_ = fi, cachedBlock_ = b;
+      }
+      std::memcpy(p.dst, block_.data() + (p.lo - start), static_cast<size_t>(p.hi - p.lo));
+    }
+    if (rest.empty()) continue;
+    if (const int rc = verifiedRead(file, rest, VerifiedReadOptions{}, &why); rc < 0) {
       return fail(error, rc, dir_ + "/" + rec.name + ": " + why.message);
     }
   }

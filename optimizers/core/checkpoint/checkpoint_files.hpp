@@ -88,6 +88,10 @@ class CheckpointReader {
   uint32_t manifestCrc_ = 0;
   std::map<std::pair<std::string, std::string>, std::vector<const Chunk*>> chunks_;  // sorted by lo
   std::map<int64_t, fs::UniqueFd> fds_;
+  // The last block a read covered only in part, verified: the engine reads value by value, and
+  // many small tensors share a block (one read and one CRC for all of them, not one each).
+  int64_t cachedFile_ = -1, cachedBlock_ = -1;
+  std::vector<uint8_t> block_;
 };
 
 }  // namespace zeroplus::ckpt

@@ -83,15 +83,21 @@ int ShardFileWriter::failErrno(std::string what, std::string* error) {
 
 void ShardFileWriter::abandon() {
   waitAll(nullptr);
-  owned_.clear();
-  group_ = Buffer();
-  groupBytes_ = 0;
+  // The engine goes before any buffer: its destructor drains whatever was submitted and not
+  // tracked (a tracking push that failed), so no transfer reads memory freed below.
   file_.reset();
   buffered_.reset();
   engine_.reset();
+  owned_.clear();
+  group_ = Buffer();
+  groupBytes_ = 0;
   fd_ = fs::UniqueFd();
   if (!finished_ && !tmp_.empty()) ::unlinkat(dirFd_, tmp_.c_str(), 0);
   tmp_.clear();
+  if (rc_ == 0 && !finished_) {  // a caller's abandon: later calls say so, not "before open()"
+    rc_ = -ECANCELED;
+    error_ = "shard writer: the shard file " + final_ + " was abandoned";
+  }
 }
 
 int ShardFileWriter::open(int dirFd, const std::string& dirPath, int rank, const ShardFileOptions& options,
@@ -205,10 +211,10 @@ int ShardFileWriter::writeSkewed(const void* data, int64_t bytes, int64_t pageAt
   uint8_t* p = page.mem.data();
   std::memset(p, 0, static_cast<size_t>(skew));
   std::memcpy(p + skew, data, static_cast<size_t>(head));
+  owned_.push_back(std::move(page));  // tracked before the write is submitted
   if (const int rc = write(p, skew + head, pageAt); rc < 0) return rc;
-  page.ticket = tickets_.back();
+  owned_.back().ticket = tickets_.back();
   tickets_.pop_back();
-  owned_.push_back(std::move(page));
   return head < bytes ? write(static_cast<const uint8_t*>(data) + head, bytes - head, pageAt + kAlign) : 0;
 }
 
@@ -217,9 +223,10 @@ int ShardFileWriter::flush() {
   if (groupBytes_ == 0) return 0;
   const int64_t n = groupBytes_;
   groupBytes_ = 0;
-  if (const int rc = write(group_.data(), n, groupAt_); rc < 0) return rc;
-  if (options_.io == ShardIo::Posix) return 0;  // written: the buffer is free again
-  owned_.push_back({std::move(group_), tickets_.back()});
+  if (options_.io == ShardIo::Posix) return write(group_.data(), n, groupAt_);  // written: the buffer is free again
+  owned_.push_back({std::move(group_), {}});  // tracked before the write is submitted
+  if (const int rc = write(owned_.back().mem.data(), n, groupAt_); rc < 0) return rc;
+  owned_.back().ticket = tickets_.back();
   tickets_.pop_back();
   return 0;
 }

@@ -91,6 +91,14 @@ class ShardFileWriter {
   int open(int dirFd, const std::string& dirPath, int rank, const ShardFileOptions& options, std::string* error);
   // Places `bytes` bytes at `data` (see Layout); *offset gets where they start in the file.
   int place(const void* data, int64_t bytes, int64_t* offset, std::string* error);
+  // Whether a piece of `bytes` placed now is still read from the caller's memory after place()
+  // returned (until drain() or finish()): only a large piece written O_DIRECT-capable through
+  // aio. Small pieces are copied into the writer's groups, page-cache and pwrite writes of a large
+  // piece are waited for segment by segment: the caller may let go of them at once (a save of a
+  // CUDA model copies each piece to the host: holding every copy would hold the whole shard).
+  bool readsAfterPlace(int64_t bytes) const {
+    return options_.io == ShardIo::Aio && options_.direct != aio::DirectMode::Off && bytes >= kCoalesceBytes;
+  }
   // Every write queued so far is done (a coalesced group is sent first): placed memory may be
   // reused, and a reader of the temporary file sees the bytes.
   int drain(std::string* error);

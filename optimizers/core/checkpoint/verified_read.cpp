@@ -188,15 +188,20 @@ int verifiedRead(const VerifiedFile& file, const std::vector<ReadPiece>& pieces,
       try {
         rc = runTask(file, tasks[i], &scratch, &results[i]);
       } catch (const std::bad_alloc&) {
-        rc = fill(&results[i], -ENOMEM, false,
-                  "checkpoint: no memory for a block buffer of " + std::to_string(tasks[i].end - tasks[i].start) +
-                      " bytes reading bytes " + span(tasks[i].start, tasks[i].end));
+        results[i].code = rc = -ENOMEM;  // set first: building the message may fail the same way
+        try {
+          results[i].message = "checkpoint: no memory for a block buffer of " +
+                               std::to_string(tasks[i].end - tasks[i].start) + " bytes reading bytes " +
+                               span(tasks[i].start, tasks[i].end);
+        } catch (const std::bad_alloc&) {
+        }
       }
       if (rc < 0) failed.store(true, std::memory_order_relaxed);
     }
   };
   const size_t threads = std::min<size_t>(static_cast<size_t>(options.threads), tasks.size());
   std::vector<std::thread> helpers;
+  helpers.reserve(threads);  // no reallocation between starting threads (a throw there would leave them joinable)
   for (size_t i = 1; i < threads; ++i) {
     try {
       helpers.emplace_back(work);

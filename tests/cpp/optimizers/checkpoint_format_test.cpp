@@ -283,6 +283,55 @@ TEST(CheckpointFiles, CommitReplaceReadAndRefuse) {
   EXPECT_NE(err.find("truncated"), std::string::npos) << err;
 }
 
+// Bytes this process read through read(2)/pread(2), every thread's (/proc/self/io rchar).
+int64_t bytesRead() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  return -1;
+}
+
+TEST(CheckpointFiles, SmallReadsInOneBlockReadItOnce) {
+  // The engine reads value by value; many small tensors share a block. Each block is read and
+  // checked once for all the reads inside it (the reader keeps the last one), not once per read.
+  TempDir dir;
+  std::vector<float> a(50);
+  for (int i = 0; i < 50; ++i) a[i] = static_cast<float>(i) * 0.5f;
+  int rc = 0;
+  std::string err;
+  saveOne(dir.path, "ck", a, &rc, &err);  // 64-byte blocks: 16 floats each, 4 blocks
+  ASSERT_EQ(rc, 0) << err;
+  CheckpointReader r;
+  ASSERT_EQ(r.open(dir.path + "/ck", &err), 0) << err;
+  float one = 0;
+  ASSERT_EQ(r.read("w", "param", 0, 1, &one, &err), 0) << err;  // opens the shard file
+  const int64_t before = bytesRead();
+  for (int i = 0; i < 50; ++i) {
+    ASSERT_EQ(r.read("w", "param", i, i + 1, &one, &err), 0) << err;
+    EXPECT_EQ(one, a[i]);
+  }
+  const int64_t read = bytesRead() - before;
+  EXPECT_GT(read, 0);
+  // The shard once at most (200 bytes) and /proc/self/io's own text, not a 64-byte block per read (3,000+).
+  EXPECT_LE(read, 200 + 256) << "50 one-element reads read " << read << " bytes of a 200-byte shard";
+
+  // A cached block was verified: a byte flipped in another block is still refused.
+  {
+    std::fstream f(dir.path + "/ck/rank00000.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(70);
+    f.put('\x7f');
+  }
+  CheckpointReader fresh;
+  ASSERT_EQ(fresh.open(dir.path + "/ck", &err), 0) << err;
+  EXPECT_EQ(fresh.read("w", "param", 0, 1, &one, &err), 0) << err;
+  EXPECT_EQ(fresh.read("w", "param", 17, 18, &one, &err), -EIO);
+  EXPECT_NE(err.find("checksum mismatch"), std::string::npos) << err;
+  EXPECT_EQ(fresh.read("w", "param", 17, 18, &one, &err), -EIO) << "a block that failed is not cached";
+}
+
 TEST(CheckpointFiles, LatestMustNameAPlainSibling) {
   TempDir dir;
   std::ofstream(dir.path + "/latest") << "../elsewhere\n";

@@ -305,6 +305,27 @@ TEST(ShardFileWriter, UnfinishedWriterRemovesItsFile) {
   EXPECT_TRUE(dir.entries().empty());
 }
 
+TEST(ShardFileWriter, AbandonedWriterRemovesItsFileAndRefusesLaterCalls) {
+  // abandon() (the Python driver's, when a bucket's context or a piece raised) waits for the
+  // queued writes and removes the temporary file; a later call reports the abandon, not a
+  // misleading "before open()".
+  TempDir dir;
+  ShardFileWriter w;
+  std::string err;
+  ASSERT_EQ(w.open(dir.fd, dir.path, 0, ShardFileOptions().setDirect(aio::DirectMode::Auto), &err), 0) << err;
+  Memory mem(3 << 20, 5);
+  int64_t off = 0;
+  ASSERT_EQ(w.place(mem.at(7), (2 << 20) + 5, &off, &err), 0) << err;
+  ASSERT_EQ(w.place(mem.at(11), 100, &off, &err), 0) << err;
+  w.abandon();
+  EXPECT_TRUE(dir.entries().empty());
+  EXPECT_EQ(w.place(mem.at(0), 10, &off, &err), -ECANCELED);
+  EXPECT_NE(err.find("abandoned"), std::string::npos) << err;
+  FileRecord rec;
+  EXPECT_EQ(w.finish(&rec, &err), -ECANCELED);
+  EXPECT_TRUE(dir.entries().empty());
+}
+
 TEST(ShardFileWriter, BadArgumentsCreateNothing) {
   TempDir dir;
   std::string err;

@@ -14,9 +14,12 @@ replacing anything; the staging directory is fsynced once, by rank 0, before the
 commit.py). Its methods run with the GIL released, so an async save's writer thread leaves the
 training thread alone while bytes move.
 
-A placed tensor must not change until the writer's next drain(): this driver holds each one
-until then (drain() before a LazyPieces bucket is left and before the `live` callback, finish()
-at the end); its callers hold either a snapshot or a training thread that is blocked in the save.
+A placed tensor the writer still reads after place() returned (a large piece queued through aio
+with O_DIRECT possible: ShardFileWriter::readsAfterPlace) must not change until the writer's next
+drain(): this driver holds each such one until then (drain() before a LazyPieces bucket is left
+and before the `live` callback, finish() at the end), and its callers hold either a snapshot or a
+training thread that is blocked in the save. Any other piece's memory (a host copy of a CUDA
+piece, for one) is let go as soon as place() returns: a save holds one such copy at a time.
 """
 
 from __future__ import annotations
@@ -74,15 +77,16 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
     them has completed and their checksums are computed, before the rest is written."""
     writer = _call(torch.classes.zeroplus.ShardFileWriter, dir_fd, dir_path, rank, io, direct, block_bytes,
                    _SEGMENT_BYTES)
-    chunks, placed = [], []  # placed: the tensors the writer may still read, until its next drain
+    chunks, placed = [], []  # placed: the tensors the writer still reads, until its next drain
 
     def place(name, key, lo, hi, tensor):
         data = tensor.detach().reshape(-1)
         if data.device.type != "cpu":
             data = data.to("cpu")
         data = data.contiguous()
-        placed.append(data)
-        offset = _call(writer.place, data)
+        offset, reads = _call(writer.place, data)
+        if reads:  # a large piece queued O_DIRECT from data's memory (a host copy of a CUDA piece too)
+            placed.append(data)
         chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
 
     def drain():
