@@ -9,7 +9,8 @@ that directory). OUT is a new checkpoint directory (its name one plain path comp
 
 Streaming: DeepSpeed rank r's optim file becomes rank r's shard file rankNNNNN.bin, one at a time:
 the file is memory-mapped, its partition's fp32 masters and elementwise optimizer state are
-written piece by piece (one parameter's piece in memory at a time), the file is fdatasync'ed and
+written piece by piece through the checkpoints' own shard writer (shard_io.ShardFile: one
+parameter's piece in memory at a time), the file is fdatasync'ed and published, and
 the mapping dropped before the next rank's file is opened. So the peak is one DeepSpeed rank's
 partition (its pages, mapped) plus one parameter piece; the model is never assembled. Rank 0's
 shard also holds the buffers and (stages 1-2) the frozen parameters; at stage 3 each rank's shard
@@ -27,57 +28,15 @@ is written.
 from __future__ import annotations
 
 import os
-import zlib
 
-import torch
 
-from .. import files
 from . import fsutil
 from .deepspeed_reader import DeepSpeedReader
-from .format import (BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, encode_manifest,
-                     shard_file_name)
+from .format import BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, encode_manifest
+from .shard_io import ShardFile
 
 
-class _ShardWriter:
-    """Appends tensors' bytes to a new shard file, one CRC-32 per `block` bytes as it goes."""
-
-    def __init__(self, dir_fd: int, name: str, block: int):
-        self.name, self.block = name, block
-        self.fd = files.create_exclusive_at(dir_fd, name)
-        self.offset, self.crcs, self._crc, self._filled = 0, [], 0, 0
-
-    def append(self, tensor: torch.Tensor) -> int:
-        """Writes `tensor`'s bytes at the end of the file; returns their byte offset."""
-        at = self.offset
-        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        fsutil.write_all(self.fd, data, at)
-        done = 0
-        while done < len(data):
-            take = min(self.block - self._filled, len(data) - done)
-            self._crc = zlib.crc32(data[done:done + take], self._crc)
-            self._filled += take
-            done += take
-            if self._filled == self.block:
-                self.crcs.append(self._crc)
-                self._crc, self._filled = 0, 0
-        self.offset += len(data)
-        return at
-
-    def finish(self) -> dict:
-        if self._filled:
-            self.crcs.append(self._crc)
-        os.fdatasync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        return {"name": self.name, "bytes": self.offset, "block_crc32": self.crcs}
-
-    def abandon(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _write_rank(reader: DeepSpeedReader, writer: _ShardWriter, rank: int, index: int, chunks: list) -> None:
+def _write_rank(reader: DeepSpeedReader, writer: ShardFile, rank: int, index: int, chunks: list) -> None:
     lay, m = reader.layout, reader.manifest
     for name, pieces in lay.pieces.items():
         keys = ["param"] + sorted(m["tensors"][name].get("state", {}))
@@ -85,7 +44,7 @@ def _write_rank(reader: DeepSpeedReader, writer: _ShardWriter, rank: int, index:
             if r != rank:
                 continue
             for key, value in zip(keys, reader.read_many([(name, k, lo, hi) for k in keys])):
-                chunks.append([name, key, lo, hi, str(value.dtype).replace("torch.", ""), index, writer.append(value)])
+                chunks.append([name, key, lo, hi, str(value.dtype).replace("torch.", ""), index, writer.place(value)])
     for name, t in m["tensors"].items():
         if t["kind"] == "param" and t["trainable"] or not t["numel"]:
             continue
@@ -100,7 +59,7 @@ def _write_rank(reader: DeepSpeedReader, writer: _ShardWriter, rank: int, index:
                 continue
         key = "value" if t["kind"] == "buffer" else "param"
         value = reader.read_many([(name, key, lo, hi)])[0]
-        chunks.append([name, key, lo, hi, str(value.dtype).replace("torch.", ""), index, writer.append(value)])
+        chunks.append([name, key, lo, hi, str(value.dtype).replace("torch.", ""), index, writer.place(value)])
 
 
 def convert_from_deepspeed(src, out) -> dict:
@@ -114,7 +73,7 @@ def convert_from_deepspeed(src, out) -> dict:
         extra = check_json(m["extra"], "extra")  # before anything is written
         tensors = {n: {k: v for k, v in t.items() if k != "numel"} for n, t in m["tensors"].items()}
         with fsutil.new_output_directory(parent, name) as dir_fd:  # removed again on any error
-            file_recs, chunks = _write_all(reader, dir_fd)
+            file_recs, chunks = _write_all(reader, dir_fd, out)
             manifest = {"format": FORMAT, "version": VERSION, "source": m["source"], "block_bytes": BLOCK_BYTES,
                         "files": file_recs, "tensors": tensors, "aliases": m["aliases"], "chunks": chunks,
                         "param_groups": m["param_groups"], "optimizer": m["optimizer"], "extra": extra,
@@ -124,10 +83,12 @@ def convert_from_deepspeed(src, out) -> dict:
                 "stage": reader.layout.stage, "world_size": reader.layout.world}
 
 
-def _write_all(reader: DeepSpeedReader, dir_fd: int) -> tuple[list, list]:
+def _write_all(reader: DeepSpeedReader, dir_fd: int, dir_path: str) -> tuple[list, list]:
     file_recs, chunks = [], []
     for rank in range(reader.layout.world):
-        writer = _ShardWriter(dir_fd, shard_file_name(rank), BLOCK_BYTES)
+        # The checkpoints' own writer (shard_io.ShardFile: temporary name, fdatasync, no-replace
+        # publish), through the page cache as a save's default.
+        writer = ShardFile(dir_fd, dir_path, rank, io="aio", direct="off")
         try:
             _write_rank(reader, writer, rank, rank, chunks)
             file_recs.append(writer.finish())

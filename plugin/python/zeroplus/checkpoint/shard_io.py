@@ -64,6 +64,44 @@ def _call(fn, *args):
         raise OSError(int(m.group(1)), text, p.group(1) if p else None) from None
 
 
+class ShardFile:
+    """One rank's shard file being written through the C++ writer: place(tensor) -> its byte
+    offset, drain() (every write so far done: placed memory may change), finish() -> the file
+    record {name, bytes, block_crc32} (the file published as rankNNNNN.bin), abandon() (writes
+    waited for, the temporary file removed; also safe after finish). Holds each placed tensor
+    only while the writer still reads it (module doc). Errors: OSError naming the file."""
+
+    def __init__(self, dir_fd: int, dir_path: str, rank: int, io: str = "aio", direct: str = "auto",
+                 block_bytes: int = BLOCK_BYTES):
+        self.rank = rank
+        self._writer = _call(torch.classes.zeroplus.ShardFileWriter, dir_fd, dir_path, rank, io, direct, block_bytes,
+                             _SEGMENT_BYTES)
+        self._held = []  # tensors the writer still reads, until its next drain
+
+    def place(self, tensor: torch.Tensor) -> int:
+        data = tensor.detach().reshape(-1)
+        if data.device.type != "cpu":
+            data = data.to("cpu")
+        data = data.contiguous()
+        offset, reads = _call(self._writer.place, data)
+        if reads:  # a large piece queued O_DIRECT from data's memory (a host copy of a CUDA piece too)
+            self._held.append(data)
+        return int(offset)
+
+    def drain(self) -> None:
+        _call(self._writer.drain)
+        self._held.clear()
+
+    def finish(self) -> dict:
+        nbytes, crcs = _call(self._writer.finish)
+        self._held.clear()
+        return {"name": shard_file_name(self.rank), "bytes": int(nbytes), "block_crc32": [int(c) for c in crcs]}
+
+    def abandon(self) -> None:
+        self._writer.abandon()  # waits for the queued writes first: the held memory may go after
+        self._held.clear()
+
+
 def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "aio",
                 block_bytes: int = BLOCK_BYTES, direct: str = "auto", live=None) -> tuple[dict, list]:
     """pieces: (name, key, lo, hi, tensor) -> ({name, bytes, block_crc32}, [[name, key, lo, hi, dtype, 0, offset]]).
@@ -75,30 +113,18 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
     live: None, or (k, callback): pieces[0..k] include tensors training will change once callback()
     is called (an async save's live pieces, snapshot.py); it is called as soon as every write of
     them has completed and their checksums are computed, before the rest is written."""
-    writer = _call(torch.classes.zeroplus.ShardFileWriter, dir_fd, dir_path, rank, io, direct, block_bytes,
-                   _SEGMENT_BYTES)
-    chunks, placed = [], []  # placed: the tensors the writer still reads, until its next drain
+    writer = ShardFile(dir_fd, dir_path, rank, io, direct, block_bytes)
+    chunks = []
 
     def place(name, key, lo, hi, tensor):
-        data = tensor.detach().reshape(-1)
-        if data.device.type != "cpu":
-            data = data.to("cpu")
-        data = data.contiguous()
-        offset, reads = _call(writer.place, data)
-        if reads:  # a large piece queued O_DIRECT from data's memory (a host copy of a CUDA piece too)
-            placed.append(data)
-        chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, offset])
-
-    def drain():
-        _call(writer.drain)
-        placed.clear()
+        chunks.append([name, key, lo, hi, str(tensor.dtype).replace("torch.", ""), 0, writer.place(tensor)])
 
     try:
         for i, item in enumerate(pieces):
             if isinstance(item, tuple):
                 place(*item)
                 if live is not None and i == live[0]:
-                    drain()  # a buffered write has returned once its bytes are in the page cache
+                    writer.drain()  # a buffered write has returned once its bytes are in the page cache
                     live[1]()
                 continue
             # LazyPieces (adapters.py): a bucket whose values live in swap files, resident
@@ -107,14 +133,12 @@ def write_shard(dir_fd: int, dir_path: str, rank: int, pieces: list, io: str = "
                 try:
                     for piece in resident:
                         place(*piece)
-                    drain()
+                    writer.drain()
                 except BaseException:
                     writer.abandon()  # its writes are waited for before the bucket's memory goes
                     raise
-        nbytes, crcs = _call(writer.finish)
+        record = writer.finish()
     except BaseException:
         writer.abandon()  # waits for queued writes, removes the temporary file
         raise
-    finally:
-        placed.clear()
-    return {"name": shard_file_name(rank), "bytes": int(nbytes), "block_crc32": [int(c) for c in crcs]}, chunks
+    return record, chunks
