@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/core/crc32.hpp"
+#include "common/core/full_io.hpp"
 #include "optimizers/core/checkpoint/verified_read.hpp"
 
 namespace zeroplus::ckpt {
@@ -23,41 +24,12 @@ int fail(std::string* error, int code, const std::string& what) {
   return code;
 }
 
-int writeAll(int fd, const void* data, int64_t n, int64_t offset) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 30)), offset);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (w == 0) return -EIO;
-    p += w, n -= w, offset += w;
-  }
-  return 0;
-}
-
-// Fills n bytes; -EIO when the file ends first (truncated).
-int readAll(int fd, void* data, int64_t n, int64_t offset) {
-  auto* p = static_cast<uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 30)), offset);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (r == 0) return -EIO;
-    p += r, n -= r, offset += r;
-  }
-  return 0;
-}
-
 int readWhole(int fd, int64_t limit, std::string* out) {
   struct stat st{};
   if (::fstat(fd, &st) != 0) return -errno;
   if (st.st_size > limit) return -EFBIG;
   out->resize(static_cast<size_t>(st.st_size));
-  return readAll(fd, out->data(), st.st_size, 0);
+  return fs::preadFull(fd, out->data(), st.st_size, 0);
 }
 
 std::string tempPrefix(const std::string& final) { return "." + final + ".tmp-"; }
@@ -111,7 +83,7 @@ void removeTree(int dirFd, const std::string& name, int depth = 0) {
 int writeTemporary(int dirFd, const std::string& final, const std::string& data, std::string* tmp) {
   fs::UniqueFd fd;
   if (const int rc = fs::createTemporary(dirFd, tempPrefix(final), 0600, 0, &fd, tmp); rc < 0) return rc;
-  int rc = writeAll(fd.get(), data.data(), static_cast<int64_t>(data.size()), 0);
+  int rc = fs::pwriteFull(fd.get(), data.data(), static_cast<int64_t>(data.size()), 0);
   if (rc == 0 && ::fdatasync(fd.get()) != 0) rc = -errno;
   if (rc < 0) ::unlinkat(dirFd, tmp->c_str(), 0);
   return rc;
@@ -281,7 +253,7 @@ int CheckpointReader::open(const std::string& path, std::string* error) {
       struct stat st{};
       if (::fstat(latest.get(), &st) != 0) return fail(error, -errno, "cannot read " + path + "/" + kLatestName);
       name.resize(static_cast<size_t>(std::min<int64_t>(st.st_size, 4096)));
-      if (const int r = readAll(latest.get(), name.data(), static_cast<int64_t>(name.size()), 0); r < 0) {
+      if (const int r = fs::preadFull(latest.get(), name.data(), static_cast<int64_t>(name.size()), 0); r < 0) {
         return fail(error, r, "cannot read " + path + "/" + kLatestName);
       }
       while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();

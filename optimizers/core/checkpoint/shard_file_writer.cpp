@@ -11,6 +11,7 @@
 
 #include "aio/core/io_error.hpp"
 #include "common/core/crc32.hpp"
+#include "common/core/full_io.hpp"
 
 namespace zeroplus::ckpt {
 namespace {
@@ -21,20 +22,6 @@ constexpr int64_t kGroupCapacity = ShardFileWriter::kFlushBytes + ShardFileWrite
 // Our buffers in flight at most (coalesced groups, bounce pages) before place() waits for the
 // oldest: bounds the memory a shard of many small pieces holds to a few groups.
 constexpr size_t kMaxOwned = 8;
-
-int pwriteAll(int fd, const void* data, int64_t n, int64_t offset) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    const ssize_t w = ::pwrite(fd, p, static_cast<size_t>(std::min<int64_t>(n, int64_t{1} << 30)), offset);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (w == 0) return -EIO;
-    p += w, n -= w, offset += w;
-  }
-  return 0;
-}
 
 // A second descriptor of the same open file for aio::File::adopt, which takes ownership of it;
 // the writer keeps its own for fdatasync and the final checks.
@@ -182,7 +169,7 @@ int ShardFileWriter::alignEnd() {
 // 4 KiB-aligned, so only a device wanting more sends one through the page cache.
 int ShardFileWriter::write(const void* data, int64_t bytes, int64_t offset) {
   if (options_.io == ShardIo::Posix) {
-    const int rc = pwriteAll(fd_.get(), data, bytes, offset);
+    const int rc = fs::pwriteFull(fd_.get(), data, bytes, offset);
     return rc < 0 ? fail(rc, "cannot write " + path_ + " at offset " + std::to_string(offset) + " (" +
                                  std::to_string(bytes) + " bytes): " + std::strerror(-rc), nullptr)
                   : 0;

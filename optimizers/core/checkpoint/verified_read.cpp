@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "common/core/crc32.hpp"
+#include "common/core/full_io.hpp"
 
 namespace zeroplus::ckpt {
 namespace {
@@ -64,21 +65,14 @@ struct Scratch {
 
 int readFully(int fd, uint8_t* p, int64_t n, int64_t offset, ReadFailure* f) {
   int64_t done = 0;
-  while (done < n) {
-    const ssize_t r = ::pread(fd, p + done, static_cast<size_t>(std::min<int64_t>(n - done, int64_t{1} << 30)),
-                              offset + done);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      const int e = errno;
-      return fill(f, -e, false, "checkpoint: cannot read bytes " + span(offset, offset + n) + ": " + std::strerror(e));
-    }
-    if (r == 0) {
-      return fill(f, -EIO, false, "checkpoint: file is truncated: wanted " + std::to_string(n) + " bytes at offset " +
-                                      std::to_string(offset) + ", it ends at " + std::to_string(offset + done));
-    }
-    done += r;
+  bool ended = false;
+  const int rc = fs::preadFull(fd, p, n, offset, &done, &ended);
+  if (rc == 0) return 0;
+  if (ended) {
+    return fill(f, -EIO, false, "checkpoint: file is truncated: wanted " + std::to_string(n) + " bytes at offset " +
+                                    std::to_string(offset) + ", it ends at " + std::to_string(offset + done));
   }
-  return 0;
+  return fill(f, rc, false, "checkpoint: cannot read bytes " + span(offset, offset + n) + ": " + std::strerror(-rc));
 }
 
 // Reads the block(s) of [start, end) into `into` one block at a time and checks each while its

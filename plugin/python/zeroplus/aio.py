@@ -21,10 +21,11 @@ error policy: docs/aio.md. The shared library must be loaded (``import zeroplus`
 from __future__ import annotations
 
 import os
-import re
 from typing import Optional, Union
 
 import torch
+
+from .files import call_op
 
 __all__ = ["AioHandle"]
 
@@ -32,8 +33,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 _ENGINES = ("auto", "io_uring", "threads")
 _DIRECT = ("auto", "on", "off")
-_ERRNO = re.compile(r"\(errno (\d+)\)")
-_PATH = re.compile(r"failed on '([^']*)'")
 
 
 _INT64_MAX = (1 << 63) - 1
@@ -68,26 +67,6 @@ def _tensor_arg(name: str, value) -> torch.Tensor:
     return value
 
 
-def _as_oserror(err: RuntimeError) -> BaseException:
-    """Turns the C++ IoError text (carried by a RuntimeError) into the matching OSError."""
-    text = str(err).split("\nException raised from", 1)[0].strip()
-    m = _ERRNO.search(text)
-    if not m:
-        return err
-    p = _PATH.search(text)
-    return OSError(int(m.group(1)), text, p.group(1) if p else None)
-
-
-def _call(fn, *args):
-    try:
-        return fn(*args)
-    except RuntimeError as e:
-        mapped = _as_oserror(e)
-        if mapped is e:
-            raise
-        raise mapped from None
-
-
 class AioHandle:
     """Queue of asynchronous tensor reads/writes sharing one I/O engine.
 
@@ -119,28 +98,28 @@ class AioHandle:
             raise ValueError(f"engine must be one of {_ENGINES}, got {engine!r}")
         if direct not in _DIRECT:
             raise ValueError(f"direct must be one of {_DIRECT}, got {direct!r}")
-        self._h = _call(torch.classes.zeroplus.AioHandle, block_size, queue_depth, threads, engine, direct,
+        self._h = call_op(torch.classes.zeroplus.AioHandle, block_size, queue_depth, threads, engine, direct,
                         staging_bytes)
 
     # I/O -------------------------------------------------------------------------------------
     def async_pread(self, tensor: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
         """Queues a read of ``tensor.nbytes`` bytes at ``file_offset`` into ``tensor``; returns 0."""
-        return _call(self._h.async_pread, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
+        return call_op(self._h.async_pread, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
                      _int_arg("file_offset", file_offset, 0))
 
     def async_pwrite(self, tensor: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
         """Queues a write of ``tensor`` at ``file_offset`` (file created if missing, never truncated)."""
-        return _call(self._h.async_pwrite, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
+        return call_op(self._h.async_pwrite, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
                      _int_arg("file_offset", file_offset, 0))
 
     def sync_pread(self, tensor: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
         """``async_pread`` + ``wait()``; returns wait()'s count."""
-        return _call(self._h.sync_pread, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
+        return call_op(self._h.sync_pread, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
                      _int_arg("file_offset", file_offset, 0))
 
     def sync_pwrite(self, tensor: torch.Tensor, filename: PathLike, file_offset: int = 0) -> int:
         """``async_pwrite`` + ``wait()``; returns wait()'s count."""
-        return _call(self._h.sync_pwrite, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
+        return call_op(self._h.sync_pwrite, _tensor_arg("tensor", tensor), _path_arg("filename", filename),
                      _int_arg("file_offset", file_offset, 0))
 
     def atomic_write(self, tensor: torch.Tensor, filename: PathLike) -> int:
@@ -153,14 +132,14 @@ class AioHandle:
         Use it instead of ``async_pwrite`` whenever an existing file must survive a failure:
         ``async_pwrite`` overwrites in place.
         """
-        return _call(self._h.atomic_write, _tensor_arg("tensor", tensor), _path_arg("filename", filename))
+        return call_op(self._h.atomic_write, _tensor_arg("tensor", tensor), _path_arg("filename", filename))
 
     def wait(self) -> int:
         """Blocks until every queued operation finished; returns how many did.
 
         Raises the first failure as OSError after all operations have finished.
         """
-        return _call(self._h.wait)
+        return call_op(self._h.wait)
 
     def pending(self) -> int:
         """Operations queued since the last ``wait()``."""
@@ -178,7 +157,7 @@ class AioHandle:
             dtype = dtype.dtype
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or a tensor, got {type(dtype).__name__}")
-        return _call(self._h.new_cpu_locked_tensor, numel, dtype)
+        return call_op(self._h.new_cpu_locked_tensor, numel, dtype)
 
     # Knobs -----------------------------------------------------------------------------------
     def get_block_size(self) -> int:

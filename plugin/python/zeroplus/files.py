@@ -116,7 +116,11 @@ def _mode(value) -> int:
     return value
 
 
-def _call(fn, *args):
+def call_op(fn, *args):
+    """fn(*args) for a zeroplus op or custom-class method: its RuntimeError whose text ends in
+    "(errno N)" ("zeroplus <op> failed on '<file>': ...", or an aio error's "... failed on '<file>'
+    ...") is raised as the OSError subclass of that errno, naming the file; any other error as it
+    is. The one mapping of C++ file errors for the package (files, aio, checkpoint shard_io)."""
     try:
         return fn(*args)
     except RuntimeError as e:
@@ -130,18 +134,18 @@ def _call(fn, *args):
 
 def create_exclusive(directory: PathLike, name: str, mode: int = 0o644) -> int:
     """Creates the new file ``directory/name`` (``mode`` less the umask); returns its fd."""
-    return _call(torch.ops.zeroplus.create_exclusive, _path("directory", directory), _name("name", name), _mode(mode))
+    return call_op(torch.ops.zeroplus.create_exclusive, _path("directory", directory), _name("name", name), _mode(mode))
 
 
 def create_temporary(directory: PathLike, prefix: str, mode: int = 0o644) -> Tuple[int, str]:
     """Creates ``directory/<prefix><16 random hex digits>``; returns ``(fd, name)``."""
-    fd, name = _call(torch.ops.zeroplus.create_temporary, _path("directory", directory), _prefix(prefix), _mode(mode))
+    fd, name = call_op(torch.ops.zeroplus.create_temporary, _path("directory", directory), _prefix(prefix), _mode(mode))
     return int(fd), str(name)
 
 
 def private_directory(parent: PathLike, name: str) -> int:
     """Creates or opens ``parent/name`` as a verified 0700 directory of this user; returns its fd."""
-    return _call(torch.ops.zeroplus.private_directory, _path("parent", parent), _name("name", name))
+    return call_op(torch.ops.zeroplus.private_directory, _path("parent", parent), _name("name", name))
 
 
 _MAX_LINKS = 40  # the kernel's own limit on links followed while resolving one path
@@ -181,28 +185,28 @@ def open_directory(path: PathLike, owned: bool = False) -> int:
 
 def open_directory_at(dir_fd: Optional[int], path: PathLike, owned: bool = False) -> int:
     """Opens directory ``path`` relative to ``dir_fd`` without following a link in its last component."""
-    return _call(torch.ops.zeroplus.open_directory_at, _fd(dir_fd, allow_none=True), _path("path", path), bool(owned))
+    return call_op(torch.ops.zeroplus.open_directory_at, _fd(dir_fd, allow_none=True), _path("path", path), bool(owned))
 
 
 def make_private_directory_at(dir_fd: int, name: str) -> int:
     """Creates the new directory ``dir_fd/name`` (0700, exclusively); returns its verified fd."""
-    return _call(torch.ops.zeroplus.make_private_directory_at, _fd(dir_fd), _name("name", name))
+    return call_op(torch.ops.zeroplus.make_private_directory_at, _fd(dir_fd), _name("name", name))
 
 
 def create_exclusive_at(dir_fd: int, name: str, mode: int = 0o600) -> int:
     """Creates the new file ``dir_fd/name`` (``O_CREAT|O_EXCL|O_NOFOLLOW``); returns its fd."""
-    return _call(torch.ops.zeroplus.create_exclusive_at, _fd(dir_fd), _name("name", name), _mode(mode))
+    return call_op(torch.ops.zeroplus.create_exclusive_at, _fd(dir_fd), _name("name", name), _mode(mode))
 
 
 def create_temporary_at(dir_fd: int, prefix: str, mode: int = 0o600) -> Tuple[int, str]:
     """Creates ``dir_fd/<prefix><16 random hex digits>``; returns ``(fd, name)``."""
-    fd, name = _call(torch.ops.zeroplus.create_temporary_at, _fd(dir_fd), _prefix(prefix), _mode(mode))
+    fd, name = call_op(torch.ops.zeroplus.create_temporary_at, _fd(dir_fd), _prefix(prefix), _mode(mode))
     return int(fd), str(name)
 
 
 def open_regular_at(dir_fd: int, name: str, owned: bool = False) -> int:
     """Opens the existing regular file ``dir_fd/name`` read-only, never through a link."""
-    return _call(torch.ops.zeroplus.open_regular_at, _fd(dir_fd), _name("name", name), bool(owned))
+    return call_op(torch.ops.zeroplus.open_regular_at, _fd(dir_fd), _name("name", name), bool(owned))
 
 
 def remove_tree_at(dir_fd: int, name: str) -> bool:

@@ -24,10 +24,9 @@ piece, for one) is let go as soon as place() returns: a save holds one such copy
 
 from __future__ import annotations
 
-import re
-
 import torch
 
+from ..files import call_op
 from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default block size)
 
 # Through the page cache, a large piece goes out in segments of this size: each segment's writes
@@ -38,8 +37,6 @@ from .format import BLOCK_BYTES, shard_file_name  # noqa: F401  (the default blo
 _SEGMENT_BYTES = 32 << 20
 _ALIGN = 4096  # the writer's page: aligned_empty's buffers start on one
 
-_ERRNO = re.compile(r"\(errno (\d+)\)")
-_PATH = re.compile(r"failed on '([^']*)'")
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
@@ -48,20 +45,6 @@ def aligned_empty(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % _ALIGN
     return raw[skip:skip + nbytes]
-
-
-def _call(fn, *args):
-    """fn(*args), its "zeroplus write_shard failed on '<file>': ... (errno N)" RuntimeError raised
-    as the OSError subclass of that errno, naming the file."""
-    try:
-        return fn(*args)
-    except RuntimeError as e:
-        text = str(e).split("\nException raised from", 1)[0].strip()
-        m = _ERRNO.search(text)
-        if not m:
-            raise
-        p = _PATH.search(text)
-        raise OSError(int(m.group(1)), text, p.group(1) if p else None) from None
 
 
 class ShardFile:
@@ -74,7 +57,7 @@ class ShardFile:
     def __init__(self, dir_fd: int, dir_path: str, rank: int, io: str = "aio", direct: str = "auto",
                  block_bytes: int = BLOCK_BYTES):
         self.rank = rank
-        self._writer = _call(torch.classes.zeroplus.ShardFileWriter, dir_fd, dir_path, rank, io, direct, block_bytes,
+        self._writer = call_op(torch.classes.zeroplus.ShardFileWriter, dir_fd, dir_path, rank, io, direct, block_bytes,
                              _SEGMENT_BYTES)
         self._held = []  # tensors the writer still reads, until its next drain
 
@@ -83,17 +66,17 @@ class ShardFile:
         if data.device.type != "cpu":
             data = data.to("cpu")
         data = data.contiguous()
-        offset, reads = _call(self._writer.place, data)
+        offset, reads = call_op(self._writer.place, data)
         if reads:  # a large piece queued O_DIRECT from data's memory (a host copy of a CUDA piece too)
             self._held.append(data)
         return int(offset)
 
     def drain(self) -> None:
-        _call(self._writer.drain)
+        call_op(self._writer.drain)
         self._held.clear()
 
     def finish(self) -> dict:
-        nbytes, crcs = _call(self._writer.finish)
+        nbytes, crcs = call_op(self._writer.finish)
         self._held.clear()
         return {"name": shard_file_name(self.rank), "bytes": int(nbytes), "block_crc32": [int(c) for c in crcs]}
 
