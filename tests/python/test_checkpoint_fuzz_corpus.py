@@ -70,6 +70,9 @@ def _address_space(extra_bytes: int):
     # or the memory itself) before saying no shard holds it
     ("regression-unstored-tensor-allocated-first", "consolidate_path", fmt.CheckpointCorruptError,
      "no shard holds 'unstored'"),
+    # a block checksum past 32 bits passed the parser (any int) and reached the C++ verified read,
+    # which refused it as a bad argument (ValueError) instead of a corrupt manifest
+    ("regression-block-crc-past-32-bits", "parse", fmt.CheckpointError, "each a 32-bit unsigned integer"),
 ])
 def test_regression_inputs_give_the_documented_error(name, step, error, words):
     manifest, _sep, shard = (CORPUS / name).read_bytes().partition(target.SEPARATOR)

@@ -242,8 +242,8 @@ def parse_manifest(data: bytes, where: str) -> dict:
         _need(_int(f.get("bytes")) and f["bytes"] >= 0, where, f"files[{i}].bytes is invalid")
         crcs = f.get("block_crc32")
         nblocks = -(-f["bytes"] // m["block_bytes"])
-        _need(isinstance(crcs, list) and len(crcs) == nblocks and all(_int(c) for c in crcs), where,
-              f"files[{i}].block_crc32 must list {nblocks} checksums")
+        _need(isinstance(crcs, list) and len(crcs) == nblocks and all(_int(c) and 0 <= c < 1 << 32 for c in crcs),
+              where, f"files[{i}].block_crc32 must list {nblocks} checksums, each a 32-bit unsigned integer")
         sizes.append(f["bytes"])
     tensors = m["tensors"]
     for name, t in tensors.items():
