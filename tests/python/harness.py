@@ -509,6 +509,14 @@ class RankPool:
 _POOLS: dict[tuple, RankPool] = {}
 
 
+def run_on_one_gpu(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:
+    """run_distributed for the GPU tests: every rank in a spawned process on the machine's one GPU;
+    with two ranks or more CUDA tensors go through zeroplus's host-staged transport (NCCL refuses
+    two ranks on one device)."""
+    env = {"ZEROPLUS_CUDA_TRANSPORT": "host"} if world_size > 1 else {}
+    return run_distributed(fn, world_size, *args, timeout=timeout, pg_timeout=300.0, env=env, start_method="spawn")
+
+
 def run_pooled(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "zeroplus",
                timeout: float = 120.0, pg_timeout: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
     """run_distributed's signature for cases that only need a healthy group: runs fn on the

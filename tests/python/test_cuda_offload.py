@@ -198,13 +198,9 @@ _RESULTS: dict[int, list] = {}
 
 def _results(world: int) -> list:
     if world not in _RESULTS:
-        from harness import run_distributed
+        from harness import run_on_one_gpu
 
-        # Two ranks on one GPU: CUDA tensors through zeroplus's host-staged transport (NCCL
-        # refuses two ranks on one device).
-        env = {"ZEROPLUS_CUDA_TRANSPORT": "host"} if world > 1 else {}
-        _RESULTS[world] = run_distributed(_all_cases, world, timeout=900, pg_timeout=300.0, env=env,
-                                          start_method="spawn")
+        _RESULTS[world] = run_on_one_gpu(_all_cases, world, timeout=900)
     return _RESULTS[world]
 
 

@@ -326,13 +326,7 @@ class ParamSwapper(record.StoreCounters):
                 if code:
                     raise record.fault(code, what, self.directory.display_path(h.name), "opening the new file")
             except OSError as e:
-                err = self._named(e, h, "replacing")
-                err.strerror += "; nothing was loaded"
-                if done:
-                    err.strerror += (f", but the records of parameter buckets {done} were already replaced and are "
-                                     "refused from now on")
-                err.strerror += ": load again once this is fixed"
-                raise err from None
+                raise record.replacement_failed(self._named(e, h, "replacing"), done, "parameter buckets") from None
             h.generation += 1
             done.append(h.index)
 

@@ -137,6 +137,17 @@ def open_store(directory, stem: str, buffer_bytes: int, buffer_count: int, aio, 
                                             torch.cuda.is_available())
 
 
+def replacement_failed(err: OSError, done: list, kind: str) -> OSError:
+    """err (naming the record whose replacement failed) completed for a staged load's commit:
+    nothing was loaded, which records of `kind` ("buckets", "parameter buckets") were already
+    replaced (and are refused from now on), and what to do."""
+    err.strerror += "; nothing was loaded"
+    if done:
+        err.strerror += f", but the records of {kind} {done} were already replaced and are refused from now on"
+    err.strerror += ": load again once this is fixed"
+    return err
+
+
 def fault(code: int, what: str, path: str, context: str) -> OSError:
     """The OSError for a fault the store reported: errno `code`, its text `what` ("read
     refused: ..." for a record that failed its checks: EBADMSG). Other faults keep both the

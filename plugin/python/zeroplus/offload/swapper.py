@@ -410,13 +410,7 @@ class OptimizerSwapper(record.StoreCounters):
                 if code:
                     raise OSError(code, what.split(": ", 1)[-1], self.directory.display_path(h.name))
             except OSError as e:
-                err = self._named(e, h, "replacing")
-                err.strerror += "; nothing was loaded"
-                if done:
-                    err.strerror += (f", but the records of buckets {done} were already replaced and are refused "
-                                     "from now on")
-                err.strerror += ": load again once this is fixed"
-                raise err from None
+                raise record.replacement_failed(self._named(e, h, "replacing"), done, "buckets") from None
             done.append(h.index)
 
     def commit_load(self, bo, st: "StagedRecord", handles: dict) -> None:
