@@ -6,7 +6,10 @@
 # elsewhere by scripts/cuda_build_check.sh against the same torch version and copied there, with
 # liburing.so.2 beside it), else built here against this machine's torch (needs nvcc, cmake, ninja;
 # LIBURING_ROOT points at liburing's include/ and lib/ where the machine has no liburing-dev);
-# ZEROPLUS_GPU_BUILD=1 builds here even when the copied library loads.
+# ZEROPLUS_GPU_BUILD=1 builds here even when the copied library loads. The C++ engine's GPU checks
+# (tests/python/test_cuda_cpp_engine.py) need two programs built against this machine's torch,
+# bin/zero_cuda_test (GoogleTest: the machine's, or include/ and lib/ carried in $build/gtest) and
+# bin/zero_engine_crosscheck: where they are missing, the library and they are built here.
 #
 #   OUT=dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench_gpu.py arguments]
 set -uo pipefail
@@ -30,16 +33,24 @@ build_here() {  # libzeroplus.so with CUDA against this machine's torch, into bu
   nccl_header="$(find "$site/nvidia" -name nccl.h | head -1)"
   local_build="$repo_root/build-gpu-local"
   export LIBURING_ROOT="${LIBURING_ROOT:-$build/uring}"
+  local configure=(cmake -S "$repo_root" -B "$local_build" -G Ninja -DZEROPLUS_TORCH_DIR="$site/torch"
+    -DZEROPLUS_NCCL_DIR="$(dirname "$(dirname "$nccl_header")")" -DZEROPLUS_WITH_CUDA=ON
+    -DZEROPLUS_BUILD_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=90)
+  local targets=(zeroplus zero_cuda_test zero_engine_crosscheck)
+  [[ -d "$build/gtest" ]] && configure+=(-DGTEST_ROOT="$build/gtest")
   start=$(date +%s)
-  cmake -S "$repo_root" -B "$local_build" -G Ninja -DZEROPLUS_TORCH_DIR="$site/torch" \
-    -DZEROPLUS_NCCL_DIR="$(dirname "$(dirname "$nccl_header")")" -DZEROPLUS_WITH_CUDA=ON \
-    -DZEROPLUS_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 >"$out/configure.log" 2>&1 \
-    || { tail -30 "$out/configure.log"; exit 1; }
-  cmake --build "$local_build" --target zeroplus -j "$(nproc)" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-  echo "[gpu-check] built $local_build/lib/libzeroplus.so in $(( $(date +%s) - start )) s"
+  if ! "${configure[@]}" -DZEROPLUS_BUILD_TESTS=ON >"$out/configure.log" 2>&1; then
+    echo "[gpu-check] no GoogleTest here (carry one in $build/gtest): the C++ engine's GPU programs are not built"
+    rm -rf "$local_build"
+    targets=(zeroplus)
+    "${configure[@]}" -DZEROPLUS_BUILD_TESTS=OFF >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+  fi
+  cmake --build "$local_build" --target "${targets[@]}" -j "$(nproc)" >"$out/build.log" 2>&1 \
+    || { tail -40 "$out/build.log"; exit 1; }
+  echo "[gpu-check] built ${targets[*]} in $local_build in $(( $(date +%s) - start )) s"
   build="$local_build"
 }
-if [[ "${ZEROPLUS_GPU_BUILD:-0}" == 1 ]]; then
+if [[ "${ZEROPLUS_GPU_BUILD:-0}" == 1 || ! -x "$build/bin/zero_cuda_test" || ! -x "$build/bin/zero_engine_crosscheck" ]]; then
   build_here
 fi
 export LD_LIBRARY_PATH="$build/lib:$build/uring/lib:${LD_LIBRARY_PATH:-}"

@@ -138,7 +138,7 @@ def _loss(kind, out, y):
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def _write_input(path, seed, case, fp16=None, persist=0):
+def _write_input(path, seed, case, fp16=None, persist=0, device="cpu"):
     stage, precision, opt, bucket, clip, auto_clip = case[:6]
     kind = _kind(case)
     gen = torch.Generator().manual_seed(seed)
@@ -158,7 +158,7 @@ def _write_input(path, seed, case, fp16=None, persist=0):
                 inputs[step][rank][0, 0] = float("inf")
     torch.save({**extra, "model": kind, "params": params, "inputs": inputs, "targets": targets, "stage": stage,
                 "mixed_precision": precision, **opt, "bucket_elems": bucket, "clip": [float(c) for c in clip],
-                "gradient_clipping": float(auto_clip), "persistence_threshold": persist}, path)
+                "gradient_clipping": float(auto_clip), "persistence_threshold": persist, "device": device}, path)
 
 
 def _train_python(rank, world, paths):
@@ -170,10 +170,12 @@ def _train_python(rank, world, paths):
     for path in paths:
         cfg = torch.load(path)
         kind = cfg["model"]
+        device = torch.device(cfg.get("device", "cpu"))
         model = _model(kind)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(cfg["params"][name])
+        model.to(device)
         if cfg["optimizer"] == "adamw":
             cls, hyper = torch.optim.AdamW, dict(lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
                                                  weight_decay=cfg["weight_decay"])
@@ -200,21 +202,22 @@ def _train_python(rank, world, paths):
                                    or cfg["params"][n].numel() <= cfg["persistence_threshold"]), whole
         norms, trace, scales = [], {}, []
         for step in range(STEPS):
-            x, y = cfg["inputs"][step][rank], cfg["targets"][step][rank]
+            x, y = cfg["inputs"][step][rank].to(device), cfg["targets"][step][rank].to(device)
             opt.zero_grad()
             # bf16: the engine's forward pre-hook casts x (the C++ program casts it itself)
             opt.backward(_loss(kind, model(x), y))
             for b, shard in enumerate(opt.gradient_shards()):
-                trace[f"grad.{step}.{b}"] = shard.clone()
+                trace[f"grad.{step}.{b}"] = shard.cpu().clone()
             clip = cfg["clip"][step]
             norms.append(opt.clip_grad_norm_(clip).item() if clip > 0 else math.nan)
             opt.step()
             scales.append(float(opt.loss_scale))
             # full_state_dict: at stage 3 the parameters are shards between uses
             for n, p in zeroplus.full_state_dict(model, rank0_only=False).items():
-                trace[f"param.{step}.{n}"] = p.detach().clone()
-        masters = {f"{rank}.{b}": m.detach().clone() for b, m in enumerate(opt.masters)}
-        out[path] = (dict(zeroplus.full_state_dict(model, rank0_only=False)), norms, trace, masters, scales)
+                trace[f"param.{step}.{n}"] = p.detach().cpu().clone()
+        masters = {f"{rank}.{b}": m.detach().cpu().clone() for b, m in enumerate(opt.masters)}
+        params = {n: p.cpu() for n, p in zeroplus.full_state_dict(model, rank0_only=False).items()}
+        out[path] = (params, norms, trace, masters, scales)
     return out
 
 
@@ -249,21 +252,30 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
         if os.environ.get("ZEROPLUS_BUILD_DIR"):
             pytest.fail(message)
         pytest.skip(message)
+    check_engines_agree(tmp_path, list(CASES), "cpu", lambda fn, *args: run_pooled(fn, WORLD, *args, timeout=180))
+
+
+def check_engines_agree(tmp_path, names, device, run_ranks):
+    """Trains the cases `names` on `device` through both engines (the C++ program, then the Python
+    engine on WORLD ranks started by run_ranks(fn, *args)) and asserts they agree bit for bit."""
+    program = _program()
     paths, outs = {}, {}
     for seed, (name, case) in enumerate(CASES.items()):
+        if name not in names:
+            continue
         paths[name] = str(tmp_path / f"{name}.in.pt")
         outs[name] = str(tmp_path / f"{name}.out.pt")
-        _write_input(paths[name], seed, case, FP16.get(name), PERSIST.get(name, 0))
+        _write_input(paths[name], seed, case, FP16.get(name), PERSIST.get(name, 0), device)
     argv = [str(program)]
-    for name in CASES:
+    for name in names:
         argv += [paths[name], outs[name]]
-    cpp = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    cpp = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert cpp.returncode == 0, f"{program} failed ({cpp.returncode}):\n{cpp.stdout}\n{cpp.stderr}"
-    ranks = run_pooled(_train_python, WORLD, list(paths.values()), timeout=180)
+    ranks = run_ranks(_train_python, list(paths.values()))
     python = ranks[0]
 
     mismatches = []
-    for name in CASES:
+    for name in names:
         py_params, py_norms, py_trace, py_masters, py_scales = python[paths[name]]
         py_masters = {k: v for r in ranks for k, v in r[paths[name]][3].items()}
         # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript

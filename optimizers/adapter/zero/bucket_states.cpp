@@ -8,6 +8,14 @@ namespace {
 
 at::Tensor copyOf(const at::Tensor& t) { return t.defined() ? t.clone() : at::Tensor(); }
 
+// Loaded state where the stepper keeps it: elementwise tensors beside the master (a checkpoint is
+// read into host memory), `step` on the host (bucket_stepper.hpp). A tensor already there is kept.
+SegmentState placedFor(const SegmentState& s, const at::Tensor& master) {
+  auto beside = [&](const at::Tensor& t) { return t.defined() ? t.to(master.device()) : t; };
+  return {beside(s.exp_avg), beside(s.exp_avg_sq), beside(s.max_exp_avg_sq), s.step.defined() ? s.step.cpu() : s.step,
+          beside(s.momentum_buffer)};
+}
+
 }  // namespace
 
 void BucketStates::beginRead() {
@@ -50,7 +58,7 @@ c10::intrusive_ptr<c10d::Work> BucketStates::write(size_t b, const BucketValues&
   try {
     for (size_t s = 0; s < segments.size(); ++s) {
       segments[s].master.copy_(values[s].master);
-      segments[s].state = values[s].state;
+      segments[s].state = placedFor(values[s].state, segments[s].master);
     }
     work = placement_.publish(b);  // while an offloaded master is still bound
   } catch (...) {

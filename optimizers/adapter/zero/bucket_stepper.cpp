@@ -6,12 +6,50 @@
 #include <string>
 
 #include "optimizers/adapter/fused_optimizer_ops.hpp"
+#ifdef ZEROPLUS_WITH_CUDA
+#include "optimizers/adapter/fused_optimizer_cuda_ops.hpp"
+#endif
 
 namespace zeroplus::zero::engine {
 namespace {
 constexpr const char* kOp = "zeroplus::zero step";
 
-at::Tensor fp32Zeros(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kFloat)); }
+// Elementwise state lives beside the master (CPU or CUDA); `step` is a 0-d fp32 host tensor on
+// both (the fused CUDA kernels read it on the host, as torch's non-capturable Adam keeps it).
+at::Tensor fp32Zeros(int64_t n, const at::Tensor& like) {
+  return at::zeros({n}, at::TensorOptions().dtype(at::kFloat).device(like.device()));
+}
+
+void adamKernel(const char* op, bool decoupled, const std::vector<at::Tensor>& params,
+                const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& m,
+                const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& vmax,
+                const std::vector<at::Tensor>& steps, const optim::adapter::AdamArgs& args) {
+  if (params.front().is_cuda()) {
+#ifdef ZEROPLUS_WITH_CUDA
+    optim::adapter::adamStepCuda(op, decoupled, params, grads, m, v, vmax, steps, args);
+    return;
+#else
+    TORCH_CHECK(false, kOp, ": the master is on ", params.front().device(),
+                " but this zeroplus was built without CUDA");
+#endif
+  }
+  optim::adapter::adamStep(op, decoupled, params, grads, m, v, vmax, steps, args);
+}
+
+void sgdKernel(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& bufs, const std::vector<bool>& init,
+               const optim::adapter::SgdArgs& args) {
+  if (params.front().is_cuda()) {
+#ifdef ZEROPLUS_WITH_CUDA
+    optim::adapter::sgdStepCuda("zeroplus.sgd_step", params, grads, bufs, init, args);
+    return;
+#else
+    TORCH_CHECK(false, kOp, ": the master is on ", params.front().device(),
+                " but this zeroplus was built without CUDA");
+#endif
+  }
+  optim::adapter::sgdStep("zeroplus.sgd_step", params, grads, bufs, init, args);
+}
 }  // namespace
 
 BucketStepper::BucketStepper(const Bucket& bucket, at::Tensor master, int rank) : master_(std::move(master)) {
@@ -60,17 +98,16 @@ void BucketStepper::step(const at::Tensor& gradShard, const std::vector<uint8_t>
       SegmentState& st = s->state;
       const int64_t n = s->hi - s->lo;
       if (!st.step.defined()) st.step = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
-      if (!st.exp_avg.defined()) st.exp_avg = fp32Zeros(n);
-      if (!st.exp_avg_sq.defined()) st.exp_avg_sq = fp32Zeros(n);
-      if (a->amsgrad && !st.max_exp_avg_sq.defined()) st.max_exp_avg_sq = fp32Zeros(n);
+      if (!st.exp_avg.defined()) st.exp_avg = fp32Zeros(n, master_);
+      if (!st.exp_avg_sq.defined()) st.exp_avg_sq = fp32Zeros(n, master_);
+      if (a->amsgrad && !st.max_exp_avg_sq.defined()) st.max_exp_avg_sq = fp32Zeros(n, master_);
       m.push_back(st.exp_avg);
       v.push_back(st.exp_avg_sq);
       if (a->amsgrad) vmax.push_back(st.max_exp_avg_sq);
       steps.push_back(st.step);
     }
-    optim::adapter::adamStep(a->decoupled ? "zeroplus.adamw_step" : "zeroplus.adam_step", a->decoupled, params,
-                             grads, m, v, vmax, steps,
-                             {a->lr, a->beta1, a->beta2, a->weight_decay, a->eps, a->amsgrad, a->maximize, a->threads});
+    adamKernel(a->decoupled ? "zeroplus.adamw_step" : "zeroplus.adam_step", a->decoupled, params, grads, m, v, vmax,
+               steps, {a->lr, a->beta1, a->beta2, a->weight_decay, a->eps, a->amsgrad, a->maximize, a->threads});
     return;
   }
   const auto& sh = std::get<SgdHyper>(hyper);
@@ -81,12 +118,14 @@ void BucketStepper::step(const at::Tensor& gradShard, const std::vector<uint8_t>
       SegmentState& st = s->state;
       // torch creates the buffer at the first step as a copy of the gradient: the kernel does.
       init.push_back(!st.momentum_buffer.defined());
-      if (!st.momentum_buffer.defined()) st.momentum_buffer = at::empty({s->hi - s->lo}, at::kFloat);
+      if (!st.momentum_buffer.defined()) {
+        st.momentum_buffer = at::empty({s->hi - s->lo}, at::TensorOptions().dtype(at::kFloat).device(master_.device()));
+      }
       bufs.push_back(st.momentum_buffer);
     }
   }
-  optim::adapter::sgdStep("zeroplus.sgd_step", params, grads, bufs, init,
-                          {sh.lr, sh.momentum, sh.dampening, sh.weight_decay, sh.nesterov, sh.maximize, sh.threads});
+  sgdKernel(params, grads, bufs, init,
+            {sh.lr, sh.momentum, sh.dampening, sh.weight_decay, sh.nesterov, sh.maximize, sh.threads});
 }
 
 }  // namespace zeroplus::zero::engine

@@ -138,28 +138,35 @@ std::unordered_set<const void*> bucketedParams(Engine& eng) {
 
 // -- strings between ranks ------------------------------------------------------------------------
 
-at::Tensor bytesOf(const std::string& s, int64_t size) {
+// The strings travel as byte tensors on the engine's device (the group may serve only that one)
+// and are read on the host.
+at::Tensor bytesOf(const std::string& s, int64_t size, at::Device device) {
   at::Tensor t = at::zeros({size}, at::kByte);
   std::memcpy(t.data_ptr(), s.data(), s.size());
-  return t;
+  return t.to(device);
 }
 
 std::string broadcastString(zero::engine::Collectives& comm, const std::string& mine) {
-  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::TensorOptions(at::kLong).device(comm.device()));
   comm.broadcastFromZero(len);
-  at::Tensor data = bytesOf(comm.rank() == 0 ? mine : std::string(), len.item<int64_t>());
+  at::Tensor data = bytesOf(comm.rank() == 0 ? mine : std::string(), len.item<int64_t>(), comm.device());
   comm.broadcastFromZero(data);
+  data = data.cpu();
   return std::string(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
 }
 
 std::vector<std::string> allGatherStrings(zero::engine::Collectives& comm, const std::string& mine) {
   const int world = comm.worldSize();
-  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
-  at::Tensor lens = at::zeros({world}, at::kLong);
+  const auto longs = at::TensorOptions(at::kLong).device(comm.device());
+  at::Tensor len = at::full({1}, static_cast<int64_t>(mine.size()), longs);
+  at::Tensor lens = at::zeros({world}, longs);
   comm.allGather(lens, len)->wait();
+  lens = lens.cpu();
   const int64_t most = std::max<int64_t>(lens.max().item<int64_t>(), 1);
-  at::Tensor in = bytesOf(mine, most), out = at::zeros({most * world}, at::kByte);
+  at::Tensor in = bytesOf(mine, most, comm.device());
+  at::Tensor out = at::zeros({most * world}, at::TensorOptions(at::kByte).device(comm.device()));
   comm.allGather(out, in)->wait();
+  out = out.cpu();
   std::vector<std::string> all;
   for (int r = 0; r < world; ++r) {
     all.emplace_back(static_cast<const char*>(out.data_ptr()) + r * most, static_cast<size_t>(lens[r].item<int64_t>()));
@@ -259,7 +266,7 @@ void save_checkpoint(const std::string& path, const std::shared_ptr<torch::nn::M
   // One piece: elements [lo, hi) of `tensor`'s value `key`.
   auto put = [&](const std::string& tensor, const std::string& key, int64_t lo, int64_t hi, const at::Tensor& value) {
     if (rc < 0) return;
-    const at::Tensor data = value.contiguous();
+    const at::Tensor data = value.to(at::kCPU).contiguous();  // a CUDA piece: its host copy, kept until drained
     int64_t offset = 0;
     rc = writer->place(data.data_ptr(), data.numel() * static_cast<int64_t>(data.element_size()), &offset, &werr);
     placed.push_back(data);

@@ -4,8 +4,8 @@
 
 namespace zeroplus::zero::engine {
 
-Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-    : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()) {}
+Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
+    : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()), device_(device) {}
 
 c10::intrusive_ptr<c10d::Work> Collectives::reduceScatter(at::Tensor& output, at::Tensor& input) {
   c10d::ReduceScatterOptions opts;

@@ -8,6 +8,13 @@
 // front-ends produce the same bits. (Python's gloo-only per-owner form is not used here: the
 // LibTorch front-end runs on the group the program made.)
 //
+// Every collective runs on tensors of the engine's device (the parameters': CPU or one CUDA
+// device), the small ones (agreement flags, clipping sums, checkpoint metadata) too, so a group
+// whose backend serves only that device (NCCL for CUDA) is enough. On CUDA a collective is
+// ordered after the work queued on the caller's current stream, and wait() orders the current
+// stream after the collective (c10d's contract): no host synchronisation beyond what reading a
+// result on the host needs.
+//
 // Asynchronous calls return the c10d::Work; inputs and outputs must stay alive and untouched
 // until it is waited on. Errors: whatever the backend raises (c10::DistBackendError from wait()).
 #pragma once
@@ -19,9 +26,11 @@ namespace zeroplus::zero::engine {
 
 class Collectives {
  public:
-  explicit Collectives(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+  Collectives(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device);
 
   int rank() const { return rank_; }
+  // The engine's device: every tensor passed here lives on it.
+  at::Device device() const { return device_; }
   int worldSize() const { return world_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return pg_; }
 
@@ -41,6 +50,7 @@ class Collectives {
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   int rank_ = 0;
   int world_ = 1;
+  at::Device device_;
 };
 
 }  // namespace zeroplus::zero::engine

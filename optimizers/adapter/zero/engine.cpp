@@ -29,6 +29,14 @@ at::Tensor localTerm(const at::Tensor& shard, double normType) {
 }  // namespace
 
 namespace {
+// The parameters' device (initialize checked they share one).
+at::Device deviceOf(const std::vector<std::vector<at::Tensor>>& groups) {
+  for (const auto& g : groups) {
+    if (!g.empty()) return g.front().device();
+  }
+  return at::kCPU;
+}
+
 std::unique_ptr<Placement> makePlacement(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
                                          const Options& options, std::optional<at::ScalarType> dtype,
                                          const UnitLayout& units) {
@@ -42,7 +50,7 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
     : options_(options),
       stage_(static_cast<int>(options.stage())),
       computeDtype_(computeDtypeOf(options)),
-      comm_(std::move(pg)),
+      comm_(std::move(pg), deviceOf(groups)),
       placement_(makePlacement(groups, comm_, options, computeDtype_, units)),
       sharded_(dynamic_cast<ShardedParams*>(placement_.get())),
       reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2),
@@ -113,7 +121,7 @@ at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNon
   const size_t n = placement_->buckets().size();
   at::Tensor total;
   if (std::isinf(normType)) {
-    at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
     for (size_t b = 0; b < n; ++b) {
       at::Tensor t = localTerm(reducer_.shard(b), normType);
       if (t.defined()) local = at::maximum(local, t);
@@ -121,7 +129,8 @@ at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNon
     comm_.allReduceMax(local);
     total = local;
   } else {
-    at::Tensor parts = at::zeros({2}, at::TensorOptions().dtype(at::kFloat));  // [replicated, tp-sharded]
+    // [replicated, tp-sharded]
+    at::Tensor parts = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
     for (size_t b = 0; b < n; ++b) {
       at::Tensor t = localTerm(reducer_.shard(b), normType);
       if (t.defined()) parts.select(0, 0).add_(t);
@@ -130,12 +139,13 @@ at::Tensor Engine::clipGradNorm(double maxNorm, double normType, bool errorIfNon
     total = at::pow(parts.sum(), 1.0 / normType);
   }
   if (fp16()) total = total.div(scaler_.scale());  // the shards hold loss-scaled values
-  if (!std::isfinite(total.item<float>()) && errorIfNonfinite) {
+  const bool finite = std::isfinite(total.item<float>());  // one host read (a device sync on CUDA)
+  if (!finite && errorIfNonfinite) {
     TORCH_CHECK(false, "The total norm of order ", normType, " for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`");
   }
-  if (fp16() && !std::isfinite(total.item<float>())) {  // an overflow: step() skips this step
+  if (fp16() && !finite) {  // an overflow: step() skips this step
     clippedThisStep_ = true;
     return total;
   }
@@ -214,7 +224,7 @@ void Engine::step(const std::vector<StepHyper>& hyper) {
 
 bool Engine::overflow() {
   // Inf/NaN in any rank's gradient shard, agreed across ranks (one all-reduce of one fp32).
-  at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat));
+  at::Tensor local = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(comm_.device()));
   if (!reducer_.allFinite()) local.fill_(1.0);
   comm_.allReduceMax(local);
   return local.item<float>() != 0;

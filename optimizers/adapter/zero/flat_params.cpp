@@ -56,6 +56,7 @@ std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSiz
     b.unit = first.unit;
     b.dtype = first.dtype;
     b.persistent = first.persistent;
+    b.device = first.param.device();
     for (const optim::FlatEntry& fe : fb.entries) {
       const PlanItem& item = items[fe.param];
       slots[item.index] = {b.index, static_cast<int64_t>(b.entries.size())};
@@ -68,7 +69,7 @@ std::vector<Bucket> planBuckets(const std::vector<PlanItem>& items, int worldSiz
 
 at::Tensor stageRankZeroValues(const Bucket& b, bool mixedPrecision, Collectives& comm) {
   const at::ScalarType staging = mixedPrecision ? at::kFloat : b.dtype;
-  at::Tensor flat = at::zeros({b.numel}, at::TensorOptions().dtype(staging));
+  at::Tensor flat = at::zeros({b.numel}, b.options(staging));
   for (const Entry& e : b.entries) flat.slice(0, e.offset, e.offset + e.numel).copy_(e.param.detach().reshape(-1));
   comm.broadcastFromZero(flat);
   return flat;

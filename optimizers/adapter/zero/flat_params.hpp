@@ -57,6 +57,10 @@ struct Bucket {
   int64_t unit = -1;              // stage 3: the unit whose forward uses the bucket (-1: in no unit)
   bool persistent = false;        // stage 3: its parameters stay whole on every rank (in no unit, or
                                   // small: param_persistence_threshold; never gathered or released)
+  at::Device device{at::kCPU};    // where its parameters, gradients and master live (the parameters')
+
+  // Options for a new tensor of this bucket: dtype `t` on the bucket's device.
+  at::TensorOptions options(at::ScalarType t) const { return at::TensorOptions().dtype(t).device(device); }
 
   std::pair<int64_t, int64_t> shardRange(int rank) const { return {rank * shardNumel, (rank + 1) * shardNumel}; }
   Piece piece(const Entry& e, int rank) const;
@@ -88,9 +92,9 @@ at::Tensor stageRankZeroValues(const Bucket& b, bool mixedPrecision, Collectives
 
 class FlatParams : public Placement {
  public:
-  // groups[g]: the trainable parameters of param group g (CPU, contiguous, floating point,
-  // identical lists on every rank); computeDtype: the parameters' dtype after initialize
-  // (nullopt: as they are). Collective.
+  // groups[g]: the trainable parameters of param group g (contiguous, floating point, all on the
+  // engine's device: CPU or one CUDA device; identical lists on every rank); computeDtype: the
+  // parameters' dtype after initialize (nullopt: as they are). Collective.
   FlatParams(const std::vector<std::vector<at::Tensor>>& groups, Collectives& comm,
              std::optional<at::ScalarType> computeDtype, int64_t reduceBucketElems);
 

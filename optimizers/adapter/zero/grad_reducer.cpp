@@ -53,7 +53,7 @@ at::Tensor& GradReducer::accum(int64_t b) {
   at::Tensor& acc = accum_[b];
   if (!acc.defined()) {
     const Bucket& bucket = buckets_[b];
-    acc = at::zeros({shardGradients_ ? bucket.shardNumel : bucket.numel}, at::TensorOptions().dtype(bucket.dtype));
+    acc = at::zeros({shardGradients_ ? bucket.shardNumel : bucket.numel}, bucket.options(bucket.dtype));
   }
   return acc;
 }
@@ -62,7 +62,7 @@ at::Tensor& GradReducer::accumToOverwrite(int64_t b) {
   at::Tensor& acc = accum_[b];
   if (!acc.defined()) {
     const Bucket& bucket = buckets_[b];
-    acc = at::empty({shardGradients_ ? bucket.shardNumel : bucket.numel}, at::TensorOptions().dtype(bucket.dtype));
+    acc = at::empty({shardGradients_ ? bucket.shardNumel : bucket.numel}, bucket.options(bucket.dtype));
   }
   return acc;
 }
@@ -73,7 +73,7 @@ at::Tensor& GradReducer::buffer(int64_t b) {
     // Every element is written once per pass: by its gradient, by zeros for a parameter without
     // one (takeGrad), or here for the gaps. No full-bucket memset.
     buf = directPass() ? accumToOverwrite(b)
-                       : at::empty({buckets_[b].numel}, at::TensorOptions().dtype(buckets_[b].dtype));
+                       : at::empty({buckets_[b].numel}, buckets_[b].options(buckets_[b].dtype));
     for (const auto& [lo, hi] : gaps_[b]) buf.slice(0, lo, hi).zero_();
   }
   return buf;
@@ -130,7 +130,7 @@ void GradReducer::launch(int64_t b) {
   } else if (shardGradients_) {
     // A zero accumulator takes the result directly: no second shard-sized output alive.
     at::Tensor out = !hasGrads_ ? accumToOverwrite(b)
-                                : at::empty({bucket.shardNumel}, at::TensorOptions().dtype(bucket.dtype));
+                                : at::empty({bucket.shardNumel}, bucket.options(bucket.dtype));
     f.work = comm_.reduceScatter(out, buf);
     f.out = out;
     f.input = buf;
@@ -252,20 +252,25 @@ void GradReducer::scale(const at::Tensor& coef) {
 }
 
 bool GradReducer::allFinite() {
+  at::Tensor finite;  // on the shards' device: one host read for all buckets (one sync on CUDA)
   for (size_t b = 0; b < buckets_.size(); ++b) {
     at::Tensor g = shard(b);
     if (g.numel() == 0) continue;
     // max |g| is finite exactly when every element is (the Python engine's clipping.all_finite)
     auto [lo, hi] = at::aminmax(g);
-    if (!at::isfinite(at::maximum(lo.neg(), hi)).item<bool>()) return false;
+    at::Tensor here = at::isfinite(at::maximum(lo.neg(), hi));
+    finite = finite.defined() ? at::logical_and(finite, here) : here;
   }
-  return true;
+  return !finite.defined() || finite.item<bool>();
 }
 
 std::vector<uint8_t> GradReducer::agree() {
   if (!used_.empty()) {
-    at::Tensor flags = at::from_blob(used_.data(), {static_cast<int64_t>(used_.size())}, at::kByte).clone();
+    // On the engine's device (a CUDA group's backend may serve CUDA tensors only); read back on the host.
+    at::Tensor flags = at::from_blob(used_.data(), {static_cast<int64_t>(used_.size())}, at::kByte)
+                           .to(comm_.device(), /*non_blocking=*/false, /*copy=*/true);
     comm_.allReduceMax(flags);
+    flags = flags.cpu();
     const uint8_t* agreed = flags.data_ptr<uint8_t>();
     for (size_t i = 0; i < defined_.size(); ++i) {
       if (agreed[i]) defined_[i] = 1;

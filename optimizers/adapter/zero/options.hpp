@@ -50,11 +50,12 @@ struct Options {
   TORCH_ARG(int64_t, reduce_bucket_elems) = int64_t{1} << 22;
   // > 0: step() clips the global gradient norm to this unless clip_grad_norm ran this step.
   TORCH_ARG(double, gradient_clipping) = 0.0;
-  // "none"; "cpu" (DeepSpeed's ZeRO-Offload: state and step in host memory, where the C++
-  // engine's CPU training keeps them anyway: accepted, no effect, as in the Python engine on CPU
-  // training); or "nvme": between steps each bucket's optimizer state (and its fp32 master when the
-  // master is a copy, as under bf16) lives only in a swap record under nvme_path, read ahead
-  // from zero_grad on and written behind the step (docs/offload.md, "The C++ engine").
+  // "none"; "cpu" (DeepSpeed's ZeRO-Offload: state and step in host memory, where CPU training
+  // keeps them anyway: accepted, no effect, as in the Python engine on CPU training); or "nvme":
+  // between steps each bucket's optimizer state (and its fp32 master when the master is a copy,
+  // as under bf16) lives only in a swap record under nvme_path, read ahead from zero_grad on and
+  // written behind the step (docs/offload.md, "The C++ engine"). CPU parameters only: with CUDA
+  // parameters initialize refuses anything but "none" (the Python engine offloads CUDA training).
   TORCH_ARG(std::string, offload_optimizer) = "none";
   // An existing, writable directory; the engine makes a private subdirectory in it (0700) and
   // removes it, with its files, when the optimizer is destroyed. Required with "nvme".

@@ -1,7 +1,7 @@
 #include "optimizers/adapter/zero/sharded_params.hpp"
 
 #include <ATen/ATen.h>
-#include <ATen/native/Resize.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -13,8 +13,18 @@
 namespace zeroplus::zero::engine {
 namespace {
 
+// Gives `t`'s storage `bytes` fresh bytes (uninitialised) from its own allocator, or none (0):
+// the storage object stays, so views of it (saved by autograd) see the new bytes. On CUDA the
+// caching allocator hands out memory of the storage's device, ordered on the current stream.
 void setStorageBytes(const at::Tensor& t, size_t bytes) {
-  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), bytes);
+  at::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  if (bytes == 0) {
+    impl->set_data_ptr_noswap(at::DataPtr(nullptr, impl->device()));
+  } else {
+    const c10::DeviceGuard onDevice(impl->device());
+    impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  }
+  impl->set_nbytes(bytes);
 }
 
 }  // namespace
@@ -81,7 +91,7 @@ ShardedParams::ShardedParams(const std::vector<std::vector<at::Tensor>>& groups,
     }
     b.shard = staged.slice(0, lo, hi).to(b.dtype, /*non_blocking=*/false, /*copy=*/true);
     masters_.push_back(b.dtype == at::kFloat ? b.shard : staged.slice(0, lo, hi).to(at::kFloat, false, true));
-    b.flat = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype));
+    b.flat = at::empty({b.numel}, b.options(b.dtype));
     // The views first: making a view checks it fits the storage, which is then freed until gathered.
     std::vector<at::Tensor> views;
     for (const Entry& e : b.entries) views.push_back(b.flat.slice(0, e.offset, e.offset + e.numel).view(e.shape));
@@ -98,7 +108,8 @@ at::Tensor ShardedParams::restingBase(at::ScalarType dtype) {
   for (const auto& t : restingBases_) {
     if (t.scalar_type() == dtype) return t;
   }
-  restingBases_.push_back(at::full({1}, std::numeric_limits<double>::quiet_NaN(), at::TensorOptions().dtype(dtype)));
+  restingBases_.push_back(at::full({1}, std::numeric_limits<double>::quiet_NaN(),
+                                   at::TensorOptions().dtype(dtype).device(comm_.device())));
   return restingBases_.back();
 }
 

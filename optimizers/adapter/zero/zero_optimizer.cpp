@@ -17,6 +17,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -61,9 +62,10 @@ void checkOptions(const Options& o) {
                     ": options.param_persistence_threshold must be >= 0, got ", o.param_persistence_threshold());
   TORCH_CHECK_VALUE(o.gradient_clipping() >= 0, kInit, ": options.gradient_clipping must be >= 0, got ",
                     o.gradient_clipping());
-  // "cpu" is DeepSpeed's ZeRO-Offload: state and step in host memory. The C++ engine trains CPU
-  // parameters only, whose state is there already, so it is accepted and changes nothing, as the
-  // Python engine does on CPU training (a DeepSpeed config carries over unchanged).
+  // "cpu" is DeepSpeed's ZeRO-Offload: state and step in host memory. CPU training's state is
+  // there already, so it is accepted and changes nothing, as the Python engine does on CPU
+  // training (a DeepSpeed config carries over unchanged); with CUDA parameters the constructor
+  // refuses it (the C++ engine has no host tier).
   TORCH_CHECK_VALUE(o.offload_optimizer() == "none" || o.offload_optimizer() == "cpu" || o.offload_optimizer() == "nvme",
                     kInit, ": options.offload_optimizer must be \"none\", \"cpu\" or \"nvme\", got \"",
                     o.offload_optimizer(), "\"");
@@ -90,6 +92,35 @@ std::vector<at::Tensor> uniqueParams(const torch::nn::Module& model) {
   return out;
 }
 
+// Every parameter and buffer of the model is on the trainable parameters' device (CPU or one CUDA
+// device): the engine's buffers and collectives live there (a frozen parameter or buffer elsewhere
+// would be broadcast on a device the group may not serve, and mix devices in forward anyway).
+void checkOneDevice(const torch::nn::Module& model, const std::vector<std::vector<at::Tensor>>& trainable) {
+  std::optional<at::Device> device;
+  for (const auto& g : trainable) {
+    for (const auto& p : g) {
+      if (!device) device = p.device();
+      TORCH_CHECK_VALUE(p.device() == *device, kInit, ": the trainable parameters are on ", *device, " and ",
+                        p.device(), "; the engine trains parameters on one device (move the model with "
+                        "model->to(device) before initialize)");
+    }
+  }
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    TORCH_CHECK_VALUE(item.value().device() == *device, kInit, ": parameter \"", item.key(), "\" is on ",
+                      item.value().device(), ", the trainable parameters on ", *device, " (move the model with "
+                      "model->to(device) before initialize)");
+  }
+  for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+    TORCH_CHECK_VALUE(item.value().device() == *device, kInit, ": buffer \"", item.key(), "\" is on ",
+                      item.value().device(), ", the parameters on ", *device, " (move the model with "
+                      "model->to(device) before initialize)");
+  }
+#ifndef ZEROPLUS_WITH_CUDA
+  TORCH_CHECK_VALUE(!device->is_cuda(), kInit, ": the parameters are on ", *device, " but this zeroplus was built "
+                    "without CUDA (build it against a CUDA torch: docs/build.md)");
+#endif
+}
+
 // Checks the groups against the model and returns the trainable parameters of each group.
 std::vector<std::vector<at::Tensor>> trainableGroups(const torch::nn::Module& model,
                                                      const std::vector<torch::optim::OptimizerParamGroup>& groups) {
@@ -106,8 +137,8 @@ std::vector<std::vector<at::Tensor>> trainableGroups(const torch::nn::Module& mo
                         "].params[", i, "] is not a parameter of model");
       TORCH_CHECK_VALUE(grouped.insert(p.unsafeGetTensorImpl()).second, kInit, ": param_groups[", g, "].params[", i,
                         "] appears in more than one group");
-      TORCH_CHECK_VALUE(p.device().is_cpu(), kInit, ": param_groups[", g, "].params[", i, "] is on ", p.device(),
-                        "; the C++ engine trains CPU parameters (CUDA runs in the Python engine today)");
+      TORCH_CHECK_VALUE(p.device().is_cpu() || p.device().is_cuda(), kInit, ": param_groups[", g, "].params[", i,
+                        "] is on ", p.device(), "; the engine trains CPU or CUDA parameters");
       TORCH_CHECK_VALUE(p.is_contiguous(), kInit, ": param_groups[", g, "].params[", i, "] is not contiguous");
       if (!p.requires_grad()) continue;
       TORCH_CHECK_TYPE(at::isFloatingType(p.scalar_type()), kInit, ": param_groups[", g, "].params[", i,
@@ -117,6 +148,7 @@ std::vector<std::vector<at::Tensor>> trainableGroups(const torch::nn::Module& mo
     }
   }
   TORCH_CHECK_VALUE(anyTrainable, kInit, ": model has no parameter with requires_grad=true in the param groups");
+  checkOneDevice(model, out);
   for (const auto& p : uniqueParams(model)) {
     TORCH_CHECK_VALUE(!p.requires_grad() || grouped.count(p.unsafeGetTensorImpl()), kInit,
                       ": a trainable parameter of model of shape ", p.sizes(),
@@ -166,6 +198,12 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, c10::intr
   for (size_t g = 0; g < param_groups_.size(); ++g) groupHyper.push_back(hyperOf(param_groups_[g].options()));
   const auto trainable = trainableGroups(*model_, param_groups_);
   for (const auto& g : param_groups_) groupSizes_.push_back(g.params().size());
+  bool cuda = false;
+  for (const auto& g : trainable) cuda = cuda || (!g.empty() && g.front().is_cuda());
+  TORCH_CHECK_VALUE(!cuda || options.offload_optimizer() == "none", kInit, ": options.offload_optimizer \"",
+                    options.offload_optimizer(), "\" with CUDA parameters: the C++ engine keeps a CUDA model's "
+                    "optimizer state in GPU memory (ZeRO-Offload of CUDA training runs in the Python engine: "
+                    "zeroplus.initialize(..., offload_optimizer=...)); use \"none\"");
   Stage3Units units;  // stage 3: found (and checked) before anything collective
   if (options.stage() == 3) units = findUnits(model_, trainable, options.param_persistence_threshold());
   engine_ = std::make_shared<engine::Engine>(trainable, std::move(pg), options, groupHyper, units.layout);

@@ -37,8 +37,16 @@
 //    optimizer state sharded as at stage 2. A model with no Sequential holding parameters raises
 //    (units.hpp). Between uses a unit's parameter has its full shape but holds no memory (reads
 //    give NaN): read values through full_state_dict. Keep the optimizer alive while the model is used.
+//  * Devices: the model's parameters and buffers on one device, CPU or one CUDA device (a build
+//    against a CUDA torch; pg must serve that device's tensors: the zeroplus backend serves both).
+//    The engine's buffers, masters and optimizer state live there too (Adam's step count on the
+//    host, as torch's non-capturable Adam keeps it), its collectives run on that device's tensors,
+//    and on CUDA its kernels are queued on the current stream; host reads (clip_grad_norm's result,
+//    the fp16 overflow check, the per-step agreement) synchronise. A model on two devices raises.
 //  * Options::offload_optimizer "nvme" keeps each bucket's optimizer state on NVMe between steps
-//    (optimizer_swapper.hpp). The CPU offload tier is the Python engine's; asking raises.
+//    (optimizer_swapper.hpp), CPU parameters only. The CPU offload tier of CUDA training
+//    (ZeRO-Offload) is the Python engine's; with CUDA parameters any offload_optimizer but "none"
+//    raises.
 //  * Options::mixed_precision "fp16": fp16 parameters with fp32 masters, and dynamic loss scaling
 //    with the Python engine's (DeepSpeed's) rules and knobs (options.hpp, loss_scaler.hpp): use
 //    opt->backward(loss) (it multiplies by loss_scale(); a plain loss.backward() is not scaled);

@@ -21,6 +21,9 @@
 //   "bucket_elems"       reduce_bucket_elems
 //   "clip"               [step] -> max_norm for clip_grad_norm, or <= 0: no call that step
 //   "gradient_clipping"  Options::gradient_clipping (clipping inside step())
+//   "device"             (optional, default "cpu") where the model and the batches live: "cuda"
+//                        trains on the GPU (tests/python/test_cuda_cpp_engine.py); the outputs
+//                        are host tensors either way
 // OUT (torch::pickle_save: torch.load reads it) is a dict: "params" {name: final tensor, as the
 // module holds it}, "trace" {"grad.STEP.BUCKET": rank 0's gradient shard after backward,
 // "param.STEP.NAME": the parameter after the step}, "masters" {"RANK.BUCKET": that rank's
@@ -139,6 +142,8 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
       item.value().copy_(initial.at(item.key()).toTensor());
     }
   }
+  const at::Device device(cfg.d.contains("device") ? cfg.at("device").toStringRef() : std::string("cpu"));
+  model->to(device);
   const std::string precision = cfg.at("mixed_precision").toStringRef();
   const bool lowPrecision = precision == "bf16" || precision == "fp16";
   auto options = zeroplus::zero::Options()
@@ -196,15 +201,15 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   std::vector<double> norms, scales;
   c10::Dict<std::string, at::Tensor> trace;  // where the two engines part: see the Python test
   for (size_t step = 0; step < inputs.size(); ++step) {
-    at::Tensor x = inputs.get(step).toList().get(rank).toTensor();
-    at::Tensor y = targets.get(step).toList().get(rank).toTensor();
+    at::Tensor x = inputs.get(step).toList().get(rank).toTensor().to(device);
+    at::Tensor y = targets.get(step).toList().get(rank).toTensor().to(device);
     // the Python engine's forward pre-hook (precision.install_input_cast) casts floating inputs
     if (lowPrecision && x.is_floating_point()) x = x.to(precision == "bf16" ? at::kBFloat16 : at::kHalf);
     opt->zero_grad();
     opt->backward(loss(x, y));
     const auto shards = opt->gradient_shards();
     for (size_t b = 0; b < shards.size(); ++b) {
-      trace.insert("grad." + std::to_string(step) + "." + std::to_string(b), shards[b].clone());
+      trace.insert("grad." + std::to_string(step) + "." + std::to_string(b), shards[b].cpu().clone());
     }
     const c10::IValue c = clip.get(step);
     const double maxNorm = c.isDouble() ? c.toDouble() : static_cast<double>(c.toInt());
@@ -213,14 +218,16 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
     scales.push_back(opt->loss_scale());
     // full_state_dict: at stage 3 the parameters are shards between uses
     for (const auto& item : zeroplus::zero::full_state_dict(model, *opt)) {
-      trace.insert("param." + std::to_string(step) + "." + item.key(), item.value());
+      trace.insert("param." + std::to_string(step) + "." + item.key(), item.value().cpu());
     }
   }
   c10::Dict<std::string, at::Tensor> params;
-  for (const auto& item : zeroplus::zero::full_state_dict(model, *opt)) params.insert(item.key(), item.value());
+  for (const auto& item : zeroplus::zero::full_state_dict(model, *opt)) params.insert(item.key(), item.value().cpu());
   c10::Dict<std::string, at::Tensor> masters;  // fp32 shards: bf16 parameters could hide a last-bit difference
   const auto& own = opt->engine().params().masters();
-  for (size_t b = 0; b < own.size(); ++b) masters.insert(std::to_string(rank) + "." + std::to_string(b), own[b].clone());
+  for (size_t b = 0; b < own.size(); ++b) {
+    masters.insert(std::to_string(rank) + "." + std::to_string(b), own[b].cpu().clone());
+  }
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
   out.insert("masters", masters);
   out.insert("params", params);
