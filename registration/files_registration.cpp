@@ -1,4 +1,5 @@
-// Registers zeroplus::crc32 (checksums of file bytes) and zeroplus::create_exclusive / create_temporary / private_directory (by path) and
+// Registers zeroplus::check_manifest (the checkpoint manifest's validator), zeroplus::crc32
+// (checksums of file bytes) and zeroplus::create_exclusive / create_temporary / private_directory (by path) and
 // their descriptor-relative peers open_directory_at / make_private_directory_at /
 // create_exclusive_at / create_temporary_at / open_regular_at: the Python side's door to
 // common/core/exclusive_file.hpp (zeroplus.files wraps them), so checkpoint and offload code
@@ -19,6 +20,7 @@
 
 #include "common/core/crc32.hpp"
 #include "common/core/exclusive_file.hpp"
+#include "optimizers/core/checkpoint/manifest.hpp"
 #include "optimizers/core/checkpoint/shard_file_writer.hpp"
 #include "optimizers/core/checkpoint/verified_read.hpp"
 
@@ -187,10 +189,27 @@ std::tuple<int64_t, bool, std::string> verifiedReadOp(int64_t fd, int64_t fileBy
   return {rc, why.corrupt, why.message};
 }
 
+// -- the checkpoint manifest's validator (optimizers/core/checkpoint/manifest.hpp) ---------------
+// format.py parse_manifest's check: ckpt::parseManifest over the manifest's bytes, the one
+// definition of a valid manifest for the Python and the LibTorch reader. `data` is declared str
+// but is passed a Python bytes: pybind11 copies a bytes object into std::string as it is (no UTF-8
+// decoding), while the GIL is held, so the parser sees exactly the bytes Python then hands to
+// json.loads, and no other thread can change them under the check. Returns (0, "") or (rc, what):
+// -EIO corrupt, -ENOTSUP a newer format version, -EINVAL malformed; format.py raises
+// CheckpointCorruptError / CheckpointVersionError / CheckpointError with "<where>: <what>". `what`
+// is UTF-8 (names quoted in it passed the parser's UTF-8 check).
+std::tuple<int64_t, std::string> checkManifestOp(const std::string& data) {
+  ckpt::Manifest m;
+  std::string what;
+  const int rc = ckpt::parseManifest(data, &m, &what);
+  return {rc, rc < 0 ? what : std::string()};
+}
+
 }  // namespace
 }  // namespace zeroplus::registration
 
 TORCH_LIBRARY_FRAGMENT(zeroplus, m) {
+  m.def("check_manifest(str data) -> (int, str)", &zeroplus::registration::checkManifestOp);
   m.def("crc32(Tensor data, int crc) -> int", &zeroplus::registration::crc32Of);
   m.def("create_exclusive(str directory, str name, int mode) -> int", &zeroplus::registration::createExclusive);
   m.def("create_temporary(str directory, str prefix, int mode) -> (int, str)",

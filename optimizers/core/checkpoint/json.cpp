@@ -271,6 +271,37 @@ class Parser {
     }
   }
 
+  // One multi-byte UTF-8 sequence at pos_, copied to out: well-formed as Unicode defines it
+  // (RFC 3629: no overlong forms, no encoded surrogates U+D800..U+DFFF, nothing past U+10FFFF).
+  // Python decodes the same bytes to the same characters; a lenient reader would let a name that
+  // Python refuses (or decodes with surrogatepass, as json.loads does) pass as valid here.
+  bool utf8Sequence(std::string* out) {
+    const auto b0 = static_cast<unsigned char>(t_[pos_]);
+    size_t n = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+      n = 2;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      n = 3;
+      if (b0 == 0xE0) lo = 0xA0;  // overlong below U+0800
+      if (b0 == 0xED) hi = 0x9F;  // surrogates
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+      n = 4;
+      if (b0 == 0xF0) lo = 0x90;  // overlong below U+10000
+      if (b0 == 0xF4) hi = 0x8F;  // past U+10FFFF
+    } else {
+      return fail("invalid UTF-8 in a string");
+    }
+    if (pos_ + n > t_.size()) return fail("invalid UTF-8 in a string");
+    for (size_t k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(t_[pos_ + k]);
+      if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) return fail("invalid UTF-8 in a string");
+    }
+    out->append(t_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+
   bool string(std::string* out) {
     ++pos_;  // the opening quote
     while (true) {
@@ -278,6 +309,11 @@ class Parser {
       const char c = t_[pos_++];
       if (c == '"') return true;
       if (static_cast<unsigned char>(c) < 0x20) return fail("control character in a string");
+      if (static_cast<unsigned char>(c) >= 0x80) {
+        --pos_;
+        if (!utf8Sequence(out)) return false;
+        continue;
+      }
       if (c != '\\') {
         out->push_back(c);
         continue;

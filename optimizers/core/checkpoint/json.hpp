@@ -7,11 +7,21 @@
 // non-finite floats as NaN / Infinity / -Infinity (allow_nan), strings with \" \\ and control
 // characters escaped and other bytes as they are.
 //
-// parse() is strict where a lenient parser would guess: one value and only whitespace around
-// it, no duplicate keys, no trailing commas, no leading zeros, integers that do not fit int64
-// refused (never rounded to a double), nesting at most kMaxDepth, \u escapes (surrogate pairs
-// joined) decoded to UTF-8, unpaired surrogates refused. NaN, Infinity and -Infinity are accepted
-// (Python writes them). Errors: -EINVAL and *error says what and at which byte.
+// parse() is strict where a lenient parser would guess: one value and only whitespace (space,
+// tab, LF, CR) around it, no byte-order mark, no duplicate keys, no trailing commas, no leading
+// zeros, integers that do not fit int64 refused (never rounded to a double), nesting at most
+// kMaxDepth, strings well-formed UTF-8 (RFC 3629: no overlong forms, no encoded surrogates),
+// \u escapes (surrogate pairs joined) decoded to UTF-8, unpaired surrogates refused. NaN,
+// Infinity and -Infinity are accepted (Python writes them). Errors: -EINVAL and *error says what
+// and at which byte.
+//
+// The contract the Python reader relies on (format.py parse_manifest validates with this parser,
+// then builds its dict with json.loads): every text parse() accepts, Python's json.loads reads to
+// the same values: same members (no duplicate for Python to resolve), same strings (json.loads
+// decodes bytes as UTF-8, with surrogatepass: refused here), same integers and floats (both
+// round correctly), and no nesting deep enough for Python's RecursionError. Where the two
+// grammars differ (duplicates, big integers, lone surrogates, a BOM, UTF-16/32 input, deep
+// nesting) this parser is the stricter one; tests/python/test_checkpoint_format.py pins each.
 #pragma once
 
 #include <cstdint>

@@ -133,8 +133,9 @@ bool sealMatches(std::string_view data, std::string* why) {
   }
   const std::string_view recorded = data.substr(data.size() - 66, 64);
   for (char c : recorded) {
-    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) {
-      *why = "the manifest's checksum is not 64 lowercase hex digits; the manifest is corrupt";
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) {  // not 64 lowercase hex digits
+      *why = "the manifest's checksum (manifest_sha256, the last member of a manifest of version >= 2) is missing "
+             "or damaged; the manifest is corrupt";
       return false;
     }
   }
@@ -170,7 +171,7 @@ int parseManifest(std::string_view bytes, Manifest* out, std::string* error) {
     return ck.fail(-EINVAL, "version is not a positive integer");
   }
   if (version->i > kVersion) {
-    return ck.fail(-ENOTSUP, "format version " + std::to_string(version->i) + " is newer than this zeroplus reads (" +
+    return ck.fail(-ENOTSUP, "format version " + std::to_string(version->i) + ", newer than this zeroplus reads (" +
                                  std::to_string(kVersion) + "); upgrade zeroplus");
   }
   if (version->i >= kChecksummedSince || root.find(kSealKey) != nullptr) {
@@ -206,19 +207,22 @@ int parseManifest(std::string_view bytes, Manifest* out, std::string* error) {
     const std::string at = "files[" + std::to_string(k) + "]";
     const Value* name = f.find("name");
     if (name == nullptr || !name->isString() || !isShardName(name->s)) {
-      return ck.fail(-EINVAL, at + " has no name of the form rankNNNNN.bin (refusing a name that could escape the "
+      const std::string shown = name != nullptr && name->isString() ? "name '" + name->s + "'" : "no name";
+      return ck.fail(-EINVAL, at + " has " + shown + ", expected rankNNNNN.bin (refusing a name that could escape the "
                                    "checkpoint directory)");
     }
     const Value* size = f.find("bytes");
     if (size == nullptr || !size->isInt() || size->i < 0) return ck.fail(-EINVAL, at + ".bytes is invalid");
     const Value* crcs = f.find("block_crc32");
     const int64_t blocks = (size->i + m.blockBytes - 1) / m.blockBytes;
+    const std::string crcRule = at + ".block_crc32 must list " + std::to_string(blocks) +
+                                " checksums, each a 32-bit unsigned integer";
     if (crcs == nullptr || !crcs->isArray() || static_cast<int64_t>(crcs->items.size()) != blocks) {
-      return ck.fail(-EINVAL, at + ".block_crc32 must list " + std::to_string(blocks) + " checksums");
+      return ck.fail(-EINVAL, crcRule);
     }
     FileRecord rec{name->s, size->i, {}};
     for (const Value& c : crcs->items) {
-      if (!c.isInt() || c.i < 0 || c.i > 0xFFFFFFFFLL) return ck.fail(-EINVAL, at + ".block_crc32 has an invalid CRC");
+      if (!c.isInt() || c.i < 0 || c.i > 0xFFFFFFFFLL) return ck.fail(-EINVAL, crcRule);
       rec.blockCrc32.push_back(static_cast<uint32_t>(c.i));
     }
     m.files.push_back(std::move(rec));
@@ -234,7 +238,8 @@ int parseManifest(std::string_view bytes, Manifest* out, std::string* error) {
     int64_t bound = 1;
     for (size_t d = 0; ok && d < shape->items.size(); ++d) {
       const Value& dim = shape->items[d];
-      ok = dim.isInt() && dim.i >= 0 && (dim.i <= 1 || bound < kMaxElements / dim.i);
+      // the product of max(dim, 1) stays below 2^62: bound * dim < kMaxElements, without overflow
+      ok = dim.isInt() && dim.i >= 0 && (dim.i <= 1 || bound <= (kMaxElements - 1) / dim.i);
       if (ok) {
         rec.shape.push_back(dim.i);
         bound *= std::max<int64_t>(dim.i, 1);

@@ -1,19 +1,24 @@
-// The zeroplus checkpoint manifest (manifest.json) as typed C++ values: the same format the
-// Python package writes and reads (plugin/python/zeroplus/checkpoint/format.py, the definition;
-// docs/checkpoints.md). Torch-free.
+// The zeroplus checkpoint manifest (manifest.json) as typed C++ values. Torch-free.
+//
+// parseManifest() is the definition of a valid manifest, for both front-ends: the LibTorch
+// engine's CheckpointFiles calls it, and the Python package's format.py parse_manifest calls it
+// through the op zeroplus::check_manifest (registration/files_registration.cpp) before it builds
+// its dict with json.loads (json.hpp says why what this parser accepts reads the same there).
+// format.py is the writer (encode_manifest) and the dict front-end; docs/checkpoints.md the prose.
 //
 // encodeManifest() writes compact JSON whose last member is "manifest_sha256", the SHA-256 of the
-// bytes without that member (format.py encode_manifest): one flipped bit anywhere is refused by
-// either language's reader.
+// bytes without that member (as format.py encode_manifest does): one flipped bit anywhere is
+// refused.
 //
 // parseManifest() checks, before anything else, the version and the seal, then every field a
-// reader will trust, as format.py parse_manifest does: shard file names (rankNNNNN.bin only:
-// nothing can name a path outside the checkpoint directory), sizes and per-block CRC counts,
-// tensor shapes (element counts below 2^62), dtypes and kinds, aliases, every chunk's tensor,
-// element range, file and byte range (inside the file's recorded size), no two chunks of one value
-// overlapping, param groups naming known tensors. Return codes: 0; -EIO the bytes are corrupt (not
-// JSON, seal missing or mismatching); -ENOTSUP a newer format version; -EINVAL anything else
-// malformed. *error says which field.
+// reader will trust: shard file names (rankNNNNN.bin only: nothing can name a path outside the
+// checkpoint directory), sizes and per-block CRC counts and values (32-bit), tensor shapes (the
+// product of max(dim, 1) below 2^62), dtypes and kinds, aliases, every chunk's tensor, element
+// range, file and byte range (inside the file's recorded size), no two chunks of one value
+// overlapping, param groups naming known tensors. Return codes: 0; -EIO the bytes are corrupt
+// (not JSON, seal missing or mismatching); -ENOTSUP a newer format version; -EINVAL anything else
+// malformed. *error says which field, worded to follow "<path of the manifest>: " (both
+// front-ends prefix it so; Python tests match on these words).
 #pragma once
 
 #include <cstdint>

@@ -63,6 +63,24 @@ TEST(CheckpointJson, StrictRefusals) {
   EXPECT_EQ(json::parse(deep, &v, nullptr), -EINVAL);
 }
 
+// Strings are well-formed UTF-8: what Python's json.loads (UTF-8 with surrogatepass) would read
+// differently, or refuse with another error, is refused here (format.py validates with this parser).
+TEST(CheckpointJson, StringsAreWellFormedUtf8) {
+  Value v;
+  for (const char* bad : {"\"\xed\xa0\x80\"", "\"\xc0\xaf\"", "\"\xe0\x80\xaf\"", "\"\xf0\x80\x80\xaf\"",
+                          "\"\xf4\x90\x80\x80\"", "\"\xf5\x80\x80\x80\"", "\"\xe2\x82\"", "\"\xe9\"", "\"\x80\"",
+                          "\xef\xbb\xbf{}"}) {
+    std::string err;
+    EXPECT_EQ(json::parse(bad, &v, &err), -EINVAL) << bad;
+  }
+  for (const char* good : {"\"\xc3\xa9\"", "\"\xe2\x82\xac\"", "\"\xed\x9f\xbf\"", "\"\xee\x80\x80\"",
+                           "\"\xf0\x9f\x98\x80\"", "\"\xf4\x8f\xbf\xbf\"", "\"\x7f\""}) {
+    std::string err;
+    ASSERT_EQ(json::parse(good, &v, &err), 0) << good << ": " << err;
+    EXPECT_EQ("\"" + v.s + "\"", good);
+  }
+}
+
 Manifest sample() {
   Manifest m;
   m.source.set("stage", Value::integer(2));
@@ -171,8 +189,23 @@ TEST(CheckpointManifest, OutOfRangeFieldsAreRefusedEvenWhenSealed) {
   m.tensors[0].shape = {int64_t{1} << 40, int64_t{1} << 40};
   refused(m, "huge shape");
   m = sample();
+  m.tensors[1].shape = {3, 1537228672809129302};  // 2^62 + 2 elements
+  refused(m, "shape of 2^62 elements or more");
+  m = sample();
   m.blockBytes = kMaxBlockBytes + 1;
   refused(m, "block size");
+}
+
+TEST(CheckpointManifest, ShapesBelowTwoToThe62ElementsParse) {
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{(int64_t{1} << 62) - 1},
+                                     std::vector<int64_t>{3, 0, 1537228672809129301}}) {
+    Manifest m = sample();
+    m.tensors[1].shape = shape;
+    m.chunks.pop_back();  // the buffer's chunk (its range is not what this tests)
+    Manifest out;
+    std::string err;
+    EXPECT_EQ(parseManifest(encodeManifest(m), &out, &err), 0) << shape.back() << ": " << err;
+  }
 }
 
 TEST(CheckpointManifest, NewerVersionIsRefusedBeforeTheSeal) {
