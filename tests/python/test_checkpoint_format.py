@@ -5,11 +5,18 @@ parse_manifest is the one place untrusted bytes enter a load, so it is fuzzed he
 seeded mutations of a valid manifest (fields deleted, retyped, set to extreme or escaping values,
 bytes flipped or cut) must each either parse into something whose every range is in bounds, or
 raise CheckpointError (an OSError) naming the manifest; never another exception.
+
+Its validator is C++'s (manifest.cpp, op zeroplus::check_manifest); the dict is json.loads'. Where
+the two JSON grammars differ (duplicate members, integers past int64, lone surrogates, malformed
+UTF-8, a byte-order mark, UTF-16, deep nesting) the C++ parser refuses, so json.loads never reads
+anything other than what was checked: one test per difference below.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
+import hashlib
 import json
 import math
 import random
@@ -18,8 +25,8 @@ import time
 import pytest
 import torch
 
-from zeroplus.checkpoint.format import (VERSION, CheckpointError, CheckpointVersionError, DTYPE_BYTES, decode_value,
-                                        dumps, encode_value, parse_manifest)
+from zeroplus.checkpoint.format import (VERSION, CheckpointCorruptError, CheckpointError, CheckpointVersionError,
+                                        DTYPE_BYTES, decode_value, dumps, encode_manifest, encode_value, parse_manifest)
 
 TRIALS = 3000
 
@@ -91,6 +98,106 @@ def test_valid_manifest_parses():
 def test_newer_version_is_refused():
     with pytest.raises(CheckpointVersionError, match=f"version {VERSION + 1}, newer"):
         parse_manifest(dumps({**_valid(), "version": VERSION + 1}), "m.json")
+
+
+def test_errors_map_to_their_types_with_errno_and_the_manifest_path():
+    sealed = encode_manifest({**_valid(), "version": VERSION})
+    assert parse_manifest(sealed, "ck/manifest.json")["tensors"]["w"]["numel"] == 15
+    assert "manifest_sha256" not in parse_manifest(sealed, "ck/manifest.json")
+    broken = sealed.replace(b'"param",0,15', b'"param",0,14')
+    for data, error, words in [(broken, CheckpointCorruptError, "checksum mismatch in the manifest"),
+                               (b"{", CheckpointCorruptError, "not valid JSON"),
+                               (b"", CheckpointCorruptError, "not valid JSON"),
+                               (dumps({**_valid(), "block_bytes": 0}), CheckpointError, "block_bytes 0 is outside")]:
+        with pytest.raises(error, match=words) as e:
+            parse_manifest(data, "ck/manifest.json")
+        assert "ck/manifest.json" in str(e.value)
+        assert (e.value.errno, e.value.filename) == ((errno.EIO, "ck/manifest.json") if error is CheckpointCorruptError
+                                                     else (None, None))
+        assert not isinstance(e.value, CheckpointCorruptError) or error is CheckpointCorruptError
+
+
+# -- one validator, two JSON grammars ------------------------------------------------------------
+
+
+def _v1(**extra) -> bytes:
+    """A valid (unsealed, version 1) manifest whose "extra" member's text is spliced in raw."""
+    body = dumps({**_valid(), "extra": None})
+    assert body.count(b'"extra":null') == 1
+    return body.replace(b'"extra":null', b'"extra":{' + b",".join(b'"%s":%s' % (k.encode(), v)
+                                                                 for k, v in extra.items()) + b"}")
+
+
+def _seal(body: bytes) -> bytes:
+    """encode_manifest's seal over raw bytes (what a crafted, not a damaged, manifest carries)."""
+    return body[:-1] + b',"manifest_sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
+
+
+@pytest.mark.parametrize("case, data", [
+    # json.loads keeps the last of two same-named members; C++ checks one of them
+    ("duplicate member", _v1(a=b"1").replace(b'"extra":', b'"extra":7,"extra":')),
+    ("duplicate member spelled with an escape", _v1(a=b"1").replace(b'"extra":', b'"extra":7,"ext\\u0072a":')),
+    ("duplicate tensor", dumps(_valid()).replace(b'"tensors":{', b'"tensors":{"w":{"shape":[0],"dtype":"float32",'
+                                                                b'"kind":"buffer"},')),
+    # Python's ints are unbounded, C++'s are int64: a value C++ cannot hold is not read differently
+    ("integer past int64", _v1(a=b"9223372036854775808")),
+    ("integer below int64", _v1(a=b"-9223372036854775809")),
+    # json.loads keeps unpaired surrogates (escaped, or raw with its surrogatepass decoding)
+    ("lone surrogate escape", _v1(a=b'"\\ud800"')),
+    ("lone low surrogate escape", _v1(a=b'"\\udc00x"')),
+    ("encoded surrogate", _v1(a=b'"\xed\xa0\x80"')),
+    ("overlong UTF-8", _v1(a=b'"\xc0\xaf"')),
+    ("truncated UTF-8", _v1(a=b'"\xe2\x82"')),
+    ("past U+10FFFF", _v1(a=b'"\xf4\x90\x80\x80"')),
+    ("Latin-1 byte", _v1(a=b'"\xe9"')),
+    # json.loads(bytes) detects these encodings and reads them
+    ("UTF-8 byte-order mark", b"\xef\xbb\xbf" + dumps(_valid())),
+    ("sealed, with a byte-order mark", _seal(b"\xef\xbb\xbf" + dumps({**_valid(), "version": VERSION}))),
+    ("UTF-16", dumps(_valid()).decode().encode("utf-16-le")),
+    # nesting json.loads reads (to ~1000 levels) but C++ (64) does not
+    ("nesting 70 deep", _v1(a=b"[" * 70 + b"]" * 70)),
+    # whitespace Python's str.strip would take, JSON's grammar does not
+    ("form feed", dumps(_valid()) + b"\x0c"),
+    ("no-break space", b"\xc2\xa0" + dumps(_valid())),
+])
+def test_what_json_loads_would_read_differently_is_refused_as_corrupt(case, data):
+    with pytest.raises(CheckpointCorruptError, match="not valid JSON") as e:
+        parse_manifest(data, "manifest.json")
+    assert e.value.errno == errno.EIO and e.value.filename == "manifest.json", case
+
+
+def test_what_both_grammars_accept_reads_as_checked():
+    data = _v1(big=b"9223372036854775807", small=b"-9223372036854775808", nan=b"NaN", inf=b"Infinity",
+               ninf=b"-Infinity", f=b"1e400", z=b"-0", e=b'"\\u00e9\\ud83d\\ude00\\u0000\\/"',
+               raw="\"é😀\U0010ffff\"".encode(), deep=b"[" * 60 + b"]" * 60)
+    m = parse_manifest(b" \t\r\n" + data + b"\n", "manifest.json")
+    x = m["extra"]
+    assert (x["big"], x["small"], x["z"]) == (2 ** 63 - 1, -2 ** 63, 0)
+    assert math.isnan(x["nan"]) and x["inf"] == x["f"] == math.inf and x["ninf"] == -math.inf
+    assert x["e"] == "é😀\x00/" and x["raw"] == "é😀\U0010ffff"
+    # a name spelled raw in one place and escaped in another is one name to both parsers
+    named = _valid()
+    named["tensors"] = {"wé": named["tensors"]["w"], "b": named["tensors"]["b"]}
+    named["chunks"][0][0] = named["chunks"][1][0] = "wé"
+    named["param_groups"][0]["params"] = ["wé"]
+    named["aliases"] = {"w2": "wé"}
+    raw = json.dumps(named, ensure_ascii=False).encode()
+    escaped = raw.replace('"wé"'.encode(), b'"w\\u00e9"', 1)  # the key in "tensors"
+    assert escaped != raw
+    for data in (raw, escaped, json.dumps(named, indent="\t").encode()):
+        assert parse_manifest(data, "manifest.json")["tensors"]["wé"]["numel"] == 15
+
+
+def test_shape_bound_is_the_product_below_2_to_the_62():
+    m = _valid()
+    m["tensors"]["huge"] = {"shape": [2 ** 62 - 1], "dtype": "float32", "kind": "buffer"}
+    assert parse_manifest(dumps(m), "manifest.json")["tensors"]["huge"]["numel"] == 2 ** 62 - 1
+    m["tensors"]["huge"]["shape"] = [3, 0, 1537228672809129301]  # 3 * max(0, 1) * ... = 2**62 - 1
+    assert parse_manifest(dumps(m), "manifest.json")["tensors"]["huge"]["numel"] == 0
+    for shape in ([2 ** 62], [3, 1537228672809129302], [2 ** 31, 2 ** 31]):
+        m["tensors"]["huge"]["shape"] = shape
+        with pytest.raises(CheckpointError, match="'huge' has an invalid shape"):
+            parse_manifest(dumps(m), "manifest.json")
 
 
 def test_fuzzed_manifests_parse_or_raise_checkpoint_error():

@@ -24,8 +24,12 @@ still valid JSON and in range) is refused instead of loading wrong values. Versi
 (zeroplus before the checksum) carry none and are read as before; a manifest of version >= 2 without
 the member, or one that claims a checksum and mismatches, is CheckpointCorruptError.
 
-Parsing (parse_manifest) checks every field it will later trust (names, offsets, ranges, dtypes)
-and never evaluates code: JSON only. This module imports no torch.
+This module is the writer (dumps, encode_manifest, encode_value) and the dict front-end of the
+reader. The validator is C++'s, one for both front-ends: parse_manifest hands the bytes to
+optimizers/core/checkpoint/manifest.cpp parseManifest (op zeroplus::check_manifest), which checks
+the version, the seal and every field a reader will trust (names, offsets, ranges, dtypes), then
+reads them with json.loads (JSON only: nothing is evaluated). Importing this module imports no
+torch; parse_manifest and decode_value of a tensor use it (and the library `import zeroplus` loads).
 """
 
 from __future__ import annotations
@@ -52,11 +56,7 @@ MAX_BLOCK_BYTES = 64 << 20
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                "int8": 1, "uint8": 1, "bool": 1}
 
-_MAX_ELEMENTS = 1 << 62  # what torch can index (sizes and strides are int64), with room for byte counts
-_FILE_NAME = re.compile(r"^rank[0-9]{5}\.bin$")
 # A checkpoint directory name as the `latest` pointer may name it: one path component.
-# The last member of a checksummed manifest (encode_manifest), anchored at the end of the file.
-_SEAL = re.compile(rb',"' + MANIFEST_CHECKSUM.encode() + rb'":"([0-9a-f]{64})"\}\Z')
 _DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}$")
 
 
@@ -183,100 +183,37 @@ def encode_manifest(manifest: dict) -> bytes:
     return body[:-1] + b',"' + MANIFEST_CHECKSUM.encode() + b'":"' + digest + b'"}'
 
 
-def _check_seal(data: bytes, where: str) -> None:
-    """The manifest's own checksum (encode_manifest) matches its bytes, or CheckpointCorruptError."""
-    seal = _SEAL.search(data)
-    if seal is None:
-        raise CheckpointCorruptError(errno.EIO, f"checkpoint: the manifest's checksum ({MANIFEST_CHECKSUM}, the last "
-                                                f"member of a manifest of version >= {CHECKSUMMED_SINCE}) is missing "
-                                                f"or damaged; the manifest is corrupt", where)
-    actual = hashlib.sha256(data[:seal.start()] + b"}").hexdigest()
-    if actual != seal.group(1).decode():
-        raise CheckpointCorruptError(errno.EIO, f"checkpoint: checksum mismatch in the manifest (sha256 of its bytes "
-                                                f"{actual[:16]}..., recorded {seal.group(1).decode()[:16]}...); the "
-                                                f"manifest is corrupt", where)
-
-
-def _need(cond: bool, where: str, what: str) -> None:
-    if not cond:
-        raise CheckpointError(f"checkpoint: {where}: {what}")
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _str_in(v, container) -> bool:
     """v is a str key of container (a dict from JSON may hold any type where a name belongs)."""
     return isinstance(v, str) and v in container
 
 
 def parse_manifest(data: bytes, where: str) -> dict:
-    """The manifest at `where`, validated: every name, range, offset and dtype the reader will use.
-    Raises CheckpointVersionError for a newer version, CheckpointError for anything malformed."""
+    """The manifest at `where` (its bytes), validated: every name, range, offset and dtype the reader
+    will use. Raises CheckpointVersionError for a newer version, CheckpointCorruptError (errno EIO,
+    filename `where`) for bytes that are not JSON or fail the manifest's checksum, CheckpointError
+    for anything else malformed.
+
+    The checks are C++'s (optimizers/core/checkpoint/manifest.cpp parseManifest, through the op
+    zeroplus::check_manifest): one validator for the Python and the LibTorch reader. Only what it
+    accepted reaches json.loads here, and its JSON grammar is the stricter of the two (json.hpp), so
+    the dict holds exactly the values it checked."""
+    import torch  # the op's library is loaded by `import zeroplus`, which importing this module ran
+
+    data = bytes(data)  # immutable: the bytes checked are the bytes parsed (str would be re-encoded)
+    rc, what = torch.ops.zeroplus.check_manifest(data)
+    if rc == -errno.EIO:
+        raise CheckpointCorruptError(errno.EIO, f"checkpoint: {where}: {what}", where)
+    if rc == -errno.ENOTSUP:
+        raise CheckpointVersionError(f"checkpoint: {where}: {what}")
+    if rc != 0:
+        raise CheckpointError(f"checkpoint: {where}: {what}")
     try:
         m = json.loads(data)
-    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the interpreter's limit
-        raise CheckpointCorruptError(f"checkpoint: {where} is not valid JSON ({e}); the manifest is corrupt") from None
-    _need(isinstance(m, dict) and m.get("format") == FORMAT, where, f"not a zeroplus checkpoint manifest "
-          f"(format {m.get('format') if isinstance(m, dict) else None!r})")
-    version = m.get("version")
-    _need(_int(version) and version >= 1, where, f"version {version!r} is not a positive integer")
-    if version > VERSION:  # before the checksum: a newer format may seal its manifest otherwise
-        raise CheckpointVersionError(f"checkpoint: {where} has format version {version}, newer than this zeroplus "
-                                     f"reads ({VERSION}); upgrade zeroplus")
-    if version >= CHECKSUMMED_SINCE or MANIFEST_CHECKSUM in m:
-        _check_seal(bytes(data), where)
-        m.pop(MANIFEST_CHECKSUM, None)
-    for key, kind in (("source", dict), ("files", list), ("tensors", dict), ("aliases", dict), ("chunks", list),
-                      ("param_groups", list), ("optimizer", dict), ("block_bytes", int)):
-        _need(isinstance(m.get(key), kind), where, f"field {key!r} missing or not a {kind.__name__}")
-    _need(0 < m["block_bytes"] <= MAX_BLOCK_BYTES, where,
-          f"block_bytes {m['block_bytes']} is outside [1, {MAX_BLOCK_BYTES}]")
-    sizes = []
-    for i, f in enumerate(m["files"]):
-        name = f.get("name") if isinstance(f, dict) else f
-        _need(isinstance(f, dict) and isinstance(name, str) and _FILE_NAME.match(name) is not None, where,
-              f"files[{i}] has name {name!r}, expected rankNNNNN.bin (refusing a name that could escape the "
-              f"checkpoint directory)")
-        _need(_int(f.get("bytes")) and f["bytes"] >= 0, where, f"files[{i}].bytes is invalid")
-        crcs = f.get("block_crc32")
-        nblocks = -(-f["bytes"] // m["block_bytes"])
-        _need(isinstance(crcs, list) and len(crcs) == nblocks and all(_int(c) and 0 <= c < 1 << 32 for c in crcs),
-              where, f"files[{i}].block_crc32 must list {nblocks} checksums, each a 32-bit unsigned integer")
-        sizes.append(f["bytes"])
-    tensors = m["tensors"]
-    for name, t in tensors.items():
-        ok = (isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(d) and d >= 0 for d in t["shape"])
-              and math.prod(max(d, 1) for d in t["shape"]) < _MAX_ELEMENTS)
-        _need(ok, where, f"tensor {name!r} has an invalid shape")
-        _need(_str_in(t.get("dtype"), DTYPE_BYTES), where, f"tensor {name!r} has unknown dtype {t.get('dtype')!r}")
-        _need(_str_in(t.get("kind"), ("param", "buffer")), where, f"tensor {name!r} has unknown kind {t.get('kind')!r}")
-        state, scalars = t.get("state", {}), t.get("scalars", {})
-        _need(isinstance(state, dict) and all(_str_in(v, DTYPE_BYTES) for v in state.values())
-              and isinstance(scalars, dict), where, f"tensor {name!r} has invalid optimizer state fields")
+    except (ValueError, RecursionError) as e:  # the validator refuses first (json.hpp); kept as the last word
+        raise CheckpointCorruptError(errno.EIO, f"checkpoint: {where}: not valid JSON ({e}); the manifest is "
+                                                f"corrupt", where) from None
+    m.pop(MANIFEST_CHECKSUM, None)
+    for t in m["tensors"].values():
         t["numel"] = math.prod(t["shape"])
-    for alias, target in m["aliases"].items():
-        _need(_str_in(target, tensors), where, f"alias {alias!r} names unknown tensor {target!r}")
-        _need(alias not in tensors, where, f"alias {alias!r} is also the name of a stored tensor (one state_dict key, "
-                                           f"two values)")
-    for i, c in enumerate(m["chunks"]):
-        ok = isinstance(c, list) and len(c) == 7
-        if ok:
-            name, key, lo, hi, dtype, fi, off = c
-            ok = (_str_in(name, tensors) and isinstance(key, str) and _int(lo) and _int(hi) and 0 <= lo < hi
-                  and hi <= tensors[name]["numel"] and _str_in(dtype, DTYPE_BYTES) and _int(fi)
-                  and 0 <= fi < len(sizes) and _int(off) and off >= 0
-                  and off + (hi - lo) * DTYPE_BYTES[dtype] <= sizes[fi])
-        _need(ok, where, f"chunks[{i}] = {c!r} is out of range (tensor, element range, file or byte offset)")
-    spans: dict = {}
-    for name, key, lo, hi, *_rest in m["chunks"]:
-        spans.setdefault((name, key), []).append((lo, hi))
-    for (name, key), ranges in spans.items():  # a reader counts covered elements: each must be stored once
-        ranges.sort()
-        for (_lo, prev_hi), (lo, _hi) in zip(ranges, ranges[1:]):
-            _need(lo >= prev_hi, where, f"chunks of {name!r} ({key}) overlap at elements [{lo}, {prev_hi})")
-    for i, g in enumerate(m["param_groups"]):
-        _need(isinstance(g, dict) and isinstance(g.get("params"), list)
-              and all(_str_in(p, tensors) for p in g["params"]), where, f"param_groups[{i}] is invalid")
     return m
