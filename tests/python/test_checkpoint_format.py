@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from zeroplus.checkpoint.format import (VERSION, CheckpointCorruptError, CheckpointError, CheckpointVersionError,
-                                        DTYPE_BYTES, decode_value, dumps, encode_manifest, encode_value, parse_manifest)
+                                        DTYPE_BYTES, check_json, decode_value, dumps, encode_manifest, encode_value,
+                                        parse_manifest)
 
 TRIALS = 3000
 
@@ -186,6 +187,21 @@ def test_what_both_grammars_accept_reads_as_checked():
     assert escaped != raw
     for data in (raw, escaped, json.dumps(named, indent="\t").encode()):
         assert parse_manifest(data, "manifest.json")["tensors"]["wé"]["numel"] == 15
+
+
+def test_the_writer_refuses_extra_values_the_validator_would_not_read_back():
+    def nested(n):
+        return [] if n == 1 else [nested(n - 1)]
+
+    fine = {"big": 2 ** 63 - 1, "small": -2 ** 63, "s": "é😀\x00", "deep": nested(31)}  # 32 levels with fine itself
+    assert check_json(fine, "extra") is fine and check_json(nested(32), "extra") == nested(32)
+    assert parse_manifest(encode_manifest({**_valid(), "version": VERSION, "extra": fine}), "m.json")["extra"] == fine
+    for bad, words in [({"n": 2 ** 63}, r"extra\['n'\] is 9223372036854775808, outside the 64-bit"),
+                       ([-2 ** 63 - 1], r"extra\[0\] is -9223372036854775809"),
+                       ({"s": "a\ud800"}, "lone surrogate"), ({"\udc00": 1}, "lone surrogate"),
+                       (nested(33), "more than 32 deep")]:
+        with pytest.raises(TypeError, match=words):
+            check_json(bad, "extra")
 
 
 def test_shape_bound_is_the_product_below_2_to_the_62():

@@ -88,25 +88,50 @@ def check_dir_name(name: str, what: str) -> str:
 # -- JSON values -------------------------------------------------------------------------------
 
 
-def check_json(value, where: str):
-    """`value` if it survives a JSON round trip unchanged in meaning, else TypeError naming the
-    key path `where` (extra= and hyperparameters go through this)."""
-    if value is None or isinstance(value, (bool, int, str)):
+# What the manifest's validator reads (optimizers/core/checkpoint/json.hpp): int64 integers, UTF-8
+# strings, nesting at most 64 deep in the whole manifest. extra sits one level down; 32 levels of
+# its own leave room for the tags encode_value adds.
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_MAX_JSON_DEPTH = 32
+
+
+def check_json(value, where: str, _depth: int = 0):
+    """`value` if it survives a JSON round trip unchanged in meaning and the manifest's validator
+    reads it back (ints in int64, strings encodable as UTF-8, at most 32 levels of lists and
+    dicts), else TypeError naming the key path `where` (extra= goes through this)."""
+    if value is None or isinstance(value, (bool, float)):
         return value
-    if isinstance(value, float):
+    if isinstance(value, int):
+        if not _INT64[0] <= value <= _INT64[1]:
+            raise TypeError(f"checkpoint: {where} is {value}, outside the 64-bit integers a checkpoint reader "
+                            f"reads (store it as a str)")
         return value
+    if isinstance(value, str):
+        _check_utf8(value, where)
+        return value
+    if _depth >= _MAX_JSON_DEPTH and isinstance(value, (list, tuple, dict)):
+        raise TypeError(f"checkpoint: {where} nests lists and dicts more than {_MAX_JSON_DEPTH} deep, more than a "
+                        f"checkpoint reader reads")
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            check_json(v, f"{where}[{i}]")
+            check_json(v, f"{where}[{i}]", _depth + 1)
         return value
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise TypeError(f"checkpoint: {where} has a key {k!r} of type {type(k).__name__}; JSON needs str keys")
-            check_json(v, f"{where}[{k!r}]")
+            _check_utf8(k, f"{where} key {k!r}")
+            check_json(v, f"{where}[{k!r}]", _depth + 1)
         return value
     raise TypeError(f"checkpoint: {where} is a {type(value).__name__}, which is not JSON-serializable "
                     f"(extra and hyperparameters must be None, bool, int, float, str, list, tuple or dict)")
+
+
+def _check_utf8(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: json.dumps would write a \ud800 no reader accepts
+        raise TypeError(f"checkpoint: {where} holds a lone surrogate ({s!r}), which is not UTF-8") from None
 
 
 def encode_value(value):
