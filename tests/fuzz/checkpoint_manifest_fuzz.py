@@ -9,6 +9,9 @@ file. check_one(data) runs everything a load, `inspect` and `consolidate` do wit
      keep the bytes as they are) are written to a scratch directory, which CheckpointReader opens;
      every file is verified block by block against its CRC-32 list (inspect) and every tensor is
      read whole (consolidate's iter_tensors: chunk lookup, range assembly, dtype checks).
+The validator under parse_manifest is C++ (manifest.cpp, through zeroplus::check_manifest), which
+atheris does not instrument: tests/fuzz/manifest_parse_fuzz.cpp fuzzes it with coverage; this
+target checks what Python does with what it accepted.
 The contract it asserts: each step returns a validated result or raises CheckpointError (or a
 subclass: CheckpointCorruptError, CheckpointVersionError), the documented error of every parser
 of checkpoint bytes; any other exception is a crash (atheris reports it with the input). Hangs
