@@ -87,7 +87,8 @@ void checkBounds(const ckpt::Manifest& m) {
     check(t != nullptr, "chunk of an unknown tensor");
     check(0 <= c.lo && c.lo < c.hi && c.hi <= t->numel, "chunk range outside its tensor");
     check(0 <= c.file && c.file < static_cast<int64_t>(m.files.size()), "chunk in an unknown file");
-    const __int128 end = static_cast<__int128>(c.offset) + static_cast<__int128>(c.hi - c.lo) * ckpt::dtypeBytes(c.dtype);
+    const __int128 end =
+        static_cast<__int128>(c.offset) + static_cast<__int128>(c.hi - c.lo) * ckpt::dtypeBytes(c.dtype);
     check(c.offset >= 0 && end <= m.files[static_cast<size_t>(c.file)].bytes, "chunk bytes outside its file");
     spans[{c.tensor, c.key}].emplace_back(c.lo, c.hi);
   }
