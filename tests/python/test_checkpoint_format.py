@@ -167,6 +167,13 @@ def test_what_json_loads_would_read_differently_is_refused_as_corrupt(case, data
     assert e.value.errno == errno.EIO and e.value.filename == "manifest.json", case
 
 
+def test_the_validator_sees_every_byte():
+    """The op takes the bytes as they are (a NUL does not end them): C++ words the refusal."""
+    data = dumps(_valid())
+    with pytest.raises(CheckpointCorruptError, match=f"trailing characters after the JSON value at byte {len(data)}"):
+        parse_manifest(data + b"\x00" + data, "manifest.json")
+
+
 def test_what_both_grammars_accept_reads_as_checked():
     data = _v1(big=b"9223372036854775807", small=b"-9223372036854775808", nan=b"NaN", inf=b"Infinity",
                ninf=b"-Infinity", f=b"1e400", z=b"-0", e=b'"\\u00e9\\ud83d\\ude00\\u0000\\/"',
