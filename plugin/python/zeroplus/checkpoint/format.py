@@ -89,8 +89,8 @@ def check_dir_name(name: str, what: str) -> str:
 
 
 # What the manifest's validator reads (optimizers/core/checkpoint/json.hpp): int64 integers, UTF-8
-# strings, nesting at most 64 deep in the whole manifest. extra sits one level down; 32 levels of
-# its own leave room for the tags encode_value adds.
+# strings, nesting at most 64 deep in the whole manifest. extra sits one level below its root: 32
+# levels of its own stay well inside that.
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 _MAX_JSON_DEPTH = 32
 
@@ -225,7 +225,7 @@ def parse_manifest(data: bytes, where: str) -> dict:
     the dict holds exactly the values it checked."""
     import torch  # the op's library is loaded by `import zeroplus`, which importing this module ran
 
-    data = bytes(data)  # immutable: the bytes checked are the bytes parsed (str would be re-encoded)
+    data = bytes(data)  # immutable: the bytes checked are the bytes parsed (a str is a TypeError)
     rc, what = torch.ops.zeroplus.check_manifest(data)
     if rc == -errno.EIO:
         raise CheckpointCorruptError(errno.EIO, f"checkpoint: {where}: {what}", where)
@@ -235,7 +235,7 @@ def parse_manifest(data: bytes, where: str) -> dict:
         raise CheckpointError(f"checkpoint: {where}: {what}")
     try:
         m = json.loads(data)
-    except (ValueError, RecursionError) as e:  # the validator refuses first (json.hpp); kept as the last word
+    except (ValueError, RecursionError) as e:  # unreachable while C++'s grammar is the stricter (json.hpp)
         raise CheckpointCorruptError(errno.EIO, f"checkpoint: {where}: not valid JSON ({e}); the manifest is "
                                                 f"corrupt", where) from None
     m.pop(MANIFEST_CHECKSUM, None)
