@@ -1,11 +1,19 @@
 #include "optimizers/adapter/zero/collectives.hpp"
 
+#include <string>
 #include <vector>
 
 namespace zeroplus::zero::engine {
 
 Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::Device device)
-    : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()), device_(device) {}
+    : pg_(std::move(pg)), rank_(pg_->getRank()), world_(pg_->getSize()), device_(device) {
+  std::string backend;
+  try {
+    backend = pg_->getBackend(device_.type())->getBackendName();
+  } catch (const c10::Error&) {  // no backend for this device yet: the first collective reports it
+  }
+  gatherInPlace_ = backend == "zeroplus" || backend == "nccl";
+}
 
 c10::intrusive_ptr<c10d::Work> Collectives::reduceScatter(at::Tensor& output, at::Tensor& input) {
   c10d::ReduceScatterOptions opts;

@@ -40,6 +40,10 @@ class Collectives {
   c10::intrusive_ptr<c10d::Work> allReduce(at::Tensor& tensor);
   // Every rank's `input` concatenated into `output` in rank order.
   c10::intrusive_ptr<c10d::Work> allGather(at::Tensor& output, at::Tensor& input);
+  // What allGather takes as input when `own` is this rank's slice of its output: `own` itself
+  // where the group's backend allows the alias (zeroplus: process_group/core/communicator.hpp;
+  // NCCL's in-place all-gather), else a copy (the Python engine's comm.gather_input).
+  at::Tensor gatherInput(const at::Tensor& own) const { return gatherInPlace_ ? own : own.clone(); }
   // Blocking: rank 0's values everywhere.
   void broadcastFromZero(at::Tensor& tensor);
   // Blocking, in place: element-wise MAX / SUM over ranks.
@@ -51,6 +55,7 @@ class Collectives {
   int rank_ = 0;
   int world_ = 1;
   at::Device device_;
+  bool gatherInPlace_ = false;
 };
 
 }  // namespace zeroplus::zero::engine

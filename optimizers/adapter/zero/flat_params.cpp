@@ -117,8 +117,7 @@ c10::intrusive_ptr<c10d::Work> FlatParams::publish(size_t b) {
   const auto [lo, hi] = bucket.shardRange(comm_.rank());
   at::Tensor shard = bucket.flat.slice(0, lo, hi);
   if (masters_[b].data_ptr() != shard.data_ptr()) shard.copy_(masters_[b]);
-  // A separate input: backends differ on whether an all-gather input may alias its output.
-  at::Tensor input = shard.clone();
+  at::Tensor input = comm_.gatherInput(shard);  // kept alive until the work was waited on
   gatherInputs_.push_back(input);
   return comm_.allGather(bucket.flat, input);
 }

@@ -202,8 +202,7 @@ c10::intrusive_ptr<c10d::Work> ShardedParams::publish(size_t b) {
   Bucket& bucket = buckets_[b];
   if (masters_[b].data_ptr() != bucket.shard.data_ptr()) bucket.shard.copy_(masters_[b]);
   if (!bucket.persistent) return {};
-  // A separate input: backends differ on whether an all-gather input may alias its output.
-  at::Tensor input = bucket.shard.clone();
+  at::Tensor input = comm_.gatherInput(bucket.shard);  // kept alive until the work was waited on
   gatherInputs_.push_back(input);
   return comm_.allGather(bucket.flat, input);
 }

@@ -34,6 +34,15 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
     return _all_gather(output, input, group=group, async_op=async_op)
 
 
+def gather_input(own: torch.Tensor, group) -> torch.Tensor:
+    """The input of an all-gather whose `own` is this rank's slice of the output: `own` itself
+    where the backend allows the alias (zeroplus: its communicators take `in` at out + rank *
+    bytes, process_group/core/communicator.hpp, and host staging copies each side; NCCL's in-place
+    all-gather), else a copy (gloo beyond 2 ranks, MPI, custom backends). The copy cost a shard-
+    sized allocation and memcpy per bucket at every step's publish and every load."""
+    return own if dist.get_backend(group) in ("zeroplus", "nccl") else own.clone()
+
+
 def agreement_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """A small synchronous all-gather of control integers (gather_agreement.py), apart from
     all_gather so that what moves parameters is one function (tests count and wrap it)."""

@@ -110,8 +110,8 @@ class ReplicatedParams:
         engine.write_master_into(i, shard)
         if engine.reducer.owner_collectives:  # gloo, 2 ranks: in place, one broadcast per owner
             return comm.broadcast_from_owners(b.flat, b.shard_numel, engine.process_group, engine.world_size)
-        # A separate input: backends differ on whether an all-gather input may alias its output.
-        return comm.all_gather(b.flat, shard.clone(), engine.process_group, async_op=True)
+        return comm.all_gather(b.flat, comm.gather_input(shard, engine.process_group), engine.process_group,
+                               async_op=True)
 
     def add_memory(self, out: dict[str, int]) -> dict[str, int]:
         return out

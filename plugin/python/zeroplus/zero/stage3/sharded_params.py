@@ -299,7 +299,8 @@ class ShardedParams:
         own = b.flat[lo:hi] if b.persistent else b.shard
         engine.write_master_into(i, own)
         if b.persistent:
-            return comm.all_gather(b.flat, own.clone(), engine.process_group, async_op=True)
+            return comm.all_gather(b.flat, comm.gather_input(own, engine.process_group), engine.process_group,
+                                   async_op=True)
         return None
 
     def add_memory(self, out: dict[str, int]) -> dict[str, int]:
