@@ -9,7 +9,8 @@
 # ZEROPLUS_GPU_BUILD=1 builds here even when the copied library loads. The C++ engine's GPU checks
 # (tests/python/test_cuda_cpp_engine.py) need two programs built against this machine's torch,
 # bin/zero_cuda_test (GoogleTest: the machine's, or include/ and lib/ carried in $build/gtest) and
-# bin/zero_engine_crosscheck: where they are missing, the library and they are built here.
+# bin/zero_engine_crosscheck: where tests are asked for and they are missing, the library and
+# they are built here (device time: carry them where you can).
 #
 #   OUT=dir bash scripts/gpu_check.sh [tests|bench|all] [extra bench_gpu.py arguments]
 set -uo pipefail
@@ -21,6 +22,7 @@ out="${OUT:-$repo_root/bench/results/gpu}"
 mkdir -p "$out"
 py="${ZEROPLUS_GPU_PYTHON:-python3}"
 build="${ZEROPLUS_GPU_BUILD_DIR:-$repo_root/build-gpu}"
+uring_lib="$build/uring/lib"  # carried beside the library; a build here links the same one
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -40,7 +42,9 @@ build_here() {  # libzeroplus.so with CUDA against this machine's torch, into bu
   [[ -d "$build/gtest" ]] && configure+=(-DGTEST_ROOT="$build/gtest")
   start=$(date +%s)
   if ! "${configure[@]}" -DZEROPLUS_BUILD_TESTS=ON >"$out/configure.log" 2>&1; then
-    echo "[gpu-check] no GoogleTest here (carry one in $build/gtest): the C++ engine's GPU programs are not built"
+    tail -15 "$out/configure.log"
+    echo "[gpu-check] configuring with the tests failed (above; no GoogleTest here? carry one in $build/gtest):" \
+         "building the library only, without the C++ engine's GPU programs"
     rm -rf "$local_build"
     targets=(zeroplus)
     "${configure[@]}" -DZEROPLUS_BUILD_TESTS=OFF >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
@@ -50,10 +54,11 @@ build_here() {  # libzeroplus.so with CUDA against this machine's torch, into bu
   echo "[gpu-check] built ${targets[*]} in $local_build in $(( $(date +%s) - start )) s"
   build="$local_build"
 }
-if [[ "${ZEROPLUS_GPU_BUILD:-0}" == 1 || ! -x "$build/bin/zero_cuda_test" || ! -x "$build/bin/zero_engine_crosscheck" ]]; then
+programs_missing() { [[ ! -x "$build/bin/zero_cuda_test" || ! -x "$build/bin/zero_engine_crosscheck" ]]; }
+if [[ "${ZEROPLUS_GPU_BUILD:-0}" == 1 ]] || { [[ "$what" != bench ]] && programs_missing; }; then
   build_here
 fi
-export LD_LIBRARY_PATH="$build/lib:$build/uring/lib:${LD_LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$build/lib:$uring_lib:${LD_LIBRARY_PATH:-}"
 export ZEROPLUS_BUILD_DIR="$build"
 if ! "$py" -c "import torch, zeroplus; assert torch.ops.zeroplus.has_cuda_kernels()" 2>"$out/load_error.txt"; then
   echo "[gpu-check] the library in $build/lib does not load here ($(tail -1 "$out/load_error.txt")); building"
@@ -66,7 +71,7 @@ fi
 rc=0
 if [[ "$what" == "tests" || "$what" == "all" ]]; then
   start=$(date +%s)
-  timeout "${ZEROPLUS_GPU_TEST_TIMEOUT:-420}" "$py" -m pytest tests/python/test_cuda*.py -v -rs -p no:cacheprovider \
+  timeout "${ZEROPLUS_GPU_TEST_TIMEOUT:-540}" "$py" -m pytest tests/python/test_cuda*.py -v -rs -p no:cacheprovider \
     2>&1 | tee "$out/tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error|assert" | cut -c1-300
   rc=${PIPESTATUS[0]}
   echo "[gpu-check] tests rc=$rc in $(( $(date +%s) - start )) s"

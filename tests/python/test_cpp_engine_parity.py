@@ -255,9 +255,51 @@ def test_python_and_cpp_engines_train_bit_identically(tmp_path):
     check_engines_agree(tmp_path, list(CASES), "cpu", lambda fn, *args: run_pooled(fn, WORLD, *args, timeout=180))
 
 
-def check_engines_agree(tmp_path, names, device, run_ranks):
-    """Trains the cases `names` on `device` through both engines (the C++ program, then the Python
-    engine on WORLD ranks started by run_ranks(fn, *args)) and asserts they agree bit for bit."""
+def _run_cpp(program, names, paths, outs, tmp_path, processes: bool) -> dict:
+    """The C++ engine on every case: {name: rank 0's result, with every rank's "masters"}. Ranks as
+    threads of one process, or (processes) one process per rank meeting through a FileStore, which
+    CUDA training needs (zero_engine_crosscheck.cpp says why)."""
+    def load(path):
+        # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
+        with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
+            return torch.load(path)
+    if not processes:
+        argv = [str(program)]
+        for name in names:
+            argv += [paths[name], outs[name]]
+        cpp = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert cpp.returncode == 0, f"{program} failed ({cpp.returncode}):\n{cpp.stdout}\n{cpp.stderr}"
+        return {name: load(outs[name]) for name in names}
+    store = tmp_path / "cpp.store"
+    procs = []
+    for rank in range(WORLD):
+        argv = [str(program), "--rank", str(rank), "--world", str(WORLD), "--store", str(store)]
+        for name in names:
+            argv += [paths[name], f"{outs[name]}.{rank}"]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, f"{program} rank {rank} failed ({p.returncode}):\n{logs[rank]}"
+    results = {}
+    for name in names:
+        per_rank = [load(f"{outs[name]}.{rank}") for rank in range(WORLD)]
+        for rank in range(1, WORLD):
+            for key, value in per_rank[0]["params"].items():
+                assert torch.equal(value, per_rank[rank]["params"][key]), f"{name}: C++ ranks 0 and {rank} ended " \
+                                                                          f"with different values of {key}"
+            per_rank[0]["masters"].update(per_rank[rank]["masters"])
+        results[name] = per_rank[0]
+    return results
+
+
+def check_engines_agree(tmp_path, names, device, run_ranks, cpp_processes=False):
+    """Trains the cases `names` on `device` through both engines (the C++ program, with its ranks
+    as threads or, cpp_processes, as processes; then the Python engine on WORLD ranks started by
+    run_ranks(fn, *args)) and asserts they agree bit for bit."""
     program = _program()
     paths, outs = {}, {}
     for seed, (name, case) in enumerate(CASES.items()):
@@ -266,11 +308,7 @@ def check_engines_agree(tmp_path, names, device, run_ranks):
         paths[name] = str(tmp_path / f"{name}.in.pt")
         outs[name] = str(tmp_path / f"{name}.out.pt")
         _write_input(paths[name], seed, case, FP16.get(name), PERSIST.get(name, 0), device)
-    argv = [str(program)]
-    for name in names:
-        argv += [paths[name], outs[name]]
-    cpp = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-    assert cpp.returncode == 0, f"{program} failed ({cpp.returncode}):\n{cpp.stdout}\n{cpp.stderr}"
+    cpp_results = _run_cpp(program, names, paths, outs, tmp_path, cpp_processes)
     ranks = run_ranks(_train_python, list(paths.values()))
     python = ranks[0]
 
@@ -278,9 +316,7 @@ def check_engines_agree(tmp_path, names, device, run_ranks):
     for name in names:
         py_params, py_norms, py_trace, py_masters, py_scales = python[paths[name]]
         py_masters = {k: v for r in ranks for k, v in r[paths[name]][3].items()}
-        # torch::pickle_save tags typed containers (Dict[str, Tensor]) for TorchScript
-        with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):
-            result = torch.load(outs[name])
+        result = cpp_results[name]
         cpp_params, cpp_norms = result["params"], result["norms"].tolist()
         assert set(cpp_params) == set(py_params), name
         for key, value in py_params.items():

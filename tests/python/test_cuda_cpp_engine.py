@@ -2,15 +2,16 @@
 scripts/gpu_check.sh (docs/gpu.md), which builds the two programs below against the machine's torch.
 
   * test_cpp_engine_cuda_gtests: tests/cpp/plugin/zero_cuda_test (GoogleTest, no Python): stages 1-3,
-    AdamW and SGD, on CUDA parameters at 1 and 2 ranks (threads on the one GPU) equal to
-    single-process LibTorch on the GPU (1e-5), clip_grad_norm included; bf16 close to fp32; the
-    engine's buffers and state on the GPU; a checkpoint of CUDA training resuming bit for bit and
-    loading into the model trained on CPU; the argument checks. Every case must run: a skip there
-    (a build without CUDA, no device) fails here.
+    AdamW and SGD, on CUDA parameters at 1 rank (NCCL) equal to single-process LibTorch on the GPU
+    (1e-5), clip_grad_norm included; bf16 close to fp32; the engine's buffers and state on the GPU;
+    a checkpoint of CUDA training resuming bit for bit and loading into the model trained on CPU; the
+    argument checks. Every case must run: a skip there (a build without CUDA, no device) fails here.
   * test_python_and_cpp_engines_train_bit_identically_on_the_gpu: every case of
     test_cpp_engine_parity.py (stages 1-3; fp32, bf16 and fp16 with overflows; AdamW and SGD;
-    clipping; the holder model), trained on the GPU by both front-ends (2 ranks on the one GPU:
-    zeroplus's host-staged transport on both sides), bit for bit, as on CPU.
+    clipping; the holder model), trained on the GPU by both front-ends at 2 ranks on the one GPU
+    (zeroplus's host-staged transport), each rank its own process on both sides (the C++ program in
+    its --rank form: autograd runs a process's CUDA backward on one thread per device, so rank
+    threads would wait on each other), bit for bit, as on CPU.
 """
 
 import os
@@ -48,4 +49,4 @@ def test_cpp_engine_cuda_gtests():
 def test_python_and_cpp_engines_train_bit_identically_on_the_gpu(tmp_path):
     assert _program() == _built("zero_engine_crosscheck")
     check_engines_agree(tmp_path, list(CASES), "cuda",
-                        lambda fn, *args: run_on_one_gpu(fn, WORLD, *args, timeout=300))
+                        lambda fn, *args: run_on_one_gpu(fn, WORLD, *args, timeout=300), cpp_processes=True)

@@ -145,7 +145,9 @@ void ShardedParams::detachStorage(Bucket& bucket) {
   at::DataPtr old = impl->set_data_ptr(at::DataPtr(nullptr, impl->device()));
   impl->set_nbytes(0);
   liveBytes_ -= bytes;
-  if (pooledBytes_ + bytes <= peakLive_) {
+  // CUDA: back to the caching allocator, which caches by stream (a block kept here would skip its
+  // stream bookkeeping). The pool saves CPU training the page faults of fresh memory.
+  if (impl->device().is_cpu() && pooledBytes_ + bytes <= peakLive_) {
     freeStorage_[bytes].push_back(std::move(old));
     pooledBytes_ += bytes;
   }  // else `old` frees it here

@@ -3,6 +3,13 @@
 // train bit-identically on the same model, data and configuration.
 //
 //   zero_engine_crosscheck IN OUT [IN OUT ...]
+//   zero_engine_crosscheck --rank R --world 2 --store FILE IN OUT [IN OUT ...]
+//
+// The first form runs both ranks as threads of this process; the second runs rank R only, its
+// group meeting the other rank's process through a c10d::FileStore, and writes that rank's OUT
+// (its "masters" hold its own shards only). CUDA training needs the second form: autograd runs
+// every CUDA backward (and the engine's gradient hooks, which wait on collectives) on one thread
+// per device per process, so two rank threads on one GPU would wait on each other there.
 //
 // IN (written by Python's torch.save, read with torch::pickle_load) is a dict:
 //   "model"              "mlp": Sequential(Linear(7, 33), Tanh, Linear(33, 17), ReLU, Linear(17, 3)),
@@ -36,11 +43,13 @@
 // Python test's ranks: OpenMP's thread count is per thread, and a rank thread left at the
 // machine's default computed fp32 Linear gradients that differed from the Python ranks' in the
 // last bit (bf16 ones did not), before the engine saw them.
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/serialize.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -237,6 +246,12 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
   return out;
 }
 
+zeroplus::pg::BackendConfig groupConfig() {
+  zeroplus::pg::BackendConfig config;
+  config.timeout = std::chrono::seconds(60);
+  return config;
+}
+
 // Runs both ranks; returns rank 0's result after checking that rank 1 ended with the same bits.
 c10::IValue runCase(const Config& cfg) {
   constexpr int kWorld = 2;
@@ -249,9 +264,7 @@ c10::IValue runCase(const Config& cfg) {
       try {
         // OpenMP's thread count is per thread: main's setting does not reach this one.
         at::set_num_threads(1);
-        zeroplus::pg::BackendConfig config;
-        config.timeout = std::chrono::seconds(60);
-        auto pg = zeroplus::pg::makeProcessGroup(store, rank, kWorld, config);
+        auto pg = zeroplus::pg::makeProcessGroup(store, rank, kWorld, groupConfig());
         results[rank] = trainRank(cfg, rank, pg);
         pg->shutdown();
       } catch (const std::exception& e) {
@@ -279,16 +292,32 @@ c10::IValue runCase(const Config& cfg) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 3 || argc % 2 == 0) {
-    std::cerr << "usage: " << argv[0] << " IN OUT [IN OUT ...]\n";
+  int first = 1, rank = -1, world = 0;
+  std::string storePath;
+  if (argc > 1 && std::string(argv[1]) == "--rank") {
+    if (argc < 7 || std::string(argv[3]) != "--world" || std::string(argv[5]) != "--store") first = argc;
+    else {
+      rank = std::atoi(argv[2]);
+      world = std::atoi(argv[4]);
+      storePath = argv[6];
+      first = 7;
+    }
+  }
+  if (argc - first < 2 || (argc - first) % 2 != 0 || (rank >= 0 && (world < 1 || rank >= world))) {
+    std::cerr << "usage: " << argv[0] << " [--rank R --world W --store FILE] IN OUT [IN OUT ...]\n";
     return 2;
   }
   at::set_num_threads(1);
   try {
-    for (int i = 1; i + 1 < argc; i += 2) {
+    // One process per rank: one group for every case (the cases run in the same order on every rank).
+    c10::intrusive_ptr<c10d::ProcessGroup> pg;
+    if (rank >= 0) pg = zeroplus::pg::makeProcessGroup(c10::make_intrusive<c10d::FileStore>(storePath, world), rank,
+                                                       world, groupConfig());
+    for (int i = first; i + 1 < argc; i += 2) {
       Config cfg{torch::pickle_load(readFile(argv[i])).toGenericDict()};
-      writeFile(argv[i + 1], torch::pickle_save(runCase(cfg)));
+      writeFile(argv[i + 1], torch::pickle_save(rank >= 0 ? c10::IValue(trainRank(cfg, rank, pg)) : runCase(cfg)));
     }
+    if (pg) pg->shutdown();
   } catch (const std::exception& e) {
     std::cerr << e.what() << "\n";
     return 1;
