@@ -75,7 +75,16 @@ CASES = {
     "s2_holder_fp16_adamw_clip": (2, "fp16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
     "s3_fp32_adamw_persist": (3, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0),
     "s3_holder_bf16_adamw_persist": (3, "bf16", ADAMW, 1 << 22, [0.0] * STEPS, 0.0, "holder"),
+    "s1_bf16_sgd_accum_fp32": (1, "bf16", SGD, 100, [0.0] * STEPS, 0.0),
+    "s2_bf16_adamw_accum_fp32_clip": (2, "bf16", ADAMW, 100, [0.05] * STEPS, 0.0),
+    "s3_bf16_adamw_accum_fp32": (3, "bf16", ADAMW, 100, [0.0] * STEPS, 0.0),
+    "s2_fp16_adamw_accum_fp32": (2, "fp16", ADAMW, 100, [0.0] * STEPS, 0.0),
+    "s2_holder_bf16_adamw_accum_fp32": (2, "bf16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
 }
+# Cases with gradients accumulated in another dtype than the compute dtype (DeepSpeed's
+# data_types.grad_accum_dtype; Options::grad_accum_dtype): (that dtype, backward passes per step,
+# each on a chunk of the rank's batch, so later passes add into the accumulators).
+ACCUM = {name: ("fp32", 2) for name in CASES if "_accum_fp32" in name}
 # Stage-3 cases with a param_persistence_threshold above 0 (default 0: every parameter a unit holds
 # is sharded): the parameters of a unit with at most this many elements stay whole on both sides,
 # laid out with their unit. mlp: the biases and the last Linear's weight (51); holder: the norms
@@ -94,6 +103,7 @@ FP16 = {
                                [256, 256, 128, 128]),
     "s3_holder_fp16_adamw": ({"initial_scale_power": 10}, [-1] * STEPS, None),
     "s2_holder_fp16_adamw_clip": ({"initial_scale_power": 10, "loss_scale_window": 3}, [-1] * STEPS, None),
+    "s2_fp16_adamw_accum_fp32": (_DYN, [-1, 1, -1, -1], [256, 128, 128, 256]),
 }
 HOLDER_PERSISTENT = ["tok_emb", "ln_f", "head"]  # what the C++ engine keeps whole at stage 3
 VOCAB, DIM, LAYERS, LEN = 13, 12, 3, 5  # as in zero_engine_crosscheck.cpp
@@ -138,7 +148,7 @@ def _loss(kind, out, y):
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
-def _write_input(path, seed, case, fp16=None, persist=0, device="cpu"):
+def _write_input(path, seed, case, fp16=None, persist=0, device="cpu", accum=None):
     stage, precision, opt, bucket, clip, auto_clip = case[:6]
     kind = _kind(case)
     gen = torch.Generator().manual_seed(seed)
@@ -149,7 +159,7 @@ def _write_input(path, seed, case, fp16=None, persist=0, device="cpu"):
     else:
         inputs = [[torch.randn(ROWS, 7, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
         targets = [[torch.randn(ROWS, 3, generator=gen) for _ in range(WORLD)] for _ in range(STEPS)]
-    extra = {}
+    extra = {} if accum is None else {"grad_accum_dtype": accum[0], "micro_batches": accum[1]}
     if fp16 is not None:
         knobs, inject, _ = fp16
         extra["fp16"] = dict(knobs)
@@ -183,6 +193,8 @@ def _train_python(rank, world, paths):
             cls, hyper = torch.optim.SGD, dict(lr=cfg["lr"], momentum=cfg["momentum"], dampening=cfg["dampening"],
                                                weight_decay=cfg["weight_decay"], nesterov=cfg["nesterov"])
         config = {"zero_optimization": {"reduce_bucket_size": cfg["bucket_elems"]}}
+        if "grad_accum_dtype" in cfg:
+            config["data_types"] = {"grad_accum_dtype": cfg["grad_accum_dtype"]}
         if cfg["stage"] == 3:
             config["zero_optimization"]["stage3_param_persistence_threshold"] = cfg["persistence_threshold"]
         if cfg["gradient_clipping"] > 0:
@@ -205,7 +217,8 @@ def _train_python(rank, world, paths):
             x, y = cfg["inputs"][step][rank].to(device), cfg["targets"][step][rank].to(device)
             opt.zero_grad()
             # bf16: the engine's forward pre-hook casts x (the C++ program casts it itself)
-            opt.backward(_loss(kind, model(x), y))
+            for xm, ym in zip(x.chunk(cfg.get("micro_batches", 1)), y.chunk(cfg.get("micro_batches", 1))):
+                opt.backward(_loss(kind, model(xm), ym))
             for b, shard in enumerate(opt.gradient_shards()):
                 trace[f"grad.{step}.{b}"] = shard.cpu().clone()
             clip = cfg["clip"][step]
@@ -307,7 +320,7 @@ def check_engines_agree(tmp_path, names, device, run_ranks, cpp_processes=False)
             continue
         paths[name] = str(tmp_path / f"{name}.in.pt")
         outs[name] = str(tmp_path / f"{name}.out.pt")
-        _write_input(paths[name], seed, case, FP16.get(name), PERSIST.get(name, 0), device)
+        _write_input(paths[name], seed, case, FP16.get(name), PERSIST.get(name, 0), device, ACCUM.get(name))
     cpp_results = _run_cpp(program, names, paths, outs, tmp_path, cpp_processes)
     ranks = run_ranks(_train_python, list(paths.values()))
     python = ranks[0]

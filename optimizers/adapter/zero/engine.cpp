@@ -5,14 +5,20 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 namespace zeroplus::zero::engine {
 namespace {
 
-std::optional<at::ScalarType> computeDtypeOf(const Options& o) {
-  if (o.mixed_precision() == "bf16") return at::kBFloat16;
-  if (o.mixed_precision() == "fp16") return at::kHalf;
+std::optional<at::ScalarType> dtypeNamed(const std::string& name) {
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp16") return at::kHalf;
+  if (name == "fp32") return at::kFloat;
   return std::nullopt;
+}
+
+std::optional<at::ScalarType> computeDtypeOf(const Options& o) {
+  return o.mixed_precision() == "fp32" ? std::nullopt : dtypeNamed(o.mixed_precision());
 }
 
 // One shard's clipping term (undefined for an empty shard): max |g| or sum |g|^p, in fp32
@@ -53,7 +59,7 @@ Engine::Engine(const std::vector<std::vector<at::Tensor>>& groups, c10::intrusiv
       comm_(std::move(pg), deviceOf(groups)),
       placement_(makePlacement(groups, comm_, options, computeDtype_, units)),
       sharded_(dynamic_cast<ShardedParams*>(placement_.get())),
-      reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2),
+      reducer_(placement_->buckets(), comm_, /*shardGradients=*/stage_ >= 2, dtypeNamed(options.grad_accum_dtype())),
       scaler_(makeLossScaler(options)) {
   for (size_t b = 0; b < placement_->buckets().size(); ++b) {
     steppers_.emplace_back(placement_->buckets()[b], placement_->master(b), comm_.rank());

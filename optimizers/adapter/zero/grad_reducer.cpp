@@ -9,10 +9,13 @@ namespace {
 constexpr size_t kMaxInflightInputs = 2;
 }  // namespace
 
-GradReducer::GradReducer(std::vector<Bucket>& buckets, Collectives& comm, bool shardGradients)
+GradReducer::GradReducer(std::vector<Bucket>& buckets, Collectives& comm, bool shardGradients,
+                         std::optional<at::ScalarType> accumDtype)
     : buckets_(buckets), comm_(comm), shardGradients_(shardGradients) {
   int64_t total = 0;
   for (const Bucket& b : buckets_) {
+    accumDtypes_.push_back(accumDtype.value_or(b.dtype));
+    sameDtypes_ = sameDtypes_ && accumDtypes_.back() == b.dtype;
     gaps_.push_back(b.gaps());
     base_.push_back(total);
     total += static_cast<int64_t>(b.entries.size());
@@ -40,7 +43,8 @@ void GradReducer::resetPass() {
 
 bool GradReducer::directPass() {
   // Stage 1 from no gradient: the accumulators themselves are all-reduced in place.
-  if (direct_ < 0) direct_ = (!shardGradients_ && !hasGrads_) ? 1 : 0;
+  // (Only where the accumulators are in the buckets' dtype: the buffer is the accumulator.)
+  if (direct_ < 0) direct_ = (!shardGradients_ && !hasGrads_ && sameDtypes_) ? 1 : 0;
   return direct_ == 1;
 }
 
@@ -53,7 +57,7 @@ at::Tensor& GradReducer::accum(int64_t b) {
   at::Tensor& acc = accum_[b];
   if (!acc.defined()) {
     const Bucket& bucket = buckets_[b];
-    acc = at::zeros({shardGradients_ ? bucket.shardNumel : bucket.numel}, bucket.options(bucket.dtype));
+    acc = at::zeros({shardGradients_ ? bucket.shardNumel : bucket.numel}, bucket.options(accumDtypes_[b]));
   }
   return acc;
 }
@@ -62,7 +66,7 @@ at::Tensor& GradReducer::accumToOverwrite(int64_t b) {
   at::Tensor& acc = accum_[b];
   if (!acc.defined()) {
     const Bucket& bucket = buckets_[b];
-    acc = at::empty({shardGradients_ ? bucket.shardNumel : bucket.numel}, bucket.options(bucket.dtype));
+    acc = at::empty({shardGradients_ ? bucket.shardNumel : bucket.numel}, bucket.options(accumDtypes_[b]));
   }
   return acc;
 }
@@ -129,7 +133,7 @@ void GradReducer::launch(int64_t b) {
     f.out = buf;  // the accumulator itself: not an input to drop
   } else if (shardGradients_) {
     // A zero accumulator takes the result directly: no second shard-sized output alive.
-    at::Tensor out = !hasGrads_ ? accumToOverwrite(b)
+    at::Tensor out = !hasGrads_ && accumDtypes_[b] == bucket.dtype ? accumToOverwrite(b)
                                 : at::empty({bucket.shardNumel}, bucket.options(bucket.dtype));
     f.work = comm_.reduceScatter(out, buf);
     f.out = out;
@@ -171,7 +175,7 @@ void GradReducer::settle(InFlight& f) {
   f.settled = true;
   const double scale = scaleOf(b);
   at::Tensor& acc = accum_[b];
-  if (!(acc.defined() && f.out.is_same(acc)) && !hasGrads_ && f.out.scalar_type() == buckets_[b].dtype) {
+  if (!(acc.defined() && f.out.is_same(acc)) && !hasGrads_ && f.out.scalar_type() == accumDtypes_[b]) {
     f.out = accumToOverwrite(b).copy_(f.out);  // no gradient yet: the accumulator is the result
   }
   if (accum_[b].defined() && f.out.is_same(accum_[b])) {

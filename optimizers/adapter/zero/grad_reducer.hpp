@@ -28,6 +28,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "optimizers/adapter/zero/collectives.hpp"
@@ -37,7 +38,11 @@ namespace zeroplus::zero::engine {
 
 class GradReducer {
  public:
-  GradReducer(std::vector<Bucket>& buckets, Collectives& comm, bool shardGradients);
+  // accumDtype: the dtype of the gradient shards (DeepSpeed's data_types.grad_accum_dtype, e.g.
+  // fp32 sums of bf16 gradients); nullopt: each bucket's own dtype. A bucket's result is then
+  // added into a zero accumulator of that dtype (0 + scale * sum), as the Python engine does.
+  GradReducer(std::vector<Bucket>& buckets, Collectives& comm, bool shardGradients,
+              std::optional<at::ScalarType> accumDtype = std::nullopt);
 
   // -- backward (events) --
   // Trainable parameter at (bucket, entry) has its gradient in .grad: take it (and free .grad).
@@ -95,6 +100,8 @@ class GradReducer {
   const bool shardGradients_;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gaps_;
   std::vector<at::Tensor> accum_;  // undefined while no gradient exists
+  std::vector<at::ScalarType> accumDtypes_;  // per bucket
+  bool sameDtypes_ = true;                   // every accumulator in its bucket's dtype
   std::vector<int64_t> base_;
   std::vector<uint8_t> used_, defined_;
   bool noSync_ = false, hasGrads_ = false, localPending_ = false;

@@ -46,6 +46,11 @@ struct Options {
   // latency than their shards save. Same default as both (100000 elements); 0 shards every
   // parameter a unit holds. >= 0.
   TORCH_ARG(int64_t, param_persistence_threshold) = 100000;
+  // The dtype gradients are accumulated in between backward and step (DeepSpeed's
+  // data_types.grad_accum_dtype, the Python engine's config key): "fp32", "bf16" or "fp16"; ""
+  // keeps them in the compute dtype. "fp32" under bf16 sums the micro-batches' bf16 gradients in
+  // fp32 (no bf16 rounding per accumulation), at 4 bytes per element of the shard instead of 2.
+  TORCH_ARG(std::string, grad_accum_dtype) = "";
   // Elements per gradient bucket (DeepSpeed's reduce_bucket_size); the Python default.
   TORCH_ARG(int64_t, reduce_bucket_elems) = int64_t{1} << 22;
   // > 0: step() clips the global gradient norm to this unless clip_grad_norm ran this step.

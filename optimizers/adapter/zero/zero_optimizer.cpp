@@ -56,6 +56,10 @@ void checkOptions(const Options& o) {
                     kInit, ": options.mixed_precision must be \"fp32\", \"bf16\" or \"fp16\", got \"",
                     o.mixed_precision(), "\"");
   if (o.mixed_precision() == "fp16") engine::checkLossScaling(o, kInit);
+  TORCH_CHECK_VALUE(o.grad_accum_dtype().empty() || o.grad_accum_dtype() == "fp32" || o.grad_accum_dtype() == "bf16" ||
+                        o.grad_accum_dtype() == "fp16",
+                    kInit, ": options.grad_accum_dtype must be \"\" (the compute dtype), \"fp32\", \"bf16\" or ",
+                    "\"fp16\", got \"", o.grad_accum_dtype(), "\"");
   TORCH_CHECK_VALUE(o.reduce_bucket_elems() >= 1, kInit, ": options.reduce_bucket_elems must be >= 1, got ",
                     o.reduce_bucket_elems());
   TORCH_CHECK_VALUE(o.param_persistence_threshold() >= 0, kInit,

@@ -28,6 +28,9 @@
 //   "bucket_elems"       reduce_bucket_elems
 //   "clip"               [step] -> max_norm for clip_grad_norm, or <= 0: no call that step
 //   "gradient_clipping"  Options::gradient_clipping (clipping inside step())
+//   "grad_accum_dtype"   (optional) Options::grad_accum_dtype ("fp32", ...; absent: the compute dtype)
+//   "micro_batches"      (optional, default 1) backward passes per step: each rank's batch cut into
+//                        this many chunks along dim 0, one backward each, gradients accumulated
 //   "device"             (optional, default "cpu") where the model and the batches live: "cuda"
 //                        trains on the GPU (tests/python/test_cuda_cpp_engine.py); the outputs
 //                        are host tensors either way
@@ -161,6 +164,8 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
                      .mixed_precision(precision)
                      .reduce_bucket_elems(cfg.at("bucket_elems").toInt())
                      .gradient_clipping(cfg.num("gradient_clipping"));
+  if (cfg.d.contains("grad_accum_dtype")) options.grad_accum_dtype(cfg.at("grad_accum_dtype").toStringRef());
+  const int64_t micro = cfg.d.contains("micro_batches") ? cfg.at("micro_batches").toInt() : 1;
   if (precision == "fp16" && cfg.d.contains("fp16")) {
     for (const auto& kv : cfg.at("fp16").toGenericDict()) {
       const std::string& key = kv.key().toStringRef();
@@ -215,7 +220,8 @@ c10::impl::GenericDict trainRank(const Config& cfg, int rank, c10::intrusive_ptr
     // the Python engine's forward pre-hook (precision.install_input_cast) casts floating inputs
     if (lowPrecision && x.is_floating_point()) x = x.to(precision == "bf16" ? at::kBFloat16 : at::kHalf);
     opt->zero_grad();
-    opt->backward(loss(x, y));
+    const auto xs = x.chunk(micro), ys = y.chunk(micro);
+    for (size_t m = 0; m < xs.size(); ++m) opt->backward(loss(xs[m], ys[m]));
     const auto shards = opt->gradient_shards();
     for (size_t b = 0; b < shards.size(); ++b) {
       trace.insert("grad." + std::to_string(step) + "." + std::to_string(b), shards[b].cpu().clone());

@@ -400,6 +400,9 @@ TEST(ZeroEngine, BadArgumentsRaiseNamingThem) {
                 "options.mixed_precision");
     expectError([&] { zeroplus::zero::initialize(model, pg, Options().reduce_bucket_elems(0), zeroplus::optim::ZeroAdamWOptions()); },
                 "options.reduce_bucket_elems");
+    expectError([&] {
+      zeroplus::zero::initialize(model, pg, Options().grad_accum_dtype("fp64"), zeroplus::optim::ZeroAdamWOptions());
+    }, "options.grad_accum_dtype must be");
     std::vector<torch::optim::OptimizerParamGroup> stranger;
     stranger.emplace_back(std::vector<at::Tensor>{torch::zeros({3}, torch::requires_grad())});
     expectError([&] { zeroplus::zero::initialize(model, pg, Options(), std::move(stranger), zeroplus::optim::ZeroAdamWOptions()); },
