@@ -317,6 +317,22 @@ def case_extra_not_json(root, rank, group):
     return None, False
 
 
+def case_hyperparameter_no_reader_reads(root, rank, group):
+    """A param-group value JSON writes but no reader accepts (an int beyond int64): the save
+    raises naming it on every rank and publishes nothing (it used to write a checkpoint every
+    load then refused as corrupt)."""
+    import zeroplus
+
+    model, call, opt = build("engine", 2, None, group, seed=0)
+    opt.param_groups[0]["seed"] = 2**64 - 1
+    path = os.path.join(root, "hugeint")
+    try:
+        zeroplus.save_checkpoint(path, model, opt)
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return f"{type(e).__name__}: {e}", not os.path.exists(path)
+    return None, os.path.exists(path)
+
+
 def case_unsavable_state_on_one_rank(root, rank, group):
     """A failure after the collective start on one rank only (state that cannot be stored):
     both ranks raise at once (rank 0 does not wait for the missing shard), nothing is left."""
@@ -423,6 +439,15 @@ def test_extra_must_be_json(results):
     for err, nothing_written in ok_values(results, "extra_not_json"):
         assert err is not None and "extra['when']" in err and "object" in err
         assert nothing_written
+
+
+def test_a_value_no_reader_reads_fails_the_save_not_the_load(results):
+    errors = []
+    for err, nothing_written in ok_values(results, "hyperparameter_no_reader_reads"):
+        assert err is not None, "the save wrote a checkpoint no reader accepts"
+        assert "int64" in err and nothing_written, err
+        errors.append(err)
+    assert errors[0].startswith("ValueError: checkpoint: the manifest this save would write"), errors[0]
 
 
 @pytest.mark.parametrize("case", ["disk_full_everywhere", "disk_full_one_rank", "disk_full_rank0"])

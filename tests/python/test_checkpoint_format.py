@@ -433,3 +433,28 @@ def test_checkpoint_options_reject_bad_values():
         CheckpointOptions(io="mmap")
     with pytest.raises(ValueError, match="direct"):
         CheckpointOptions(direct="on")
+
+
+def test_manifest_for_save_refuses_what_no_reader_reads():
+    """The writer runs the readers' validator: a value JSON writes but no reader accepts is a
+    ValueError at save time, not a checkpoint every load refuses as corrupt."""
+    from zeroplus.checkpoint.format import manifest_for_save
+
+    assert parse_manifest(manifest_for_save(_valid()), "m.json")["tensors"]["w"]["numel"] == 15
+    for where, bad in ((("param_groups", 0, "seed"), 2**64 - 1), (("extra", "note"), "\ud800"),
+                       (("tensors", "w", "scalars", "step"), -(2**63) - 1)):
+        m = _valid()
+        node = m
+        for key in where[:-1]:
+            node = node[key]
+        node[where[-1]] = bad
+        with pytest.raises(ValueError, match="is not one a reader accepts"):
+            manifest_for_save(m)
+        encode_manifest(m)  # the raw encoder checks nothing (hostile manifests are made with it)
+
+
+def test_trainable_must_be_a_bool():
+    m = _valid()
+    m["tensors"]["w"]["trainable"] = "false"  # truthy: an exporter would have taken it as trainable
+    with pytest.raises(CheckpointError, match="trainable"):
+        parse_manifest(dumps(m), "m.json")

@@ -258,7 +258,8 @@ int parseManifest(std::string_view bytes, Manifest* out, std::string* error) {
       return ck.fail(-EINVAL, at + " has an unknown kind");
     }
     rec.kind = kind->s;
-    if (const Value* tr = t.find("trainable"); tr != nullptr && tr->kind == Value::Kind::Bool) {
+    if (const Value* tr = t.find("trainable"); tr != nullptr) {
+      if (tr->kind != Value::Kind::Bool) return ck.fail(-EINVAL, at + " has a \"trainable\" that is not a bool");
       rec.hasTrainable = true;
       rec.trainable = tr->b;
     }

@@ -37,7 +37,7 @@ import time
 
 from .. import files
 from . import fsutil
-from .format import FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, encode_manifest
+from .format import FORMAT, LATEST, MANIFEST, VERSION, CheckpointError, manifest_for_save
 
 _POLL_MAX_S = 0.05
 
@@ -163,7 +163,7 @@ def commit(root_fd: int, staging: str, staging_fd: int, name: str, world_size: i
         indexes = _gather_indexes(staging_fd, world_size, timeout_s, where)
         for r in range(world_size):
             fsutil.remove_quietly(staging_fd, index_name(r))
-        fsutil.write_small_file(staging_fd, MANIFEST, encode_manifest(build_manifest(meta, indexes)), sync_dir=False)
+        fsutil.write_small_file(staging_fd, MANIFEST, manifest_for_save(build_manifest(meta, indexes)), sync_dir=False)
         # One fsync of the staging directory makes every entry in it durable: each rank's shard
         # (renamed into place after its fdatasync, which its index announced), the manifest, and
         # the removal of the indexes; only then does the rename below make NAME visible.

@@ -32,7 +32,7 @@ import os
 
 from . import fsutil
 from .deepspeed_reader import DeepSpeedReader
-from .format import BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, encode_manifest
+from .format import BLOCK_BYTES, FORMAT, MANIFEST, VERSION, check_dir_name, check_json, manifest_for_save
 from .shard_io import ShardFile
 
 
@@ -78,7 +78,7 @@ def convert_from_deepspeed(src, out) -> dict:
                         "files": file_recs, "tensors": tensors, "aliases": m["aliases"], "chunks": chunks,
                         "param_groups": m["param_groups"], "optimizer": m["optimizer"], "extra": extra,
                         "save_id": f"convert-from-deepspeed:{name}"}
-            fsutil.write_small_file(dir_fd, MANIFEST, encode_manifest(manifest))  # last, with its own checksum
+            fsutil.write_small_file(dir_fd, MANIFEST, manifest_for_save(manifest))  # last, with its own checksum
         return {"tensors": len(tensors), "bytes": sum(f["bytes"] for f in file_recs), "files": len(file_recs),
                 "stage": reader.layout.stage, "world_size": reader.layout.world}
 

@@ -105,8 +105,9 @@ class _Plan:
             raise ValueError(f"convert --to deepspeed: {where} was saved with fp16 mixed precision; its dynamic "
                              f"loss scaler is not written in DeepSpeed's form (fp32 and bf16 checkpoints convert)")
         self.bf16 = source.get("mixed_precision") == "bf16"
-        trainable = [n for n, t in tensors.items() if t["kind"] == "param" and t["trainable"]]
-        self.frozen = [n for n, t in tensors.items() if t["kind"] == "param" and not t["trainable"]]
+        # (a manifest without "trainable", as version 1 may be: every parameter trains)
+        trainable = [n for n, t in tensors.items() if t["kind"] == "param" and t.get("trainable", True)]
+        self.frozen = [n for n, t in tensors.items() if t["kind"] == "param" and not t.get("trainable", True)]
         self.buffers = [n for n, t in tensors.items() if t["kind"] == "buffer"]
         self.numel = {n: math.prod(t["shape"]) for n, t in tensors.items()}
         stateful = [n for n in trainable if tensors[n].get("state")]

@@ -202,10 +202,27 @@ def dumps(manifest: dict) -> bytes:
 
 def encode_manifest(manifest: dict) -> bytes:
     """manifest.json's bytes: compact JSON whose last member is the SHA-256 of the bytes without
-    it (module doc). Any MANIFEST_CHECKSUM already in `manifest` is replaced."""
+    it (module doc). Any MANIFEST_CHECKSUM already in `manifest` is replaced. Nothing is checked
+    (tests craft hostile manifests with it); what a save writes goes through manifest_for_save."""
     body = dumps({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM})
     digest = hashlib.sha256(body).hexdigest().encode()
     return body[:-1] + b',"' + MANIFEST_CHECKSUM.encode() + b'":"' + digest + b'"}'
+
+
+def manifest_for_save(manifest: dict) -> bytes:
+    """encode_manifest's bytes, after the readers' validator accepted them: a value no reader would
+    accept (an int beyond int64 or a lone surrogate in a hyperparameter, a tensor name or an
+    optimizer scalar) raises ValueError naming it here, at save time (the save then publishes
+    nothing), instead of writing a checkpoint that every later load refuses as corrupt."""
+    import torch  # the op's library is loaded by `import zeroplus`
+
+    data = encode_manifest(manifest)
+    rc, what = torch.ops.zeroplus.check_manifest(data)
+    if rc != 0:
+        raise ValueError(f"checkpoint: the manifest this save would write is not one a reader accepts ({what}); "
+                         f"nothing was published (hyperparameters, optimizer scalars and names must be JSON "
+                         f"values with integers in int64 and strings in UTF-8)")
+    return data
 
 
 def _str_in(v, container) -> bool:
