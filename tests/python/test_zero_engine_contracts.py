@@ -219,3 +219,21 @@ def test_training_goes_on_correctly_after_a_backward_that_raised(stage):
         assert raised
         assert diff < 1e-5
         assert live == 0
+
+
+def test_publish_gathers_in_place_only_where_the_device_backend_allows_it(monkeypatch):
+    """comm.gather_input: this rank's slice itself on zeroplus and NCCL (their all-gathers take an
+    input aliasing the output), a copy elsewhere; the backend is the one serving the tensor's
+    device in a mixed group ("cpu:gloo,cuda:nccl")."""
+    import torch.distributed as dist
+
+    from zeroplus.zero import comm
+
+    own = torch.arange(4.0)
+    for config, in_place in (("cpu:zeroplus,cuda:zeroplus", True), ("cpu:gloo,cuda:gloo", False),
+                             ("cpu:gloo,cuda:nccl", False), ("cpu:zeroplus,cuda:nccl", True), ("cuda:nccl", False)):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group, config=config: config)
+        got = comm.gather_input(own, group=None)
+        assert (got is own) == in_place, config
+        assert torch.equal(got, own)
+    assert comm.backend_for(torch.device("cuda", 0), None) == "nccl"  # the last config above

@@ -36,11 +36,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool 
 
 def gather_input(own: torch.Tensor, group) -> torch.Tensor:
     """The input of an all-gather whose `own` is this rank's slice of the output: `own` itself
-    where the backend allows the alias (zeroplus: its communicators take `in` at out + rank *
-    bytes, process_group/core/communicator.hpp, and host staging copies each side; NCCL's in-place
-    all-gather), else a copy (gloo beyond 2 ranks, MPI, custom backends). The copy cost a shard-
-    sized allocation and memcpy per bucket at every step's publish and every load."""
-    return own if dist.get_backend(group) in ("zeroplus", "nccl") else own.clone()
+    where the backend that moves tensors of its device allows the alias (zeroplus: its
+    communicators take `in` at out + rank * bytes, process_group/core/communicator.hpp, and host
+    staging copies each side; NCCL's in-place all-gather), else a copy (gloo beyond 2 ranks, MPI,
+    custom backends). The copy cost a shard-sized allocation and memcpy per bucket at every step's
+    publish and every load. The backend is the device's ("cpu:gloo,cuda:nccl": NCCL for CUDA)."""
+    return own if backend_for(own.device, group) in ("zeroplus", "nccl") else own.clone()
+
+
+def backend_for(device: torch.device, group) -> str:
+    """The name of the backend that serves `device`'s tensors in `group` ("" if none does)."""
+    for part in dist.get_backend_config(group).split(","):  # "cpu:gloo,cuda:nccl"
+        kind, _, name = part.partition(":")
+        if kind == device.type:
+            return name
+    return ""
 
 
 def agreement_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
