@@ -10,7 +10,9 @@ the first gradient shard or parameter that differs, step by step), and so must t
 after every step. Cases cover stages 1 and 2, fp32, bf16 and fp16 (dynamic and static loss
 scaling, with an inf injected into one rank's input at some steps: an overflow both engines must
 skip on every rank, halving the scale, which then grows back), AdamW and SGD with
-momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option, and a
+momentum (and nesterov), clipping by explicit calls and by the gradient_clipping option,
+gradients accumulated in another dtype than the compute dtype over 2 backward passes per step
+(ACCUM: fp32 sums of bf16/fp16 gradients, bf16 sums of fp32 ones), and a
 bucket size (100 elements) that makes 4 buckets (a parameter is never split between buckets),
 each of whose 2 shards cuts through parameters. Stage 3 (every parameter sharded:
 param_persistence_threshold 0, or, in the PERSIST cases, the small ones kept whole by the same
@@ -34,6 +36,7 @@ addmm, so bf16 is compared bit for bit too.
 import math
 import os
 import pathlib
+import re
 import subprocess
 
 import pytest
@@ -80,11 +83,13 @@ CASES = {
     "s3_bf16_adamw_accum_fp32": (3, "bf16", ADAMW, 100, [0.0] * STEPS, 0.0),
     "s2_fp16_adamw_accum_fp32": (2, "fp16", ADAMW, 100, [0.0] * STEPS, 0.0),
     "s2_holder_bf16_adamw_accum_fp32": (2, "bf16", ADAMW, 100, [0.05] * STEPS, 0.0, "holder"),
+    "s2_fp32_adamw_accum_bf16": (2, "fp32", ADAMW, 100, [0.0] * STEPS, 0.0),
+    "s1_fp32_sgd_accum_bf16": (1, "fp32", SGD, 100, [0.0] * STEPS, 0.0),
 }
 # Cases with gradients accumulated in another dtype than the compute dtype (DeepSpeed's
 # data_types.grad_accum_dtype; Options::grad_accum_dtype): (that dtype, backward passes per step,
 # each on a chunk of the rank's batch, so later passes add into the accumulators).
-ACCUM = {name: ("fp32", 2) for name in CASES if "_accum_fp32" in name}
+ACCUM = {name: (re.search(r"_accum_(fp32|bf16|fp16)", name).group(1), 2) for name in CASES if "_accum_" in name}
 # Stage-3 cases with a param_persistence_threshold above 0 (default 0: every parameter a unit holds
 # is sharded): the parameters of a unit with at most this many elements stay whole on both sides,
 # laid out with their unit. mlp: the biases and the last Linear's weight (51); holder: the norms

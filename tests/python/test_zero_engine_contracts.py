@@ -237,3 +237,8 @@ def test_publish_gathers_in_place_only_where_the_device_backend_allows_it(monkey
         assert (got is own) == in_place, config
         assert torch.equal(got, own)
     assert comm.backend_for(torch.device("cuda", 0), None) == "nccl"  # the last config above
+
+    def unknown(group):
+        raise ValueError("Invalid process group specified")
+    monkeypatch.setattr(dist, "get_backend_config", unknown)
+    assert comm.gather_input(own, group=object()) is not own  # a group torch does not know: a copy

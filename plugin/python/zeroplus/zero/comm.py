@@ -45,8 +45,13 @@ def gather_input(own: torch.Tensor, group) -> torch.Tensor:
 
 
 def backend_for(device: torch.device, group) -> str:
-    """The name of the backend that serves `device`'s tensors in `group` ("" if none does)."""
-    for part in dist.get_backend_config(group).split(","):  # "cpu:gloo,cuda:nccl"
+    """The name of the backend that serves `device`'s tensors in `group` ("" if none does, or the
+    group is not one torch.distributed knows: gather_input then copies, which is always safe)."""
+    try:
+        config = dist.get_backend_config(group)
+    except (RuntimeError, ValueError, KeyError):
+        return ""
+    for part in config.split(","):  # "cpu:gloo,cuda:nccl"
         kind, _, name = part.partition(":")
         if kind == device.type:
             return name
