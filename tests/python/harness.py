@@ -517,6 +517,18 @@ def run_on_one_gpu(fn: Callable[..., Any], world_size: int, *args: Any, timeout:
     return run_distributed(fn, world_size, *args, timeout=timeout, pg_timeout=300.0, env=env, start_method="spawn")
 
 
+_ONE_GPU_RUNS: dict[tuple, list] = {}
+
+
+def run_on_one_gpu_once(fn: Callable[..., Any], world_size: int, *, timeout: float) -> list[Any]:
+    """run_on_one_gpu(fn, world_size), once per (fn, world_size) in this process: the GPU test
+    modules run every case in one launch per world size and their parametrized tests read it."""
+    key = (fn.__module__, fn.__qualname__, world_size)
+    if key not in _ONE_GPU_RUNS:
+        _ONE_GPU_RUNS[key] = run_on_one_gpu(fn, world_size, timeout=timeout)
+    return _ONE_GPU_RUNS[key]
+
+
 def run_pooled(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "zeroplus",
                timeout: float = 120.0, pg_timeout: float = 60.0, env: dict[str, str] | None = None) -> list[Any]:
     """run_distributed's signature for cases that only need a healthy group: runs fn on the

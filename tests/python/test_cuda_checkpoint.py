@@ -143,15 +143,10 @@ def _case_in(rank, group, case):
     return roundtrip_case(rank, group, *case, device="cuda")
 
 
-_RESULTS: dict[int, list] = {}
-
-
 def _results(world: int) -> list:
-    if world not in _RESULTS:
-        from harness import run_on_one_gpu
+    from harness import run_on_one_gpu_once
 
-        _RESULTS[world] = run_on_one_gpu(_all_cases, world, timeout=600)
-    return _RESULTS[world]
+    return run_on_one_gpu_once(_all_cases, world, timeout=600)
 
 
 @pytest.mark.parametrize("world", (1, 2))

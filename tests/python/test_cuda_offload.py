@@ -193,15 +193,10 @@ def _case_in(rank, group, case):
     return _case(rank, group, *case)
 
 
-_RESULTS: dict[int, list] = {}
-
-
 def _results(world: int) -> list:
-    if world not in _RESULTS:
-        from harness import run_on_one_gpu
+    from harness import run_on_one_gpu_once
 
-        _RESULTS[world] = run_on_one_gpu(_all_cases, world, timeout=900)
-    return _RESULTS[world]
+    return run_on_one_gpu_once(_all_cases, world, timeout=900)
 
 
 @pytest.mark.parametrize("world", (1, 2))
